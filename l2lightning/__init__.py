@@ -1,0 +1,45 @@
+"""l2lightning: whole-step CUDA graphs with measured cross-layer L2 weight prefetch for PyTorch Lightning.
+
+`Trainer(callbacks=[L2GraphCallback()])` captures forward, loss, backward and the optimizer step in
+one CUDA graph; inside it a side-stream kernel warms L2 with the next layer's weights where the
+autotuner measured that it pays. Importing this package touches neither CUDA nor CuPy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "PrefetchPlan": "l2lightning.prefetch",
+    "prefetch": "l2lightning.prefetch",
+    "default_plan": "l2lightning.prefetch",
+    "PrefetchHooks": "l2lightning.hooks",
+    "PrefetchSequential": "l2lightning.sequential",
+    "CapturedStep": "l2lightning.capture",
+    "capture_step": "l2lightning.capture",
+    "BatchMismatchError": "l2lightning.capture",
+    "make_capturable": "l2lightning.optim",
+    "VerifyReport": "l2lightning.verify",
+    "EquivalenceError": "l2lightning.verify",
+    "assert_same_gradients": "l2lightning.verify",
+    "equivalence_chain": "l2lightning.verify",
+    "L2GraphCallback": "l2lightning.callback",
+    "Autotuner": "l2lightning.autotune",
+    "TuningReport": "l2lightning.autotune",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'l2lightning' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

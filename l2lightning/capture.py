@@ -1,0 +1,292 @@
+"""Whole-step CUDA-graph capture: zero-grad, forward, loss, backward and optionally the optimizer step.
+
+Follows PyTorch's rules for capturing backward: warm up on a side stream, set grads to None before
+capture so `.grad` lives in the graph's memory pool, copy every batch into static input buffers.
+Warm-up steps change the model; their effects (parameters, buffers such as BatchNorm statistics,
+optimizer state, RNG) are undone before capture, so the first replay starts from exactly the state
+an eager run would start from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+
+class BatchMismatchError(ValueError):
+    """A batch does not match the static buffers the graph was captured with."""
+
+
+# ---------------------------------------------------------------------- batches
+def flatten_batch(batch: Any) -> tuple[list[torch.Tensor], Any]:
+    """Tensors of a nested tuple/list/dict batch, and a spec that rebuilds it around other tensors."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            return ("T", len(tensors) - 1)
+        if isinstance(obj, Mapping):
+            return ("D", type(obj), [(k, walk(v)) for k, v in obj.items()])
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return ("L", type(obj), [walk(v) for v in obj])
+        return ("C", obj)
+
+    return tensors, walk(batch)
+
+
+def unflatten_batch(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    kind = spec[0]
+    if kind == "T":
+        return tensors[spec[1]]
+    if kind == "D":
+        return spec[1]((k, unflatten_batch(v, tensors)) for k, v in spec[2])
+    if kind == "L":
+        return spec[1](unflatten_batch(v, tensors) for v in spec[2])
+    return spec[1]
+
+
+def batch_signature(batch: Any) -> tuple:
+    """What must match for a batch to be copied into the static buffers: structure, shapes, dtypes, devices."""
+    tensors, spec = flatten_batch(batch)
+    return (_spec_shape(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+
+
+def _spec_shape(spec: Any) -> Any:
+    kind = spec[0]
+    if kind == "T":
+        return "T"
+    if kind == "D":
+        return ("D", tuple((k, _spec_shape(v)) for k, v in spec[2]))
+    if kind == "L":
+        return ("L", tuple(_spec_shape(v) for v in spec[2]))
+    return ("C", repr(spec[1]))
+
+
+def describe_mismatch(expected: tuple, got: tuple) -> str:
+    """One line saying how a batch differs from the captured one."""
+    if expected[0] != got[0]:
+        return "the batch's structure (or a non-tensor value in it) differs from the captured batch"
+    for i, (a, b) in enumerate(zip(expected[1], got[1])):
+        if a != b:
+            return f"batch tensor {i} is {tuple(b[0])} {b[1]} on {b[2]}, the graph was captured with {tuple(a[0])} {a[1]} on {a[2]}"
+    return "the batch differs from the captured batch"
+
+
+class StaticBatch:
+    """Static input buffers: the graph reads them, each new batch is copied into them."""
+
+    def __init__(self, batch: Any) -> None:
+        tensors, self.spec = flatten_batch(batch)
+        self.signature = batch_signature(batch)
+        self.tensors = [t.detach().clone() for t in tensors]
+        self.batch = unflatten_batch(self.spec, self.tensors)
+
+    def mismatch(self, batch: Any) -> str | None:
+        """None if `batch` fits the buffers, else why not."""
+        signature = batch_signature(batch)
+        if signature == self.signature:
+            return None
+        return describe_mismatch(self.signature, signature)
+
+    def copy_in(self, batch: Any) -> None:
+        reason = self.mismatch(batch)
+        if reason:
+            raise BatchMismatchError(reason)
+        tensors, _ = flatten_batch(batch)
+        for dst, src in zip(self.tensors, tensors):
+            dst.copy_(src, non_blocking=True)
+
+
+# ---------------------------------------------------------------------- state snapshots
+@dataclass
+class TrainingState:
+    """Parameters, buffers, optimizer state and RNG, saved so warm-up can be undone in place.
+
+    Restoring copies into the existing tensors (a graph records addresses, so the tensors must stay
+    the same objects). Optimizer state created by warm-up (Adam moments, step counters, SGD momentum)
+    is zeroed, which equals a fresh optimizer for Adam/AdamW and for SGD with dampening 0.
+    """
+
+    params: list[tuple[torch.Tensor, torch.Tensor]]
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    optimizer_state: dict[int, dict[str, Any]]
+    cpu_rng: torch.Tensor
+    cuda_rng: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def save(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainingState:
+        params = [(p, p.detach().clone()) for p in model.parameters()]
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        opt_state: dict[int, dict[str, Any]] = {}
+        if optimizer is not None:
+            for p, state in optimizer.state.items():
+                opt_state[id(p)] = {
+                    k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()
+                }
+        devices = sorted({p.device.index for p in model.parameters() if p.is_cuda})
+        cuda_rng = [(d, torch.cuda.get_rng_state(d)) for d in devices]
+        return cls(params, buffers, opt_state, torch.get_rng_state(), cuda_rng)
+
+    def restore(self, optimizer: torch.optim.Optimizer | None) -> None:
+        with torch.no_grad():
+            for live, saved in self.params + self.buffers:
+                live.copy_(saved)
+            if optimizer is not None:
+                for p, state in optimizer.state.items():
+                    saved_state = self.optimizer_state.get(id(p), {})
+                    for key, value in state.items():
+                        if not isinstance(value, torch.Tensor):
+                            if key in saved_state:
+                                state[key] = saved_state[key]
+                            continue
+                        if key in saved_state and isinstance(saved_state[key], torch.Tensor):
+                            value.copy_(saved_state[key])
+                        else:
+                            if key == "momentum_buffer" and _dampening(optimizer, p) != 0:
+                                raise ValueError(
+                                    "cannot undo SGD warm-up bit-exactly with `dampening` != 0; capture with "
+                                    "restore_state=False or use dampening=0"
+                                )
+                            value.zero_()
+        torch.set_rng_state(self.cpu_rng)
+        for device, state in self.cuda_rng:
+            torch.cuda.set_rng_state(state, device)
+
+
+def _dampening(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> float:
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return float(group.get("dampening", 0.0))
+    return 0.0
+
+
+# ---------------------------------------------------------------------- the captured step
+StepFn = Callable[[Any], Any]
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise TypeError("`step_fn` must return the loss tensor or a dict with a 'loss' tensor")
+
+
+class CapturedStep:
+    """A training step captured in one CUDA graph. Build it with :func:`capture_step`.
+
+    Attributes:
+        graph: the ``torch.cuda.CUDAGraph``.
+        static_batch: the input buffers (a :class:`StaticBatch`).
+        output: what ``step_fn`` returned at capture; its tensors hold each replay's values.
+        loss: the static loss tensor.
+    """
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, static_batch: StaticBatch, output: Any) -> None:
+        self.graph = graph
+        self.static_batch = static_batch
+        self.output = output
+        self.loss = _loss_of(output)
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Copy `batch` into the static buffers, replay, return the (static) loss tensor.
+
+        Raises:
+            BatchMismatchError: `batch` has another structure, shape, dtype or device.
+        """
+        self.static_batch.copy_in(batch)
+        self.graph.replay()
+        return self.loss
+
+
+def run_step(
+    step_fn: StepFn,
+    batch: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> Any:
+    """One eager step with the same sequence the graph captures: zero-grad, forward+loss, backward, step."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+    output = step_fn(batch)
+    _loss_of(output).backward()
+    if optimizer is not None:
+        optimizer.step()
+    return output
+
+
+def capture_step(
+    step_fn: StepFn,
+    example_batch: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    warmup_steps: int = 3,
+    restore_state: bool = True,
+    pool: Any = None,
+) -> CapturedStep:
+    """Capture zero-grad + ``step_fn(batch)`` (forward and loss) + backward (+ optimizer step) in one graph.
+
+    Args:
+        step_fn: ``step_fn(batch) -> loss`` (or a dict with ``"loss"``): forward and loss only.
+        example_batch: a batch on the GPU; its structure, shapes and dtypes fix the static buffers.
+        model: the module whose parameters get gradients.
+        optimizer: stepped inside the graph when given. It must be capturable: see
+            :func:`l2lightning.optim.make_capturable`.
+        warmup_steps: eager steps on a side stream before capture (PyTorch's rule for backward).
+        restore_state: undo the warm-up's effects (parameters, buffers, optimizer state, RNG).
+        pool: a graph memory pool to share (``torch.cuda.graph_pool_handle()``).
+
+    Returns:
+        A :class:`CapturedStep`; call it with each new batch. No step has been applied yet.
+
+    Example:
+        >>> opt = torch.optim.AdamW(model.parameters(), capturable=True)  # doctest: +SKIP
+        >>> step = capture_step(lambda b: F.mse_loss(model(b[0]), b[1]), batch, model, opt)  # doctest: +SKIP
+        >>> loss = step(next_batch)  # doctest: +SKIP
+    """
+    from l2lightning._env import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason:
+        raise RuntimeError(f"capture_step needs a CUDA GPU: {reason}")
+    if not isinstance(warmup_steps, int) or warmup_steps < 1:
+        raise ValueError(f"`warmup_steps` must be an int >= 1, got {warmup_steps!r}")
+    if optimizer is not None:
+        from l2lightning.optim import capture_support
+
+        problem = capture_support(optimizer)
+        if problem:
+            raise TypeError(problem)
+    static_batch = StaticBatch(example_batch)
+    saved = TrainingState.save(model, optimizer) if restore_state else None
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_steps):
+            run_step(step_fn, static_batch.batch, model, optimizer)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if saved is not None:
+        saved.restore(optimizer)
+
+    # Grads must be allocated inside the capture so they live in the graph's pool.
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step_fn(static_batch.batch)
+        _loss_of(output).backward()
+        if optimizer is not None:
+            optimizer.step()
+    return CapturedStep(graph, static_batch, output)

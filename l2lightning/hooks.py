@@ -1,0 +1,417 @@
+"""PrefetchHooks: cross-layer L2 weight prefetch on an unmodified model, through module and tensor hooks.
+
+One dry run finds the chain of weight-reading layers in execution order. Then, while layer i runs
+forward, a side stream prefetches the weights of layer i+distance; in backward, just before layer
+i's gradients are computed, it prefetches W_{i-1}. The side stream waits on the main stream right
+before each issue (so a prefetch starts when op i starts) and the main stream waits on the side
+stream once at the end of forward and once before the last layer's backward: a CUDA-graph capture
+must rejoin every stream it forks, and a join costs a graph edge, so there are exactly two.
+
+The hooks act only while the model's own forward runs (a flag set by a forward pre-hook on the
+model), so calling a submodule on its own behaves like plain PyTorch. Fused blocks
+(`nn.TransformerEncoderLayer`, `nn.MultiheadAttention`, ...) are treated as one layer and hooked
+from the outside, so PyTorch's fused fast paths stay on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from l2lightning._env import prefetch_unavailable_reason, warn_once
+from l2lightning.prefetch import PrefetchPlan, default_plan
+
+# Blocks PyTorch runs through fused kernels that bypass their submodules' forward: hook them whole.
+FUSED_BLOCK_TYPES: tuple[type[nn.Module], ...] = (
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.MultiheadAttention,
+)
+# Parameters smaller than this are not worth a launch (a Linear's bias, a norm's scale).
+MIN_TENSOR_BYTES = 4096
+
+
+@dataclass
+class Layer:
+    """One weight-reading layer of the chain, in execution order."""
+
+    index: int
+    name: str
+    module: nn.Module
+    weights: list[torch.Tensor]
+    nbytes: int
+    input_shape: tuple[int, ...] | None = None
+
+    @property
+    def shape_key(self) -> str:
+        """Identifies layers that behave alike for prefetch tuning (type, weight shapes, dtype, input)."""
+        shapes = ",".join("x".join(map(str, w.shape)) for w in self.weights)
+        dtype = str(self.weights[0].dtype).replace("torch.", "") if self.weights else "none"
+        inp = "x".join(map(str, self.input_shape)) if self.input_shape else "?"
+        return f"{type(self.module).__name__}[{shapes}]:{dtype}:in{inp}"
+
+
+class Issuer:
+    """Where the hooks' prefetches go. The CUDA issuer launches kernels; tests record the calls."""
+
+    def issue(self, layer: Layer, plan: PrefetchPlan, phase: str) -> None:
+        raise NotImplementedError
+
+    def join(self, phase: str) -> None:
+        raise NotImplementedError
+
+
+class CudaIssuer(Issuer):
+    """Launches prefetches on a side stream forked from the current stream, and joins it back."""
+
+    def __init__(self, device: torch.device) -> None:
+        from l2lightning.prefetch import load_prefetch_kernels
+
+        self.device = device
+        load_prefetch_kernels(device.index or 0)  # compile now: NVRTC must not run inside a capture
+        self.side = torch.cuda.Stream(device=device)
+        self._pending = False
+
+    def issue(self, layer: Layer, plan: PrefetchPlan, phase: str) -> None:
+        from l2lightning.prefetch import prefetch
+
+        main = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(main)  # start when the current op starts, never earlier
+        with torch.cuda.stream(self.side):
+            for w in layer.weights:
+                prefetch(w, plan)
+        self._pending = True
+
+    def join(self, phase: str) -> None:
+        # Only a used side stream is joined: joining an unforked stream inside a capture is an error.
+        if self._pending:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+            self._pending = False
+
+
+PlansArg = None | str | PrefetchPlan | Mapping[str, PrefetchPlan | None]
+
+
+@dataclass
+class _BackwardPass:
+    """Layers whose outputs got a gradient hook in one forward pass (backward follows it)."""
+
+    layers: set[int] = field(default_factory=set)
+
+
+def _flatten_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _flatten_tensors(item)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from _flatten_tensors(item)
+
+
+def call_model(model: nn.Module, example_input: Any) -> Any:
+    """model(x), model(*x) for a tuple/list, model(**x) for a dict."""
+    if isinstance(example_input, Mapping):
+        return model(**example_input)
+    if isinstance(example_input, (tuple, list)):
+        return model(*example_input)
+    return model(example_input)
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Run a dry pass without side effects: buffers (BatchNorm statistics) and RNG are restored."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({b.device.index for b in model.buffers() if b.is_cuda} | {
+        p.device.index for p in model.parameters() if p.is_cuda
+    })
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        try:
+            yield
+        finally:
+            for buf, saved in buffers:
+                buf.copy_(saved)
+
+
+def discover_chain(
+    model: nn.Module, example_input: Any, step: Callable[[nn.Module, Any], Any] | None = None
+) -> list[Layer]:
+    """Weight-reading layers of `model` in the order one forward pass calls them."""
+    names = {m: n for n, m in model.named_modules()}
+    fused = [m for m in model.modules() if isinstance(m, FUSED_BLOCK_TYPES)]
+    inside_fused = {sub for m in fused for sub in m.modules() if sub is not m}
+    candidates = []
+    for module in model.modules():
+        if module in inside_fused:
+            continue
+        if isinstance(module, FUSED_BLOCK_TYPES) or any(True for _ in module.parameters(recurse=False)):
+            candidates.append(module)
+    order: list[tuple[nn.Module, tuple[int, ...] | None]] = []
+    seen: set[int] = set()
+
+    def record(module: nn.Module, args: tuple) -> None:
+        if id(module) not in seen:
+            seen.add(id(module))
+            first = next(_flatten_tensors(args), None)
+            order.append((module, tuple(first.shape) if first is not None else None))
+
+    handles = [m.register_forward_pre_hook(record) for m in candidates]
+    try:
+        with preserved_state(model):
+            (step or call_model)(model, example_input)
+    finally:
+        for h in handles:
+            h.remove()
+    chain = []
+    for module, input_shape in order:
+        recurse = isinstance(module, FUSED_BLOCK_TYPES)
+        weights = [
+            p for p in module.parameters(recurse=recurse)
+            if p.is_floating_point() and p.numel() * p.element_size() >= MIN_TENSOR_BYTES
+        ]
+        nbytes = sum(p.numel() * p.element_size() for p in weights)
+        if not weights:  # a norm's scale and shift: nothing worth fetching, and not a chain step
+            continue
+        chain.append(Layer(len(chain), names.get(module, type(module).__name__), module, weights, nbytes, input_shape))
+    return chain
+
+
+def device_l2_bytes(device: torch.device) -> int | None:
+    """The device's L2 size in bytes, or None where unknown (CPU)."""
+    if device.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
+
+
+class PrefetchHooks:
+    """Installs forward/backward L2 prefetch hooks on an unmodified model.
+
+    Args:
+        model: the model; its own forward and backward get the prefetch, a submodule called alone does not.
+        example_input: one input for the dry run that finds the chain (tensor, tuple for ``*args``,
+            dict for ``**kwargs``). The dry run restores buffers and RNG, and runs under no_grad.
+        backward: also prefetch W_{i-1} in backward.
+        step: ``step(model, example_input)`` to run the dry forward pass when calling the model
+            needs more than ``model(example_input)``.
+        plans: ``None`` (default plans sized by layer bytes), a :class:`PrefetchPlan` for every layer
+            large enough, a mapping from layer name to plan (``None`` = no prefetch for that layer),
+            or ``"auto"`` to let the autotuner measure plans per layer shape.
+        backward_plans: like ``plans`` for the backward pass; default: the same as forward.
+        decoy: aim the same traffic at the wrong layer (half the chain away), as a control.
+        issuer: where prefetches go (advanced; tests pass a recorder). Default: CUDA kernels on a
+            side stream of the model's device.
+
+    Example:
+        >>> model = nn.Sequential(*[nn.Linear(1536, 1536) for _ in range(8)]).cuda()  # doctest: +SKIP
+        >>> hooks = PrefetchHooks(model, torch.randn(16, 1536, device="cuda"))  # doctest: +SKIP
+        >>> y = model(x)  # forward and backward now prefetch the next layer's weights  # doctest: +SKIP
+        >>> hooks.remove()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_input: Any,
+        backward: bool = True,
+        step: Callable[[nn.Module, Any], Any] | None = None,
+        plans: PlansArg = None,
+        *,
+        backward_plans: PlansArg = None,
+        decoy: bool = False,
+        issuer: Issuer | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"`model` must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(backward, bool):
+            raise TypeError(f"`backward` must be a bool, got {type(backward).__name__}")
+        if not isinstance(decoy, bool):
+            raise TypeError(f"`decoy` must be a bool, got {type(decoy).__name__}")
+        if step is not None and not callable(step):
+            raise TypeError("`step` must be a callable step(model, example_input) or None")
+        _check_plans_arg("plans", plans)
+        _check_plans_arg("backward_plans", backward_plans)
+        self.model = model
+        self.backward = backward
+        self.decoy = decoy
+        self.chain = discover_chain(model, example_input, step)
+        self.tuning_report: Any = None
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.device = device
+        self._handles: list[Any] = []
+        self._active = False
+        self._pass: _BackwardPass | None = None
+        self._removed = False
+        self.issuer = issuer
+        if issuer is None:
+            reason = prefetch_unavailable_reason() or (None if device.type == "cuda" else f"the model is on {device}")
+            if reason:
+                warn_once("prefetch-unavailable", f"l2lightning: L2 prefetch is off ({reason}); running plain PyTorch.")
+                self.forward_plans = [None] * len(self.chain)
+                self.backward_plans = [None] * len(self.chain)
+                return
+            self.issuer = CudaIssuer(device)
+        backward_arg = plans if backward_plans is None else backward_plans
+        if plans == "auto" or backward_arg == "auto":
+            from l2lightning.autotune import tune_hooks
+
+            self.tuning_report = tune_hooks(
+                self, tune_forward=plans == "auto", tune_backward=backward and backward_arg == "auto"
+            )
+        self.forward_plans = (
+            self.tuning_report.plans_for(self.chain, "forward") if plans == "auto" else self._resolve(plans)
+        )
+        self.backward_plans = (
+            self.tuning_report.plans_for(self.chain, "backward")
+            if backward_arg == "auto"
+            else self._resolve(backward_arg)
+        )
+        self._install()
+
+    # ---------------------------------------------------------------- plans
+    def _resolve(self, plans: PlansArg) -> list[PrefetchPlan | None]:
+        l2 = device_l2_bytes(self.device)
+        if plans is None:
+            return [default_plan(layer.nbytes, l2) for layer in self.chain]
+        if isinstance(plans, PrefetchPlan):
+            return [plans if default_plan(layer.nbytes, l2) is not None else None for layer in self.chain]
+        assert isinstance(plans, Mapping)
+        known = {layer.name for layer in self.chain}
+        unknown = sorted(set(plans) - known)
+        if unknown:
+            raise ValueError(f"`plans` names layers that are not in the chain: {unknown}; chain layers: {sorted(known)}")
+        return [plans.get(layer.name) for layer in self.chain]
+
+    def _forward_schedule(self) -> dict[int, list[tuple[int, PrefetchPlan]]]:
+        """Issuing layer -> [(target layer, plan)]: target j is issued while layer j - distance runs."""
+        schedule: dict[int, list[tuple[int, PrefetchPlan]]] = {}
+        for j, plan in enumerate(self.forward_plans):
+            if plan is not None and j - plan.distance >= 0:
+                schedule.setdefault(j - plan.distance, []).append((j, plan))
+        return schedule
+
+    def _backward_schedule(self) -> dict[int, list[tuple[int, PrefetchPlan]]]:
+        """Layer whose backward is about to run -> [(target layer, plan)]: W_{i-distance} next."""
+        schedule: dict[int, list[tuple[int, PrefetchPlan]]] = {}
+        for j, plan in enumerate(self.backward_plans):
+            if plan is not None and j + plan.distance < len(self.chain):
+                schedule.setdefault(j + plan.distance, []).append((j, plan))
+        return schedule
+
+    def _aim(self, target: int) -> Layer:
+        """The layer whose bytes are fetched for `target`: itself, or half the chain away as the decoy."""
+        if not self.decoy:
+            return self.chain[target]
+        return self.chain[(target + max(1, len(self.chain) // 2)) % len(self.chain)]
+
+    # ---------------------------------------------------------------- hooks
+    def _install(self) -> None:
+        forward = self._forward_schedule()
+        backward = self._backward_schedule() if self.backward else {}
+        self._handles.append(self.model.register_forward_pre_hook(self._on_model_start))
+        self._handles.append(self.model.register_forward_hook(self._on_model_end))
+        for layer in self.chain:
+            targets = forward.get(layer.index, [])
+            if targets:
+                self._handles.append(layer.module.register_forward_pre_hook(self._make_pre_hook(targets)))
+            if self.backward and any(p is not None for p in self.backward_plans):
+                self._handles.append(
+                    layer.module.register_forward_hook(self._make_post_hook(layer.index, backward.get(layer.index, [])))
+                )
+
+    def _on_model_start(self, module: nn.Module, args: tuple) -> None:
+        self._active = True
+        self._pass = _BackwardPass()
+
+    def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._active:
+            return
+        self._active = False
+        self.issuer.join("forward")
+
+    def _make_pre_hook(self, targets: list[tuple[int, PrefetchPlan]]) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: tuple) -> None:
+            if self._active:
+                for target, plan in targets:
+                    self.issuer.issue(self._aim(target), plan, "forward")
+
+        return pre_hook
+
+    def _make_post_hook(self, index: int, targets: list[tuple[int, PrefetchPlan]]) -> Callable[..., None]:
+        def post_hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not (self._active and torch.is_grad_enabled()):
+                return
+            tensor = next((t for t in _flatten_tensors(output) if t.requires_grad), None)
+            if tensor is None:
+                return
+            backward_pass = self._pass
+            backward_pass.layers.add(index)
+            tensor.register_hook(self._make_grad_hook(index, targets, backward_pass))
+
+        return post_hook
+
+    def _make_grad_hook(
+        self, index: int, targets: list[tuple[int, PrefetchPlan]], backward_pass: _BackwardPass
+    ) -> Callable[[torch.Tensor], None]:
+        # Runs on the autograd thread right before layer `index`'s backward, with the stream of the
+        # forward op current (the capture stream inside a graph capture).
+        def grad_hook(grad: torch.Tensor) -> None:
+            if self._removed:
+                return
+            for target, plan in targets:
+                if target in backward_pass.layers:  # a layer without backward needs no weights
+                    self.issuer.issue(self._aim(target), plan, "backward")
+            if index == min(backward_pass.layers):  # last chain layer in backward: rejoin the side stream
+                self.issuer.join("backward")
+
+        return grad_hook
+
+    # ---------------------------------------------------------------- public
+    @property
+    def enabled(self) -> bool:
+        """True when hooks are installed (prefetch available and not removed)."""
+        return bool(self._handles) and not self._removed
+
+    def plan_summary(self) -> list[dict[str, Any]]:
+        """One row per chain layer: name, MiB, forward and backward plan labels."""
+        return [
+            {
+                "layer": layer.name,
+                "mib": round(layer.nbytes / (1 << 20), 3),
+                "forward": fp.label if fp else None,
+                "backward": bp.label if bp else None,
+            }
+            for layer, fp, bp in zip(self.chain, self.forward_plans, self.backward_plans)
+        ]
+
+    def remove(self) -> None:
+        """Remove every hook: the model is plain PyTorch again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._removed = True
+        self._active = False
+
+    def __enter__(self) -> PrefetchHooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _check_plans_arg(name: str, value: Any) -> None:
+    if value is None or value == "auto" or isinstance(value, PrefetchPlan):
+        return
+    if isinstance(value, Mapping):
+        for key, plan in value.items():
+            if plan is not None and not isinstance(plan, PrefetchPlan):
+                raise TypeError(f"`{name}[{key!r}]` must be a PrefetchPlan or None, got {type(plan).__name__}")
+        return
+    raise ValueError(
+        f"`{name}` must be None, 'auto', a PrefetchPlan or a mapping of layer name to PrefetchPlan; got {value!r}"
+    )

@@ -1,0 +1,26 @@
+"""Shared test set-up: GPU tests skip with a clear reason where CUDA (or CuPy) is missing."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from l2lightning._env import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if not reason:
+        return
+    skip = pytest.mark.skip(reason=f"GPU test: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    """Each test sees l2lightning's one-time warnings afresh."""
+    from l2lightning._env import reset_warnings
+
+    reset_warnings()
+    yield
