@@ -38,7 +38,7 @@ def source_digest(name: str) -> str:
 _lock = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(name: str, device_index: int, defines: tuple[str, ...]) -> Any:
     import cupy
 

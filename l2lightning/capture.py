@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 
-
 class BatchMismatchError(ValueError):
     """A batch does not match the static buffers the graph was captured with."""
 

@@ -204,6 +204,9 @@ class PrefetchHooks:
             or ``"auto"`` to let the autotuner measure plans per layer shape.
         backward_plans: like ``plans`` for the backward pass; default: the same as forward.
         decoy: aim the same traffic at the wrong layer (half the chain away), as a control.
+        scope: ``"forward"`` (default): the hooks act while ``model.forward`` runs. ``"manual"``: they
+            act only inside ``with hooks.scope():``, for callers whose step reaches the layers
+            without calling ``model(...)`` (a LightningModule's ``training_step`` calling ``self.net``).
         issuer: where prefetches go (advanced; tests pass a recorder). Default: CUDA kernels on a
             side stream of the model's device.
 
@@ -224,6 +227,7 @@ class PrefetchHooks:
         *,
         backward_plans: PlansArg = None,
         decoy: bool = False,
+        scope: str = "forward",
         issuer: Issuer | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -234,6 +238,9 @@ class PrefetchHooks:
             raise TypeError(f"`decoy` must be a bool, got {type(decoy).__name__}")
         if step is not None and not callable(step):
             raise TypeError("`step` must be a callable step(model, example_input) or None")
+        if scope not in ("forward", "manual"):
+            raise ValueError(f"`scope` must be 'forward' or 'manual', got {scope!r}")
+        self.scope_mode = scope
         _check_plans_arg("plans", plans)
         _check_plans_arg("backward_plans", backward_plans)
         self.model = model
@@ -313,8 +320,9 @@ class PrefetchHooks:
     def _install(self) -> None:
         forward = self._forward_schedule()
         backward = self._backward_schedule() if self.backward else {}
-        self._handles.append(self.model.register_forward_pre_hook(self._on_model_start))
-        self._handles.append(self.model.register_forward_hook(self._on_model_end))
+        if self.scope_mode == "forward":
+            self._handles.append(self.model.register_forward_pre_hook(self._on_model_start))
+            self._handles.append(self.model.register_forward_hook(self._on_model_end))
         for layer in self.chain:
             targets = forward.get(layer.index, [])
             if targets:
@@ -325,14 +333,34 @@ class PrefetchHooks:
                 )
 
     def _on_model_start(self, module: nn.Module, args: tuple) -> None:
+        self._begin()
+
+    def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._end()
+
+    def _begin(self) -> None:
         self._active = True
         self._pass = _BackwardPass()
 
-    def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _end(self) -> None:
         if not self._active:
             return
         self._active = False
         self.issuer.join("forward")
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """With ``scope="manual"``: the forward pass inside this block gets the prefetch."""
+        if self.scope_mode != "manual":
+            raise RuntimeError("PrefetchHooks.scope() is for scope='manual'; with 'forward' the model's forward is the scope")
+        if not self.enabled:
+            yield
+            return
+        self._begin()
+        try:
+            yield
+        finally:
+            self._end()
 
     def _make_pre_hook(self, targets: list[tuple[int, PrefetchPlan]]) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: tuple) -> None:

@@ -100,8 +100,10 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device | Non
         raise OptimizerNotCapturableError(reason)
     if device is None:
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    if device.type != "cuda":
+        raise ValueError(f"capturable optimizers need CUDA parameters; `optimizer`'s parameters are on {device}")
     original = [g.get("capturable") for g in optimizer.param_groups]
-    tensor_lr = isinstance(optimizer, TENSOR_LR_TYPES) and device.type == "cuda"
+    tensor_lr = isinstance(optimizer, TENSOR_LR_TYPES)
     for group in optimizer.param_groups:
         if "capturable" in group:
             group["capturable"] = True

@@ -1,0 +1,129 @@
+"""Trainer.fit per-step time: L2GraphCallback vs plain Lightning vs torch.compile(reduce-overhead) (issue 3).
+
+MLP stacks (LayerNorm, Linear d, GELU) x depth in bf16 with AdamW(foreach), as in the issue:
+d1536x40 b16, d1024x60 b8, d768x96 b4. Each variant is a full `Trainer.fit` of `--steps` steps with
+progress bar, logger and checkpointing off; the step time is wall time between two host syncs
+placed after warm-up and capture (`steps_timed` steps apart), so it is what a user waits for.
+Variants are interleaved over `--rounds` rounds in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from l2lightning import L2GraphCallback
+
+CASES = [(1536, 40, 16), (1024, 60, 8), (768, 96, 4)]
+
+
+class MLP(LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self(x).float() - y.float()).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, foreach=True)
+
+
+class StepTimer(Callback):
+    def __init__(self, start_step: int, steps: int) -> None:
+        self.start_step, self.steps = start_step, steps
+        self.t0 = self.per_step_ms = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.start_step:
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+        elif trainer.global_step == self.start_step + self.steps:
+            torch.cuda.synchronize()
+            self.per_step_ms = (time.perf_counter() - self.t0) * 1000 / self.steps
+
+
+def run(variant: str, width: int, depth: int, batch: int, steps: int) -> dict:
+    seed_everything(0)
+    model = MLP(width, depth).to(torch.bfloat16)
+    timer = StepTimer(start_step=10, steps=steps)
+    callbacks: list[Callback] = [timer]
+    cb = None
+    if variant.startswith("callback"):
+        prefetch = {"callback": "off", "callback+prefetch": "default", "callback+compile": "off"}[variant]
+        cb = L2GraphCallback(prefetch=prefetch, compile=variant == "callback+compile", log_timing=False)
+        callbacks.append(cb)
+    if variant == "compile-reduce-overhead":
+        model = torch.compile(model, mode="reduce-overhead")
+    n = batch * (steps + 12)
+    data = DataLoader(TensorDataset(torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)),
+                      batch_size=batch)
+    trainer = Trainer(accelerator="gpu", devices=1, max_steps=steps + 11, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(model, data)
+    out = {"variant": variant, "width": width, "depth": depth, "batch": batch, "step_ms": timer.per_step_ms}
+    if cb is not None:
+        summary = cb.summary()
+        out.update({"captured": summary["captured"], "reason": summary["reason"], "graph_replay_ms": summary["graph_step_ms"]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", default="lightning,callback,callback+prefetch,callback+compile,compile-reduce-overhead")
+    args = parser.parse_args(argv)
+    state = subprocess.run(["nvidia-smi", "--query-gpu=name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active",
+                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    print("GPU state before timing:", state)
+    variants = args.variants.split(",")
+    rows = []
+    for width, depth, batch in CASES:
+        for _ in range(args.rounds):
+            for variant in variants:
+                try:
+                    rows.append(run(variant, width, depth, batch, args.steps))
+                except Exception as exc:  # a failing variant is a result too
+                    rows.append({"variant": variant, "width": width, "depth": depth, "batch": batch, "error": repr(exc)[:300]})
+                print(rows[-1], flush=True)
+    table = []
+    for width, depth, batch in CASES:
+        def med(v, width=width):
+            vals = [r["step_ms"] for r in rows if r["variant"] == v and r["width"] == width and r.get("step_ms")]
+            return statistics.median(vals) if vals else None
+        base = med("lightning")
+        for v in variants:
+            m = med(v)
+            table.append({"case": f"d{width}x{depth} b{batch}", "variant": v, "step_ms": m,
+                          "speedup_vs_lightning": (base / m) if base and m else None})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "callback_fit.json").write_text(json.dumps({"command": " ".join([sys.executable, *sys.argv]),
+        "torch": torch.__version__, "gpu_state": state, "runs": rows, "table": table}, indent=2))
+    print(f"{'case':<18}{'variant':<26}{'ms/step':>10}{'vs Lightning':>14}")
+    for r in table:
+        ms = f"{r['step_ms']:.2f}" if r["step_ms"] else "n/a"
+        sp = f"{r['speedup_vs_lightning']:.2f}x" if r["speedup_vs_lightning"] else "n/a"
+        print(f"{r['case']:<18}{r['variant']:<26}{ms:>10}{sp:>14}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Small LightningModules shared by the callback tests (CPU and GPU)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TinyMLP(LightningModule):
+    """N x (LayerNorm, Linear, GELU) regression; logs loss and a second tensor."""
+
+    def __init__(self, width: int = 32, depth: int = 3, lr: float = 1e-2, scheduler: str | None = None,
+                 dtype: torch.dtype = torch.float32, sync_in_step: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+        self.lr = lr
+        self.scheduler = scheduler
+        self.sync_in_step = sync_in_step
+        self.to(dtype)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(self.net(x)).squeeze(-1)
+        loss = (pred.float() - y.float()).square().mean()
+        if self.sync_in_step:
+            _ = loss.item()  # a host sync: cannot be captured
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/pred_mean", pred.float().mean())
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=True)
+        if self.scheduler == "step":
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 5, 0.5), "interval": "step"}}
+        if self.scheduler == "cosine":
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, 30), "interval": "step"}}
+        return opt
+
+
+def regression_loader(n: int = 64, width: int = 32, batch_size: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, width, generator=g).to(dtype)
+    y = torch.randn(n, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)

@@ -1,0 +1,98 @@
+"""Static batch buffers, batch signatures and undoing warm-up: the parts of capture that need no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from l2lightning.capture import BatchMismatchError, StaticBatch, TrainingState, flatten_batch, unflatten_batch
+from l2lightning.optim import (
+    CapturableOptimizer,
+    OptimizerNotCapturableError,
+    capture_support,
+    make_capturable,
+)
+
+
+def test_nested_batch_round_trips():
+    batch = {"x": torch.ones(2, 3), "pair": (torch.zeros(2), [torch.arange(2)]), "tag": "train"}
+    tensors, spec = flatten_batch(batch)
+    assert len(tensors) == 3
+    rebuilt = unflatten_batch(spec, [t + 1 for t in tensors])
+    assert rebuilt["tag"] == "train" and torch.equal(rebuilt["pair"][1][0], torch.arange(2) + 1)
+
+
+def test_static_batch_copies_and_rejects_other_shapes_and_dtypes():
+    static = StaticBatch((torch.ones(4, 3), torch.zeros(4, dtype=torch.long)))
+    static.copy_in((torch.full((4, 3), 2.0), torch.ones(4, dtype=torch.long)))
+    assert float(static.batch[0].sum()) == 24.0
+    assert "batch tensor 0 is (3, 3)" in static.mismatch((torch.ones(3, 3), torch.zeros(3, dtype=torch.long)))
+    with pytest.raises(BatchMismatchError, match="torch.int32"):
+        static.copy_in((torch.ones(4, 3), torch.zeros(4, dtype=torch.int32)))
+    assert "structure" in static.mismatch([torch.ones(4, 3)])
+
+
+def test_training_state_restore_undoes_adam_warmup_in_place():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    fresh_model = [p.clone() for p in model.parameters()]
+    saved = TrainingState.save(model, opt)
+    weight = model[0].weight
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    exp_avg = opt.state[weight]["exp_avg"]
+    saved.restore(opt)
+    assert model[0].weight is weight and opt.state[weight]["exp_avg"] is exp_avg  # same objects
+    assert all(torch.equal(a, b) for a, b in zip(fresh_model, model.parameters()))
+    assert float(model[1].num_batches_tracked) == 0
+    assert float(exp_avg.abs().sum()) == 0 and float(opt.state[weight]["step"]) == 0
+
+
+def test_sgd_with_dampening_refuses_inexact_undo():
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1)
+    saved = TrainingState.save(model, opt)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="dampening"):
+        saved.restore(opt)
+
+
+def test_make_capturable_refuses_cpu_parameters():
+    opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="parameters are on cpu"):
+        make_capturable(opt)
+
+
+def test_portable_state_dict_turns_tensor_lr_and_device_steps_back():
+    opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=1e-3)
+    wrapped = CapturableOptimizer(opt, tensor_lr=True, original_capturable=[False])
+    state_dict = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
+        "param_groups": [{"lr": torch.tensor(5e-4), "capturable": True, "params": [0]}],
+    }
+    portable = wrapped.portable_state_dict(state_dict)
+    assert portable["param_groups"][0]["lr"] == pytest.approx(5e-4) and isinstance(portable["param_groups"][0]["lr"], float)
+    assert portable["param_groups"][0]["capturable"] is False
+    assert portable["state"][0] is not state_dict["state"][0]  # live optimizer state is never edited
+    assert isinstance(state_dict["param_groups"][0]["lr"], torch.Tensor)
+
+
+def test_uncapturable_optimizer_is_named():
+    opt = torch.optim.LBFGS(nn.Linear(2, 2).parameters())
+    assert "LBFGS" in capture_support(opt)
+    with pytest.raises(OptimizerNotCapturableError, match="optimizer LBFGS has no `capturable` mode"):
+        make_capturable(opt)
+
+
+def test_float_lr_change_requests_recapture():
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    wrapped = CapturableOptimizer(opt, tensor_lr=False, original_capturable=[None])
+    wrapped.mark_captured()
+    assert not wrapped.lr_changed_since_capture()
+    opt.param_groups[0]["lr"] = 0.05
+    assert wrapped.lr_changed_since_capture()

@@ -1,0 +1,158 @@
+"""Hook order with a recording issuer: forward issues i+d, backward issues i-1, decoy, scope, remove()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from l2lightning.hooks import Issuer, PrefetchHooks
+from l2lightning.prefetch import PrefetchPlan
+
+
+class Recorder(Issuer):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int]] = []
+
+    def issue(self, layer, plan, phase):
+        self.events.append(("issue", phase, layer.index))
+
+    def join(self, phase):
+        self.events.append(("join", phase, -1))
+
+
+def stack(n: int = 4, d: int = 64) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU()) for _ in range(n)])
+
+
+PLAN = PrefetchPlan(kind="hint", blocks=2)
+
+
+def make(model, **kw):
+    rec = Recorder()
+    plan = kw.pop("plan", PLAN)
+    plans = {f"{i}.1": plan for i in range(len(model))}
+    hooks = PrefetchHooks(model, torch.randn(2, 64), plans=plans, issuer=rec, **kw)
+    return hooks, rec
+
+
+def test_chain_is_linear_layers_in_execution_order():
+    model = stack()
+    hooks, _ = make(model)
+    assert [layer.name for layer in hooks.chain] == ["0.1", "1.1", "2.1", "3.1"]
+    assert all(layer.nbytes == 64 * 64 * 4 for layer in hooks.chain)  # the 256-byte bias is not worth a launch
+
+
+def test_forward_issues_next_layer_then_joins_once():
+    model = stack()
+    hooks, rec = make(model, backward=False)
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    assert rec.events == [("issue", "forward", 1), ("issue", "forward", 2), ("issue", "forward", 3), ("join", "forward", -1)]
+
+
+def test_distance_two_issues_two_ahead():
+    model = stack()
+    hooks, rec = make(model, backward=False, plan=PrefetchPlan(blocks=2, distance=2))
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    assert [e[2] for e in rec.events if e[0] == "issue"] == [2, 3]
+
+
+def test_backward_issues_previous_layer_and_joins_before_first_layer():
+    model = stack()
+    hooks, rec = make(model)
+    rec.events.clear()
+    model(torch.randn(2, 64)).square().mean().backward()
+    backward = [e for e in rec.events if e[1] == "backward"]
+    assert backward == [("issue", "backward", 2), ("issue", "backward", 1), ("issue", "backward", 0), ("join", "backward", -1)]
+    # the forward join comes before any backward event
+    assert rec.events.index(("join", "forward", -1)) < rec.events.index(backward[0])
+
+
+def test_decoy_aims_half_the_chain_away():
+    model = stack()
+    hooks, rec = make(model, backward=False, decoy=True)
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    assert [e[2] for e in rec.events if e[0] == "issue"] == [3, 0, 1]
+
+
+def test_submodule_called_alone_issues_nothing():
+    model = stack()
+    hooks, rec = make(model)
+    rec.events.clear()
+    out = model[1](torch.randn(2, 64, requires_grad=True))
+    out.sum().backward()
+    assert rec.events == []
+
+
+def test_remove_restores_plain_pytorch():
+    model = stack()
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = model(x)
+    hooks, rec = make(model)
+    hooks.remove()
+    rec.events.clear()
+    with torch.no_grad():
+        out = model(x)
+    assert rec.events == []
+    assert torch.equal(out, expected)
+    assert not hooks.enabled
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_manual_scope_acts_only_inside_the_block():
+    model = stack()
+    hooks, rec = make(model, backward=False, scope="manual")
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    assert rec.events == []
+    with hooks.scope(), torch.no_grad():
+        model[0](torch.randn(2, 64))
+        model[1](torch.randn(2, 64))
+    assert rec.events == [("issue", "forward", 1), ("issue", "forward", 2), ("join", "forward", -1)]
+
+
+def test_dry_run_leaves_batchnorm_stats_and_rng_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    before = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    PrefetchHooks(model, x, issuer=Recorder())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_fused_transformer_layer_is_one_chain_step():
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    hooks = PrefetchHooks(model, torch.randn(2, 5, 64), issuer=Recorder(), plans=PLAN)
+    assert [layer.name for layer in hooks.chain] == ["layers.0", "layers.1"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"plans": "fast"}, "`plans` must be None, 'auto'"),
+        ({"plans": {"nope": PLAN}}, "not in the chain"),
+        ({"plans": {"0.1": 3}}, "`plans['0.1']` must be a PrefetchPlan"),
+        ({"scope": "everywhere"}, "`scope` must be"),
+        ({"backward": "yes"}, "`backward` must be a bool"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("(", r"\(")):
+        PrefetchHooks(stack(), torch.randn(2, 64), issuer=Recorder(), **kwargs)
+
+
+def test_without_cuda_prefetch_is_a_noop_with_one_warning():
+    model = stack()
+    with pytest.warns(UserWarning, match="L2 prefetch is off") as record:
+        hooks = PrefetchHooks(model, torch.randn(2, 64))
+        PrefetchHooks(model, torch.randn(2, 64))
+    assert len([w for w in record if "L2 prefetch is off" in str(w.message)]) == 1
+    assert not hooks.enabled
