@@ -30,7 +30,9 @@ CASES = [(1536, 40, 16), (1024, 60, 8), (768, 96, 4)]
 class MLP(LightningModule):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(*[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+        self.net = nn.Sequential(
+            *[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -72,15 +74,33 @@ def run(variant: str, width: int, depth: int, batch: int, steps: int) -> dict:
     if variant == "compile-reduce-overhead":
         model = torch.compile(model, mode="reduce-overhead")
     n = batch * (steps + 12)
-    data = DataLoader(TensorDataset(torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)),
-                      batch_size=batch)
-    trainer = Trainer(accelerator="gpu", devices=1, max_steps=steps + 11, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    data = DataLoader(
+        TensorDataset(
+            torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)
+        ),
+        batch_size=batch,
+    )
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=steps + 11,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(model, data)
     out = {"variant": variant, "width": width, "depth": depth, "batch": batch, "step_ms": timer.per_step_ms}
     if cb is not None:
         summary = cb.summary()
-        out.update({"captured": summary["captured"], "reason": summary["reason"], "graph_replay_ms": summary["graph_step_ms"]})
+        out.update(
+            {
+                "captured": summary["captured"],
+                "reason": summary["reason"],
+                "graph_replay_ms": summary["graph_step_ms"],
+            }
+        )
     return out
 
 
@@ -89,10 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--variants", default="lightning,callback,callback+prefetch,callback+compile,compile-reduce-overhead")
+    parser.add_argument(
+        "--variants", default="lightning,callback,callback+prefetch,callback+compile,compile-reduce-overhead"
+    )
     args = parser.parse_args(argv)
-    state = subprocess.run(["nvidia-smi", "--query-gpu=name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active",
-                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    state = subprocess.run(
+        [
+            "nvidia-smi",
+            "--query-gpu=name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active",
+            "--format=csv,noheader",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     print("GPU state before timing:", state)
     variants = args.variants.split(",")
     rows = []
@@ -102,21 +131,49 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     rows.append(run(variant, width, depth, batch, args.steps))
                 except Exception as exc:  # a failing variant is a result too
-                    rows.append({"variant": variant, "width": width, "depth": depth, "batch": batch, "error": repr(exc)[:300]})
+                    rows.append(
+                        {
+                            "variant": variant,
+                            "width": width,
+                            "depth": depth,
+                            "batch": batch,
+                            "error": repr(exc)[:300],
+                        }
+                    )
                 print(rows[-1], flush=True)
     table = []
     for width, depth, batch in CASES:
+
         def med(v, width=width):
-            vals = [r["step_ms"] for r in rows if r["variant"] == v and r["width"] == width and r.get("step_ms")]
+            vals = [
+                r["step_ms"] for r in rows if r["variant"] == v and r["width"] == width and r.get("step_ms")
+            ]
             return statistics.median(vals) if vals else None
+
         base = med("lightning")
         for v in variants:
             m = med(v)
-            table.append({"case": f"d{width}x{depth} b{batch}", "variant": v, "step_ms": m,
-                          "speedup_vs_lightning": (base / m) if base and m else None})
+            table.append(
+                {
+                    "case": f"d{width}x{depth} b{batch}",
+                    "variant": v,
+                    "step_ms": m,
+                    "speedup_vs_lightning": (base / m) if base and m else None,
+                }
+            )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "callback_fit.json").write_text(json.dumps({"command": " ".join([sys.executable, *sys.argv]),
-        "torch": torch.__version__, "gpu_state": state, "runs": rows, "table": table}, indent=2))
+    (args.out / "callback_fit.json").write_text(
+        json.dumps(
+            {
+                "command": " ".join([sys.executable, *sys.argv]),
+                "torch": torch.__version__,
+                "gpu_state": state,
+                "runs": rows,
+                "table": table,
+            },
+            indent=2,
+        )
+    )
     print(f"{'case':<18}{'variant':<26}{'ms/step':>10}{'vs Lightning':>14}")
     for r in table:
         ms = f"{r['step_ms']:.2f}" if r["step_ms"] else "n/a"

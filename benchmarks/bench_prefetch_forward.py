@@ -26,8 +26,12 @@ CASES = [(1536, 40, 16), (2560, 15, 4)]  # (width, layers, batch), from the issu
 def gpu_state() -> dict:
     query = "name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active,power.draw,power.limit"
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": str(exc)}
     return dict(zip(query.split(","), [v.strip() for v in out.split(",")]))
@@ -55,15 +59,22 @@ def time_graph(g: torch.cuda.CUDAGraph, replays: int) -> float:
 
 def run_case(width: int, layers: int, batch: int, rounds: int, replays: int) -> list[dict]:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
+    model = nn.Sequential(
+        *[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
+    )
     model = model.cuda().to(torch.bfloat16)
     x = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         reference = model(x).clone()
     variants: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {"plain": graph_of(model, x)}
     plans = {f"hint{b}": PrefetchPlan(kind="hint", blocks=b) for b in (4, 8, 16)}
-    plans.update({"hint_last8": PrefetchPlan(kind="hint_last", blocks=8), "bulk8": PrefetchPlan(kind="bulk", blocks=8, threads=32),
-                  "bulk_last8": PrefetchPlan(kind="bulk_last", blocks=8, threads=32)})
+    plans.update(
+        {
+            "hint_last8": PrefetchPlan(kind="hint_last", blocks=8),
+            "bulk8": PrefetchPlan(kind="bulk", blocks=8, threads=32),
+            "bulk_last8": PrefetchPlan(kind="bulk_last", blocks=8, threads=32),
+        }
+    )
     for name, plan in list(plans.items()) + [("decoy_hint8", PrefetchPlan(kind="hint", blocks=8))]:
         hooks = PrefetchHooks(model, x, plans=plan, backward=False, decoy=name.startswith("decoy"))
         variants[name] = graph_of(model, x)
@@ -84,9 +95,20 @@ def run_case(width: int, layers: int, batch: int, rounds: int, replays: int) -> 
     for name, values in samples.items():
         med = statistics.median(values)
         q = statistics.quantiles(values, n=4)
-        rows.append({"width": width, "layers": layers, "batch": batch, "layer_mib": round(layer_mib, 2), "variant": name,
-                     "median_us": round(med, 2), "q1_us": round(q[0], 2), "q3_us": round(q[2], 2),
-                     "gain_vs_plain": round(1 - med / plain, 4), "outputs_identical": identical[name]})
+        rows.append(
+            {
+                "width": width,
+                "layers": layers,
+                "batch": batch,
+                "layer_mib": round(layer_mib, 2),
+                "variant": name,
+                "median_us": round(med, 2),
+                "q1_us": round(q[0], 2),
+                "q3_us": round(q[2], 2),
+                "gain_vs_plain": round(1 - med / plain, 4),
+                "outputs_identical": identical[name],
+            }
+        )
     return rows
 
 
@@ -106,13 +128,21 @@ def main(argv: list[str] | None = None) -> int:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    meta = {"command": " ".join([sys.executable, *sys.argv]), "torch": torch.__version__, "gpu_state": state,
-            "rounds": args.rounds, "replays_per_sample": args.replays, "rows": rows}
+    meta = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "torch": torch.__version__,
+        "gpu_state": state,
+        "rounds": args.rounds,
+        "replays_per_sample": args.replays,
+        "rows": rows,
+    }
     (args.out / "prefetch_forward.json").write_text(json.dumps(meta, indent=2))
     print(f"{'case':<22}{'variant':<14}{'median µs':>10}{'IQR µs':>16}{'gain':>9}")
     for r in rows:
         case = f"d{r['width']}x{r['layers']} b{r['batch']}"
-        print(f"{case:<22}{r['variant']:<14}{r['median_us']:>10.1f}{r['q1_us']:>8.1f}-{r['q3_us']:<7.1f}{r['gain_vs_plain']*100:>8.2f}%")
+        print(
+            f"{case:<22}{r['variant']:<14}{r['median_us']:>10.1f}{r['q1_us']:>8.1f}-{r['q3_us']:<7.1f}{r['gain_vs_plain'] * 100:>8.2f}%"
+        )
     return 0
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from l2lightning import PrefetchHooks, PrefetchPlan, prefetch
-from l2lightning.prefetch import supported_kinds
+from l2lightning import PrefetchHooks, PrefetchPlan
+from l2lightning.prefetch import prefetch, supported_kinds
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "PrefetchPlan": "l2lightning.prefetch",
-    "prefetch": "l2lightning.prefetch",
     "default_plan": "l2lightning.prefetch",
     "PrefetchHooks": "l2lightning.hooks",
     "PrefetchSequential": "l2lightning.sequential",

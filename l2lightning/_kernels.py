@@ -70,15 +70,15 @@ def _device(index: int) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _external_stream(ptr: int, device_index: int) -> Any:
+    import warnings
+
     import cupy
 
-    with cupy.cuda.Device(device_index):
-        from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy 14 deprecates ExternalStream
-        if from_external is not None:
-            try:
-                return from_external(ptr, device_index)
-            except TypeError:  # older spelling without the device argument
-                return from_external(ptr)
+    with cupy.cuda.Device(device_index), warnings.catch_warnings():
+        # CuPy 14 deprecates ExternalStream for Stream.from_external, which takes an object with
+        # __cuda_stream__ rather than a raw pointer; the pointer form is what torch gives us.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
         return cupy.cuda.ExternalStream(ptr, device_index)
 
 

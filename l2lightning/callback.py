@@ -127,7 +127,9 @@ class L2GraphCallback(Callback):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"`warmup_steps` must be an int >= 1, got {warmup_steps!r}")
         if not isinstance(prefetch, PrefetchPlan) and prefetch not in PREFETCH_MODES:
-            raise ValueError(f"`prefetch` must be one of {PREFETCH_MODES} or a PrefetchPlan, got {prefetch!r}")
+            raise ValueError(
+                f"`prefetch` must be one of {PREFETCH_MODES} or a PrefetchPlan, got {prefetch!r}"
+            )
         for name, value in [
             ("backward_prefetch", backward_prefetch),
             ("verify", verify),
@@ -187,7 +189,9 @@ class L2GraphCallback(Callback):
         eager_ms = self._timing.eager_ms()
         graph_ms = self._timing.graph_ms()
         return {
-            "captured": self._graph is not None or self.capture_step is not None and self.disabled_reason is None,
+            "captured": self._graph is not None
+            or self.capture_step is not None
+            and self.disabled_reason is None,
             "reason": self.disabled_reason,
             "capture_step": self.capture_step,
             "eager_step_ms": eager_ms,
@@ -228,7 +232,10 @@ class L2GraphCallback(Callback):
             return f"precision={precision!r} uses a GradScaler whose step syncs with the host; use 'bf16-mixed' or 'bf16-true'"
         skipped = [h for h in REPLAY_SKIPPED_HOOKS if is_overridden(h, pl_module)]
         skipped += [
-            f"{type(cb).__name__}.{h}" for cb in trainer.callbacks if cb is not self for h in REPLAY_SKIPPED_HOOKS
+            f"{type(cb).__name__}.{h}"
+            for cb in trainer.callbacks
+            if cb is not self
+            for h in REPLAY_SKIPPED_HOOKS
             if is_overridden(h, cb, parent=Callback)
         ]
         if skipped:
@@ -287,7 +294,9 @@ class L2GraphCallback(Callback):
         if self.disabled_reason:
             return
         if len(trainer.optimizers) != 1:
-            self._disable(f"{len(trainer.optimizers)} optimizers configured; the capture supports exactly one")
+            self._disable(
+                f"{len(trainer.optimizers)} optimizers configured; the capture supports exactly one"
+            )
             return
         try:
             self._optimizer = make_capturable(trainer.optimizers[0], trainer.strategy.root_device)
@@ -305,7 +314,9 @@ class L2GraphCallback(Callback):
 
     # ------------------------------------------------------------------ per-step decision
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.disabled_reason or self._module is None:
             self._mode = "eager"
             return
@@ -334,7 +345,9 @@ class L2GraphCallback(Callback):
         kind = cause.split(":", 1)[-1].strip()
         if kind not in self._fallback_causes:
             self._fallback_causes.add(kind)
-            rank_zero_warn(f"L2GraphCallback: running this step eagerly ({cause}); the graph is kept for later steps.")
+            rank_zero_warn(
+                f"L2GraphCallback: running this step eagerly ({cause}); the graph is kept for later steps."
+            )
         self._mode = "fallback"
 
     # ------------------------------------------------------------------ the overridden LightningModule hooks
@@ -362,7 +375,9 @@ class L2GraphCallback(Callback):
             return None
         return self._originals["optimizer_zero_grad"](epoch, batch_idx, optimizer)
 
-    def _optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable | None = None) -> None:
+    def _optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable | None = None
+    ) -> None:
         original = self._originals["optimizer_step"]
         if self._mode == "replay":
             self._replay(optimizer_closure)
@@ -395,8 +410,10 @@ class L2GraphCallback(Callback):
             args = list(call.args)
             if len(args) > 1 and isinstance(args[1], torch.Tensor):
                 args[1] = args[1].detach().clone()
-            kwargs = {k: (v.detach().clone() if isinstance(v, torch.Tensor) and k == "value" else v)
-                      for k, v in call.kwargs.items()}
+            kwargs = {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) and k == "value" else v)
+                for k, v in call.kwargs.items()
+            }
             real_log(*args, **kwargs)
 
     # ------------------------------------------------------------------ capture, verify, replay
@@ -451,13 +468,17 @@ class L2GraphCallback(Callback):
             # otherwise be baked into the graph and repeated on every replay.
             module.log = self._recording_log  # type: ignore[method-assign]
             try:
-                self._run_in_scope(lambda: self._capture_into(graph, epoch, batch_idx, optimizer, closure, original))
+                self._run_in_scope(
+                    lambda: self._capture_into(graph, epoch, batch_idx, optimizer, closure, original)
+                )
             finally:
                 del module.log
         except Exception as exc:  # a host sync or an unsupported op inside training_step
             self._graph = None
             saved.restore(None)
-            self._disable(f"the step could not be captured ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+            self._disable(
+                f"the step could not be captured ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            )
             self._mode = "eager"
             original(epoch, batch_idx, optimizer, closure)
             return
@@ -481,7 +502,9 @@ class L2GraphCallback(Callback):
         if self.report:
             rank_zero_info(self._report_text())
 
-    def _capture_into(self, graph: Any, epoch: int, batch_idx: int, optimizer: Any, closure: Any, original: Any) -> None:
+    def _capture_into(
+        self, graph: Any, epoch: int, batch_idx: int, optimizer: Any, closure: Any, original: Any
+    ) -> None:
         with torch.cuda.graph(graph):
             original(epoch, batch_idx, optimizer, closure)
         # training_step ran inside the capture: its output tensors are the graph's static outputs.
@@ -529,7 +552,9 @@ class L2GraphCallback(Callback):
         self._mode = "verify-eager"
         module.log = lambda *a, **k: None  # type: ignore[method-assign]  # logged once, by the real step
         try:
-            self._run_in_scope(lambda: self._originals["optimizer_step"](epoch, batch_idx, optimizer, closure))
+            self._run_in_scope(
+                lambda: self._originals["optimizer_step"](epoch, batch_idx, optimizer, closure)
+            )
             loss = _loss_of_output(self._step_output)
             record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
         finally:
@@ -562,7 +587,9 @@ class L2GraphCallback(Callback):
                 group["lr"] = float(group["lr"])
 
     @override
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if self._optimizer is None or "optimizer_states" not in checkpoint:
             return
         # Save what the optimizer would save without capture (float LR, original capturable flag).
@@ -571,7 +598,9 @@ class L2GraphCallback(Callback):
             states[0] = self._optimizer.portable_state_dict(states[0])
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._mode == "fallback":
             self._mode = "replay" if self._graph is not None else "eager"
 
@@ -589,7 +618,9 @@ class L2GraphCallback(Callback):
             for key in ("eager_step_ms", "graph_step_ms", "speedup", "graph_pool_mib")
             if summary[key] is not None and math.isfinite(float(summary[key]))
         }
-        metrics["l2/prefetch_layers"] = float(sum(1 for row in self.plans if row.get("forward") or row.get("backward")))
+        metrics["l2/prefetch_layers"] = float(
+            sum(1 for row in self.plans if row.get("forward") or row.get("backward"))
+        )
         metrics["l2/fallback_steps"] = float(self.fallback_steps)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
@@ -599,7 +630,9 @@ class L2GraphCallback(Callback):
         if self._tuning_report is not None and hasattr(self._tuning_report, "table"):
             lines.append(self._tuning_report.table())
         for row in self.plans:
-            lines.append(f"  {row['layer']:<40} {row['mib']:>8.2f} MiB  fwd {row['forward']}  bwd {row['backward']}")
+            lines.append(
+                f"  {row['layer']:<40} {row['mib']:>8.2f} MiB  fwd {row['forward']}  bwd {row['backward']}"
+            )
         return "\n".join(lines)
 
 
@@ -609,4 +642,6 @@ def _loss_of_output(output: Any) -> torch.Tensor:
         return output["loss"]
     if isinstance(output, torch.Tensor):
         return output
-    raise TypeError(f"training_step returned {type(output).__name__}; the capture needs a loss tensor or a dict with 'loss'")
+    raise TypeError(
+        f"training_step returned {type(output).__name__}; the capture needs a loss tensor or a dict with 'loss'"
+    )

@@ -128,9 +128,10 @@ def call_model(model: nn.Module, example_input: Any) -> Any:
 def preserved_state(model: nn.Module) -> Iterator[None]:
     """Run a dry pass without side effects: buffers (BatchNorm statistics) and RNG are restored."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({b.device.index for b in model.buffers() if b.is_cuda} | {
-        p.device.index for p in model.parameters() if p.is_cuda
-    })
+    devices = sorted(
+        {b.device.index for b in model.buffers() if b.is_cuda}
+        | {p.device.index for p in model.parameters() if p.is_cuda}
+    )
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         try:
             yield
@@ -172,13 +173,16 @@ def discover_chain(
     for module, input_shape in order:
         recurse = isinstance(module, FUSED_BLOCK_TYPES)
         weights = [
-            p for p in module.parameters(recurse=recurse)
+            p
+            for p in module.parameters(recurse=recurse)
             if p.is_floating_point() and p.numel() * p.element_size() >= MIN_TENSOR_BYTES
         ]
         nbytes = sum(p.numel() * p.element_size() for p in weights)
         if not weights:  # a norm's scale and shift: nothing worth fetching, and not a chain step
             continue
-        chain.append(Layer(len(chain), names.get(module, type(module).__name__), module, weights, nbytes, input_shape))
+        chain.append(
+            Layer(len(chain), names.get(module, type(module).__name__), module, weights, nbytes, input_shape)
+        )
     return chain
 
 
@@ -256,9 +260,14 @@ class PrefetchHooks:
         self._removed = False
         self.issuer = issuer
         if issuer is None:
-            reason = prefetch_unavailable_reason() or (None if device.type == "cuda" else f"the model is on {device}")
+            reason = prefetch_unavailable_reason() or (
+                None if device.type == "cuda" else f"the model is on {device}"
+            )
             if reason:
-                warn_once("prefetch-unavailable", f"l2lightning: L2 prefetch is off ({reason}); running plain PyTorch.")
+                warn_once(
+                    "prefetch-unavailable",
+                    f"l2lightning: L2 prefetch is off ({reason}); running plain PyTorch.",
+                )
                 self.forward_plans = [None] * len(self.chain)
                 self.backward_plans = [None] * len(self.chain)
                 return
@@ -291,7 +300,9 @@ class PrefetchHooks:
         known = {layer.name for layer in self.chain}
         unknown = sorted(set(plans) - known)
         if unknown:
-            raise ValueError(f"`plans` names layers that are not in the chain: {unknown}; chain layers: {sorted(known)}")
+            raise ValueError(
+                f"`plans` names layers that are not in the chain: {unknown}; chain layers: {sorted(known)}"
+            )
         return [plans.get(layer.name) for layer in self.chain]
 
     def _forward_schedule(self) -> dict[int, list[tuple[int, PrefetchPlan]]]:
@@ -329,7 +340,9 @@ class PrefetchHooks:
                 self._handles.append(layer.module.register_forward_pre_hook(self._make_pre_hook(targets)))
             if self.backward and any(p is not None for p in self.backward_plans):
                 self._handles.append(
-                    layer.module.register_forward_hook(self._make_post_hook(layer.index, backward.get(layer.index, [])))
+                    layer.module.register_forward_hook(
+                        self._make_post_hook(layer.index, backward.get(layer.index, []))
+                    )
                 )
 
     def _on_model_start(self, module: nn.Module, args: tuple) -> None:
@@ -352,7 +365,9 @@ class PrefetchHooks:
     def scope(self) -> Iterator[None]:
         """With ``scope="manual"``: the forward pass inside this block gets the prefetch."""
         if self.scope_mode != "manual":
-            raise RuntimeError("PrefetchHooks.scope() is for scope='manual'; with 'forward' the model's forward is the scope")
+            raise RuntimeError(
+                "PrefetchHooks.scope() is for scope='manual'; with 'forward' the model's forward is the scope"
+            )
         if not self.enabled:
             yield
             return
@@ -438,7 +453,9 @@ def _check_plans_arg(name: str, value: Any) -> None:
     if isinstance(value, Mapping):
         for key, plan in value.items():
             if plan is not None and not isinstance(plan, PrefetchPlan):
-                raise TypeError(f"`{name}[{key!r}]` must be a PrefetchPlan or None, got {type(plan).__name__}")
+                raise TypeError(
+                    f"`{name}[{key!r}]` must be a PrefetchPlan or None, got {type(plan).__name__}"
+                )
         return
     raise ValueError(
         f"`{name}` must be None, 'auto', a PrefetchPlan or a mapping of layer name to PrefetchPlan; got {value!r}"

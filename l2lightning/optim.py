@@ -71,7 +71,11 @@ class CapturableOptimizer:
         for key, value in state_dict["state"].items():
             value = dict(value)
             step = value.get("step")
-            if isinstance(step, torch.Tensor) and not any(self.original_capturable) and not _fused(self.optimizer):
+            if (
+                isinstance(step, torch.Tensor)
+                and not any(self.original_capturable)
+                and not _fused(self.optimizer)
+            ):
                 value["step"] = step.detach().to("cpu", copy=True)
             state[key] = value
         return {**state_dict, "state": state, "param_groups": groups}
@@ -85,7 +89,9 @@ def _scalar(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
-def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device | None = None) -> CapturableOptimizer:
+def make_capturable(
+    optimizer: torch.optim.Optimizer, device: torch.device | None = None
+) -> CapturableOptimizer:
     """Switch `optimizer` to capturable mode before its first captured step.
 
     Sets ``capturable=True`` where the optimizer has the option, moves existing ``step`` state to
@@ -101,7 +107,9 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device | Non
     if device is None:
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
     if device.type != "cuda":
-        raise ValueError(f"capturable optimizers need CUDA parameters; `optimizer`'s parameters are on {device}")
+        raise ValueError(
+            f"capturable optimizers need CUDA parameters; `optimizer`'s parameters are on {device}"
+        )
     original = [g.get("capturable") for g in optimizer.param_groups]
     tensor_lr = isinstance(optimizer, TENSOR_LR_TYPES)
     for group in optimizer.param_groups:

@@ -62,7 +62,9 @@ class PrefetchPlan:
             raise ValueError(f"`stride` must be a power of two, got {self.stride}")
         _check_int("chunk", self.chunk, 16, MIB)
         if self.chunk % 16:
-            raise ValueError(f"`chunk` must be a multiple of 16 bytes (bulk prefetch granularity), got {self.chunk}")
+            raise ValueError(
+                f"`chunk` must be a multiple of 16 bytes (bulk prefetch granularity), got {self.chunk}"
+            )
         _check_int("distance", self.distance, 1, 8)
 
     @property
@@ -176,7 +178,9 @@ def prefetch(tensor: Any, plan: PrefetchPlan) -> None:
         raise ValueError(f"`tensor` must be a CUDA tensor, got a tensor on {getattr(tensor, 'device', '?')}")
     device_index = tensor.device.index
     if plan.kind not in supported_kinds(device_index):
-        raise ValueError(f"plan kind {plan.kind!r} needs sm_90+; this device supports {supported_kinds(device_index)}")
+        raise ValueError(
+            f"plan kind {plan.kind!r} needs sm_90+; this device supports {supported_kinds(device_index)}"
+        )
     args = _launch_args(tensor, plan)
     if args is None:
         return

@@ -28,9 +28,7 @@ class Mismatch:
 
     def __str__(self) -> str:
         extra = f" ({self.detail})" if self.detail else ""
-        return (
-            f"{self.name}: {self.differing} of {self.total} elements differ, max |diff| = {self.max_abs_diff:.3e}{extra}"
-        )
+        return f"{self.name}: {self.differing} of {self.total} elements differ, max |diff| = {self.max_abs_diff:.3e}{extra}"
 
 
 @dataclass
@@ -92,7 +90,13 @@ def compare_tensors(name: str, a: torch.Tensor | None, b: torch.Tensor | None) -
             return None
         return Mismatch(name, -1, -1, float("inf"), f"one side is None ({'a' if a is None else 'b'})")
     if a.shape != b.shape or a.dtype != b.dtype:
-        return Mismatch(name, -1, a.numel(), float("inf"), f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+        return Mismatch(
+            name,
+            -1,
+            a.numel(),
+            float("inf"),
+            f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}",
+        )
     b = b.to(a.device)
     differ = _bits(a) != _bits(b)
     count = int(differ.sum())
@@ -122,7 +126,9 @@ def compare(a: Any, b: Any, label: str = "a vs b") -> VerifyReport:
     right = dict(_named_tensors(b, ""))
     if left.keys() != right.keys():
         missing = sorted(set(left) ^ set(right))
-        report.mismatches.append(Mismatch(missing[0], -1, -1, float("inf"), f"present on one side only: {missing[:5]}"))
+        report.mismatches.append(
+            Mismatch(missing[0], -1, -1, float("inf"), f"present on one side only: {missing[:5]}")
+        )
     for name in [n for n in left if n in right]:
         report.compared += 1
         mismatch = compare_tensors(name, left[name], right[name])
@@ -159,7 +165,9 @@ def compare_steps(a: StepRecord, b: StepRecord, label: str) -> VerifyReport:
     return compare(a.as_tree(), b.as_tree(), label)
 
 
-def assert_same_gradients(a: nn.Module | Mapping[str, Any], b: nn.Module | Mapping[str, Any], label: str = "gradients") -> VerifyReport:
+def assert_same_gradients(
+    a: nn.Module | Mapping[str, Any], b: nn.Module | Mapping[str, Any], label: str = "gradients"
+) -> VerifyReport:
     """Raise :class:`EquivalenceError` unless the gradients of `a` and `b` are bit-identical.
 
     `a` and `b` are modules (their parameters' ``.grad`` is compared by name) or mappings of name to
@@ -190,8 +198,12 @@ def _record(model: nn.Module, output: Any, loss: torch.Tensor) -> StepRecord:
     from l2lightning.capture import _loss_of  # local: capture imports nothing from here
 
     out = output.detach().clone() if isinstance(output, torch.Tensor) else None
-    return StepRecord(out, _loss_of(output).detach().clone() if loss is None else loss.detach().clone(),
-                      gradients(model), parameters(model))
+    return StepRecord(
+        out,
+        _loss_of(output).detach().clone() if loss is None else loss.detach().clone(),
+        gradients(model),
+        parameters(model),
+    )
 
 
 def run_variant(
@@ -221,7 +233,9 @@ def run_variant(
         if variant == "eager":
             for batch in batches:
                 output = run_step(step_fn, batch, model, optimizer)
-                records.append(_record(model, None, output if isinstance(output, torch.Tensor) else output["loss"]))
+                records.append(
+                    _record(model, None, output if isinstance(output, torch.Tensor) else output["loss"])
+                )
             return records
         captured = capture_step(step_fn, batches[0], model, optimizer)
         for batch in batches:
@@ -253,7 +267,9 @@ def equivalence_chain(
         for step, (a, b) in enumerate(zip(runs[left], runs[right])):
             sub = compare_steps(a, b, f"step {step}")
             report.compared += sub.compared
-            report.mismatches += [Mismatch(f"step {step}: {m.name}", m.differing, m.total, m.max_abs_diff, m.detail)
-                                  for m in sub.mismatches]
+            report.mismatches += [
+                Mismatch(f"step {step}: {m.name}", m.differing, m.total, m.max_abs_diff, m.detail)
+                for m in sub.mismatches
+            ]
         reports.append(report)
     return reports

@@ -11,10 +11,19 @@ from torch.utils.data import DataLoader, TensorDataset
 class TinyMLP(LightningModule):
     """N x (LayerNorm, Linear, GELU) regression; logs loss and a second tensor."""
 
-    def __init__(self, width: int = 32, depth: int = 3, lr: float = 1e-2, scheduler: str | None = None,
-                 dtype: torch.dtype = torch.float32, sync_in_step: bool = False) -> None:
+    def __init__(
+        self,
+        width: int = 32,
+        depth: int = 3,
+        lr: float = 1e-2,
+        scheduler: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        sync_in_step: bool = False,
+    ) -> None:
         super().__init__()
-        self.net = nn.Sequential(*[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+        self.net = nn.Sequential(
+            *[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
+        )
         self.head = nn.Linear(width, 1)
         self.lr = lr
         self.scheduler = scheduler
@@ -34,13 +43,27 @@ class TinyMLP(LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=True)
         if self.scheduler == "step":
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 5, 0.5), "interval": "step"}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {
+                    "scheduler": torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
+                    "interval": "step",
+                },
+            }
         if self.scheduler == "cosine":
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, 30), "interval": "step"}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {
+                    "scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, 30),
+                    "interval": "step",
+                },
+            }
         return opt
 
 
-def regression_loader(n: int = 64, width: int = 32, batch_size: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32) -> DataLoader:
+def regression_loader(
+    n: int = 64, width: int = 32, batch_size: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, width, generator=g).to(dtype)
     y = torch.randn(n, generator=g)

@@ -13,8 +13,16 @@ from tests.lightning_models import TinyMLP, regression_loader
 def fit(callbacks, steps: int = 6, **trainer_kwargs):
     seed_everything(0)
     model = TinyMLP()
-    trainer = Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **trainer_kwargs)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
     trainer.fit(model, regression_loader())
     return model, trainer
 
@@ -67,8 +75,14 @@ def test_manual_optimization_is_refused_clearly():
             super().__init__()
             self.automatic_optimization = False
 
-    trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, callbacks=[L2GraphCallback()])
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[L2GraphCallback()],
+    )
     with pytest.raises(ValueError, match="supports automatic optimization only; Manual sets"):
         trainer.fit(Manual(), regression_loader())
 
@@ -79,8 +93,14 @@ def test_unsupported_strategy_is_named():
     class FSDPStrategy(SingleDeviceStrategy):  # stands in for the real FSDP class name
         pass
 
-    trainer = Trainer(strategy=FSDPStrategy(device=torch.device("cpu")), max_steps=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, callbacks=[L2GraphCallback()])
+    trainer = Trainer(
+        strategy=FSDPStrategy(device=torch.device("cpu")),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[L2GraphCallback()],
+    )
     with pytest.raises(ValueError, match="does not support the FSDPStrategy.*FSDP, DeepSpeed"):
         trainer.fit(TinyMLP(), regression_loader())
 

@@ -76,7 +76,9 @@ def test_portable_state_dict_turns_tensor_lr_and_device_steps_back():
         "param_groups": [{"lr": torch.tensor(5e-4), "capturable": True, "params": [0]}],
     }
     portable = wrapped.portable_state_dict(state_dict)
-    assert portable["param_groups"][0]["lr"] == pytest.approx(5e-4) and isinstance(portable["param_groups"][0]["lr"], float)
+    assert portable["param_groups"][0]["lr"] == pytest.approx(5e-4) and isinstance(
+        portable["param_groups"][0]["lr"], float
+    )
     assert portable["param_groups"][0]["capturable"] is False
     assert portable["state"][0] is not state_dict["state"][0]  # live optimizer state is never edited
     assert isinstance(state_dict["param_groups"][0]["lr"], torch.Tensor)

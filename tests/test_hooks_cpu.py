@@ -41,7 +41,9 @@ def test_chain_is_linear_layers_in_execution_order():
     model = stack()
     hooks, _ = make(model)
     assert [layer.name for layer in hooks.chain] == ["0.1", "1.1", "2.1", "3.1"]
-    assert all(layer.nbytes == 64 * 64 * 4 for layer in hooks.chain)  # the 256-byte bias is not worth a launch
+    assert all(
+        layer.nbytes == 64 * 64 * 4 for layer in hooks.chain
+    )  # the 256-byte bias is not worth a launch
 
 
 def test_forward_issues_next_layer_then_joins_once():
@@ -49,7 +51,12 @@ def test_forward_issues_next_layer_then_joins_once():
     hooks, rec = make(model, backward=False)
     with torch.no_grad():
         model(torch.randn(2, 64))
-    assert rec.events == [("issue", "forward", 1), ("issue", "forward", 2), ("issue", "forward", 3), ("join", "forward", -1)]
+    assert rec.events == [
+        ("issue", "forward", 1),
+        ("issue", "forward", 2),
+        ("issue", "forward", 3),
+        ("join", "forward", -1),
+    ]
 
 
 def test_distance_two_issues_two_ahead():
@@ -66,7 +73,12 @@ def test_backward_issues_previous_layer_and_joins_before_first_layer():
     rec.events.clear()
     model(torch.randn(2, 64)).square().mean().backward()
     backward = [e for e in rec.events if e[1] == "backward"]
-    assert backward == [("issue", "backward", 2), ("issue", "backward", 1), ("issue", "backward", 0), ("join", "backward", -1)]
+    assert backward == [
+        ("issue", "backward", 2),
+        ("issue", "backward", 1),
+        ("issue", "backward", 0),
+        ("join", "backward", -1),
+    ]
     # the forward join comes before any backward event
     assert rec.events.index(("join", "forward", -1)) < rec.events.index(backward[0])
 

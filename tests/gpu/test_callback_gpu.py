@@ -32,14 +32,33 @@ class LossRecorder(Callback):
         self.logged.append(trainer.callback_metrics["train/loss"].detach().clone())
 
 
-def fit(model_cls, callbacks, steps=30, n=240, batch_size=8, precision="32-true", ckpt_path=None, trainer_out=None, **model_kwargs):
+def fit(
+    model_cls,
+    callbacks,
+    steps=30,
+    n=240,
+    batch_size=8,
+    precision="32-true",
+    ckpt_path=None,
+    trainer_out=None,
+    **model_kwargs,
+):
     seed_everything(0)
     torch.use_deterministic_algorithms(True, warn_only=True)
     model = model_cls(width=512, depth=4, **model_kwargs)
     rec = LossRecorder()
-    trainer = Trainer(accelerator="gpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, precision=precision,
-                      callbacks=[rec, *callbacks], deterministic=True)
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision=precision,
+        callbacks=[rec, *callbacks],
+        deterministic=True,
+    )
     trainer.fit(model, regression_loader(n=n, width=512, batch_size=batch_size), ckpt_path=ckpt_path)
     if trainer_out is not None:
         trainer_out.append(trainer)
@@ -118,10 +137,18 @@ def test_gradient_clipping_is_captured_and_exact():
     def run(model_cls, cbs):
         seed_everything(0)
         model = model_cls(width=512, depth=4)
-        trainer = Trainer(accelerator="gpu", max_steps=12, logger=False, enable_checkpointing=False,
-                          enable_progress_bar=False, gradient_clip_val=0.1, callbacks=cbs)
+        trainer = Trainer(
+            accelerator="gpu",
+            max_steps=12,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            gradient_clip_val=0.1,
+            callbacks=cbs,
+        )
         trainer.fit(model, regression_loader(n=240, width=512))
         return model
+
     a = run(CapturableBaseline, [])
     cb = L2GraphCallback(prefetch="off")
     b = run(TinyMLP, [cb])
@@ -130,17 +157,32 @@ def test_gradient_clipping_is_captured_and_exact():
 
 
 def test_checkpoint_resume_equals_uninterrupted(tmp_path):
-    full = fit(TinyMLP, [L2GraphCallback(prefetch="default")], steps=30, n=80)
-    trainers = []
-    fit(TinyMLP, [L2GraphCallback(prefetch="default")], steps=10, n=80, trainer_out=trainers)
-    path = tmp_path / "step10.ckpt"
-    trainers[0].save_checkpoint(path)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(ckpt_path=None):
+        seed_everything(0)
+        model = TinyMLP(width=512, depth=4)
+        cb = L2GraphCallback(prefetch="default")
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1, filename="{step}")
+        trainer = Trainer(
+            accelerator="gpu",
+            max_steps=30,
+            logger=False,
+            enable_progress_bar=False,
+            callbacks=[cb, saver] if ckpt_path is None else [cb],
+            enable_model_summary=False,
+        )
+        trainer.fit(model, regression_loader(n=80, width=512), ckpt_path=ckpt_path)
+        return model, cb, trainer
+
+    full, _, _ = run()
+    path = tmp_path / "step=10.ckpt"
     saved = torch.load(path, weights_only=False)
     group = saved["optimizer_states"][0]["param_groups"][0]
     assert isinstance(group["lr"], float) and group["capturable"] is False  # as without the callback
     assert saved["global_step"] == 10
-    cb = L2GraphCallback(prefetch="default")
-    resumed = fit(TinyMLP, [cb], steps=30, n=80, ckpt_path=str(path))
+    resumed, cb, trainer = run(ckpt_path=str(path))
+    assert trainer.global_step == 30
     assert cb.summary()["captured"]  # re-captured after resuming
-    for (name, p), q in zip(full[0].named_parameters(), resumed[0].parameters()):
+    for (name, p), q in zip(full.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
