@@ -1,0 +1,456 @@
+"""The autotuner's search on CPU: pruning by the L2 rule, the staged race and gate with an injected fake
+bench, the per-shape time budget with a fake clock, the plan cache, and the report's mapping to a chain."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from l2lightning.autotune import (
+    Autotuner,
+    SkipShape,
+    TuningReport,
+    TuningRow,
+    candidate_grid,
+    ineligibility,
+    make_plan,
+    prune_candidates,
+    tune_hooks,
+)
+from l2lightning.hooks import Issuer, Layer, PrefetchHooks, discover_chain
+from l2lightning.plan_cache import PlanCache
+from l2lightning.prefetch import KINDS, MIB, PrefetchPlan
+
+L2 = 60 * MIB
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeBench:
+    """Times a chain of `copies` layers: plan gains come from `gain_of`, with multiplicative noise.
+
+    Each call advances the fake clock by what the real bench would spend: a capture the first time a
+    variant is seen, then one sample.
+    """
+
+    def __init__(
+        self,
+        clock,
+        gain_of,
+        decoy_gain=-0.02,
+        *,
+        base=100e-6,
+        noise=0.002,
+        capture_s=0.02,
+        sample_s=0.004,
+        seed=0,
+    ):
+        self.clock = clock
+        self.gain_of = gain_of
+        self.decoy_gain = decoy_gain
+        self.base = base
+        self.noise = noise
+        self.capture_s = capture_s
+        self.sample_s = sample_s
+        self.rng = np.random.default_rng(seed)
+        self.seen: set = set()
+        self.calls: list = []
+        self.copies = 8
+        self.mode = "chain"
+        self.closed = False
+
+    def sample(self, plan, decoy=False):
+        key = (plan, decoy)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.clock.advance(self.capture_s)
+        self.clock.advance(self.sample_s)
+        self.calls.append(key)
+        torch.rand(1)  # a bench may use the RNG; the tuner must restore it
+        gain = 0.0 if plan is None else (self.decoy_gain if decoy else self.gain_of(plan))
+        return self.base * (1 - gain) * (1 + self.rng.normal(0, self.noise))
+
+    def close(self):
+        self.closed = True
+
+
+class Factory:
+    def __init__(self, clock, gain_of, **kw):
+        self.clock, self.gain_of, self.kw = clock, gain_of, kw
+        self.benches: list[FakeBench] = []
+
+    def __call__(self, layer, phase, device):
+        bench = FakeBench(self.clock, self.gain_of, seed=len(self.benches), **self.kw)
+        self.benches.append(bench)
+        return bench
+
+
+def fake_layer(d=2560, batch=4, index=0, name="l0", dtype=torch.bfloat16):
+    weight = torch.empty(d, d, dtype=dtype, device="meta")  # only shape and dtype are read
+    return Layer(index, name, nn.Linear(1, 1), [weight], d * d * weight.element_size(), (batch, d))
+
+
+def hint8_wins(plan):
+    """The H200 shape of things at d=2560: 8 blocks best, more or fewer worse, distance 2 loses."""
+    if plan.distance != 1:
+        return -0.02
+    if plan.kind != "hint":
+        return 0.01
+    return {8: 0.05, 16: 0.03, 32: 0.0}.get(plan.blocks, -0.1)
+
+
+def tuner(clock, factory, **kw):
+    kw.setdefault("cache", None)
+    kw.setdefault("kinds", KINDS)
+    return Autotuner(clock=clock, bench_factory=factory, l2_bytes=L2, device_name="fake", **kw)
+
+
+# ---------------------------------------------------------------------- pruning
+def test_l2_rule_prunes_layers_that_do_not_fit_with_their_neighbours():
+    small_l2 = 32 * MIB
+    d1, d2 = make_plan("hint", 8), make_plan("hint", 8, 2)
+    assert ineligibility(d1, 12 * MIB, small_l2, None) is None  # 24 MiB fits
+    assert "do not fit" in ineligibility(d2, 12 * MIB, small_l2, None)  # 36 MiB does not
+    assert prune_candidates([d1, d2], 20 * MIB, small_l2, None) == []
+    assert prune_candidates([d1, d2], 20 * MIB, L2, None) == [d1, d2]  # 60 MiB: 3 x 20 fits exactly
+
+
+def test_issue_rate_rule_prunes_too_few_blocks():
+    layer, op = int(4.5 * MIB), 11.6e-6  # d=1536 in bf16, the measured op time at batch 16
+    kept = prune_candidates(candidate_grid(["hint"], distances=(1,)), layer, L2, op)
+    assert [p.blocks for p in kept] == [2, 4, 8, 16, 32]  # one block lost 60-412% on the H200
+    assert "block(s)" in ineligibility(make_plan("hint", 1), layer, L2, op)
+    # the measured winners at 12.5 MiB survive: hint4 and hint8 with ~15 us ops
+    assert ineligibility(make_plan("hint", 4), int(12.5 * MIB), L2, 15.5e-6) is None
+
+
+def test_make_plan_uses_one_warp_per_bulk_block():
+    assert make_plan("bulk_last", 16).threads == 32
+    assert make_plan("hint", 8).threads == 256
+    assert len(candidate_grid(KINDS)) == 4 * 6 * 2
+
+
+def test_autotuner_skips_layers_outside_the_rule_without_measuring():
+    clock = FakeClock()
+    factory = Factory(clock, hint8_wins)
+    huge = fake_layer(d=4096, index=0, name="huge")  # 32 MiB: 2 x 32 > 60 MiB
+    tiny = fake_layer(d=256, index=1, name="tiny")  # 128 KiB
+    report = tuner(clock, factory).tune([huge, tiny], "cpu", ("forward",))
+    assert factory.benches == []
+    assert [r.chosen for r in report.rows] == [False, False]
+    assert "L2" in report.rows[0].reason and "not worth a launch" in report.rows[1].reason
+
+
+# ---------------------------------------------------------------------- search and gate
+def test_clear_winner_is_chosen_with_a_confirmed_interval():
+    clock = FakeClock()
+    factory = Factory(clock, hint8_wins)
+    report = tuner(clock, factory).tune([fake_layer()], "cpu", ("forward",))
+    (row,) = report.rows
+    assert row.chosen, row.reason
+    assert row.plan == make_plan("hint", 8)
+    assert 0.04 < row.ci_low < row.gain < row.ci_high < 0.06
+    assert row.decoy_gain < 0 and row.measured and not row.from_cache
+    assert row.candidates <= 10  # staged: block counts, then flavours at the best count
+    assert factory.benches[0].closed
+
+
+def test_the_best_flavour_wins_the_second_stage():
+    def bulk_last_best(plan):
+        gain = hint8_wins(plan)
+        return 0.07 if (plan.kind, plan.blocks, plan.distance) == ("bulk_last", 8, 1) else gain
+
+    clock = FakeClock()
+    report = tuner(clock, Factory(clock, bulk_last_best)).tune([fake_layer()], "cpu", ("forward",))
+    assert report.rows[0].chosen and report.rows[0].plan == make_plan("bulk_last", 8)
+
+
+@pytest.mark.parametrize(
+    ("gain_of", "decoy_gain", "noise", "why"),
+    [
+        (lambda p: 0.004, -0.02, 0.002, "too small"),  # below +1%
+        (lambda p: -0.05, -0.02, 0.002, "loses"),
+        (lambda p: 0.015, -0.02, 0.05, "inside the noise"),
+        (lambda p: 0.04, 0.04, 0.002, "no better than its decoy"),
+    ],
+)
+def test_plans_that_do_not_provably_pay_run_plain(gain_of, decoy_gain, noise, why):
+    clock = FakeClock()
+    factory = Factory(clock, gain_of, decoy_gain=decoy_gain, noise=noise)
+    report = tuner(clock, factory).tune([fake_layer()], "cpu", ("forward",))
+    (row,) = report.rows
+    assert not row.chosen, f"{why}: {row.reason}"
+    assert report.plans_for([fake_layer()], "forward") == [None]
+    if why == "no better than its decoy":
+        assert "decoy" in row.reason
+
+
+def test_explicit_candidates_are_raced_alone():
+    clock = FakeClock()
+    factory = Factory(clock, hint8_wins)
+    plans = [make_plan("hint", 8), make_plan("hint", 16)]
+    report = tuner(clock, factory, candidates=plans).tune([fake_layer()], "cpu", ("forward",))
+    seen = {k[0] for k in factory.benches[0].calls if k[0] is not None}
+    assert seen <= set(plans)
+    assert report.rows[0].plan == plans[0]
+
+
+def test_a_shape_that_cannot_be_built_runs_plain():
+    def factory(layer, phase, device):
+        raise SkipShape("cannot deep-copy Weird")
+
+    report = tuner(FakeClock(), factory).tune([fake_layer()], "cpu", ("forward", "backward"))
+    assert [r.reason for r in report.rows] == ["cannot deep-copy Weird"] * 2
+    assert not any(r.chosen for r in report.rows)
+
+
+def test_a_failing_candidate_is_dropped_not_fatal():
+    clock = FakeClock()
+    factory = Factory(clock, hint8_wins)
+
+    def flaky(layer, phase, device):
+        bench = factory(layer, phase, device)
+        sample = bench.sample
+
+        def sample_or_fail(plan, decoy=False):
+            if plan is not None and plan.blocks == 16:
+                raise RuntimeError("capture failed")
+            return sample(plan, decoy)
+
+        bench.sample = sample_or_fail
+        return bench
+
+    report = tuner(clock, flaky).tune([fake_layer()], "cpu", ("forward",))
+    assert report.rows[0].chosen and report.rows[0].plan.blocks == 8
+
+
+# ---------------------------------------------------------------------- budget
+@pytest.mark.parametrize("budget", [0.6, 0.3])
+def test_per_shape_budget_is_honoured_with_a_fake_clock(budget):
+    clock = FakeClock()
+    # slow captures and samples, so the budget, not the search, ends the tuning
+    factory = Factory(clock, hint8_wins, capture_s=0.03, sample_s=0.012)
+    layers = [fake_layer(d=2560, name="a"), fake_layer(d=2048, index=1, name="b")]
+    report = tuner(clock, factory, budget_s=budget).tune(layers, "cpu", ("forward", "backward"))
+    assert len(report.rows) == 4
+    for shape, seconds in report.seconds_per_shape().items():
+        assert seconds <= budget + 1e-9, (shape, seconds)
+    assert all(r.samples > 0 for r in report.rows)
+    assert clock.now <= 2 * budget + 1e-9
+    # forward may use at most its share; backward gets the rest
+    fwd = [r for r in report.rows if r.phase == "forward"]
+    assert all(r.seconds <= 0.4 * budget + 1e-9 for r in fwd)
+
+
+def test_a_budget_too_small_to_confirm_rejects():
+    clock = FakeClock()
+    factory = Factory(clock, hint8_wins, capture_s=0.05, sample_s=0.02)
+    report = tuner(clock, factory, budget_s=0.2).tune([fake_layer()], "cpu", ("forward",))
+    (row,) = report.rows
+    assert not row.chosen
+    assert row.seconds <= 0.2 + 1e-9
+
+
+def test_more_budget_means_more_samples():
+    def samples(budget):
+        clock = FakeClock()
+        factory = Factory(clock, lambda p: 0.004, noise=0.01)  # undecided: uses all it gets
+        return (
+            tuner(clock, factory, budget_s=budget).tune([fake_layer()], "cpu", ("forward",)).rows[0].samples
+        )
+
+    assert samples(2.0) > samples(0.3)
+
+
+# ---------------------------------------------------------------------- RNG, cache
+def test_the_rng_is_left_as_it_was():
+    layer = fake_layer()  # nn.Linear's own init draws from the RNG: before the snapshot
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    clock = FakeClock()
+    tuner(clock, Factory(clock, hint8_wins)).tune([layer], "cpu", ("forward",))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_cached_decisions_are_reused_and_retune_measures_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("L2L_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("L2L_RETUNE", raising=False)
+    versions = {"torch": "t", "cupy": "c", "kernel": "k", "l2lightning": "v"}
+    clock = FakeClock()
+    factory = Factory(clock, hint8_wins)
+    first = tuner(clock, factory, cache=PlanCache(versions=versions)).tune(
+        [fake_layer()], "cpu", ("forward",)
+    )
+    assert len(factory.benches) == 1 and first.rows[0].chosen
+    assert (tmp_path / "plans.json").is_file()
+
+    second = tuner(clock, factory, cache=PlanCache(versions=versions)).tune(
+        [fake_layer()], "cpu", ("forward",)
+    )
+    assert len(factory.benches) == 1, "a cache hit must not measure"
+    row = second.rows[0]
+    assert row.from_cache and row.chosen and row.plan == first.rows[0].plan
+    assert row.tuned_seconds == pytest.approx(first.rows[0].seconds)
+    assert row.seconds == 0.0
+
+    monkeypatch.setenv("L2L_RETUNE", "1")
+    third = tuner(clock, factory, cache=PlanCache(versions=versions)).tune(
+        [fake_layer()], "cpu", ("forward",)
+    )
+    assert len(factory.benches) == 2 and not third.rows[0].from_cache
+
+    # other settings, other key: a decision made under one gate is not reused under another
+    monkeypatch.delenv("L2L_RETUNE")
+    tuner(clock, factory, cache=PlanCache(versions=versions), min_gain=0.02).tune(
+        [fake_layer()], "cpu", ("forward",)
+    )
+    assert len(factory.benches) == 3
+
+
+def test_rule_decisions_are_not_cached(tmp_path):
+    cache = PlanCache(tmp_path / "plans.json", versions={"torch": "t"}, retune=False)
+    clock = FakeClock()
+    tuner(clock, Factory(clock, hint8_wins), cache=cache).tune([fake_layer(d=256)], "cpu", ("forward",))
+    assert not (tmp_path / "plans.json").exists()
+
+
+# ---------------------------------------------------------------------- report
+def ln_linear_stack(d=1024, n=3):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU()) for _ in range(n)])
+
+
+def test_plans_for_counts_distance_in_significant_layers():
+    model = ln_linear_stack()
+    x = torch.randn(2, 1024)
+    chain = discover_chain(model, x)
+    # LayerNorm(1024)'s 4 KiB scale is a chain step, the 4 MiB Linear is the significant layer
+    assert [layer.name for layer in chain] == ["0.0", "0.1", "1.0", "1.1", "2.0", "2.1"]
+    linear = chain[1].shape_key
+    plan = make_plan("hint", 8)
+    report = TuningReport(
+        rows=[
+            TuningRow(shape=linear, phase="forward", layer_bytes=chain[1].nbytes, plan=plan, chosen=True),
+            TuningRow(shape=linear, phase="backward", layer_bytes=chain[1].nbytes, plan=plan, chosen=True),
+        ]
+    )
+    forward = report.plans_for(chain, "forward")
+    backward = report.plans_for(chain, "backward")
+    assert [p.distance if p else None for p in forward] == [None, None, None, 2, None, 2]
+    assert [p.distance if p else None for p in backward] == [None, 2, None, 2, None, None]
+
+    class Recorder(Issuer):
+        def __init__(self):
+            self.events = []
+            self.current = None
+
+        def issue(self, layer, plan, phase):
+            self.events.append((phase, layer.index))
+
+        def join(self, phase):
+            pass
+
+    rec = Recorder()
+    names = [layer.name for layer in chain]
+    hooks = PrefetchHooks(
+        model,
+        x,
+        plans=dict(zip(names, forward)),
+        backward_plans=dict(zip(names, backward)),
+        issuer=rec,
+    )
+    model(x).square().mean().backward()
+    # forward: Linear 1 and 2 are fetched while the previous Linear runs; backward: Linear 0 and 1
+    assert rec.events == [("forward", 3), ("forward", 5), ("backward", 3), ("backward", 1)]
+    hooks.remove()
+
+
+def test_table_and_dict():
+    clock = FakeClock()
+    report = tuner(clock, Factory(clock, hint8_wins)).tune(
+        [fake_layer(), fake_layer(d=256, index=1, name="t")], "cpu", ("forward", "backward")
+    )
+    text = report.table()
+    assert "hint8" in text and "95% CI" in text and "not worth a launch" in text
+    assert len(text.splitlines()) == 2 + 4
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["rows"][0]["plan"]["kind"] == "hint" and data["rows"][0]["plan_label"] == "hint8"
+    assert TuningRow.from_dict(data["rows"][0]).plan == make_plan("hint", 8)
+
+
+def test_log_table_goes_to_rank_zero_info(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    TuningReport(device="fake").log_table()
+    assert "l2lightning autotune on fake" in caplog.text
+
+
+def test_prefetch_hooks_auto_on_cpu_runs_plain(monkeypatch, tmp_path):
+    monkeypatch.setenv("L2L_CACHE_DIR", str(tmp_path))
+
+    class Recorder(Issuer):
+        def issue(self, layer, plan, phase):
+            raise AssertionError("nothing should be issued")
+
+        def join(self, phase):
+            pass
+
+    model = ln_linear_stack(d=64)
+    hooks = PrefetchHooks(model, torch.randn(2, 64), plans="auto", issuer=Recorder())
+    assert hooks.forward_plans == [None] * len(hooks.chain)
+    assert hooks.backward_plans == [None] * len(hooks.chain)
+    assert all("not a CUDA GPU" in r.reason for r in hooks.tuning_report.rows)
+    model(torch.randn(2, 64)).sum().backward()
+    assert tune_hooks(hooks, tune_forward=False, tune_backward=False).rows == []
+
+
+def test_exports():
+    import l2lightning
+
+    assert l2lightning.Autotuner is Autotuner and l2lightning.TuningReport is TuningReport
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"budget_s": 0}, "`budget_s`"),
+        ({"candidates": []}, "`candidates`"),
+        ({"candidates": ["hint8"]}, "`candidates`"),
+        ({"min_gain": 0.7}, "`min_gain`"),
+        ({"repeats": 2}, "`repeats`"),
+        ({"repeats": 4, "min_repeats": 6}, "`min_repeats`"),
+        ({"blocks": (0,)}, "`blocks`"),
+        ({"distances": (9,)}, "`distances`"),
+        ({"kinds": ("fast",)}, "`kinds`"),
+        ({"replays": 0}, "`replays`"),
+        ({"confidence": 1.0}, "`confidence`"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        Autotuner(cache=None, **kwargs)
+
+
+def test_bad_types_are_named():
+    with pytest.raises(TypeError, match="`clock`"):
+        Autotuner(cache=None, clock=1.0)
+    with pytest.raises(TypeError, match="`cache`"):
+        Autotuner(cache="somewhere")
+    with pytest.raises(ValueError, match="`phases`"):
+        Autotuner(cache=None).tune([], "cpu", ("sideways",))
+    with pytest.raises(TypeError, match="`chain`"):
+        Autotuner(cache=None).tune([PrefetchPlan()], "cpu")
