@@ -28,8 +28,9 @@ def main() -> None:
     y = torch.randn(batch, width, device=device, dtype=dtype)
 
     hooks = PrefetchHooks(model, x)  # without CUDA or CuPy: warns once and leaves the model plain
-    rows = hooks.plan_summary()
-    print(f"chain: {len(rows)} layers, first: {rows[0]['layer']} ({rows[0]['mib']} MiB), forward plan {rows[0]['forward']}")
+    rows = hooks.plan_summary()  # one row per weight-reading layer: name, MiB, forward/backward plan
+    planned = [row for row in rows if row["forward"] or row["backward"]]
+    print(f"chain: {len(rows)} weight-reading layers, {len(planned)} with a prefetch plan")
     if device != "cuda":
         print("capture: skipped, capture_step needs a CUDA GPU (torch.cuda.is_available() is False)")
         hooks.remove()
@@ -43,7 +44,9 @@ def main() -> None:
         loss = step((torch.randn_like(x), y))  # copy the batch in, replay the whole step
     end.record()
     torch.cuda.synchronize()
-    print(f"captured step with prefetch: {start.elapsed_time(end) / 50:.3f} ms/step, last loss {float(loss):.4f}")
+    print(
+        f"captured step with prefetch: {start.elapsed_time(end) / 50:.3f} ms/step, last loss {float(loss):.4f}"
+    )
     hooks.remove()
 
 

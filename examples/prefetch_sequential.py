@@ -47,7 +47,9 @@ def main() -> None:
         print("timing: skipped, needs a CUDA GPU (torch.cuda.is_available() is False)")
         return
     with torch.no_grad():
-        print(f"nn.Sequential: {cuda_ms(plain, x):.3f} ms, PrefetchSequential: {cuda_ms(seq, x):.3f} ms (eager forward)")
+        print(
+            f"nn.Sequential: {cuda_ms(plain, x):.3f} ms, PrefetchSequential: {cuda_ms(seq, x):.3f} ms (eager forward)"
+        )
 
 
 if __name__ == "__main__":

@@ -561,6 +561,10 @@ class Autotuner:
             l2 = self.l2_bytes if self.l2_bytes is not None else device_l2_bytes(device)
             kinds = self._kinds(device)
         used_cuda = False
+        if unavailable is None and self.bench_factory is None:
+            from l2lightning.prefetch import load_prefetch_kernels
+
+            load_prefetch_kernels(device.index)  # a first NVRTC compile is not tuning time
         with self._context(device, active=unavailable is None):
             for layer, count in shapes.values():
                 shape_start = self.clock()

@@ -828,7 +828,9 @@ def run_bench(
             return 2
         log(f"pre-registered criteria: {settings.criteria} sha256={sha} ({len(criteria)} criteria)")
     else:
-        log("no pre-registered criteria (pass --criteria PATH); timings will not be checked against expectations")
+        log(
+            "no pre-registered criteria (pass --criteria PATH); timings will not be checked against expectations"
+        )
 
     state = doctor.collect(settings.device, load_seconds=settings.doctor_load_seconds)
     findings = doctor.diagnose(state)
@@ -1002,10 +1004,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument(
-        "--repeats", type=int, default=None, help="interleaved repeats per variant (default 10; --quick: 6)"
+        "--repeats",
+        type=_positive_int,
+        default=None,
+        help="interleaved repeats per variant (default 10; --quick: 6)",
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="timed steps per repeat (default 30; --quick: 10)"
+        "--steps", type=_positive_int, default=None, help="timed steps per repeat (default 30; --quick: 10)"
     )
     parser.add_argument(
         "--prefetch", choices=("auto", "default"), default="auto", help="plans for graph_prefetch variants"

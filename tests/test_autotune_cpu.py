@@ -15,7 +15,9 @@ from l2lightning.autotune import (
     SkipShape,
     TuningReport,
     TuningRow,
+    build_throwaway,
     candidate_grid,
+    copies_for,
     ineligibility,
     make_plan,
     prune_candidates,
@@ -454,3 +456,103 @@ def test_bad_types_are_named():
         Autotuner(cache=None).tune([], "cpu", ("sideways",))
     with pytest.raises(TypeError, match="`chain`"):
         Autotuner(cache=None).tune([PrefetchPlan()], "cpu")
+
+
+# ---------------------------------------------------------------------- the throwaway chain (CPU parts)
+class RecordingIssuer(Issuer):
+    def __init__(self):
+        self.events = []
+
+    def issue(self, layer, plan, phase):
+        self.events.append((phase, layer.index))
+
+    def join(self, phase):
+        self.events.append((phase, "join"))
+
+
+def chain_layer(module, x):
+    (layer,) = [c for c in discover_chain(module, x)]
+    return layer
+
+
+def test_throwaway_chain_copies_with_fresh_weights_and_leaves_the_model_alone():
+    torch.manual_seed(0)
+    original = nn.Linear(64, 64)
+    saved = [p.detach().clone() for p in original.parameters()]
+
+    def must_not_fire(module, args):
+        raise AssertionError("a hook of the real model fired inside the throwaway chain")
+
+    original.register_forward_pre_hook(must_not_fire)
+    layer = Layer(0, "lin", original, [original.weight], 64 * 64 * 4, (4, 64))
+    t = build_throwaway(layer, "forward", l2_bytes=64 * 64 * 4 * 4)
+    assert t.mode == "chain" and t.copies == 8  # 2 x L2 / layer bytes
+    assert t.names == [f"layers.{i}" for i in range(8)]
+    copies = list(t.model.layers)
+    assert all(c.weight.data_ptr() != original.weight.data_ptr() for c in copies)
+    assert not torch.equal(copies[0].weight, copies[1].weight)
+    assert t.run().shape == (4, 64)
+    for p, before in zip(original.parameters(), saved):
+        assert torch.equal(p, before)
+
+
+def test_throwaway_fan_mode_for_layers_that_change_shape():
+    up = nn.Linear(64, 256)
+    layer = Layer(0, "up", up, [up.weight], 64 * 256 * 4, (4, 64))
+    t = build_throwaway(layer, "backward", l2_bytes=None)
+    assert t.mode == "fan" and t.copies == 6
+    assert len(t.inputs) == 6 and all(x.requires_grad for x in t.inputs)
+    loss = t.run()
+    assert loss.dim() == 0
+    assert all(c.weight.grad is not None for c in t.model.layers)
+    assert all(x.grad is not None for x in t.inputs)  # every copy computed grad-input (reads W)
+    t.zero_grads()
+    assert all(c.weight.grad is None for c in t.model.layers) and all(x.grad is None for x in t.inputs)
+
+
+def test_throwaway_backward_order_in_fan_mode_matches_a_chain():
+    up = nn.Linear(64, 256)
+    layer = Layer(0, "up", up, [up.weight], 64 * 256 * 4, (4, 64))
+    t = build_throwaway(layer, "backward", l2_bytes=None)
+    rec = RecordingIssuer()
+    plans = {name: make_plan("hint", 8) for name in t.names}
+    hooks = PrefetchHooks(t.model, t.inputs, backward=True, plans={}, backward_plans=plans, issuer=rec)
+    t.run()
+    hooks.remove()
+    backward = [e for e in rec.events if e[0] == "backward"]
+    assert backward == [("backward", i) for i in range(4, -1, -1)] + [("backward", "join")]
+
+
+def test_throwaway_embedding_gets_integer_input():
+    emb = nn.Embedding(1000, 64)
+    layer = Layer(0, "emb", emb, [emb.weight], 1000 * 64 * 4, (4, 16))
+    t = build_throwaway(layer, "forward", l2_bytes=None)
+    assert t.mode == "fan" and t.inputs[0].dtype == torch.int64
+    assert t.run()[0].shape == (4, 16, 64)
+
+
+def test_throwaway_refuses_what_it_cannot_rebuild():
+    import threading
+
+    class Locked(nn.Linear):
+        def __init__(self):
+            super().__init__(8, 8)
+            self.lock = threading.Lock()  # cannot be deep-copied
+
+    m = Locked()
+    with pytest.raises(SkipShape, match="deep-copy"):
+        build_throwaway(Layer(0, "l", m, [m.weight], 256, (2, 8)), "forward", None)
+    lin = nn.Linear(8, 8)
+    with pytest.raises(SkipShape, match="failed on a random"):
+        build_throwaway(Layer(0, "l", lin, [lin.weight], 256, (2, 3)), "forward", None)
+    with pytest.raises(SkipShape, match="input shape is unknown"):
+        build_throwaway(Layer(0, "l", lin, [lin.weight], 256, None), "forward", None)
+    with pytest.raises(SkipShape, match="not enough free memory"):
+        build_throwaway(Layer(0, "l", lin, [lin.weight], 256, (2, 8)), "forward", None, max_bytes=300)
+
+
+def test_copies_for_bounds():
+    assert copies_for(12 * MIB, L2) == 10
+    assert copies_for(32 * MIB, L2) == 6
+    assert copies_for(MIB, L2) == 32
+    assert copies_for(MIB, None) == 6

@@ -151,3 +151,180 @@ def test_harness_script_help():
     proc = _run("benchmarks/harness.py", "--help")
     assert proc.returncode == 0, proc.stderr
     assert "usage: l2lightning bench" in proc.stdout
+
+
+# ---------------------------------------------------------------------- bench pipeline with stand-ins
+FIXTURES = Path(__file__).parent / "fixtures"
+FAKE_TIMES = {
+    "lightning_eager": 15000.0,
+    "callback_off": 4400.0,
+    "callback_auto": 4300.0,
+    "callback_decoy": 4500.0,
+    "eager": 13500.0,
+    "graph": 4376.0,
+    "graph_prefetch": 4349.0,
+    "graph_decoy": 4450.0,
+    "compile_graph": 4093.0,
+    "compile_graph_prefetch": 4080.0,
+}
+
+
+def _recorded_state(kind: str) -> dict:
+    from l2lightning import doctor
+
+    prefix = {"h200": "nvidia_smi_h200", "laptop": "nvidia_smi_laptop_powerd"}[kind]
+    measured = json.loads(
+        (FIXTURES / {"h200": "h200_measured.json", "laptop": "laptop_powerd_measured.json"}[kind]).read_text()
+    )
+    return doctor.state_from_nvidia_smi(
+        (FIXTURES / f"{prefix}_idle.csv").read_text(), (FIXTURES / f"{prefix}_load.csv").read_text(), measured
+    )
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """bench.run_bench on CPU: recorded doctor state, runners that return synthetic step times."""
+    from l2lightning import doctor, report
+
+    calls: list[tuple[str, str]] = []
+    out = tmp_path / "results"
+
+    class FakeRunner(bench.Runner):
+        def setup(self) -> None:
+            if self.variant == "compile_ro":
+                raise RuntimeError("no triton on this machine")
+            self.info = {"fake": True}
+
+        def run(self, steps: int) -> list[float]:
+            assert (out / "preregistration.json").exists(), "criteria must be stored before any timing"
+            calls.append((self.case.chain, self.variant))
+            scale = 1.0 if self.case.chain == "step" else 0.1
+            return [FAKE_TIMES[self.variant] * scale * (1 + 0.001 * i) for i in range(steps)]
+
+    def fake_floors(case, gpu_state, settings):
+        f = report.floors(
+            {"bfloat16": case.width * case.width * 2 * case.depth},
+            700,
+            gpu_state["copy_bandwidth_bytes_per_s"],
+            gpu_state["empty_kernel_us"],
+            chain=case.chain,
+            state_bytes_per_element=2,
+        )
+        return f, 700
+
+    state = {"value": _recorded_state("h200")}
+    monkeypatch.setattr(doctor, "collect", lambda *a, **k: state["value"])
+    monkeypatch.setattr(bench, "make_runner", lambda v, c, s, shared: FakeRunner(v, c, s, shared))
+    monkeypatch.setattr(bench, "case_floors", fake_floors)
+    return {"calls": calls, "out": out, "state": state}
+
+
+def test_bench_pipeline_writes_complete_results(fake_gpu, capsys):
+    out = fake_gpu["out"]
+    criteria = ROOT / "benchmarks" / "criteria.yaml"
+    code = cli.main(
+        ["bench", "--quick", "--repeats", "3", "--steps", "4", "--out", str(out), "--criteria", str(criteria)]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    sha = report_sha = __import__("hashlib").sha256(criteria.read_bytes()).hexdigest()
+    assert f"sha256={sha}" in printed
+    prereg = json.loads((out / "preregistration.json").read_text())
+    assert prereg["sha256"] == report_sha and len(prereg["criteria"]) >= 5
+    assert (out / "criteria.yaml").read_bytes() == criteria.read_bytes()
+
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["forced"] is False and doc["ready_for_timing"] is True
+    assert doc["environment"]["command"].startswith("l2lightning bench --quick")
+    assert doc["environment"]["gpu"]["gpu_name"] == "NVIDIA H200"
+    assert doc["doctor"]["ready_for_timing"] is True
+    rows = doc["results"]
+    step = {r["variant"]: r for r in rows if r["chain"] == "step"}
+    assert set(step) == set(bench.STEP_VARIANTS)
+    assert step["compile_ro"]["error"] == "setup: RuntimeError: no triton on this machine"
+    assert step["compile_ro"]["median_us"] is None
+    cb = step["callback_auto"]
+    assert cb["n"] == 3 and cb["ci_lo_us"] <= cb["median_us"] <= cb["ci_hi_us"]
+    assert cb["speedup_vs_lightning_eager"] == pytest.approx(15000 / 4300, rel=1e-2)
+    assert cb["gain_vs_no_prefetch"] == pytest.approx(4400 / 4300 - 1, rel=1e-2)
+    assert cb["kernel_count"] == 700 and cb["floor_us"] and cb["ratio_to_floor"] > 1
+    assert {r["chain"] for r in rows} == {"step", "forward_backward", "forward"}
+    assert all(r["forced"] is False for r in rows)
+
+    # Interleaved: every repeat visits every variant before the next repeat starts, rotating the order.
+    step_calls = [v for c, v in fake_gpu["calls"] if c == "step"]
+    n = len(bench.STEP_VARIANTS) - 1  # compile_ro failed in setup
+    assert len(step_calls) == 3 * n
+    assert set(step_calls[:n]) == set(step_calls[n : 2 * n]) and step_calls[0] != step_calls[n]
+
+    results = {c["id"]: c for c in doc["criteria_results"]}
+    assert results["whole-step-graph-beats-reduce-overhead"]["status"] == "no data"  # compile_ro failed
+    assert results["callback-3x-lightning-eager-small-batch"]["status"] == "passed"
+    assert (
+        results["callback-4x-lightning-eager-small-batch"]["status"] == "failed"
+    )  # 3.5x < 4x: kept as a result
+    assert "[FAILED] callback-4x-lightning-eager-small-batch" in printed
+
+    with (out / "results.csv").open() as fh:
+        lines = fh.read().splitlines()
+    assert lines[0].startswith("config,chain,variant") and len(lines) == 1 + len(rows)
+    for name in ("speedup.png", "prefetch_gain_vs_layer.png", "time_vs_floors.png"):
+        data = (out / name).read_bytes()
+        assert data[:4] == b"\x89PNG" and len(data) > 10_000
+
+
+def test_bench_refuses_a_throttled_gpu_unless_forced(fake_gpu, capsys):
+    fake_gpu["state"]["value"] = _recorded_state("laptop")
+    out = fake_gpu["out"]
+    argv = [
+        "bench",
+        "--quick",
+        "--repeats",
+        "1",
+        "--steps",
+        "2",
+        "--chains",
+        "forward",
+        "--out",
+        str(out),
+        "--criteria",
+        "",
+    ]
+    assert cli.main(argv) == 2
+    printed = capsys.readouterr().out
+    assert "not ready for timing" in printed and "sudo systemctl stop nvidia-powerd" in printed
+    assert not fake_gpu["calls"] and not (out / "results.json").exists()
+
+    assert cli.main([*argv, "--force"]) == 0
+    printed = capsys.readouterr().out
+    assert "continuing because of --force" in printed
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["forced"] is True and doc["ready_for_timing"] is False
+    assert doc["results"] and all(r["forced"] is True for r in doc["results"])
+    assert doc["criteria_results"] == []
+
+
+def test_bench_model_is_one_prefetch_chain_layer_per_block():
+    import torch
+
+    from l2lightning.hooks import discover_chain
+
+    model = bench.build_model(64, 3, "cpu", torch.float32)
+    x = torch.randn(2, 64)
+    chain = discover_chain(model, x)
+    assert [layer.name for layer in chain] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all(len(layer.weights) == 1 and layer.weights[0].shape == (64, 64) for layer in chain)
+    # Same maths as the nn modules: LayerNorm -> Linear -> GELU.
+    blk = model.blocks[0]
+    ref = torch.nn.functional.gelu(
+        torch.nn.functional.linear(
+            torch.nn.functional.layer_norm(x, (64,), blk.ln_weight, blk.ln_bias), blk.weight, blk.bias
+        )
+    )
+    assert torch.equal(blk(x), ref)
+    loss = bench.regression_loss(model, (x, torch.zeros(2, 64)))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    # Same seed, same weights: every variant starts from the same model.
+    again = bench.build_model(64, 3, "cpu", torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
