@@ -774,7 +774,7 @@ class Autotuner:
             pool = self.candidates
         else:
             base_kind = "hint" if "hint" in kinds else kinds[0]
-            pool = [make_plan(base_kind, b) for b in self.blocks]
+            pool = [make_plan(base_kind, b, min(self.distances)) for b in self.blocks]
             first = prune_candidates(pool, layer.nbytes, l2, op_seconds, **rule)
         if not first:
             why = next(r for c in pool if (r := ineligibility(c, layer.nbytes, l2, op_seconds, **rule)))
@@ -788,8 +788,10 @@ class Autotuner:
             # Flavours at the best block count, unless every block count clearly lost (the
             # 32 MiB case: every plan lost 3-400%; other kinds will not rescue it).
             if base is not None and mean_ci(gains[base], self.confidence).high >= 0:
-                flavours = [make_plan(k, base.blocks) for k in kinds if k != base.kind]
-                flavours += [make_plan(base.kind, base.blocks, d) for d in self.distances if d != 1]
+                flavours = [make_plan(k, base.blocks, base.distance) for k in kinds if k != base.kind]
+                flavours += [
+                    make_plan(base.kind, base.blocks, d) for d in self.distances if d != base.distance
+                ]
                 second = prune_candidates(flavours, layer.nbytes, l2, op_seconds, **rule)
                 if second:
                     carried = [c for c in alive if c == base]

@@ -30,9 +30,15 @@ Timing: CUDA events recorded at each step boundary (start to start, so the loop'
 included, as a user sees it); Lightning steps are timed from ``on_train_batch_start`` to the
 next. Each (variant, repeat) gives the median of its steps; the reported median and its
 order-statistic 95% CI are over those per-repeat medians (see :func:`l2lightning.report.median_ci`).
-The GPU state is checked with the doctor first; timing is refused unless ``--force``, which
-marks every result ``forced: true``. Pre-registered criteria are hashed and stored before any
-timing and evaluated after it.
+Floors per case: bytes from :func:`l2lightning.report.step_bytes` (AdamW states in the parameters'
+dtype, as PyTorch keeps them) over the doctor's copy bandwidth, and kernels counted on one eager
+pass with ``torch.profiler`` times the doctor's empty-kernel cost (compiled variants launch fewer
+kernels, so their launch floor is an upper estimate).
+
+The GPU state is checked with the doctor first; timing is refused unless ``--force``, which marks
+every result ``forced: true``. Pre-registered criteria are hashed and stored before any timing
+and evaluated after it. ``results.json`` is rewritten after every case (``complete: false``) and
+once at the end with the criteria verdicts, beside ``results.csv`` and the plots.
 """
 
 from __future__ import annotations
@@ -109,6 +115,17 @@ CSV_COLUMNS = (
     "kernel_count",
     "forced",
     "error",
+)
+# Host-side CUDA calls that put one kernel, copy or fill on a stream (the fallback kernel count).
+LAUNCH_API_NAMES = frozenset(
+    {
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaMemcpyAsync",
+        "cudaMemsetAsync",
+    }
 )
 DEFAULT_RESULTS_ROOT = Path("benchmarks") / "results"
 DEFAULT_CRITERIA = Path("benchmarks") / "criteria.yaml"
@@ -363,6 +380,11 @@ def _install_prefetch(runner: Runner, model: Any, decoy: bool) -> Any:
     if decoy and tuned is not None:
         plans, backward_plans = tuned
         source = "plans of the prefetch variant, aimed at the wrong layer"
+    elif tuned is not None and runner.variant == "compile_graph_prefetch":
+        # Same layer shapes as graph_prefetch: reuse its plans rather than tune a compiled function,
+        # which the tuner's throwaway graphs could make recompile inside a capture.
+        plans, backward_plans = tuned
+        source = "plans tuned for graph_prefetch (same layer shapes)"
     elif settings.prefetch == "auto":
         plans, backward_plans, source = "auto", None, "autotuned"
     else:
@@ -396,6 +418,16 @@ class PlainRunner(Runner):
     """eager / graph / graph_prefetch / graph_decoy / compile_graph(_prefetch) / compile_ro."""
 
     def setup(self) -> None:
+        import torch
+
+        self._build()
+        assert self.step is not None
+        # Untimed steps: cuBLAS/allocator warm-up; reduce-overhead records its CUDA graphs here.
+        for i in range(5 if self.variant == "compile_ro" else 2):
+            self.step(i)
+        torch.cuda.synchronize()
+
+    def _build(self) -> None:
         import torch
 
         from l2lightning import capture_step
@@ -525,8 +557,8 @@ class LightningRunner(Runner):
 
             cb = L2GraphCallback(prefetch=prefetch)
             callbacks.append(cb)
-        trainer = _trainer(self.settings, skip + steps + 1, callbacks)
         with _quiet_lightning():
+            trainer = _trainer(self.settings, skip + steps + 1, callbacks)
             trainer.fit(self.module, _loader(self.batches, skip + steps + 1))
         torch.cuda.synchronize()
         events = timer.events[skip : skip + steps + 1]
@@ -641,6 +673,7 @@ def _quiet_lightning() -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*does not have many workers.*")
             warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*")
             yield
     finally:
         for lg, level in zip(loggers, levels):
@@ -663,11 +696,14 @@ def count_kernels(fn: Callable[[], Any]) -> int | None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        cuda = torch.autograd.DeviceType.CUDA
-        count = sum(1 for e in prof.events() if getattr(e, "device_type", None) == cuda)
+        events = list(prof.events())
     except Exception:
         return None
-    return count or None
+    # GPU-side records first (one per kernel, memcpy, memset); else the host-side launch calls.
+    cuda = torch.autograd.DeviceType.CUDA
+    on_gpu = sum(1 for e in events if getattr(e, "device_type", None) == cuda)
+    launches = sum(1 for e in events if getattr(e, "name", "") in LAUNCH_API_NAMES)
+    return on_gpu or launches or None
 
 
 def case_floors(
@@ -868,6 +904,23 @@ def run_bench(
 
     _raise_compile_limits()
     rows: list[dict[str, Any]] = []
+
+    def document(complete: bool) -> dict[str, Any]:
+        results = report.evaluate(criteria, rows) if complete else []
+        return {
+            "schema": "l2lightning.bench/1",
+            "complete": complete,
+            "environment": report.environment_info(state, argv),
+            "doctor": doctor.to_dict(state, findings),
+            "ready_for_timing": ready,
+            "forced": forced,
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
+            "preregistration": prereg,
+            "results": rows,
+            "criteria_results": [r.to_dict() for r in results],
+            "wall_s": round(time.perf_counter() - t_start, 1),
+        }
+
     for width, depth in settings.models:
         for batch in settings.batches:
             for chain in settings.chains:
@@ -879,33 +932,23 @@ def run_bench(
                 report.add_comparisons(case_rows)
                 _print_rows(case_rows, log)
                 rows.extend(case_rows)
+                # Written after every case (``complete: false``) so a crash late in a sweep keeps the rest.
+                report.write_json(out / "results.json", document(complete=False))
     report.add_comparisons(rows)
-    results = report.evaluate(criteria, rows)
-    document = {
-        "schema": "l2lightning.bench/1",
-        "environment": report.environment_info(state, argv),
-        "doctor": doctor.to_dict(state, findings),
-        "ready_for_timing": ready,
-        "forced": forced,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
-        "preregistration": prereg,
-        "results": rows,
-        "criteria_results": [r.to_dict() for r in results],
-        "wall_s": round(time.perf_counter() - t_start, 1),
-    }
-    json_path = report.write_json(out / "results.json", document)
+    final = document(complete=True)
+    json_path = report.write_json(out / "results.json", final)
     csv_path = report.write_csv(out / "results.csv", rows, CSV_COLUMNS)
     plots = []
     try:
-        plots = report.make_plots(document, out)
+        plots = report.make_plots(final, out)
     except Exception as exc:  # matplotlib missing or a plotting bug must not lose the timings
         log(f"plots skipped: {_error_text(exc)} (`pip install matplotlib`)")
-    if results:
+    if final["criteria_results"]:
         log("criteria (pre-registered, sha256 " + (sha or "?") + "):")
-        for res in results:
+        for res in report.evaluate(criteria, rows):
             log(f"  {res}")
     log(f"wrote {json_path}, {csv_path}" + "".join(f", {p}" for p in plots))
-    log(f"total {document['wall_s']} s")
+    log(f"total {final['wall_s']} s")
     return 0
 
 

@@ -528,7 +528,7 @@ def _load_findings(state: Mapping[str, Any], load: Mapping[str, Any], powerd_act
                 Finding(
                     "throttle-load",
                     "problem",
-                    f"'{label}' throttle active at {_w(power)} of a {_w(limit)} power limit",
+                    f"'{label}' throttle active at {_w(power)} (power limit {_w(limit)})",
                     "The driver caps power well below the board's limit. On laptops nvidia-powerd (Dynamic "
                     "Boost) does this (seen: P5, 810 MHz memory clock, 46 W of 80 W, copy bandwidth cut "
                     "tenfold).",
@@ -930,21 +930,23 @@ class SmiReader(TelemetryReader):
         self.exe = shutil.which("nvidia-smi")
         if self.exe is None:
             raise FileNotFoundError("nvidia-smi is not on PATH")
-        self.target = (
-            f"GPU-{uuid}"
-            if uuid and not uuid.startswith("GPU-")
-            else (uuid or str(_physical_index(device_index)))
-        )
+        targets = [str(_physical_index(device_index))]
+        if uuid:
+            targets.insert(0, uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
         self.fields: tuple[str, ...] = SMI_FIELDS
         self.raw: list[str] = []
         last_error = ""
-        for reason_field in SMI_REASON_FIELDS:
-            fields = tuple(reason_field if f in SMI_REASON_FIELDS else f for f in SMI_FIELDS)
-            ok, text = self._query(fields)
-            if ok:
-                self.fields = fields
-                return
-            last_error = text
+        # The UUID names the same GPU torch uses whatever CUDA_VISIBLE_DEVICES says; the index is
+        # the fallback. The reason field was renamed in newer drivers: try both spellings.
+        for target in targets:
+            self.target = target
+            for reason_field in SMI_REASON_FIELDS:
+                fields = tuple(reason_field if f in SMI_REASON_FIELDS else f for f in SMI_FIELDS)
+                ok, text = self._query(fields)
+                if ok:
+                    self.fields = fields
+                    return
+                last_error = text
         raise RuntimeError(f"nvidia-smi query failed: {last_error.strip()[:300]}")
 
     def _query(self, fields: Sequence[str]) -> tuple[bool, str]:
@@ -1182,8 +1184,8 @@ def collect(
         if reader is not None:
             state["telemetry_source"] = reader.source
             static = reader.static()
-            for key, value in static.items():
-                if value is not None and (state.get(key) is None or key != "gpu_name"):
+            for key, value in static.items():  # torch's values (name, memory) win; telemetry fills the rest
+                if value is not None and state.get(key) is None:
                     state[key] = value
             if state.get("uuid") is None and uuid:
                 state["uuid"] = uuid

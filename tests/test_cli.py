@@ -234,7 +234,7 @@ def test_bench_pipeline_writes_complete_results(fake_gpu, capsys):
     assert (out / "criteria.yaml").read_bytes() == criteria.read_bytes()
 
     doc = json.loads((out / "results.json").read_text())
-    assert doc["forced"] is False and doc["ready_for_timing"] is True
+    assert doc["complete"] is True and doc["forced"] is False and doc["ready_for_timing"] is True
     assert doc["environment"]["command"].startswith("l2lightning bench --quick")
     assert doc["environment"]["gpu"]["gpu_name"] == "NVIDIA H200"
     assert doc["doctor"]["ready_for_timing"] is True

@@ -76,6 +76,7 @@ def test_harness_quick_tiny_config_writes_a_complete_result_file(tmp_path):
     ]
     assert cli.main(argv) == 0
     doc = json.loads((out / "results.json").read_text())
+    assert doc["complete"] is True
     prereg = json.loads((out / "preregistration.json").read_text())
     assert prereg["sha256"] == doc["preregistration"]["sha256"]
     rows = doc["results"]

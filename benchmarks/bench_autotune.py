@@ -1,0 +1,422 @@
+"""Benchmark of the measured autotuner (issue 4) on held-out chain configurations.
+
+For each configuration (family x width x batch x phase) it builds a bf16 chain whose weights total
+about 3x the GPU's L2, tunes it with :class:`l2lightning.Autotuner` (no cache: every decision is
+measured here), captures three CUDA graphs of the same chain (plain, tuned plans, the tuned plans
+aimed at the wrong layer = decoy), times their replays interleaved in one process (CUDA-event
+medians, the order rotated every round) and checks that outputs and gradients are bit-identical.
+
+The default widths are held out: none of them was used while developing the tuner (the H200
+measurements note used 768/1024/1536/2560/3072/4096, the GPU tests use 256 and 2560, the CPU tests
+fake their timings). Every row says whether its width is held out.
+
+Summary targets: mean gain >= +3% over configurations with 2-16 MiB layers at batch <= 16; worst
+configuration >= -1%; tuning time <= 0.6 s per layer shape.
+
+Usage:
+    python benchmarks/bench_autotune.py --out benchmarks/results/h200/autotune            # full grid
+    python benchmarks/bench_autotune.py --quick --out /tmp/autotune-quick                  # < 3 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from l2lightning.autotune import Autotuner
+from l2lightning.hooks import PrefetchHooks, device_l2_bytes, discover_chain
+from l2lightning.prefetch import MIB
+from l2lightning.tuning_stats import mean_ci
+
+DEV_WIDTHS = (256, 768, 1024, 1536, 2560, 3072, 4096)  # seen while developing (notes, GPU tests)
+HELD_OUT_WIDTHS = (1280, 1792, 2304, 2816, 3584)
+BATCHES = (1, 4, 16, 64)
+FAMILIES = ("ln_linear_gelu", "linear_relu")
+PHASES = ("fwd", "fwd+bwd")
+QUICK = {"widths": (1792, 2816), "batches": (4, 16), "families": FAMILIES, "phases": PHASES}
+TARGET_MEAN_GAIN, TARGET_WORST, TARGET_TUNE_S = 0.03, -0.01, 0.6
+
+
+# ---------------------------------------------------------------------- GPU state
+def gpu_state() -> dict[str, Any]:
+    """nvidia-smi's view (name, P-state, clocks, throttle reasons) and torch's, stored in the JSON."""
+    query = "name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active"
+    state: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    for q in (query, query.replace("clocks_throttle_reasons", "clocks_event_reasons")):
+        cmd = ["nvidia-smi", f"--query-gpu={q}", "--format=csv"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=15)
+        except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
+            state["nvidia_smi"] = f"unavailable: {type(exc).__name__}: {exc}"
+            break
+        if out.returncode == 0:
+            lines = [line.strip() for line in out.stdout.strip().splitlines() if line.strip()]
+            header = [h.strip() for h in lines[0].split(",")]
+            state["nvidia_smi_command"] = shlex.join(cmd)
+            state["gpus"] = [dict(zip(header, (v.strip() for v in line.split(",")))) for line in lines[1:]]
+            break
+        state["nvidia_smi"] = f"rc={out.returncode}: {out.stderr.strip() or out.stdout.strip()}"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    state["torch_device"] = {
+        "name": props.name,
+        "sm_count": props.multi_processor_count,
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+        "total_memory": props.total_memory,
+    }
+    return state
+
+
+def state_warnings(state: dict[str, Any]) -> list[str]:
+    """P-state other than P0 or an active throttle reason other than idle (0x1) is worth a warning."""
+    warnings = []
+    for gpu in state.get("gpus", []):
+        pstate = next((v for k, v in gpu.items() if k.startswith("pstate")), "")
+        reasons = next((v for k, v in gpu.items() if "reasons" in k), "")
+        if pstate and pstate != "P0":
+            warnings.append(f"GPU in {pstate}, not P0")
+        try:
+            bits = int(reasons, 16)
+        except ValueError:
+            continue
+        if bits & ~0x1:
+            warnings.append(f"clock throttle/event reasons active: {reasons}")
+    return warnings
+
+
+def versions() -> dict[str, str]:
+    from l2lightning.plan_cache import current_versions
+
+    out = current_versions()
+    out["python"] = platform.python_version()
+    out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+# ---------------------------------------------------------------------- models and graphs
+def build(family: str, d: int, n_layers: int) -> nn.Sequential:
+    if family == "ln_linear_gelu":
+        blocks = [nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU()) for _ in range(n_layers)]
+    elif family == "linear_relu":
+        blocks = [nn.Sequential(nn.Linear(d, d), nn.ReLU()) for _ in range(n_layers)]
+    else:
+        raise ValueError(f"`family` must be one of {FAMILIES}, got {family!r}")
+    return nn.Sequential(*blocks).to("cuda", torch.bfloat16)
+
+
+def capture(
+    model: nn.Module, x: torch.Tensor, backward: bool
+) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    """A graph of forward (no_grad), or forward + mean-square loss + backward with grads set to None
+    before capture. Returns the graph and the tensors its replays write (output/loss, grads)."""
+
+    def body() -> torch.Tensor:
+        if not backward:
+            with torch.no_grad():
+                return model(x)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, PyTorch's rule for capturing backward
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body()
+    graph.replay()
+    torch.cuda.synchronize()
+    written = [out] + [p.grad for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)  # the next capture allocates its own grads
+    return graph, written
+
+
+def interleaved_us(graphs: list[torch.cuda.CUDAGraph], rounds: int, replays: int) -> list[list[float]]:
+    """Per-replay µs per graph and round; the order rotates each round so drift hits every variant."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: list[list[float]] = [[] for _ in graphs]
+    for r in range(rounds):
+        order = list(range(len(graphs)))
+        order = order[r % len(order) :] + order[: r % len(order)]
+        for i in order:
+            start.record()
+            for _ in range(replays):
+                graphs[i].replay()
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end) * 1e3 / replays)
+    return times
+
+
+def bit_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------- one configuration
+def run_config(family: str, d: int, b: int, phase: str, l2: int, args: argparse.Namespace) -> dict[str, Any]:
+    layer_bytes = d * d * 2
+    n_layers = max(4, round(args.l2_multiple * l2 / layer_bytes))
+    row: dict[str, Any] = {
+        "family": family,
+        "width": d,
+        "batch": b,
+        "phase": phase,
+        "layers": n_layers,
+        "layer_mib": round(layer_bytes / MIB, 3),
+        "total_mib": round(n_layers * layer_bytes / MIB, 1),
+        "held_out": d not in DEV_WIDTHS,
+    }
+    torch.manual_seed(0)
+    model = build(family, d, n_layers)
+    x = torch.randn(b, d, device="cuda", dtype=torch.bfloat16)
+    backward = phase == "fwd+bwd"
+    chain = discover_chain(model, x)
+    tuner = Autotuner(budget_s=args.budget, cache=None)
+    t0 = time.perf_counter()
+    report = tuner.tune(chain, x.device, ("forward", "backward") if backward else ("forward",))
+    row["tune_wall_s"] = round(time.perf_counter() - t0, 3)
+    row["tune_s_per_shape_max"] = round(max(report.seconds_per_shape().values(), default=0.0), 3)
+    row["chosen"] = {f"{r.phase}:{r.shape}": r.label for r in report.rows if r.chosen}
+    row["tuning_rows"] = [r.to_dict() for r in report.rows if r.measured]
+    names = [layer.name for layer in chain]
+    forward = dict(zip(names, report.plans_for(chain, "forward")))
+    backward_plans = dict(zip(names, report.plans_for(chain, "backward"))) if backward else None
+
+    plain, w_plain = capture(model, x, backward)
+    graphs, written = [plain], [w_plain]
+    for decoy in (False, True):
+        hooks = PrefetchHooks(
+            model, x, backward=backward, plans=forward, backward_plans=backward_plans, decoy=decoy
+        )
+        g, w = capture(model, x, backward)
+        hooks.remove()
+        graphs.append(g)
+        written.append(w)
+    times = interleaved_us(graphs, args.rounds, args.replays)
+    p, t, dcy = (statistics.median(ts) for ts in times)
+    gains = [1 - ti / pi for pi, ti in zip(times[0], times[1])]
+    ci = mean_ci(gains)
+    # replay plain then tuned and compare what each wrote (the prefetch never writes memory)
+    identical = True
+    for g, w in zip(graphs[1:], written[1:]):
+        plain.replay()
+        g.replay()
+        torch.cuda.synchronize()
+        identical &= bit_identical(w_plain, w)
+    row.update(
+        plain_us=round(p, 2),
+        tuned_us=round(t, 2),
+        decoy_us=round(dcy, 2),
+        tuned_ratio=round(t / p, 4),
+        decoy_ratio=round(dcy / p, 4),
+        gain=round(1 - t / p, 4),
+        gain_ci=[round(ci.low, 4), round(ci.high, 4)],
+        decoy_gain=round(1 - dcy / p, 4),
+        bit_identical=identical,
+    )
+    del graphs, written, plain, model
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return row
+
+
+# ---------------------------------------------------------------------- summary and output
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if "error" not in r]
+    target = [r for r in ok if 2 <= r["layer_mib"] <= 16 and r["batch"] <= 16]
+    worst = min(ok, key=lambda r: r["gain"], default=None)
+    mean_gain = statistics.fmean(r["gain"] for r in target) if target else math.nan
+    max_tune = max((r["tune_s_per_shape_max"] for r in ok), default=math.nan)
+    return {
+        "configs": len(rows),
+        "errors": len(rows) - len(ok),
+        "held_out_configs": sum(1 for r in ok if r["held_out"]),
+        "target_set": "2-16 MiB layers, batch <= 16",
+        "target_configs": len(target),
+        "mean_gain_target_set": mean_gain,
+        "mean_gain_target_met": bool(mean_gain >= TARGET_MEAN_GAIN),
+        "worst_config": None
+        if worst is None
+        else {k: worst[k] for k in ("family", "width", "batch", "phase", "gain")},
+        "worst_gain": None if worst is None else worst["gain"],
+        "worst_target_met": bool(worst is not None and worst["gain"] >= TARGET_WORST),
+        "max_tune_s_per_shape": max_tune,
+        "tune_target_met": bool(max_tune <= TARGET_TUNE_S),
+        "configs_with_a_chosen_plan": sum(1 for r in ok if r["chosen"]),
+        "all_bit_identical": all(r["bit_identical"] for r in ok),
+    }
+
+
+CSV_FIELDS = [
+    "family", "width", "batch", "phase", "held_out", "layers", "layer_mib", "total_mib", "plain_us", "tuned_us",
+    "decoy_us", "tuned_ratio", "decoy_ratio", "gain", "gain_ci", "decoy_gain", "chosen", "tune_s_per_shape_max",
+    "tune_wall_s", "bit_identical", "error",
+]  # fmt: skip
+
+
+def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Autotuner benchmark",
+        "",
+        f"Command: `{meta['command']}`",
+        f"Device: {meta['gpu_state_before'].get('torch_device', {}).get('name', '?')}; versions: "
+        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        f"Held-out widths (not used while developing): {', '.join(map(str, HELD_OUT_WIDTHS))}; "
+        f"widths seen in development: {', '.join(map(str, DEV_WIDTHS))}.",
+        "",
+        "| family | d | batch | phase | held out | layer MiB | plain µs | tuned µs | decoy µs | tuned/plain | "
+        "decoy/plain | gain [95% CI] | chosen | tune s/shape | bits equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['family']} | {r['width']} | {r['batch']} | {r['phase']} | error: {r['error']} |"
+            )
+            continue
+        chosen = "; ".join(f"{k.split(':')[0]} {v}" for k, v in r["chosen"].items()) or "plain"
+        lines.append(
+            f"| {r['family']} | {r['width']} | {r['batch']} | {r['phase']} | {'yes' if r['held_out'] else 'no'} | "
+            f"{r['layer_mib']:.1f} | {r['plain_us']:.1f} | {r['tuned_us']:.1f} | {r['decoy_us']:.1f} | "
+            f"{r['tuned_ratio']:.4f} | {r['decoy_ratio']:.4f} | {r['gain']:+.2%} [{r['gain_ci'][0]:+.2%}, "
+            f"{r['gain_ci'][1]:+.2%}] | {chosen} | {r['tune_s_per_shape_max']:.2f} | {r['bit_identical']} |"
+        )
+    s = summary
+    worst = s["worst_config"] or {}
+    lines += [
+        "",
+        "## Summary",
+        f"- mean gain over {s['target_configs']} configs with {s['target_set']}: {s['mean_gain_target_set']:+.2%} "
+        f"(target >= {TARGET_MEAN_GAIN:+.0%}: {'met' if s['mean_gain_target_met'] else 'NOT met'})",
+        f"- worst config: {worst.get('family')} d{worst.get('width')} b{worst.get('batch')} {worst.get('phase')} "
+        f"{(s['worst_gain'] or 0):+.2%} (target >= {TARGET_WORST:+.0%}: {'met' if s['worst_target_met'] else 'NOT met'})",
+        f"- max tuning time per shape: {s['max_tune_s_per_shape']:.2f} s (target <= {TARGET_TUNE_S} s: "
+        f"{'met' if s['tune_target_met'] else 'NOT met'})",
+        f"- configs with a chosen plan: {s['configs_with_a_chosen_plan']} of {s['configs'] - s['errors']}; "
+        f"errors: {s['errors']}; outputs and gradients bit-identical: {s['all_bit_identical']}",
+    ]
+    for w in meta["warnings"]:
+        lines.append(f"- WARNING: {w}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="directory for autotune.json, autotune.csv, summary.md"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="reduced grid (finishes in < 3 minutes on an H200)"
+    )
+    parser.add_argument("--widths", type=int, nargs="+", help=f"default: held-out {HELD_OUT_WIDTHS}")
+    parser.add_argument("--batches", type=int, nargs="+", help=f"default: {BATCHES}")
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, help=f"default: {FAMILIES}")
+    parser.add_argument("--phases", nargs="+", choices=PHASES, help=f"default: {PHASES}")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds per config")
+    parser.add_argument("--replays", type=int, default=10, help="graph replays per timing sample")
+    parser.add_argument("--budget", type=float, default=0.6, help="tuning seconds per layer shape")
+    parser.add_argument("--l2-multiple", type=float, default=3.0, help="total weights as a multiple of L2")
+    args = parser.parse_args(argv)
+    if args.rounds < 3 or args.replays < 1:
+        parser.error("`--rounds` must be >= 3 and `--replays` >= 1")
+
+    from l2lightning._env import prefetch_unavailable_reason
+
+    reason = prefetch_unavailable_reason()
+    if reason:
+        print(f"bench_autotune needs a CUDA GPU with CuPy: {reason}", file=sys.stderr)
+        return 2
+    grid = dict(QUICK) if args.quick else {
+        "widths": HELD_OUT_WIDTHS, "batches": BATCHES, "families": FAMILIES, "phases": PHASES
+    }  # fmt: skip
+    for key in ("widths", "batches", "families", "phases"):
+        if getattr(args, key):
+            grid[key] = tuple(getattr(args, key))
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda", torch.cuda.current_device())
+    l2 = device_l2_bytes(device)
+    before = gpu_state()
+    warnings = state_warnings(before)
+    meta = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "grid": {k: list(v) for k, v in grid.items()},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "versions": versions(),
+        "gpu_state_before": before,
+        "held_out_widths": list(HELD_OUT_WIDTHS),
+        "dev_widths": list(DEV_WIDTHS),
+        "warnings": warnings,
+    }
+    print(
+        f"device {before['torch_device']['name']}, L2 {l2 / MIB:.0f} MiB; GPU state: {before.get('gpus', before.get('nvidia_smi'))}"
+    )
+    for w in warnings:
+        print(f"WARNING: {w}")
+    held = [w for w in grid["widths"] if w not in DEV_WIDTHS]
+    print(f"held-out widths in this grid (not used while developing): {held}; dev widths: "
+          f"{[w for w in grid['widths'] if w in DEV_WIDTHS]}")  # fmt: skip
+
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for family in grid["families"]:
+        for d in grid["widths"]:
+            for b in grid["batches"]:
+                for phase in grid["phases"]:
+                    try:
+                        row = run_config(family, d, b, phase, l2, args)
+                    except Exception as exc:  # one broken config must not lose the rest of the grid
+                        row = {"family": family, "width": d, "batch": b, "phase": phase,
+                               "held_out": d not in DEV_WIDTHS, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+                        torch.cuda.synchronize()
+                        torch.cuda.empty_cache()
+                    rows.append(row)
+                    if "error" in row:
+                        print(f"{family:15s} d{d:<5d} b{b:<3d} {phase:8s} ERROR {row['error']}", flush=True)
+                    else:
+                        print(
+                            f"{family:15s} d{d:<5d} b{b:<3d} {phase:8s} {row['layer_mib']:5.1f} MiB x{row['layers']:<3d} "
+                            f"plain {row['plain_us']:8.1f} us  tuned {row['tuned_ratio']:.4f}  decoy {row['decoy_ratio']:.4f}  "
+                            f"gain {row['gain']:+.2%}  tune {row['tune_s_per_shape_max']:.2f} s/shape  "
+                            f"{'; '.join(row['chosen'].values()) or 'plain'}  bits {'ok' if row['bit_identical'] else 'DIFFER'}",
+                            flush=True,
+                        )
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    meta["gpu_state_after"] = gpu_state()
+    summary = summarize(rows)
+    (args.out / "autotune.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1, default=str)
+    )
+    with open(args.out / "autotune.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "chosen": "; ".join(f"{k}={v}" for k, v in r.get("chosen", {}).items())})
+    text = markdown(rows, summary, meta)
+    (args.out / "summary.md").write_text(text)
+    print(text)
+    print(f"wrote {args.out / 'autotune.json'}, autotune.csv, summary.md in {meta['elapsed_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
