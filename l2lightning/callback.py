@@ -28,6 +28,7 @@ GradScaler, manual optimization, hooks the replay would skip) are refused up fro
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 from collections.abc import Callable, Mapping
@@ -357,7 +358,10 @@ class L2GraphCallback(Callback):
             return self._static_output
         if self._mode in ("capture", "verify-eager"):
             # The graph reads the static buffers; the batch Lightning passed was copied into them.
-            output = self._originals["training_step"](self._static.batch, *args[1:], **kwargs)
+            # The prefetch scope is the forward pass: its end joins the side stream and arms the
+            # backward join on the outputs this forward produced.
+            with self._prefetch_scope():
+                output = self._originals["training_step"](self._static.batch, *args[1:], **kwargs)
             self._step_output = output
             return output
         return self._originals["training_step"](*args, **kwargs)
@@ -468,9 +472,7 @@ class L2GraphCallback(Callback):
             # otherwise be baked into the graph and repeated on every replay.
             module.log = self._recording_log  # type: ignore[method-assign]
             try:
-                self._run_in_scope(
-                    lambda: self._capture_into(graph, epoch, batch_idx, optimizer, closure, original)
-                )
+                self._capture_into(graph, epoch, batch_idx, optimizer, closure, original)
             finally:
                 del module.log
         except Exception as exc:  # a host sync or an unsupported op inside training_step
@@ -510,12 +512,8 @@ class L2GraphCallback(Callback):
         # training_step ran inside the capture: its output tensors are the graph's static outputs.
         self._static_output = self._step_output
 
-    def _run_in_scope(self, fn: Callable[[], None]) -> None:
-        if self._hooks is not None:
-            with self._hooks.scope():
-                fn()
-        else:
-            fn()
+    def _prefetch_scope(self) -> Any:
+        return self._hooks.scope() if self._hooks is not None else contextlib.nullcontext()
 
     def _reissue_logs_in_training_step_context(self) -> None:
         module = self._module
@@ -552,11 +550,12 @@ class L2GraphCallback(Callback):
         self._mode = "verify-eager"
         module.log = lambda *a, **k: None  # type: ignore[method-assign]  # logged once, by the real step
         try:
-            self._run_in_scope(
-                lambda: self._originals["optimizer_step"](epoch, batch_idx, optimizer, closure)
-            )
+            self._originals["optimizer_step"](epoch, batch_idx, optimizer, closure)
             loss = _loss_of_output(self._step_output)
             record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
+            # Drop the eager step's outputs: a live autograd graph from before the capture keeps
+            # AccumulateGrad nodes bound to the eager stream, which breaks capturing backward.
+            self._step_output = None
         finally:
             del module.log
             self._mode = previous_mode

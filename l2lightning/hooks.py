@@ -4,8 +4,10 @@ One dry run finds the chain of weight-reading layers in execution order. Then, w
 forward, a side stream prefetches the weights of layer i+distance; in backward, just before layer
 i's gradients are computed, it prefetches W_{i-1}. The side stream waits on the main stream right
 before each issue (so a prefetch starts when op i starts) and the main stream waits on the side
-stream once at the end of forward and once before the last layer's backward: a CUDA-graph capture
-must rejoin every stream it forks, and a join costs a graph edge, so there are exactly two.
+stream once at the end of forward and once when the last chain layer's output gradient is ready
+(`torch.autograd.graph.register_multi_grad_hook`, which knows which gradients this backward will
+compute, whatever the order): a CUDA-graph capture must rejoin every stream it forks, and a join
+costs a graph edge, so there are exactly two.
 
 The hooks act only while the model's own forward runs (a flag set by a forward pre-hook on the
 model), so calling a submodule on its own behaves like plain PyTorch. Fused blocks
@@ -102,6 +104,7 @@ class _BackwardPass:
     """Layers whose outputs got a gradient hook in one forward pass (backward follows it)."""
 
     layers: set[int] = field(default_factory=set)
+    outputs: list[torch.Tensor] = field(default_factory=list)
 
 
 def _flatten_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -151,7 +154,12 @@ def discover_chain(
     for module in model.modules():
         if module in inside_fused:
             continue
-        if isinstance(module, FUSED_BLOCK_TYPES) or any(True for _ in module.parameters(recurse=False)):
+        # A container that also holds parameters of its own (a ViT's position embedding) is not a
+        # chain step: its forward spans its children, so "the next layer" would be ill-defined.
+        is_leaf = next(module.children(), None) is None
+        if isinstance(module, FUSED_BLOCK_TYPES) or (
+            is_leaf and any(True for _ in module.parameters(recurse=False))
+        ):
             candidates.append(module)
     order: list[tuple[nn.Module, tuple[int, ...] | None]] = []
     seen: set[int] = set()
@@ -360,6 +368,15 @@ class PrefetchHooks:
             return
         self._active = False
         self.issuer.join("forward")
+        backward_pass = self._pass
+        if backward_pass is not None and backward_pass.outputs:
+            # Registered after every per-layer grad hook, so on the tensor whose gradient comes last
+            # the prefetch issue runs first and this join second. Tensors this backward will not
+            # reach are ignored by mode="all", so the join always fires when backward runs.
+            torch.autograd.graph.register_multi_grad_hook(
+                backward_pass.outputs, self._make_backward_join(), mode="all"
+            )
+            backward_pass.outputs = []  # the hook holds what it needs; do not keep activations alive
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -394,12 +411,20 @@ class PrefetchHooks:
                 return
             backward_pass = self._pass
             backward_pass.layers.add(index)
-            tensor.register_hook(self._make_grad_hook(index, targets, backward_pass))
+            backward_pass.outputs.append(tensor)
+            tensor.register_hook(self._make_grad_hook(targets, backward_pass))
 
         return post_hook
 
+    def _make_backward_join(self) -> Callable[[Any], None]:
+        def join(grads: Any) -> None:
+            if not self._removed:
+                self.issuer.join("backward")
+
+        return join
+
     def _make_grad_hook(
-        self, index: int, targets: list[tuple[int, PrefetchPlan]], backward_pass: _BackwardPass
+        self, targets: list[tuple[int, PrefetchPlan]], backward_pass: _BackwardPass
     ) -> Callable[[torch.Tensor], None]:
         # Runs on the autograd thread right before layer `index`'s backward, with the stream of the
         # forward op current (the capture stream inside a graph capture).
@@ -409,8 +434,6 @@ class PrefetchHooks:
             for target, plan in targets:
                 if target in backward_pass.layers:  # a layer without backward needs no weights
                     self.issuer.issue(self._aim(target), plan, "backward")
-            if index == min(backward_pass.layers):  # last chain layer in backward: rejoin the side stream
-                self.issuer.join("backward")
 
         return grad_hook
 

@@ -168,3 +168,63 @@ def test_without_cuda_prefetch_is_a_noop_with_one_warning():
         PrefetchHooks(model, torch.randn(2, 64))
     assert len([w for w in record if "L2 prefetch is off" in str(w.message)]) == 1
     assert not hooks.enabled
+
+
+class WithPositionEmbedding(nn.Module):
+    """A container with parameters of its own (like a ViT): not a chain step; backward still joins last."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(d))
+        self.blocks = stack(3, d)
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.head(self.blocks(x + self.pos))
+
+
+def test_container_with_own_parameters_is_not_a_chain_step_and_join_comes_last():
+    model = WithPositionEmbedding()
+    rec = Recorder()
+    names = ["blocks.0.1", "blocks.1.1", "blocks.2.1", "head"]
+    hooks = PrefetchHooks(model, torch.randn(2, 64), plans=dict.fromkeys(names, PLAN), issuer=rec)
+    assert [layer.name for layer in hooks.chain] == names
+    rec.events.clear()
+    model(torch.randn(2, 64)).sum().backward()
+    backward = [e for e in rec.events if e[1] == "backward"]
+    assert backward[-1] == ("join", "backward", -1)
+    assert [e[2] for e in backward[:-1]] == [2, 1, 0]
+
+
+def test_backward_join_fires_once_after_a_partial_backward():
+    model = stack()
+    hooks, rec = make(model)
+    rec.events.clear()
+    out = model(torch.randn(2, 64))
+    out[:, :3].sum().backward()  # every layer is on the path; only some outputs columns carry gradient
+    assert rec.events[-1] == ("join", "backward", -1)
+    assert sum(1 for e in rec.events if e == ("join", "backward", -1)) == 1
+
+
+class TwoHeads(nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(d, d)
+        self.head_a = nn.Linear(d, d)
+        self.head_b = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.head_a(h), self.head_b(h)
+
+
+def test_backward_join_fires_when_a_hooked_output_is_off_the_loss_path():
+    model = TwoHeads()
+    rec = Recorder()
+    PrefetchHooks(
+        model, torch.randn(2, 64), plans=dict.fromkeys(["trunk", "head_a", "head_b"], PLAN), issuer=rec
+    )
+    rec.events.clear()
+    a, _ = model(torch.randn(2, 64))
+    a.sum().backward()  # head_b's output gets no gradient: its hook never fires
+    assert rec.events[-1] == ("join", "backward", -1)
