@@ -27,6 +27,10 @@ _EXPORTS = {
     "equivalence_chain": "l2lightning.verify",
     "L2GraphCallback": "l2lightning.callback",
     "Autotuner": "l2lightning.autotune",
+    "DecodeSession": "l2lightning.decode",
+    "TorchDecodeSession": "l2lightning.decode",
+    "build_decoder": "l2lightning.decode",
+    "choose_attention": "l2lightning.decode_attention",
     "TuningReport": "l2lightning.autotune",
 }
 

@@ -99,7 +99,8 @@ class Recommender(FamilyModule):
             "pair_select", pair_selector(num_features).to(self.param_dtype), persistent=False
         )
         self.train_metric = torchmetrics.classification.BinaryAccuracy(validate_args=False)
-        self.val_metric = torchmetrics.classification.BinaryAUROC(validate_args=False)
+        # binned AUROC: constant memory, and no float cumsum (refused on CUDA in deterministic mode)
+        self.val_metric = torchmetrics.classification.BinaryAUROC(thresholds=200, validate_args=False)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """Click logits (B,) from dense features (B, num_dense) and IDs (B, num_tables, ids_per_bag)."""

@@ -1,0 +1,258 @@
+"""CPU tests of conf/: every config composes and instantiates, experiments are deltas, targets are public."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from l2lightning import _env
+from l2lightning._resources import config_dir
+from l2lightning.models import FAMILIES
+from l2lightning.train import build_callback, cpu_fallback
+
+pytestmark = pytest.mark.filterwarnings("ignore:You are trying to .self.log")
+CONF = config_dir()
+EXPERIMENTS = (
+    "mlp_blocks_w768_b4",
+    "mlp_blocks_w768_b16",
+    "sequential_w512_b4",
+    "sequential_w768_b8",
+    "small_batch_mlp",
+    "rl_policy",
+    "recommender",
+    "vit",
+    "text_encoder",
+    "convs",
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models: one intra-op thread beats several threads contending for a small CI machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_train(overrides: list[str] = (), hydra: bool = False):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def callback_class():
+    if not Path(importlib.util.find_spec("l2lightning").origin).with_name("callback.py").is_file():
+        pytest.skip("l2lightning/callback.py is not there yet")
+    from l2lightning import L2GraphCallback
+
+    return L2GraphCallback
+
+
+def test_config_dir_is_the_checkout_conf():
+    assert (CONF / "train.yaml").is_file()
+    assert CONF == Path(__file__).resolve().parent.parent / "conf"
+    assert options("trainer") == ["cpu", "gpu"]
+    assert options("l2") == ["autotune", "off", "prefetch", "verify"]
+    assert set(options("model")) == set(FAMILIES)
+    assert set(options("experiment")) == set(EXPERIMENTS)
+
+
+def test_default_config():
+    cfg = compose_train(hydra=True)
+    choices = cfg.hydra.runtime.choices
+    assert (choices.model, choices.data, choices.trainer, choices.l2) == (
+        "mlp_stack",
+        "mlp_stack",
+        "gpu",
+        "prefetch",
+    )
+    assert choices.experiment is None
+    assert cfg.l2._target_ == "l2lightning.L2GraphCallback"
+    assert cfg.trainer.accelerator == "gpu"
+    assert [c._target_ for c in cfg.hydra.callbacks.values()] == ["l2lightning.train.SweepSummary"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_model_config_instantiates_with_its_data(family):
+    # data follows the model (`data: ${model}`), and its shapes fit the model: one real forward pass
+    cfg = compose_train([f"model={family}", "data.batch_size=2"], hydra=True)
+    assert cfg.hydra.runtime.choices.data == family
+    pl.seed_everything(0, verbose=False)
+    model = instantiate(cfg.model, _convert_="all")
+    model_cls, data_cls = FAMILIES[family]
+    assert type(model) is model_cls
+    resolved = OmegaConf.to_container(cfg.model, resolve=True)
+    for key, value in resolved.items():
+        if key != "_target_":
+            assert model.hparams[key] == value, key
+    dm = instantiate(cfg.data, _convert_="all")
+    assert type(dm) is data_cls
+    assert dm.batch_size == 2
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    with torch.no_grad():
+        out = model.training_step(batch, 0)
+    assert out["loss"].ndim == 0 and torch.isfinite(out["loss"])
+    assert out["preds"].shape[0] == 2
+    assert not out["preds"].requires_grad
+
+
+def test_vit_default_has_197_tokens():
+    cfg = compose_train(["model=vit"])
+    assert (cfg.model.image_size, cfg.model.patch_size) == (224, 16)
+    assert cfg.data.image_size == 224  # the data follows the model's input size
+    model = instantiate(cfg.model, _convert_="all")
+    assert model.num_tokens == 197
+
+
+@pytest.mark.parametrize("name", ["digits", "mlp_stack"])
+def test_mlp_data_options(name):
+    overrides = ["model.in_features=64", "model.task=classification"] if name == "digits" else []
+    cfg = compose_train([f"data={name}", "data.batch_size=16", *overrides])
+    dm = instantiate(cfg.data, _convert_="all")
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (16, cfg.model.in_features)
+    if name == "digits":
+        assert y.dtype == torch.int64 and int(y.max()) < 10
+
+
+def test_trainer_cpu_instantiates():
+    cfg = compose_train(["trainer=cpu"])
+    trainer = instantiate(cfg.trainer, logger=False)
+    assert isinstance(trainer, pl.Trainer)
+    assert trainer.max_steps == cfg.trainer.max_steps == 20
+    assert trainer.strategy.root_device.type == "cpu"
+    assert not trainer.checkpoint_callbacks
+
+
+def test_trainer_gpu_instantiates(monkeypatch, tmp_path):
+    cfg = compose_train(["trainer=gpu", "trainer.max_steps=7"])
+    assert (cfg.trainer.accelerator, cfg.trainer.precision) == ("gpu", "32-true")
+    if _env.cuda_unavailable_reason():
+        # what train.py does without CUDA: cpu.yaml's settings, the command line's max_steps kept
+        message = cpu_fallback(cfg, ["trainer.max_steps=7"])
+        assert message.startswith("l2lightning: no CUDA device (")
+        assert cfg.trainer.accelerator == "cpu"
+    trainer = instantiate(cfg.trainer, logger=False, default_root_dir=str(tmp_path))
+    assert trainer.max_steps == 7
+
+
+def test_l2_off_gives_no_callback():
+    cfg = compose_train(["l2=off"])
+    assert cfg.l2 is None
+    assert build_callback(cfg) is None
+
+
+@pytest.mark.parametrize(
+    ("option", "prefetch", "verify"),
+    [("prefetch", "default", False), ("autotune", "auto", False), ("verify", "default", True)],
+)
+def test_l2_configs_instantiate_the_callback(option, prefetch, verify):
+    cls = callback_class()
+    cfg = compose_train([f"l2={option}"])
+    callback = build_callback(cfg)
+    assert type(callback) is cls
+    assert (callback.prefetch, callback.verify, callback.warmup_steps) == (prefetch, verify, 3)
+    if option == "verify":
+        assert cfg.trainer.deterministic is True  # cuDNN / SDPA atomics would break the bitwise check
+
+
+@pytest.mark.parametrize("option", ["prefetch", "autotune", "verify"])
+def test_every_callback_argument_is_set_and_commented(option):
+    cls = callback_class()
+    arguments = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    lines = (CONF / "l2" / f"{option}.yaml").read_text().splitlines()
+    node = yaml.safe_load("\n".join(lines))["l2"]
+    assert sorted(k for k in node if k != "_target_") == sorted(arguments)
+    for argument in arguments:
+        index = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{argument}:"))
+        assert lines[index - 1].strip().startswith("#"), (
+            f"l2/{option}.yaml: `{argument}` has no comment above it"
+        )
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_is_a_delta_that_composes(name):
+    text = (CONF / "experiment" / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_\n")
+    delta = yaml.safe_load(text)
+    assert set(delta) <= {"defaults", "model", "data", "trainer", "l2"}
+    overrides = {next(iter(d)).split()[-1]: next(iter(d.values())) for d in delta["defaults"]}
+    assert "/model" in overrides
+    cfg = compose_train([f"experiment={name}"], hydra=True)
+    assert cfg.hydra.runtime.choices.model == overrides["/model"]
+    # every key an experiment sets exists in the group config it changes (no typos slip through)
+    for group in ("model", "data"):
+        base = compose_train([f"{group}={cfg.hydra.runtime.choices[group]}", f"model={overrides['/model']}"])
+        for key, value in (delta.get(group) or {}).items():
+            assert key in base[group], f"experiment {name}: {group}.{key} is not a key of {group}/"
+            assert cfg[group][key] == value
+    for key in delta.get("trainer") or {}:
+        assert key in compose_train(["trainer=gpu"]).trainer
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_instantiates(name):
+    cfg = compose_train([f"experiment={name}"])
+    model = instantiate(cfg.model, _convert_="all")
+    dm = instantiate(cfg.data, _convert_="all")
+    assert isinstance(model, pl.LightningModule) and isinstance(dm, pl.LightningDataModule)
+    assert dm.batch_size == cfg.data.batch_size
+    if "dtype" in cfg.model:
+        assert next(model.parameters()).dtype == getattr(torch, cfg.model.dtype)
+
+
+def test_experiment_shapes():
+    cfg = compose_train(["experiment=mlp_blocks_w768_b16"])
+    assert (cfg.model.width, cfg.model.dtype, cfg.data.batch_size) == (768, "bfloat16", 16)
+    cfg = compose_train(["experiment=sequential_w512_b4"])
+    assert (cfg.model.width, cfg.model.block, cfg.data.batch_size) == (512, "linear_relu", 4)
+    cfg = compose_train(["experiment=small_batch_mlp"], hydra=True)
+    assert cfg.hydra.runtime.choices.data == "digits" and cfg.model.task == "classification"
+    cfg = compose_train(["experiment=rl_policy"])
+    assert cfg.model.hidden == 1024 and cfg.data._target_ == "l2lightning.models.CartPoleData"
+
+
+def _targets(node):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "_target_":
+                yield value
+            else:
+                yield from _targets(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _targets(value)
+
+
+def test_targets_are_public_names():
+    targets = set()
+    for path in CONF.rglob("*.yaml"):
+        targets.update(_targets(yaml.safe_load(path.read_text()) or {}))
+    assert "l2lightning.L2GraphCallback" in targets and "lightning.pytorch.Trainer" in targets
+    import l2lightning
+    import l2lightning.models
+
+    for target in targets:
+        module_name, _, name = target.rpartition(".")
+        assert not any(part.startswith("_") for part in target.split(".")), target
+        if module_name == "l2lightning":
+            assert name in l2lightning.__all__, target
+        elif module_name == "l2lightning.models":
+            assert name in l2lightning.models.__all__, target
+        if target != "l2lightning.L2GraphCallback":  # that one is checked with the callback tests
+            assert hasattr(importlib.import_module(module_name), name), target

@@ -1,0 +1,565 @@
+"""CPU tests of the decode step: model layouts and parameter counts, RMSNorm/rotary math against naive
+versions, the eager decode step against prefill, the torch attention path against the FP32
+reference, argument validation, and the decode-attention kernel's logic run on the CPU through a
+small C++ emulation of CUDA (threads for CUDA threads, barriers for __syncthreads and shuffles)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from l2lightning._resources import kernels_dir
+from l2lightning.decode import (
+    QWEN25_05B,
+    SMOLLM2_135M,
+    DecoderConfig,
+    DecodeSession,
+    apply_rotary,
+    build_decoder,
+    decode_step_bytes,
+    get_config,
+    length_bucket,
+    qkv_rope,
+    rms_norm,
+    rope_tables,
+)
+from l2lightning.decode_attention import (
+    LOG2E,
+    AttentionChoice,
+    AttentionSpec,
+    KernelConfig,
+    candidate_specs,
+    decode_attention,
+    default_heads_per_block,
+    default_splits,
+    reference_decode_attention,
+    torch_decode_attention,
+)
+
+KERNEL = kernels_dir() / "decode_attention.cu"
+TINY = DecoderConfig(
+    "tiny",
+    hidden=64,
+    layers=2,
+    heads=6,
+    kv_heads=2,
+    head_dim=16,
+    mlp=96,
+    vocab=101,
+    qkv_bias=True,
+    rope_theta=500.0,
+)
+
+
+def unique_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() already yields a tied weight once
+
+
+# ------------------------------------------------------------------------------------------ layouts
+def test_full_param_counts_match_the_real_models():
+    assert SMOLLM2_135M.param_count() == 134_515_008
+    assert QWEN25_05B.param_count() == 494_032_768
+    assert get_config("SmolLM2-135M") is SMOLLM2_135M and get_config("qwen2.5-0.5b") is QWEN25_05B
+
+
+@pytest.mark.parametrize("config", [SMOLLM2_135M, QWEN25_05B], ids=lambda c: c.name)
+def test_reduced_models_shapes_and_counts(config):
+    model = build_decoder(config, layers=2, device="meta")
+    c = config.with_layers(2)
+    assert unique_params(model) == c.param_count()
+    layer = model.layers[0]
+    assert tuple(layer.qkv.weight.shape) == ((c.heads + 2 * c.kv_heads) * c.head_dim, c.hidden)
+    assert (layer.qkv.bias is not None) == c.qkv_bias
+    assert tuple(layer.o_proj.weight.shape) == (c.hidden, c.heads * c.head_dim)
+    assert tuple(layer.gate_up.weight.shape) == (2 * c.mlp, c.hidden)
+    assert tuple(layer.down.weight.shape) == (c.hidden, c.mlp)
+    assert tuple(model.embed.weight.shape) == (c.vocab, c.hidden)
+    assert model.lm_head.weight is model.embed.weight  # both real layouts tie the LM head
+    assert len(model.layers) == 2
+
+
+def test_untied_head_counts_twice_and_step_bytes():
+    c = TINY
+    untied = DecoderConfig(**{**c.__dict__, "tie_embeddings": False})
+    assert untied.param_count() == c.param_count() + c.vocab * c.hidden
+    assert unique_params(build_decoder(untied, device="meta")) == untied.param_count()
+    b = decode_step_bytes(c, batch=1, cached=9)
+    assert b["weights"] == 2 * c.param_count()
+    assert b["kv_read"] == 2 * c.layers * c.kv_heads * c.head_dim * 2 * 10
+    assert b["total"] == b["weights"] + b["kv_read"] + b["kv_write"]
+
+
+# ------------------------------------------------------------------------------------------ math
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_naive(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 48).to(dtype)
+    w = (torch.rand(48) + 0.5).to(dtype)
+    eps = 1e-5
+    out = rms_norm(x, w, eps)
+    assert out.dtype == dtype
+    naive = torch.empty(3, 5, 48, dtype=torch.float64)
+    xd = x.double()
+    for i in range(3):
+        for j in range(5):
+            rms = math.sqrt(sum(v * v for v in xd[i, j].tolist()) / 48 + eps)
+            naive[i, j] = xd[i, j] / rms
+    naive = (naive.to(dtype).double() * w.double()) if dtype != torch.float32 else naive * w.double()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), naive, rtol=tol, atol=tol)
+
+
+def test_rotary_matches_naive_pairwise_rotation():
+    torch.manual_seed(0)
+    heads, kv_heads, d, theta = 3, 1, 8, 10000.0
+    positions = torch.tensor([0, 1, 5, 17])
+    cos, sin = rope_tables(d, 32, theta)
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * d)
+    q, k, v = qkv_rope(qkv, cos, sin, positions, heads, kv_heads, d)
+    assert q.shape == (4, heads, d) and k.shape == (4, kv_heads, d) and v.shape == (4, kv_heads, d)
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    torch.testing.assert_close(v, qkv[:, (heads + kv_heads) * d :].view(4, kv_heads, d))
+    raw_q = qkv[:, : heads * d].view(4, heads, d).double()
+    for b, p in enumerate(positions.tolist()):
+        for h in range(heads):
+            for i in range(d // 2):
+                angle = p * theta ** (-2 * i / d)
+                x1, x2 = raw_q[b, h, i].item(), raw_q[b, h, i + d // 2].item()
+                assert q[b, h, i].item() == pytest.approx(
+                    x1 * math.cos(angle) - x2 * math.sin(angle), abs=1e-5
+                )
+                assert q[b, h, i + d // 2].item() == pytest.approx(
+                    x2 * math.cos(angle) + x1 * math.sin(angle), abs=1e-5
+                )
+    # position 0 is the identity; rotation keeps the norm
+    torch.testing.assert_close(q[0], raw_q[0].float())
+    torch.testing.assert_close(q.norm(dim=-1), raw_q.float().norm(dim=-1))
+
+
+def test_apply_rotary_shapes_broadcast_over_prefill_layout():
+    cos, sin = rope_tables(16, 10, 100.0)
+    x = torch.randn(2, 7, 3, 16)  # [B, T, heads, D]
+    pos = torch.arange(7).expand(2, 7)
+    out = apply_rotary(x, cos[pos], sin[pos])
+    assert out.shape == x.shape
+    torch.testing.assert_close(out[:, 0], x[:, 0])
+
+
+# ------------------------------------------------------------------------------------------ eager decode on CPU
+def test_eager_decode_step_matches_prefill_and_crosses_buckets():
+    torch.manual_seed(0)
+    model = build_decoder(TINY, device="cpu", dtype=torch.float32, std=0.2)
+    batch, prompt, steps, max_len = 2, 61, 5, 80  # 61 + 5 crosses the 64-key bucket
+    ids = torch.randint(0, TINY.vocab, (batch, prompt + steps))
+    session = DecodeSession(
+        model, batch, max_len, attention="torch", compile_elementwise=False, prefetch=None, graph=False
+    )
+    session.prefill(ids[:, :prompt])
+    for i in range(steps):
+        session.set_length(prompt + i, tokens=ids[:, prompt + i])  # teacher forcing
+        session.step()
+        ref = DecodeSession(
+            model, batch, max_len, attention="torch", compile_elementwise=False, prefetch=None, graph=False
+        )
+        expected = ref.prefill(ids[:, : prompt + i + 1]).clone()
+        torch.testing.assert_close(session.logits, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(session.next_tokens, expected.argmax(-1))
+        # the step appended exactly what prefill computes for that position
+        torch.testing.assert_close(
+            session.state.k_cache[:, :, :, : prompt + i + 1],
+            ref.state.k_cache[:, :, :, : prompt + i + 1],
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    assert session.length == prompt + steps and session.cache_lens.tolist() == [prompt + steps] * batch
+    assert set(session.backends) == {64, 80}  # one backend per length bucket, the last capped at max_len
+
+
+def test_generate_eager_cpu_is_greedy_and_consistent():
+    torch.manual_seed(1)
+    model = build_decoder(TINY, device="cpu", dtype=torch.float32, std=0.2)
+    ids = torch.randint(0, TINY.vocab, (1, 5))
+    session = DecodeSession(
+        model, 1, 32, attention="torch", compile_elementwise=False, prefetch=None, graph=False
+    )
+    out = session.generate(ids, new_tokens=6)
+    assert out.shape == (1, 6)
+    seq = ids
+    for i in range(6):  # the same continuation by re-running prefill on the growing sequence
+        ref = DecodeSession(
+            model, 1, 32, attention="torch", compile_elementwise=False, prefetch=None, graph=False
+        )
+        nxt = ref.prefill(seq).argmax(-1)
+        assert nxt.item() == out[0, i].item()
+        seq = torch.cat([seq, nxt[:, None]], dim=1)
+
+
+# ------------------------------------------------------------------------------------------ torch attention path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,window", [(14, 2, None), (9, 3, 96), (4, 4, None)])
+def test_torch_decode_attention_matches_reference(dtype, heads, kv_heads, window):
+    torch.manual_seed(0)
+    batch, d, max_len = 3, 16, 100
+    q = torch.randn(batch, heads, d).to(dtype)
+    k = torch.randn(batch, kv_heads, d).to(dtype)
+    v = torch.randn(batch, kv_heads, d).to(dtype)
+    kc = torch.randn(batch, kv_heads, max_len, d).to(dtype)
+    vc = torch.randn(batch, kv_heads, max_len, d).to(dtype)
+    lens = torch.tensor([0, 37, 95], dtype=torch.int32)
+    before_k, before_v = kc.clone(), vc.clone()
+    ref = reference_decode_attention(q, k, v, kc, vc, lens)
+    out = torch_decode_attention(q, k, v, kc, vc, lens, window=window)
+    assert out.shape == q.shape and out.dtype == dtype
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 1e-2)
+    for b, n in enumerate(lens.tolist()):
+        before_k[b, :, n], before_v[b, :, n] = k[b], v[b]
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)  # exact append, nothing else touched
+    # a length-1 token dimension is accepted and kept
+    out4 = torch_decode_attention(q[:, :, None], k[:, :, None], v[:, :, None], kc, vc, lens, window=window)
+    assert out4.shape == (batch, heads, 1, d)
+
+
+# ------------------------------------------------------------------------------------------ validation
+def _attn_inputs(batch=2, heads=4, kv_heads=2, d=16, max_len=8):
+    return (
+        torch.randn(batch, heads, d),
+        torch.randn(batch, kv_heads, d),
+        torch.randn(batch, kv_heads, d),
+        torch.zeros(batch, kv_heads, max_len, d),
+        torch.zeros(batch, kv_heads, max_len, d),
+        torch.zeros(batch, dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "index,bad,match",
+    [
+        (0, torch.randn(2, 5, 16), "not a multiple"),
+        (0, torch.randn(2, 4, 3, 16), "one new token"),
+        (1, torch.randn(2, 3, 16), "`k_new`"),
+        (2, torch.randn(2, 2, 16).double(), "`v_new` is torch.float64"),
+        (3, torch.zeros(2, 2, 8), "`k_cache` must be"),
+        (
+            4,
+            torch.zeros(2, 2, 8, 16).transpose(2, 3).contiguous().transpose(2, 3),
+            "`v_cache` must be contiguous",
+        ),
+        (5, torch.zeros(2, dtype=torch.int64), "`cache_lens` must be an int32"),
+        (5, [0, 0], "`cache_lens` must be a torch.Tensor"),
+    ],
+)
+def test_attention_argument_errors_name_the_argument(index, bad, match):
+    args = list(_attn_inputs())
+    args[index] = bad
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch_decode_attention(*args)
+
+
+def test_attention_scale_window_and_kernel_errors():
+    args = _attn_inputs()
+    with pytest.raises(ValueError, match="`scale`"):
+        torch_decode_attention(*args, scale=-1.0)
+    with pytest.raises(ValueError, match="`window`"):
+        torch_decode_attention(*args, window=9)
+    with pytest.raises(ValueError, match="outside"):
+        reference_decode_attention(*args[:5], torch.tensor([0, 8], dtype=torch.int32))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            decode_attention(*args)
+    with pytest.raises(ValueError, match="`heads_per_block`"):
+        KernelConfig(heads_per_block=9)
+    with pytest.raises(ValueError, match="`impl`"):
+        AttentionSpec("triton")
+
+
+def test_decode_session_argument_errors():
+    model = build_decoder(TINY, device="cpu", dtype=torch.float32)
+    ok = dict(attention="torch", compile_elementwise=False, prefetch=None, graph=False)
+    with pytest.raises(TypeError, match="`model`"):
+        DecodeSession(torch.nn.Linear(2, 2), 1, 16, **ok)
+    with pytest.raises(ValueError, match="`batch`"):
+        DecodeSession(model, 0, 16, **ok)
+    with pytest.raises(ValueError, match="`max_len`"):
+        DecodeSession(model, 1, 1, **ok)
+    with pytest.raises(ValueError, match="`attention`"):
+        DecodeSession(model, 1, 16, **{**ok, "attention": "fast"})
+    with pytest.raises(ValueError, match="`prefetch`"):
+        DecodeSession(model, 1, 16, **{**ok, "prefetch": "sometimes"})
+    with pytest.raises(TypeError, match="`graph`"):
+        DecodeSession(model, 1, 16, **{**ok, "graph": 1})
+    with pytest.raises(ValueError, match="`splits`"):
+        DecodeSession(model, 1, 16, **{**ok, "splits": 4})
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        DecodeSession(model, 1, 16, **{**ok, "graph": True})
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        DecodeSession(model, 1, 16, **{**ok, "attention": "kernel"})
+    session = DecodeSession(model, 2, 16, **ok)
+    with pytest.raises(RuntimeError, match="prefill"):
+        session.step()
+    with pytest.raises(ValueError, match="batch 2"):
+        session.prefill(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="length must be"):
+        session.prefill(torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer token ids"):
+        session.prefill(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        session.generate(torch.zeros(2, 10, dtype=torch.long), new_tokens=8)
+    with pytest.raises(ValueError, match="`cached`"):
+        session.set_length(16)
+    with pytest.raises(ValueError, match="multiple of `kv_heads`"):
+        DecoderConfig("bad", hidden=8, layers=1, heads=5, kv_heads=2, head_dim=4, mlp=8, vocab=10)
+    with pytest.raises(ValueError, match="unknown decoder config"):
+        get_config("llama-70b")
+
+
+# ------------------------------------------------------------------------------------------ heuristics
+def test_buckets_and_split_heuristics():
+    assert [length_bucket(n, 4096) for n in (1, 64, 65, 129, 1024, 1025, 2049)] == [
+        64,
+        64,
+        128,
+        192,
+        1024,
+        1152,
+        2176,
+    ]
+    assert length_bucket(300, 200) == 200
+    assert (
+        default_heads_per_block(7) == 7
+        and default_heads_per_block(9) == 5
+        and default_heads_per_block(16) == 8
+    )
+    assert KernelConfig().granule(64) == 64 and KernelConfig().granule(128) == 32
+    # Qwen2.5 at 4096 keys, batch 1: 2 units; the merge budget caps the splits at 256 // 7 = 36
+    assert default_splits(2, 4096, 7, 64, 132) == 36
+    assert default_splits(2, 128, 7, 64, 132) == 2  # short buckets: no chunk below the granule
+    assert default_splits(200, 4096, 1, 64, 132) == 1
+    specs = candidate_specs(14, 2, 64, 4096, 1)
+    kernels = [s for s in specs if s.impl == "kernel"]
+    assert {s.heads_per_block for s in kernels} == {7, 4}
+    assert all(1 <= s.splits <= 128 for s in kernels)
+    assert [s.impl for s in specs[-2:]] == ["torch", "flashinfer"]
+
+
+def test_attention_choice_table_marks_the_pick():
+    choice = AttentionChoice(
+        spec=AttentionSpec("kernel", splits=8, heads_per_block=7),
+        label="kernel(s=8,hpb=7)",
+        timings_us={"kernel(s=8,hpb=7)": 3.0, "torch(window=512)": 6.0},
+        errors={"flashinfer": "not importable"},
+        heads=14,
+        kv_heads=2,
+        head_dim=64,
+        max_len_bucket=512,
+        dtype="bfloat16",
+        batch=1,
+        calls=8,
+        rounds=9,
+    )
+    table = choice.table()
+    assert (
+        "* kernel(s=8,hpb=7)" in table and "2.00x" in table and "flashinfer" in table and "skipped" in table
+    )
+    assert choice.name == "kernel" and choice.to_dict()["spec"]["splits"] == 8
+
+
+# ------------------------------------------------------------------------------------------ kernel emulation
+EMULATION_HARNESS = r"""
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+typedef unsigned int u32;
+struct dim3_ { unsigned x = 0, y = 0, z = 0; };
+thread_local dim3_ threadIdx, blockIdx;
+struct uint4 { u32 x, y, z, w; };
+struct uint2 { u32 x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline uint4 make_uint4(u32 a, u32 b, u32 c, u32 d) { return {a, b, c, d}; }
+inline uint2 make_uint2(u32 a, u32 b) { return {a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(u32 i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline u32 __float_as_uint(float f) { u32 i; std::memcpy(&i, &f, 4); return i; }
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+inline u32 atomicAdd(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline u32 atomicExch(u32* p, u32 v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+std::unique_ptr<std::barrier<>> g_block;
+std::vector<std::unique_ptr<std::barrier<>>> g_warps;
+float g_x[32][32];
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+  int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  g_x[w][l] = v;
+  g_warps[w]->arrive_and_wait();
+  float r = g_x[w][l ^ off];
+  g_warps[w]->arrive_and_wait();
+  return r;
+}
+inline float l2l_ex2(float x) { return std::exp2(x); }
+inline float l2l_h2f(u32 h) { _Float16 f; unsigned short s = (unsigned short)h; std::memcpy(&f, &s, 2); return (float)f; }
+inline u32 l2l_f2h(float f) { _Float16 h = (_Float16)f; unsigned short s; std::memcpy(&s, &h, 2); return s; }
+using std::min;
+inline float fmaxf(float a, float b) { return std::fmax(a, b); }
+inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __restrict__ __restrict
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define L2L_EMULATE
+#include KERNEL_PATH
+
+// Blocks run one at a time in a shuffled order; each CUDA thread is a std::thread.
+extern "C" int emu_run(const u16* q, const u16* kn, const u16* vn, u16* kc, u16* vc, const int* lens, u16* out,
+                       float* pacc, float* pml, u32* tickets, int batch, int heads, int kv_heads, int head_chunks,
+                       int max_len, int splits, int granule, float qscale, unsigned seed) {
+  std::vector<std::pair<int, int>> order;
+  for (int y = 0; y < batch * kv_heads * head_chunks; ++y)
+    for (int x = 0; x < splits; ++x) order.push_back({x, y});
+  std::mt19937 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  g_block = std::make_unique<std::barrier<>>(NTHREADS);
+  g_warps.clear();
+  for (int w = 0; w < NWARPS; ++w) g_warps.push_back(std::make_unique<std::barrier<>>(32));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < NTHREADS; ++t) {
+    pool.emplace_back([&, t] {
+      threadIdx.x = t;
+      for (auto [x, y] : order) {
+        blockIdx.x = x; blockIdx.y = y;
+        l2l_decode_attention(q, kn, vn, kc, vc, lens, out, pacc, pml, tickets, heads, kv_heads, head_chunks,
+                             max_len, splits, granule, qscale);
+        g_block->arrive_and_wait();
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated_kernel(tmp_path_factory):
+    """Build the kernel as host C++ per configuration; skip where no C++20 compiler is available."""
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++/clang++) for the kernel emulation")
+    workdir = tmp_path_factory.mktemp("emu")
+    (workdir / "emu.cpp").write_text(EMULATION_HARNESS)
+    libs: dict[tuple, ctypes.CDLL] = {}
+
+    def get(head_dim: int, hpb: int, bf16: bool) -> ctypes.CDLL:
+        key = (head_dim, hpb, bf16)
+        if key not in libs:
+            so = workdir / f"emu_{head_dim}_{hpb}_{int(bf16)}.so"
+            cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f'-DKERNEL_PATH="{KERNEL}"',
+                   f"-DL2L_HEAD_DIM={head_dim}", f"-DL2L_HEADS_PER_BLOCK={hpb}", *(["-DL2L_BF16"] if bf16 else []),
+                   str(workdir / "emu.cpp"), "-o", str(so)]  # fmt: skip
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode:
+                if "barrier" in result.stderr or "_Float16" in result.stderr:
+                    pytest.skip(f"the C++ compiler lacks std::barrier or _Float16: {result.stderr[:300]}")
+                raise AssertionError(f"emulation build failed:\n{result.stderr[:4000]}")
+            libs[key] = ctypes.CDLL(str(so))
+        return libs[key]
+
+    return get
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,head_dim,dtype,max_len,lens,splits,hpb",
+    [
+        (
+            1,
+            14,
+            2,
+            64,
+            torch.bfloat16,
+            300,
+            [130],
+            36,
+            None,
+        ),  # Qwen layout: merge over 3 used splits, 33 empty
+        (3, 9, 3, 64, torch.float16, 100, [0, 63, 64], 3, None),  # direct path (1 split used) and merge, fp16
+        (2, 14, 2, 128, torch.bfloat16, 700, [650, 99], 7, 4),  # group 7 in two head chunks (4 + 3)
+        (1, 6, 2, 64, torch.bfloat16, 1100, [1000], 16, None),  # non-multiple of the split size
+    ],
+)
+def test_kernel_logic_under_cpu_emulation(
+    emulated_kernel, batch, heads, kv_heads, head_dim, dtype, max_len, lens, splits, hpb
+):
+    gen = torch.Generator().manual_seed(0)
+    group = heads // kv_heads
+    hpb = hpb or default_heads_per_block(group)
+    config = KernelConfig(heads_per_block=hpb)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, kv_heads, head_dim, generator=gen).to(dtype)
+    kc = torch.randn(batch, kv_heads, max_len, head_dim, generator=gen).to(dtype)
+    vc = torch.randn(batch, kv_heads, max_len, head_dim, generator=gen).to(dtype)
+    expected_k, expected_v = kc.clone(), vc.clone()
+    for b, n in enumerate(lens):
+        expected_k[b, :, n], expected_v[b, :, n] = k[b], v[b]
+    cache_lens = torch.tensor(lens, dtype=torch.int32)
+    ref = reference_decode_attention(q, k, v, kc, vc, cache_lens)
+    chunks = -(-group // hpb)
+    units = batch * kv_heads * chunks
+    part_acc = torch.full((units * splits * hpb * head_dim,), float("nan"))  # stale NaNs must never leak in
+    part_ml = torch.full((units * splits * hpb * 2,), float("nan"))
+    tickets = torch.zeros(units, dtype=torch.int32)
+    out = torch.empty(batch, heads, head_dim, dtype=dtype)
+    lib = emulated_kernel(head_dim, hpb, dtype == torch.bfloat16)
+    for seed in (1, 2):  # two launches, blocks in different orders: the tickets must be back at 0 each time
+        lib.emu_run(_ptr(q), _ptr(k), _ptr(v), _ptr(kc), _ptr(vc), _ptr(cache_lens), _ptr(out), _ptr(part_acc),
+                    _ptr(part_ml), _ptr(tickets), batch, heads, kv_heads, chunks, max_len, splits,
+                    config.granule(head_dim), ctypes.c_float(LOG2E / math.sqrt(head_dim)), seed)  # fmt: skip
+        assert torch.all(tickets == 0)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, f"relative error {rel:.3g}"
+        assert torch.equal(kc.view(torch.int16), expected_k.view(torch.int16))
+        assert torch.equal(vc.view(torch.int16), expected_v.view(torch.int16))
+
+
+def test_kernel_invalid_length_writes_nan_and_appends_nothing(emulated_kernel):
+    batch, heads, kv_heads, d, max_len = 2, 4, 2, 64, 32
+    q, k, v = (
+        torch.randn(batch, heads, d).bfloat16(),
+        torch.randn(batch, kv_heads, d).bfloat16(),
+        torch.randn(batch, kv_heads, d).bfloat16(),
+    )
+    kc, vc = (
+        torch.randn(batch, kv_heads, max_len, d).bfloat16(),
+        torch.randn(batch, kv_heads, max_len, d).bfloat16(),
+    )
+    kc0 = kc.clone()
+    lens = torch.tensor([max_len, 3], dtype=torch.int32)
+    part_acc, part_ml = torch.zeros(batch * kv_heads * 2 * 2 * d), torch.zeros(batch * kv_heads * 2 * 2 * 2)
+    tickets = torch.zeros(batch * kv_heads, dtype=torch.int32)
+    out = torch.zeros(batch, heads, d).bfloat16()
+    emulated_kernel(d, 2, True).emu_run(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(kc), _ptr(vc), _ptr(lens), _ptr(out), _ptr(part_acc), _ptr(part_ml),
+        _ptr(tickets), batch, heads, kv_heads, 1, max_len, 2, 64, ctypes.c_float(0.18), 0,
+    )  # fmt: skip
+    assert out[0].isnan().all() and out[1].isfinite().all()
+    assert torch.equal(kc[0], kc0[0]) and torch.equal(kc[1, :, 3], k[1])
