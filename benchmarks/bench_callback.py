@@ -68,8 +68,13 @@ def run(variant: str, width: int, depth: int, batch: int, steps: int) -> dict:
     callbacks: list[Callback] = [timer]
     cb = None
     if variant.startswith("callback"):
-        prefetch = {"callback": "off", "callback+prefetch": "default", "callback+compile": "off"}[variant]
-        cb = L2GraphCallback(prefetch=prefetch, compile=variant == "callback+compile", log_timing=False)
+        prefetch = {
+            "callback": "off",
+            "callback+prefetch": "default",
+            "callback+compile": "off",
+            "callback+compile+prefetch": "default",
+        }[variant]
+        cb = L2GraphCallback(prefetch=prefetch, compile="compile" in variant, log_timing=False)
         callbacks.append(cb)
     if variant == "compile-reduce-overhead":
         model = torch.compile(model, mode="reduce-overhead")
@@ -110,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--variants", default="lightning,callback,callback+prefetch,callback+compile,compile-reduce-overhead"
+        "--variants",
+        default="lightning,callback,callback+prefetch,callback+compile,callback+compile+prefetch,compile-reduce-overhead",
     )
+    parser.add_argument("--cases", default="all", help="comma-separated WIDTHxDEPTHxBATCH, e.g. 1536x40x16")
+    parser.add_argument("--json-name", default="callback_fit.json")
     args = parser.parse_args(argv)
     state = subprocess.run(
         [
@@ -124,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     ).stdout.strip()
     print("GPU state before timing:", state)
     variants = args.variants.split(",")
+    cases = (
+        CASES if args.cases == "all" else [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    )
     rows = []
-    for width, depth, batch in CASES:
+    for width, depth, batch in cases:
         for _ in range(args.rounds):
             for variant in variants:
                 try:
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 print(rows[-1], flush=True)
     table = []
-    for width, depth, batch in CASES:
+    for width, depth, batch in cases:
 
         def med(v, width=width):
             vals = [
@@ -162,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "callback_fit.json").write_text(
+    (args.out / args.json_name).write_text(
         json.dumps(
             {
                 "command": " ".join([sys.executable, *sys.argv]),

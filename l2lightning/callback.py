@@ -97,9 +97,10 @@ class L2GraphCallback(Callback):
         verify: at capture, run the step once eagerly and once captured from the same state, and
             raise :class:`~l2lightning.EquivalenceError` if the loss, a gradient or a parameter
             differs in any bit. Meant for users' GPU CI.
-        compile: compile the LightningModule's child modules with ``torch.compile`` (default mode)
-            before capture so inductor's fusion runs inside the graph. Prefetch is switched off
-            under ``compile=True`` (its hooks would break the compiled graph).
+        compile: compile the LightningModule's child modules with ``torch.compile`` (default mode,
+            no CUDA graphs of its own) at the first step, so inductor's fusion runs inside the
+            whole-step graph. The prefetch then goes through custom ops that the compiler keeps in
+            its graph (:mod:`l2lightning.prefetch_ops`), not through hooks that would break it.
         report: print the step report (per-layer plans, tuning table, timings) at capture.
         eager_optimizer_fallback: train eagerly (with a warning) when the optimizer cannot be
             captured, instead of raising.
@@ -308,9 +309,6 @@ class L2GraphCallback(Callback):
                 ) from exc
             self._disable(str(exc))
             return
-        if self.compile:
-            for child in pl_module.children():
-                child.compile()
         self._mode = "warmup"
 
     # ------------------------------------------------------------------ per-step decision
@@ -322,6 +320,8 @@ class L2GraphCallback(Callback):
             self._mode = "eager"
             return
         self._steps_seen += 1
+        if self._steps_seen == 1 and self.compile:
+            self._prepare_compiled(pl_module, batch)
         if self._steps_seen <= self.warmup_steps:
             self._mode = "warmup"
             return
@@ -369,7 +369,10 @@ class L2GraphCallback(Callback):
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self._mode == "replay":
             return None
-        return self._originals["backward"](loss, *args, **kwargs)
+        out = self._originals["backward"](loss, *args, **kwargs)
+        if self._hooks is not None and self._hooks.via == "ops":
+            self._hooks.join()  # custom-op points leave the backward join to the caller
+        return out
 
     def _optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         if self._mode == "replay":
@@ -421,8 +424,27 @@ class L2GraphCallback(Callback):
             real_log(*args, **kwargs)
 
     # ------------------------------------------------------------------ capture, verify, replay
-    def _prefetch_hooks(self, pl_module: LightningModule, optimizer_closure: Any) -> Any:
-        if self.prefetch == "off" or self.compile:
+    def _prepare_compiled(self, pl_module: LightningModule, batch: Any) -> None:
+        """compile=True: install the prefetch points first, then compile the children.
+
+        Dynamo guards on a module's hooks, so hooks added after the first compiled call would force
+        a recompile inside the capture, where compiling cannot run. The points are custom ops
+        (l2lightning.prefetch_ops) that dynamo traces into the compiled graph; they act only inside
+        the capture's scope, checked at run time, so the warm-up steps run the same compiled code.
+        """
+        self._static = StaticBatch(batch)
+        self._install_prefetch(pl_module)
+        for child in pl_module.children():
+            child.compile()
+
+    def _install_prefetch(self, pl_module: LightningModule) -> None:
+        self._hooks = self._prefetch_hooks(pl_module)
+        if self._hooks is not None:
+            self._tuning_report = self._hooks.tuning_report
+            self.plans = self._hooks.plan_summary()
+
+    def _prefetch_hooks(self, pl_module: LightningModule) -> Any:
+        if self.prefetch == "off":
             return None
         reason = prefetch_unavailable_reason()
         if reason:
@@ -450,17 +472,15 @@ class L2GraphCallback(Callback):
             plans=plans,
             decoy=self.prefetch == "decoy",
             scope="manual",
+            via="ops" if self.compile else "hooks",
         )
 
     def _capture(self, epoch: int, batch_idx: int, optimizer: Any, closure: Any) -> None:
         module = self._module
         original = self._originals["optimizer_step"]
         torch.cuda.synchronize()
-        if self._hooks is None:
-            self._hooks = self._prefetch_hooks(module, closure)
-            if self._hooks is not None:
-                self._tuning_report = self._hooks.tuning_report
-                self.plans = self._hooks.plan_summary()
+        if self._hooks is None and not self.compile:
+            self._install_prefetch(module)
         if self.verify:
             eager_record = self._verify_eager(epoch, batch_idx, optimizer, closure)
         saved = TrainingState.save(module, None)

@@ -216,6 +216,10 @@ class PrefetchHooks:
             or ``"auto"`` to let the autotuner measure plans per layer shape.
         backward_plans: like ``plans`` for the backward pass; default: the same as forward.
         decoy: aim the same traffic at the wrong layer (half the chain away), as a control.
+        via: ``"hooks"`` (default): Python hooks issue the prefetches. ``"ops"``: the hooks insert
+            identity autograd functions that call the custom ops of :mod:`l2lightning.prefetch_ops`,
+            so ``torch.compile`` traces them into its graph instead of breaking it; the caller then
+            joins the side stream after backward with :meth:`join`.
         scope: ``"forward"`` (default): the hooks act while ``model.forward`` runs. ``"manual"``: they
             act only inside ``with hooks.scope():``, for callers whose step reaches the layers
             without calling ``model(...)`` (a LightningModule's ``training_step`` calling ``self.net``).
@@ -240,6 +244,7 @@ class PrefetchHooks:
         backward_plans: PlansArg = None,
         decoy: bool = False,
         scope: str = "forward",
+        via: str = "hooks",
         issuer: Issuer | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -253,6 +258,9 @@ class PrefetchHooks:
         if scope not in ("forward", "manual"):
             raise ValueError(f"`scope` must be 'forward' or 'manual', got {scope!r}")
         self.scope_mode = scope
+        if via not in ("hooks", "ops"):
+            raise ValueError(f"`via` must be 'hooks' or 'ops', got {via!r}")
+        self.via = via
         _check_plans_arg("plans", plans)
         _check_plans_arg("backward_plans", backward_plans)
         self.model = model
@@ -339,6 +347,9 @@ class PrefetchHooks:
     def _install(self) -> None:
         forward = self._forward_schedule()
         backward = self._backward_schedule() if self.backward else {}
+        if self.via == "ops":
+            self._install_ops(forward, backward)
+            return
         if self.scope_mode == "forward":
             self._handles.append(self.model.register_forward_pre_hook(self._on_model_start))
             self._handles.append(self.model.register_forward_hook(self._on_model_end))
@@ -362,6 +373,8 @@ class PrefetchHooks:
     def _begin(self) -> None:
         self._active = True
         self._pass = _BackwardPass()
+        if self.via == "ops":
+            self._ops_layers = set()
 
     def _end(self) -> None:
         if not self._active:
@@ -437,6 +450,69 @@ class PrefetchHooks:
 
         return grad_hook
 
+    # ---------------------------------------------------------------- custom-op points (via="ops")
+    def _install_ops(
+        self,
+        forward: dict[int, list[tuple[int, PrefetchPlan]]],
+        backward: dict[int, list[tuple[int, PrefetchPlan]]],
+    ) -> None:
+        from l2lightning import prefetch_ops
+
+        self._ops_forward, self._ops_backward = forward, backward
+        self._ops_layers: set[int] = set()
+        self._token = torch.zeros(1, device=self.device)
+        self._owner_id = prefetch_ops.register(self)
+        if self.scope_mode == "forward":
+            self._handles.append(self.model.register_forward_pre_hook(self._on_model_start))
+            self._handles.append(self.model.register_forward_hook(self._on_model_end))
+        for layer in self.chain:
+            # Every layer gets an input point (it also records the layer as part of the pass);
+            # an output point only where backward prefetches are scheduled.
+            self._handles.append(layer.module.register_forward_pre_hook(self._make_point_in(layer.index)))
+            if backward.get(layer.index):
+                self._handles.append(layer.module.register_forward_hook(self._make_point_out(layer.index)))
+
+    def _make_point_in(self, index: int) -> Callable[..., Any]:
+        from l2lightning.prefetch_ops import point_in
+
+        def pre_hook(module: nn.Module, args: tuple) -> Any:
+            if not args or not isinstance(args[0], torch.Tensor):
+                return None
+            return (point_in(args[0], self._token, self._owner_id, index), *args[1:])
+
+        return pre_hook
+
+    def _make_point_out(self, index: int) -> Callable[..., Any]:
+        from l2lightning.prefetch_ops import point_out
+
+        def post_hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return None
+            return point_out(output, self._token, self._owner_id, index)
+
+        return post_hook
+
+    def _on_forward_point(self, index: int) -> None:
+        """Run time of an input point (eager, compiled, or being captured)."""
+        if not self._active or self._removed:
+            return
+        self._ops_layers.add(index)
+        for target, plan in self._ops_forward.get(index, []):
+            self.issuer.issue(self._aim(target), plan, "forward")
+
+    def _on_backward_point(self, index: int) -> None:
+        """Run time of an output point's backward: just before layer `index`'s backward."""
+        if self._removed:
+            return
+        for target, plan in self._ops_backward.get(index, []):
+            if target in self._ops_layers:
+                self.issuer.issue(self._aim(target), plan, "backward")
+
+    def join(self) -> None:
+        """Rejoin the side stream on the current stream (with via='ops', call after backward)."""
+        if self.issuer is not None and not self._removed:
+            self.issuer.join("backward")
+
     # ---------------------------------------------------------------- public
     @property
     def enabled(self) -> bool:
@@ -461,6 +537,10 @@ class PrefetchHooks:
             handle.remove()
         self._handles.clear()
         self._removed = True
+        if getattr(self, "_owner_id", None) is not None:
+            from l2lightning import prefetch_ops
+
+            prefetch_ops.unregister(self._owner_id)
         self._active = False
 
     def __enter__(self) -> PrefetchHooks:

@@ -228,3 +228,71 @@ def test_backward_join_fires_when_a_hooked_output_is_off_the_loss_path():
     a, _ = model(torch.randn(2, 64))
     a.sum().backward()  # head_b's output gets no gradient: its hook never fires
     assert rec.events[-1] == ("join", "backward", -1)
+
+
+def ops_hooks(model):
+    rec = Recorder()
+    plans = {f"{i}.1": PLAN for i in range(len(model))}
+    hooks = PrefetchHooks(model, torch.randn(2, 64), plans=plans, issuer=rec, scope="manual", via="ops")
+    return hooks, rec
+
+
+EXPECTED_STEP = [
+    ("issue", "forward", 1), ("issue", "forward", 2), ("issue", "forward", 3), ("join", "forward", -1),
+    ("issue", "backward", 2), ("issue", "backward", 1), ("issue", "backward", 0), ("join", "backward", -1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_custom_op_points_issue_in_order_eager_and_compiled(backend):
+    torch.manual_seed(0)
+    model = stack()
+    hooks, rec = ops_hooks(model)
+    run = torch.compile(model, backend=backend) if backend else model
+    x = torch.randn(2, 64)
+    run(x).sum().backward()  # outside the scope: the points do nothing
+    assert rec.events == []
+    with hooks.scope():
+        y = run(x)
+    y.square().mean().backward()
+    hooks.join()
+    assert rec.events == EXPECTED_STEP
+
+
+def test_custom_op_points_compile_to_one_graph_without_breaks():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = stack()
+    hooks, rec = ops_hooks(model)
+    run = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 64)
+    run(x).sum().backward()
+    with hooks.scope():
+        run(x).sum().backward()
+    hooks.join()
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1  # the active step reused the inactive step's code
+
+
+def test_custom_op_points_leave_outputs_and_gradients_unchanged():
+    torch.manual_seed(0)
+    model = stack()
+    x = torch.randn(2, 64)
+    model(x).square().sum().backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    hooks, _ = ops_hooks(model)
+    with hooks.scope():
+        y = model(x)
+    y.square().sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, plain[n]), n
+    hooks.remove()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_via_is_validated():
+    with pytest.raises(ValueError, match="`via` must be 'hooks' or 'ops'"):
+        PrefetchHooks(stack(), torch.randn(2, 64), issuer=Recorder(), via="magic")

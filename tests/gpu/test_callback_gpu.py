@@ -186,3 +186,14 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path):
     assert cb.summary()["captured"]  # re-captured after resuming
     for (name, p), q in zip(full.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_compile_with_prefetch_is_captured_verified_and_equals_compile_without_prefetch():
+    plain = fit(TinyMLP, [L2GraphCallback(compile=True, prefetch="off", verify=True)], steps=8)
+    cb = L2GraphCallback(compile=True, prefetch="default", verify=True)
+    run = fit(TinyMLP, [cb], steps=8)
+    summary = cb.summary()
+    assert summary["captured"] and summary["fallback_steps"] == 0, summary
+    assert any(row["forward"] for row in cb.plans)  # the prefetch points are in the compiled graph
+    assert cb.verify_report.ok
+    assert_same_run(plain, run)
