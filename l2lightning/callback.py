@@ -176,6 +176,11 @@ class L2GraphCallback(Callback):
         self._pool_mib: float | None = None
         self._tuning_report: Any = None
         self._step_output: Any = None
+        from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
+
+        self._phase_events = PhaseEvents() if self.report and torch.cuda.is_available() else _NoPhaseEvents()
+        self._kernel_counter = PhaseKernelCounter()
+        self.step_report: Any = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -205,6 +210,7 @@ class L2GraphCallback(Callback):
             "fallback_causes": sorted(self._fallback_causes),
             "graph_pool_mib": self._pool_mib,
             "tuning": self._tuning_report.to_dict() if self._tuning_report is not None else None,
+            "step_report": self.step_report.to_dict() if self.step_report is not None else None,
         }
 
     # ------------------------------------------------------------------ set-up and refusals
@@ -362,16 +368,20 @@ class L2GraphCallback(Callback):
             # backward join on the outputs this forward produced.
             with self._prefetch_scope():
                 output = self._originals["training_step"](self._static.batch, *args[1:], **kwargs)
+            self._phase_events.mark("forward")
             self._step_output = output
             return output
-        return self._originals["training_step"](*args, **kwargs)
+        with self._kernel_counter.phase("forward"):
+            return self._originals["training_step"](*args, **kwargs)
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self._mode == "replay":
             return None
-        out = self._originals["backward"](loss, *args, **kwargs)
+        with self._kernel_counter.phase("backward"):
+            out = self._originals["backward"](loss, *args, **kwargs)
         if self._hooks is not None and self._hooks.via == "ops":
             self._hooks.join()  # custom-op points leave the backward join to the caller
+        self._phase_events.mark("backward")
         return out
 
     def _optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
@@ -394,6 +404,11 @@ class L2GraphCallback(Callback):
             return None
         if self._mode != "warmup":  # eager or a one-step fallback: not timed
             return original(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.report and self._steps_seen == self.warmup_steps:
+            # The last warm-up step is profiled (and so not timed) to count kernels per phase.
+            return self._kernel_counter.profile(
+                lambda: original(epoch, batch_idx, optimizer, optimizer_closure)
+            )
         start, end = self._events()
         start.record()
         out = original(epoch, batch_idx, optimizer, optimizer_closure)
@@ -522,13 +537,16 @@ class L2GraphCallback(Callback):
         if self.verify:
             self._finish_verify(eager_record)
         if self.report:
+            self._build_step_report()
             rank_zero_info(self._report_text())
 
     def _capture_into(
         self, graph: Any, epoch: int, batch_idx: int, optimizer: Any, closure: Any, original: Any
     ) -> None:
         with torch.cuda.graph(graph):
+            self._phase_events.mark("start")
             original(epoch, batch_idx, optimizer, closure)
+            self._phase_events.mark("end")
         # training_step ran inside the capture: its output tensors are the graph's static outputs.
         self._static_output = self._step_output
 
@@ -644,8 +662,28 @@ class L2GraphCallback(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
+    def _build_step_report(self) -> None:
+        from l2lightning.step_report import build_report, measure_ceilings
+
+        times = self._phase_events.phase_times_us()
+        if times is None:
+            return
+        device = self._module.trainer.strategy.root_device
+        copy_bw, empty_us = measure_ceilings(device.index or 0)
+        self.step_report = build_report(
+            self._module,
+            times,
+            self._kernel_counter.counts,
+            copy_bw,
+            empty_us,
+            self._tuning_report,
+            label=f"{type(self._module).__name__}, captured step",
+        )
+
     def _report_text(self) -> str:
         lines = ["L2GraphCallback step report", f"  captured at step {self.capture_step}"]
+        if self.step_report is not None:
+            lines.append(self.step_report.format())
         if self._tuning_report is not None and hasattr(self._tuning_report, "table"):
             lines.append(self._tuning_report.table())
         for row in self.plans:
@@ -664,3 +702,13 @@ def _loss_of_output(output: Any) -> torch.Tensor:
     raise TypeError(
         f"training_step returned {type(output).__name__}; the capture needs a loss tensor or a dict with 'loss'"
     )
+
+
+class _NoPhaseEvents:
+    """Stands in for PhaseEvents when no report is asked for: marking costs nothing."""
+
+    def mark(self, name: str) -> None:
+        return None
+
+    def phase_times_us(self) -> None:
+        return None

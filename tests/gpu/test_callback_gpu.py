@@ -197,3 +197,15 @@ def test_compile_with_prefetch_is_captured_verified_and_equals_compile_without_p
     assert any(row["forward"] for row in cb.plans)  # the prefetch points are in the compiled graph
     assert cb.verify_report.ok
     assert_same_run(plain, run)
+
+
+def test_report_times_phases_inside_the_graph_and_counts_kernels():
+    cb = L2GraphCallback(prefetch="default", report=True)
+    fit(TinyMLP, [cb], steps=6)
+    report = cb.summary()["step_report"]
+    assert report is not None, "no step report"
+    phases = {p["name"]: p for p in report["phases"]}
+    assert set(phases) == {"forward", "backward", "optimizer"}
+    assert all(p["time_us"] > 0 for p in phases.values())
+    assert all(p["kernel_count"] and p["kernel_count"] > 0 for p in phases.values())
+    assert report["bound"] in ("launch", "bandwidth", "compute")
