@@ -8,7 +8,7 @@ measurement `choose_attention` makes at capture time.
 
 Part 2, decode steps: SmolLM2-135M and Qwen2.5-0.5B at full depth with random bf16 weights, batch 1,
 at 6 cached-token contexts each (12 combinations): `DecodeSession` (auto attention, compiled
-elementwise ops, default L2 prefetch plans), the same without prefetch, and `TorchDecodeSession`
+elementwise ops, L2 prefetch plans from the autotuner unless --prefetch default), the same without prefetch, and `TorchDecodeSession`
 (compiled elementwise ops, SDPA, whole step in one CUDA graph). Before timing: our logits vs the
 baseline's (bf16 tolerance) and prefetch vs no prefetch (bitwise). Each sample is 8 graph replays;
 variants interleave, rotating who goes first.
@@ -186,7 +186,7 @@ def time_steps(session: DecodeSession, context: int, tokens: torch.Tensor) -> fl
 
 
 def bench_steps(
-    contexts_by_model: dict[str, tuple[int, ...]], rounds: int, bandwidth: float
+    contexts_by_model: dict[str, tuple[int, ...]], rounds: int, bandwidth: float, prefetch: str = "auto"
 ) -> tuple[list[dict], dict]:
     rows, details = [], {}
     for name, config in MODELS.items():
@@ -196,7 +196,7 @@ def bench_steps(
         max_len = length_bucket(max(contexts) + STEPS_PER_SAMPLE + 1, 1 << 30) + 64
         variants: dict[str, DecodeSession] = {
             "baseline_torch": TorchDecodeSession(model, 1, max_len),
-            "ours": DecodeSession(model, 1, max_len, attention="auto", prefetch="default"),
+            "ours": DecodeSession(model, 1, max_len, attention="auto", prefetch=prefetch),
             "ours_no_prefetch": DecodeSession(model, 1, max_len, attention="auto", prefetch=None),
         }
         for session in variants.values():  # identical cache contents everywhere, so outputs compare
@@ -343,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=None, help="interleaved rounds per case (default 9, quick 5)"
     )
     parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument(
+        "--prefetch",
+        default="auto",
+        choices=("auto", "default"),
+        help="plans for 'ours': measured by the autotuner (auto) or sized by layer bytes (default)",
+    )
     parser.add_argument("--skip-steps", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -363,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     step_rows, details = (
         ([], {})
         if args.skip_steps
-        else bench_steps(QUICK_STEP_CONTEXTS if args.quick else STEP_CONTEXTS, rounds, bandwidth)
+        else bench_steps(
+            QUICK_STEP_CONTEXTS if args.quick else STEP_CONTEXTS, rounds, bandwidth, args.prefetch
+        )
     )
     try:
         import cupy
@@ -383,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "steps_per_sample": STEPS_PER_SAMPLE,
         "quick": args.quick,
+        "prefetch": args.prefetch,
         "used_while_developing": DEVELOPED_ON,
         "used_while_developing_note": "none: the kernel and its defaults were written without GPU access",
         "seconds": round(time.time() - t_start, 1),
