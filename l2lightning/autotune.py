@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from l2lightning.capture import graph_capture
 from l2lightning.hooks import Layer, PrefetchHooks, _flatten_tensors, device_l2_bytes, discover_chain
 from l2lightning.plan_cache import PlanCache
 from l2lightning.prefetch import KINDS, MIB, PrefetchPlan
@@ -1159,7 +1160,7 @@ class CudaShapeBench:
         try:
             chain.zero_grads()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with graph_capture(graph, pool=self.pool):
                 out = chain.run()
         finally:
             if hooks is not None:

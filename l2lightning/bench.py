@@ -35,6 +35,14 @@ dtype, as PyTorch keeps them) over the doctor's copy bandwidth, and kernels coun
 pass with ``torch.profiler`` times the doctor's empty-kernel cost (compiled variants launch fewer
 kernels, so their launch floor is an upper estimate).
 
+Graph lifetimes: every variant's graphs stay live through all repeats, in one process with eager
+code, Lightning fits and compiled code interleaved, so nothing a graph reads or writes may be freed
+before the runner's ``close()``. The library takes care of the two things that once were not held
+(an ``illegal memory access`` on replay, found here): ``CapturedStep`` keeps its optimizer, whose
+state the graph updates in place, and every capture goes through
+:func:`l2lightning.capture.graph_capture`, which gives each graph's GEMMs a cuBLAS workspace in the
+graph's own pool instead of one that Lightning's teardown or inductor's cudagraph trees free.
+
 The GPU state is checked with the doctor first; timing is refused unless ``--force``, which marks
 every result ``forced: true``. Pre-registered criteria are hashed and stored before any timing
 and evaluated after it. ``results.json`` is rewritten after every case (``complete: false``) and
@@ -347,6 +355,10 @@ class Runner:
         return time_steps(self.step, steps, self.settings.warmup)
 
     def close(self) -> None:
+        import torch
+
+        if self._keep and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # no replay may still run on memory about to be freed
         for obj in self._keep:
             remove = getattr(obj, "remove", None)
             if callable(remove):
@@ -495,6 +507,7 @@ class PlainRunner(Runner):
             self.step = step
             return
         opt = _optimizer(model, s.lr, capturable=True) if with_optimizer else None
+        # CapturedStep holds the optimizer: the graph updates its state tensors in place.
         captured = capture_step(lambda b: regression_loss(model, b), batches[0], model, opt)
         self._keep.append(captured)
         self.step = lambda i: captured(batches[i % len(batches)])
@@ -503,6 +516,8 @@ class PlainRunner(Runner):
 def _capture_forward(model: Any, batches: list[tuple[Any, Any]]) -> Callable[[int], Any]:
     """A CUDA graph of ``model(x)`` under no_grad; the step copies each x into the static input."""
     import torch
+
+    from l2lightning.capture import graph_capture
 
     static_x = batches[0][0].clone()
     side = torch.cuda.Stream()
@@ -513,7 +528,7 @@ def _capture_forward(model: Any, batches: list[tuple[Any, Any]]) -> Callable[[in
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
+    with graph_capture(graph), torch.no_grad():
         out = model(static_x)
 
     def step(i: int) -> Any:
@@ -820,12 +835,33 @@ def run_case(
             ci = report.median_ci(repeat_medians)
             row.update(median_us=ci.median, ci_lo_us=ci.lo, ci_hi_us=ci.hi, ci_coverage=ci.coverage)
         rows.append(row)
+    # Only now, with every variant's graphs gone, is memory handed back (never between replays).
+    compiled_ro = "compile_ro" in runners
     for runner in runners.values():
         runner.close()
     runners.clear()
+    if compiled_ro:
+        _reset_cudagraph_trees()
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def _reset_cudagraph_trees() -> None:
+    """Drop reduce-overhead's CUDA-graph trees (their graphs and pool) once the case is done.
+
+    ``torch._dynamo.reset()``: it resets the cudagraph trees ("global state not tied to a specific
+    backend instance", torch/_dynamo/__init__.py) together with the compiled code, whose cudagraph
+    wrappers are bound to the tree manager they were first run under, so resetting the trees alone
+    (``torch._inductor.cudagraph_trees.reset_cudagraph_trees``) would leave cached code that calls
+    into a shut-down manager. The next case recompiles before any capture (in ``setup``).
+    """
+    try:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    except Exception:
+        pass
 
 
 def _print_rows(rows: Sequence[dict[str, Any]], log: Callable[[str], None]) -> None:

@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason, prefetch_unavailable_reason
-from l2lightning.capture import StaticBatch, TrainingState
+from l2lightning.capture import StaticBatch, TrainingState, graph_capture
 from l2lightning.optim import CapturableOptimizer, OptimizerNotCapturableError, make_capturable
 from l2lightning.prefetch import PrefetchPlan
 
@@ -543,7 +543,7 @@ class L2GraphCallback(Callback):
     def _capture_into(
         self, graph: Any, epoch: int, batch_idx: int, optimizer: Any, closure: Any, original: Any
     ) -> None:
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             self._phase_events.mark("start")
             original(epoch, batch_idx, optimizer, closure)
             self._phase_events.mark("end")

@@ -9,7 +9,8 @@ an eager run would start from.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +166,42 @@ def _dampening(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> float:
     return 0.0
 
 
+# ---------------------------------------------------------------------- capturing safely
+def clear_cublas_workspaces() -> None:
+    """Drop PyTorch's cached cuBLAS/cuBLASLt workspaces: the next GEMM on a stream allocates anew.
+
+    Uses ``torch._C._cuda_clearCublasWorkspaces`` (what Lightning's CUDA teardown and inductor's
+    cudagraph trees call); without it this is a no-op.
+    """
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    clear()
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool)`` whose GEMMs get a cuBLAS workspace of their own.
+
+    PyTorch caches one cuBLAS workspace per (handle, stream), and every capture runs on the same
+    side stream, so without this a graph can bake in a workspace owned by an earlier, maybe
+    destroyed, graph or by the general pool; Lightning's teardown, inductor's cudagraph trees or a
+    graph's destructor then free it, and the next ``empty_cache`` unmaps it under the live graph
+    (an illegal address on replay, seen in the benchmark harness). Cleared before the capture, the
+    first GEMM allocates its workspace inside the graph's private pool, which lives as long as the
+    graph; cleared after, no later capture reuses it.
+    """
+    clear_cublas_workspaces()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        clear_cublas_workspaces()
+
+
 # ---------------------------------------------------------------------- the captured step
 StepFn = Callable[[Any], Any]
 
@@ -187,8 +224,19 @@ class CapturedStep:
         loss: the static loss tensor.
     """
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, static_batch: StaticBatch, output: Any) -> None:
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        static_batch: StaticBatch,
+        output: Any,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         self.graph = graph
+        # The graph reads and writes the parameters, gradients and optimizer state in place: hold
+        # them for as long as the graph lives, or a replay writes into freed memory.
+        self.model = model
+        self.optimizer = optimizer
         self.static_batch = static_batch
         self.output = output
         self.loss = _loss_of(output)
@@ -283,9 +331,9 @@ def capture_step(
         optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with graph_capture(graph, pool=pool):
         output = step_fn(static_batch.batch)
         _loss_of(output).backward()
         if optimizer is not None:
             optimizer.step()
-    return CapturedStep(graph, static_batch, output)
+    return CapturedStep(graph, static_batch, output, model, optimizer)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from l2lightning.capture import graph_capture
 from l2lightning.decode_attention import (
     MAX_SPLITS,
     AttentionBackend,
@@ -639,7 +640,7 @@ class DecodeSession:
             current.wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with graph_capture(graph):
                 self._body()
                 self._advance()
         torch.cuda.synchronize(self.device)

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from l2lightning.capture import graph_capture
+
 KERNEL_FILE = "decode_attention.cu"
 KERNEL_NAME = "l2l_decode_attention"
 HEAD_DIMS = (64, 128)
@@ -1136,7 +1138,7 @@ def choose_attention(
                 if not err < 2e-2:
                     raise RuntimeError(f"output differs from the FP32 reference (relative error {err:.3g})")
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with graph_capture(graph):
                     backend.prepare(lens)
                     for i in range(calls):
                         backend(q, k_new, v_new, k_caches[i], v_caches[i], lens)

@@ -98,3 +98,41 @@ def test_float_lr_change_requests_recapture():
     assert not wrapped.lr_changed_since_capture()
     opt.param_groups[0]["lr"] = 0.05
     assert wrapped.lr_changed_since_capture()
+
+
+def test_captured_step_holds_what_its_graph_writes():
+    import gc
+    import weakref
+
+    from l2lightning.capture import CapturedStep
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    step = CapturedStep(object(), StaticBatch(torch.ones(1, 2)), torch.zeros(()), model, opt)
+    refs = weakref.ref(model), weakref.ref(opt)
+    del model, opt
+    gc.collect()
+    assert all(r() is not None for r in refs)  # the graph updates them in place at every replay
+    del step
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_graph_capture_clears_cublas_workspaces_around_the_capture(monkeypatch):
+    import contextlib
+
+    from l2lightning import capture
+
+    events = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None):
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    monkeypatch.setattr(capture, "clear_cublas_workspaces", lambda: events.append("clear"))
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    with capture.graph_capture(object()):
+        events.append("body")
+    assert events == ["clear", "enter", "body", "exit", "clear"]

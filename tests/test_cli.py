@@ -328,3 +328,6 @@ def test_bench_model_is_one_prefetch_chain_layer_per_block():
     # Same seed, same weights: every variant starts from the same model.
     again = bench.build_model(64, 3, "cpu", torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+# ---------------------------------------------------------------------- graph lifetimes (CPU stand-ins)
