@@ -176,6 +176,7 @@ class L2GraphCallback(Callback):
         self._pool_mib: float | None = None
         self._tuning_report: Any = None
         self._step_output: Any = None
+        self._compiled_children: list[torch.nn.Module] = []
         from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
 
         self._phase_events = PhaseEvents() if self.report and torch.cuda.is_available() else _NoPhaseEvents()
@@ -287,6 +288,10 @@ class L2GraphCallback(Callback):
             if name in vars(pl_module):
                 delattr(pl_module, name)
         self._originals = {}
+        for child in self._compiled_children:
+            if "forward" in vars(child):
+                del child.forward  # back to the class's own forward
+        self._compiled_children = []
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
@@ -450,7 +455,8 @@ class L2GraphCallback(Callback):
         self._static = StaticBatch(batch)
         self._install_prefetch(pl_module)
         for child in pl_module.children():
-            child.compile()
+            self._compiled_children.append(child)
+            child.forward = _compiled_forward(child)  # type: ignore[method-assign]
 
     def _install_prefetch(self, pl_module: LightningModule) -> None:
         self._hooks = self._prefetch_hooks(pl_module)
@@ -712,3 +718,19 @@ class _NoPhaseEvents:
 
     def phase_times_us(self) -> None:
         return None
+
+
+def _compiled_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    """``module.forward`` compiled by ``torch.compile`` (default mode), entered through this file.
+
+    ``nn.Module.compile()`` compiles ``_call_impl``, a frame in torch's own files that dynamo skips:
+    for a container of torch modules (an ``nn.Sequential`` of Linear/LayerNorm/GELU) nothing gets
+    compiled. A wrapper defined here is user code, so dynamo compiles it and inlines the module
+    calls (and their hooks) below it.
+    """
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    return torch.compile(forward)

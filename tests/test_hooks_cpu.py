@@ -296,3 +296,21 @@ def test_custom_op_points_leave_outputs_and_gradients_unchanged():
 def test_via_is_validated():
     with pytest.raises(ValueError, match="`via` must be 'hooks' or 'ops'"):
         PrefetchHooks(stack(), torch.randn(2, 64), issuer=Recorder(), via="magic")
+
+
+def test_compiled_forward_compiles_torch_containers_and_keeps_the_points():
+    from torch._dynamo.utils import counters
+
+    from l2lightning.callback import _compiled_forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = stack()
+    hooks, rec = ops_hooks(model)
+    model.forward = _compiled_forward(model)  # an nn.Sequential: Module.compile() would compile nothing
+    with hooks.scope():
+        y = model(torch.randn(2, 64))
+    y.square().mean().backward()
+    hooks.join()
+    assert counters["stats"]["unique_graphs"] == 1 and dict(counters["graph_break"]) == {}
+    assert rec.events == EXPECTED_STEP
