@@ -594,7 +594,16 @@ class L2GraphCallback(Callback):
         self._mode = "verify-eager"
         module.log = lambda *a, **k: None  # type: ignore[method-assign]  # logged once, by the real step
         try:
-            self._originals["optimizer_step"](epoch, batch_idx, optimizer, closure)
+            # On a side stream, not the default one: Lightning's closure keeps this step's loss, and
+            # with it each parameter's AccumulateGrad node, alive into the capture; a node bound to
+            # the default stream makes the captured backward sync with it, which aborts the capture
+            # (seen on the H200 when verify=True ran as the first capture of a process). The
+            # synchronize below orders everything this step allocated before anyone else uses it.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._originals["optimizer_step"](epoch, batch_idx, optimizer, closure)
+            torch.cuda.current_stream().wait_stream(side)
             loss = _loss_of_output(self._step_output)
             record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
             # Drop the eager step's outputs: a live autograd graph from before the capture keeps

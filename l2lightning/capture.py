@@ -183,8 +183,8 @@ def clear_cublas_workspaces() -> None:
 
 
 @contextlib.contextmanager
-def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
-    """``torch.cuda.graph(graph, pool)`` whose GEMMs get a cuBLAS workspace of their own.
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: Any = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool, stream)`` whose GEMMs get a cuBLAS workspace of their own.
 
     PyTorch caches one cuBLAS workspace per (handle, stream), and every capture runs on the same
     side stream, so without this a graph can bake in a workspace owned by an earlier, maybe
@@ -196,7 +196,7 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
     """
     clear_cublas_workspaces()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
     finally:
         clear_cublas_workspaces()

@@ -126,7 +126,7 @@ def test_graph_capture_clears_cublas_workspaces_around_the_capture(monkeypatch):
     events = []
 
     @contextlib.contextmanager
-    def fake_graph(graph, pool=None):
+    def fake_graph(graph, pool=None, stream=None):
         events.append("enter")
         yield
         events.append("exit")
