@@ -120,6 +120,27 @@ class FamilyModule(pl.LightningModule):
         )
 
 
+class ClassifierFamily(FamilyModule):
+    """A family whose batch is ``(inputs, labels)`` and whose forward returns class logits.
+
+    Subclasses register a ``class_ids`` buffer (``torch.arange(num_classes)``) for the one-hot loss.
+    """
+
+    class_ids: torch.Tensor
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        inputs, labels = batch
+        logits = self(inputs)
+        loss = cross_entropy(logits, labels, self.class_ids)
+        self.log("train/loss", loss, batch_size=inputs.shape[0])
+        return {"loss": loss, "preds": logits.detach().float(), "target": labels}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, labels = batch
+        logits = self(inputs)
+        self.log_validation(cross_entropy(logits, labels, self.class_ids), logits.float(), labels)
+
+
 class SyntheticDataModule(pl.LightningDataModule):
     """Map-style data sized in whole batches, so every batch has the same shape (static for a CUDA graph).
 

@@ -8,7 +8,6 @@ running statistics are buffers the callback restores after its warm-up steps.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torchmetrics
@@ -16,16 +15,15 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from l2lightning.models._common import (
-    FamilyModule,
+    ClassifierFamily,
     SyntheticDataModule,
     check_int,
     check_sizes,
-    cross_entropy,
     parse_dtype,
 )
 
 
-class ConvStack(FamilyModule):
+class ConvStack(ClassifierFamily):
     """A small CNN classifier: ``len(channels)`` stages of (conv 3×3 stride 2, BatchNorm, ReLU), mean pool, linear.
 
     Args:
@@ -80,18 +78,6 @@ class ConvStack(FamilyModule):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(images.to(self.param_dtype)).mean(dim=(2, 3)))
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
-        images, labels = batch
-        logits = self(images)
-        loss = cross_entropy(logits, labels, self.class_ids)
-        self.log("train/loss", loss, batch_size=images.shape[0])
-        return {"loss": loss, "preds": logits.detach().float(), "target": labels}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        images, labels = batch
-        logits = self(images)
-        self.log_validation(cross_entropy(logits, labels, self.class_ids), logits.float(), labels)
 
 
 class SyntheticImages(Dataset):

@@ -8,23 +8,20 @@ vocabulary some of their tokens come from (`TokenData`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torchmetrics
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from l2lightning.models._common import (
-    FamilyModule,
+    ClassifierFamily,
     SyntheticDataModule,
     check_int,
-    cross_entropy,
     parse_dtype,
 )
 
 
-class TextEncoder(FamilyModule):
+class TextEncoder(ClassifierFamily):
     """Token + position embeddings, `nn.TransformerEncoder`, mean pooling, a linear classifier.
 
     Args:
@@ -100,18 +97,6 @@ class TextEncoder(FamilyModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_norm(self.embed(tokens) + self.pos_embed)  # (B, L, d)
         return self.head(self.encoder(x).mean(dim=1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
-        tokens, labels = batch
-        logits = self(tokens)
-        loss = cross_entropy(logits, labels, self.class_ids)
-        self.log("train/loss", loss, batch_size=tokens.shape[0])
-        return {"loss": loss, "preds": logits.detach().float(), "target": labels}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        tokens, labels = batch
-        logits = self(tokens)
-        self.log_validation(cross_entropy(logits, labels, self.class_ids), logits.float(), labels)
 
 
 class TokenData(SyntheticDataModule):

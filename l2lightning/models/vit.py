@@ -7,16 +7,14 @@ inference) and the prefetch hooks treat each block as one layer. Data: `ImageDat
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torchmetrics
 from torch import nn
 
-from l2lightning.models._common import FamilyModule, check_int, cross_entropy, parse_dtype
+from l2lightning.models._common import ClassifierFamily, check_int, parse_dtype
 
 
-class ViT(FamilyModule):
+class ViT(ClassifierFamily):
     """A small ViT classifier (ViT-S/16-like by default: width 384, 6 blocks, 6 heads).
 
     Args:
@@ -108,15 +106,3 @@ class ViT(FamilyModule):
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
         x = self.norm(self.blocks(x))
         return self.head(x[:, 0])
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
-        images, labels = batch
-        logits = self(images)
-        loss = cross_entropy(logits, labels, self.class_ids)
-        self.log("train/loss", loss, batch_size=images.shape[0])
-        return {"loss": loss, "preds": logits.detach().float(), "target": labels}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        images, labels = batch
-        logits = self(images)
-        self.log_validation(cross_entropy(logits, labels, self.class_ids), logits.float(), labels)
