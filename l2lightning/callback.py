@@ -176,6 +176,7 @@ class L2GraphCallback(Callback):
         self._pool_mib: float | None = None
         self._tuning_report: Any = None
         self._step_output: Any = None
+        self._captured = False  # this fit captured a graph (capture_step may come from a checkpoint)
         self._compiled_children: list[torch.nn.Module] = []
         from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
 
@@ -197,9 +198,7 @@ class L2GraphCallback(Callback):
         eager_ms = self._timing.eager_ms()
         graph_ms = self._timing.graph_ms()
         return {
-            "captured": self._graph is not None
-            or self.capture_step is not None
-            and self.disabled_reason is None,
+            "captured": self._captured,
             "reason": self.disabled_reason,
             "capture_step": self.capture_step,
             "eager_step_ms": eager_ms,
@@ -529,6 +528,7 @@ class L2GraphCallback(Callback):
         self._graph_grads = [(p, p.grad) for p in module.parameters()]
         self._optimizer.mark_captured()
         self.capture_step = self._global_step()
+        self._captured = True
         try:
             self._pool_mib = torch.cuda.memory_stats().get("allocated_bytes.all.current", 0) / (1 << 20)
         except Exception:  # memory stats are informational only

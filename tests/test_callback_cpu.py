@@ -112,3 +112,11 @@ def test_ddp_on_cpu_gloo_falls_back_and_trains_like_plain_ddp():
     for a, b in zip(plain.parameters(), with_cb.parameters()):
         assert torch.equal(a, b)
     assert not torch.equal(next(plain.parameters()), next(TinyMLP().parameters()))  # it did train
+
+
+def test_summary_does_not_claim_a_capture_restored_from_a_checkpoint():
+    cb = L2GraphCallback()
+    cb.load_state_dict({"capture_step": 12, "plans": []})
+    with pytest.warns(UserWarning, match="no CUDA"):
+        fit([cb], steps=2)
+    assert cb.summary()["captured"] is False and cb.summary()["capture_step"] == 12
