@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason, prefetch_unavailable_reason
-from l2lightning.capture import StaticBatch, TrainingState, graph_capture
+from l2lightning.capture import StaticBatch, TrainingState, graph_capture, loss_of
 from l2lightning.optim import CapturableOptimizer, OptimizerNotCapturableError, make_capturable
 from l2lightning.prefetch import PrefetchPlan
 
@@ -604,7 +604,7 @@ class L2GraphCallback(Callback):
             with torch.cuda.stream(side):
                 self._originals["optimizer_step"](epoch, batch_idx, optimizer, closure)
             torch.cuda.current_stream().wait_stream(side)
-            loss = _loss_of_output(self._step_output)
+            loss = loss_of(self._step_output, "training_step")
             record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
             # Drop the eager step's outputs: a live autograd graph from before the capture keeps
             # AccumulateGrad nodes bound to the eager stream, which breaks capturing backward.
@@ -621,7 +621,7 @@ class L2GraphCallback(Callback):
         from l2lightning.verify import EquivalenceError, StepRecord, compare_steps, gradients, parameters
 
         module = self._module
-        loss = _loss_of_output(self._static_output)
+        loss = loss_of(self._static_output, "training_step")
         graph_record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
         report = compare_steps(graph_record, eager_record, "captured step vs eager step")
         self.verify_report = report
@@ -706,17 +706,6 @@ class L2GraphCallback(Callback):
                 f"  {row['layer']:<40} {row['mib']:>8.2f} MiB  fwd {row['forward']}  bwd {row['backward']}"
             )
         return "\n".join(lines)
-
-
-def _loss_of_output(output: Any) -> torch.Tensor:
-    """The loss tensor of a training_step output (a tensor, or a dict with 'loss')."""
-    if isinstance(output, Mapping):
-        return output["loss"]
-    if isinstance(output, torch.Tensor):
-        return output
-    raise TypeError(
-        f"training_step returned {type(output).__name__}; the capture needs a loss tensor or a dict with 'loss'"
-    )
 
 
 class _NoPhaseEvents:

@@ -206,12 +206,19 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: Any = N
 StepFn = Callable[[Any], Any]
 
 
-def _loss_of(output: Any) -> torch.Tensor:
+def loss_of(output: Any, source: str = "`step_fn`") -> torch.Tensor:
+    """The loss of a step's output: the tensor itself, or a dict's ``"loss"`` tensor.
+
+    Raises:
+        TypeError: naming `source` (what produced the output) when there is no loss tensor.
+    """
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
-    raise TypeError("`step_fn` must return the loss tensor or a dict with a 'loss' tensor")
+    raise TypeError(
+        f"{source} returned {type(output).__name__}; it must return the loss tensor or a dict with a 'loss' tensor"
+    )
 
 
 class CapturedStep:
@@ -239,7 +246,7 @@ class CapturedStep:
         self.optimizer = optimizer
         self.static_batch = static_batch
         self.output = output
-        self.loss = _loss_of(output)
+        self.loss = loss_of(output)
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Copy `batch` into the static buffers, replay, return the (static) loss tensor.
@@ -264,7 +271,7 @@ def run_step(
     else:
         model.zero_grad(set_to_none=True)
     output = step_fn(batch)
-    _loss_of(output).backward()
+    loss_of(output).backward()
     if optimizer is not None:
         optimizer.step()
     return output
@@ -333,7 +340,7 @@ def capture_step(
     graph = torch.cuda.CUDAGraph()
     with graph_capture(graph, pool=pool):
         output = step_fn(static_batch.batch)
-        _loss_of(output).backward()
+        loss_of(output).backward()
         if optimizer is not None:
             optimizer.step()
     return CapturedStep(graph, static_batch, output, model, optimizer)

@@ -194,16 +194,8 @@ def assert_equivalent(report: VerifyReport) -> VerifyReport:
     return report
 
 
-def _record(model: nn.Module, output: Any, loss: torch.Tensor) -> StepRecord:
-    from l2lightning.capture import _loss_of  # local: capture imports nothing from here
-
-    out = output.detach().clone() if isinstance(output, torch.Tensor) else None
-    return StepRecord(
-        out,
-        _loss_of(output).detach().clone() if loss is None else loss.detach().clone(),
-        gradients(model),
-        parameters(model),
-    )
+def _record(model: nn.Module, loss: torch.Tensor) -> StepRecord:
+    return StepRecord(None, loss.detach().clone(), gradients(model), parameters(model))
 
 
 def run_variant(
@@ -220,7 +212,7 @@ def run_variant(
     returns ``step_fn(batch) -> loss``; `make_optimizer(model)` returns a capturable optimizer or None;
     `make_hooks(model)` installs :class:`PrefetchHooks` (for ``graph+prefetch``).
     """
-    from l2lightning.capture import capture_step, run_step
+    from l2lightning.capture import capture_step, loss_of, run_step
 
     if variant not in ("eager", "graph", "graph+prefetch"):
         raise ValueError(f"`variant` must be 'eager', 'graph' or 'graph+prefetch', got {variant!r}")
@@ -232,15 +224,12 @@ def run_variant(
     try:
         if variant == "eager":
             for batch in batches:
-                output = run_step(step_fn, batch, model, optimizer)
-                records.append(
-                    _record(model, None, output if isinstance(output, torch.Tensor) else output["loss"])
-                )
+                records.append(_record(model, loss_of(run_step(step_fn, batch, model, optimizer))))
             return records
         captured = capture_step(step_fn, batches[0], model, optimizer)
         for batch in batches:
             loss = captured(batch)
-            records.append(_record(model, None, loss))
+            records.append(_record(model, loss))
         return records
     finally:
         if hooks is not None:
