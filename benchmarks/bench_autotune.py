@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from l2lightning.autotune import Autotuner
+from l2lightning.chain_timing import capture_chain, interleaved_replay_us
 from l2lightning.hooks import PrefetchHooks, device_l2_bytes, discover_chain
 from l2lightning.prefetch import MIB
 from l2lightning.tuning_stats import mean_ci
@@ -116,56 +117,6 @@ def build(family: str, d: int, n_layers: int) -> nn.Sequential:
     return nn.Sequential(*blocks).to("cuda", torch.bfloat16)
 
 
-def capture(
-    model: nn.Module, x: torch.Tensor, backward: bool
-) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
-    """A graph of forward (no_grad), or forward + mean-square loss + backward with grads set to None
-    before capture. Returns the graph and the tensors its replays write (output/loss, grads)."""
-
-    def body() -> torch.Tensor:
-        if not backward:
-            with torch.no_grad():
-                return model(x)
-        loss = model(x).float().square().mean()
-        loss.backward()
-        return loss
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, PyTorch's rule for capturing backward
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            body()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    model.zero_grad(set_to_none=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = body()
-    graph.replay()
-    torch.cuda.synchronize()
-    written = [out] + [p.grad for p in model.parameters() if p.grad is not None]
-    model.zero_grad(set_to_none=True)  # the next capture allocates its own grads
-    return graph, written
-
-
-def interleaved_us(graphs: list[torch.cuda.CUDAGraph], rounds: int, replays: int) -> list[list[float]]:
-    """Per-replay µs per graph and round; the order rotates each round so drift hits every variant."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: list[list[float]] = [[] for _ in graphs]
-    for r in range(rounds):
-        order = list(range(len(graphs)))
-        order = order[r % len(order) :] + order[: r % len(order)]
-        for i in order:
-            start.record()
-            for _ in range(replays):
-                graphs[i].replay()
-            end.record()
-            end.synchronize()
-            times[i].append(start.elapsed_time(end) * 1e3 / replays)
-    return times
-
-
 def bit_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -200,17 +151,17 @@ def run_config(family: str, d: int, b: int, phase: str, l2: int, args: argparse.
     forward = dict(zip(names, report.plans_for(chain, "forward")))
     backward_plans = dict(zip(names, report.plans_for(chain, "backward"))) if backward else None
 
-    plain, w_plain = capture(model, x, backward)
+    plain, w_plain = capture_chain(model, x, backward)
     graphs, written = [plain], [w_plain]
     for decoy in (False, True):
         hooks = PrefetchHooks(
             model, x, backward=backward, plans=forward, backward_plans=backward_plans, decoy=decoy
         )
-        g, w = capture(model, x, backward)
+        g, w = capture_chain(model, x, backward)
         hooks.remove()
         graphs.append(g)
         written.append(w)
-    times = interleaved_us(graphs, args.rounds, args.replays)
+    times = interleaved_replay_us(graphs, args.rounds, args.replays)
     p, t, dcy = (statistics.median(ts) for ts in times)
     gains = [1 - ti / pi for pi, ti in zip(times[0], times[1])]
     ci = mean_ci(gains)

@@ -124,17 +124,6 @@ CSV_COLUMNS = (
     "forced",
     "error",
 )
-# Host-side CUDA calls that put one kernel, copy or fill on a stream (the fallback kernel count).
-LAUNCH_API_NAMES = frozenset(
-    {
-        "cudaLaunchKernel",
-        "cudaLaunchKernelExC",
-        "cuLaunchKernel",
-        "cuLaunchKernelEx",
-        "cudaMemcpyAsync",
-        "cudaMemsetAsync",
-    }
-)
 DEFAULT_RESULTS_ROOT = Path("benchmarks") / "results"
 DEFAULT_CRITERIA = Path("benchmarks") / "criteria.yaml"
 
@@ -717,7 +706,7 @@ def count_kernels(fn: Callable[[], Any]) -> int | None:
     # GPU-side records first (one per kernel, memcpy, memset); else the host-side launch calls.
     cuda = torch.autograd.DeviceType.CUDA
     on_gpu = sum(1 for e in events if getattr(e, "device_type", None) == cuda)
-    launches = sum(1 for e in events if getattr(e, "name", "") in LAUNCH_API_NAMES)
+    launches = sum(1 for e in events if getattr(e, "name", "") in report.LAUNCH_API_NAMES)
     return on_gpu or launches or None
 
 

@@ -49,6 +49,18 @@ DTYPE_BYTES: dict[str, int] = {
 }
 CHAINS = ("forward", "forward_backward", "step")
 
+# Host-side CUDA calls that put one kernel, copy or fill on a stream.
+LAUNCH_API_NAMES = frozenset(
+    {
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaMemcpyAsync",
+        "cudaMemsetAsync",
+    }
+)
+
 
 def dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` or ``"torch.bfloat16"`` -> ``"bfloat16"``."""

@@ -20,21 +20,10 @@ from typing import Any
 
 import torch
 
-from l2lightning.report import PhaseTime, StepReport, floors, param_bytes_by_dtype
+from l2lightning.report import LAUNCH_API_NAMES, PhaseTime, StepReport, floors, param_bytes_by_dtype
 
 PHASES = ("forward", "backward", "optimizer")
 _MARKS = ("start", "forward", "backward", "end")
-# Host-side CUDA calls that put one kernel, copy or fill on a stream.
-LAUNCH_API_NAMES = frozenset(
-    {
-        "cudaLaunchKernel",
-        "cudaLaunchKernelExC",
-        "cuLaunchKernel",
-        "cuLaunchKernelEx",
-        "cudaMemcpyAsync",
-        "cudaMemsetAsync",
-    }
-)
 
 
 class PhaseEvents:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from l2lightning.autotune import Autotuner, CudaShapeBench, TuningRow, make_plan
+from l2lightning.chain_timing import capture_chain, interleaved_replay_us
 from l2lightning.hooks import PrefetchHooks, discover_chain
 from l2lightning.prefetch import MIB
 
@@ -95,67 +96,17 @@ def test_tiny_stack_runs_plain_both_times(min_layer_bytes):
             assert all(not r.measured for r in report.rows)
 
 
-def _capture(model: nn.Module, x: torch.Tensor, backward: bool) -> tuple[torch.cuda.CUDAGraph, list]:
-    """Graph of forward (no_grad) or zero-grad + forward + mean-square loss + backward."""
-
-    def body():
-        if not backward:
-            with torch.no_grad():
-                return model(x)
-        loss = model(x).float().square().mean()
-        loss.backward()
-        return loss
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            body()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    model.zero_grad(set_to_none=True)  # grads allocated inside the capture, in the graph's pool
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = body()
-    graph.replay()
-    torch.cuda.synchronize()
-    # keep this graph's outputs and grads alive: they are what its replays write
-    keep = [out] + [p.grad for p in model.parameters() if p.grad is not None]
-    model.zero_grad(set_to_none=True)
-    return graph, keep
-
-
-def _interleaved_us(
-    graphs: list[torch.cuda.CUDAGraph], rounds: int = 15, replays: int = 10
-) -> list[list[float]]:
-    """Per-replay µs of each graph, `rounds` samples each, the order rotated every round."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: list[list[float]] = [[] for _ in graphs]
-    for r in range(rounds):
-        order = list(range(len(graphs)))
-        order = order[r % len(order) :] + order[: r % len(order)]
-        for i in order:
-            start.record()
-            for _ in range(replays):
-                graphs[i].replay()
-            end.record()
-            end.synchronize()
-            times[i].append(start.elapsed_time(end) * 1e3 / replays)
-    return times
-
-
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "fwd+bwd"])
 def test_tuned_chain_is_never_slower_than_plain(backward):
     model = stack(2560)
     x = batch(2560)
-    plain, keep_plain = _capture(model, x, backward)
+    plain, keep_plain = capture_chain(model, x, backward)
     hooks = PrefetchHooks(model, x, backward=backward, plans="auto")
     print(hooks.tuning_report.table())
     print(hooks.plan_summary())
-    tuned, keep_tuned = _capture(model, x, backward)
+    tuned, keep_tuned = capture_chain(model, x, backward)
     hooks.remove()
-    plain_us, tuned_us = _interleaved_us([plain, tuned])
+    plain_us, tuned_us = interleaved_replay_us([plain, tuned])
     p, t = statistics.median(plain_us), statistics.median(tuned_us)
     print(f"plain {p:.1f} us, tuned {t:.1f} us, ratio {t / p:.4f}")
     assert t <= p * 1.02, f"tuned {t:.1f} us vs plain {p:.1f} us"
