@@ -1,6 +1,7 @@
 """Trainer.fit per-step time: L2GraphCallback vs plain Lightning vs torch.compile(reduce-overhead) (issue 3).
 
-MLP stacks (LayerNorm, Linear d, GELU) x depth in bf16 with AdamW(foreach), as in the issue:
+MLP stacks (LayerNorm, Linear d, GELU) x depth in bf16 with AdamW (`--optimizer fused` or `foreach`, the
+same for every variant), as in the issue:
 d1536x40 b16, d1024x60 b8, d768x96 b4. Each variant is a full `Trainer.fit` of `--steps` steps with
 progress bar, logger and checkpointing off; the step time is wall time between two host syncs
 placed after warm-up and capture (`steps_timed` steps apart), so it is what a user waits for.
@@ -28,8 +29,9 @@ CASES = [(1536, 40, 16), (1024, 60, 8), (768, 96, 4)]
 
 
 class MLP(LightningModule):
-    def __init__(self, width: int, depth: int) -> None:
+    def __init__(self, width: int, depth: int, optimizer: str) -> None:
         super().__init__()
+        self.optimizer = optimizer
         self.net = nn.Sequential(
             *[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
         )
@@ -44,7 +46,9 @@ class MLP(LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4, foreach=True)
+        # fused: one kernel per parameter group pass; foreach: ~a dozen multi-tensor passes, each
+        # reading and writing the optimizer state (what dominates a captured step, see README)
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, **{self.optimizer: True})
 
 
 class StepTimer(Callback):
@@ -61,9 +65,9 @@ class StepTimer(Callback):
             self.per_step_ms = (time.perf_counter() - self.t0) * 1000 / self.steps
 
 
-def run(variant: str, width: int, depth: int, batch: int, steps: int) -> dict:
+def run(variant: str, width: int, depth: int, batch: int, steps: int, optimizer: str) -> dict:
     seed_everything(0)
-    model = MLP(width, depth).to(torch.bfloat16)
+    model = MLP(width, depth, optimizer).to(torch.bfloat16)
     timer = StepTimer(start_step=10, steps=steps)
     callbacks: list[Callback] = [timer]
     cb = None
@@ -96,7 +100,14 @@ def run(variant: str, width: int, depth: int, batch: int, steps: int) -> dict:
         callbacks=callbacks,
     )
     trainer.fit(model, data)
-    out = {"variant": variant, "width": width, "depth": depth, "batch": batch, "step_ms": timer.per_step_ms}
+    out = {
+        "variant": variant,
+        "optimizer": optimizer,
+        "width": width,
+        "depth": depth,
+        "batch": batch,
+        "step_ms": timer.per_step_ms,
+    }
     if cb is not None:
         summary = cb.summary()
         out.update(
@@ -120,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cases", default="all", help="comma-separated WIDTHxDEPTHxBATCH, e.g. 1536x40x16")
     parser.add_argument("--json-name", default="callback_fit.json")
+    parser.add_argument(
+        "--optimizer",
+        choices=("fused", "foreach"),
+        default="fused",
+        help="AdamW implementation (all variants)",
+    )
     args = parser.parse_args(argv)
     state = subprocess.run(
         [
@@ -140,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for variant in variants:
                 try:
-                    rows.append(run(variant, width, depth, batch, args.steps))
+                    rows.append(run(variant, width, depth, batch, args.steps, args.optimizer))
                 except Exception as exc:  # a failing variant is a result too
                     rows.append(
                         {
@@ -178,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "command": " ".join([sys.executable, *sys.argv]),
                 "torch": torch.__version__,
+                "optimizer": f"AdamW({args.optimizer}=True)",
                 "gpu_state": state,
                 "runs": rows,
                 "table": table,

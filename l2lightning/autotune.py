@@ -1,9 +1,10 @@
 """The measured autotuner: time candidate prefetch plans per layer shape and keep one only where it provably pays.
 
 For each distinct layer shape of a chain (``Layer.shape_key``: type, weight shapes and dtype, input
-shape) and each phase (``"forward"``: a forward-only graph; ``"backward"``: forward + backward
-with prefetch only in backward), the tuner builds a throwaway chain of copies of that layer with
-fresh random weights (the model's own tensors are only read once, by ``copy.deepcopy``), long
+shape, enclosing block) and each phase (``"forward"``: a forward-only graph; ``"backward"``: forward
++ backward with prefetch only in backward), the tuner builds a throwaway chain of copies of that
+layer's block (``Layer.block``: LayerNorm, Linear, GELU), or of the lone layer where the model has
+no such block, with fresh random weights (the model's own tensors are only read once, by ``copy.deepcopy``), long
 enough that its weights exceed L2 twice over so each layer's weights are evicted between replays,
 captures it in CUDA graphs without and with each candidate plan installed through
 :class:`~l2lightning.hooks.PrefetchHooks`, and times graph replays with CUDA events.
@@ -98,7 +99,8 @@ class ShapeBench(Protocol):
 
     Attributes:
         copies: layers in the throwaway chain (the op time per layer is the replay time / copies).
-        mode: ``"chain"`` (each copy feeds the next) or ``"fan"`` (each copy reads its own input).
+        mode: ``"block"`` (copies of the layer's block, each feeding the next), ``"chain"`` (copies of
+            the lone layer, each feeding the next) or ``"fan"`` (each copy reads its own input).
     """
 
     copies: int
@@ -1009,7 +1011,7 @@ class Throwaway:
     model: nn.Module
     inputs: tuple[torch.Tensor, ...]
     phase: str
-    mode: str  # "chain" or "fan"
+    mode: str  # "block", "chain" or "fan"
     copies: int
     names: list[str]  # the chain layers' names inside `model` (for a name -> plan mapping)
 
@@ -1042,12 +1044,16 @@ def _random_input(proto: nn.Module, layer: Layer) -> torch.Tensor:
 def build_throwaway(
     layer: Layer, phase: str, l2_bytes: int | None, *, max_bytes: int | None = None
 ) -> Throwaway:
-    """Copies of ``layer.module`` with fresh random weights, on the layer's device, with random inputs.
+    """Copies of the layer's block (``layer.block``, mode ``block``) or of ``layer.module`` with fresh
+    random weights, on the layer's device, with random inputs.
 
-    ``chain`` mode when a copy maps its input to a tensor of the same shape and dtype (each copy
-    feeds the next); ``fan`` mode otherwise (Linear d->4d: each copy reads its own input, and in
-    backward each input is a leaf that needs grad, so every copy computes grad-input and reads its
-    W as a mid-model layer does). `max_bytes` caps the copies' weight bytes (free GPU memory).
+    ``block`` mode when the layer sits in a block that maps its input to the same shape and dtype
+    (LayerNorm, Linear, GELU): each block copy feeds the next, so the norm and activation kernels
+    run between the layers as they do in the model. Otherwise copies of the lone layer: ``chain``
+    mode when a copy maps its input to a tensor of the same shape and dtype (each copy feeds the
+    next); ``fan`` mode otherwise (Linear d->4d: each copy reads its own input, and in backward
+    each input is a leaf that needs grad, so every copy computes grad-input and reads its W as a
+    mid-model layer does). `max_bytes` caps the copies' weight bytes (free GPU memory).
 
     Raises:
         SkipShape: the module cannot be copied or called on a random input of the recorded shape,
@@ -1058,14 +1064,22 @@ def build_throwaway(
     if layer.input_shape is None or not layer.weights:
         raise SkipShape("the layer's input shape is unknown (its first argument is not a tensor)")
     backward = phase == "backward"
-    proto = _fresh_copy(layer.module, backward)
-    x = _random_input(proto, layer)
+    device = layer.weights[0].device
+    if layer.block is not None and layer.block_input is not None:
+        unit: nn.Module = layer.block
+        shape, dtype = layer.block_input
+        proto = _fresh_copy(unit, backward)
+        x = torch.randn(shape, device=device, dtype=dtype)
+    else:
+        unit = layer.module
+        proto = _fresh_copy(unit, backward)
+        x = _random_input(proto, layer)
     try:
         with torch.no_grad():
             y = proto(x)
     except Exception as exc:
         raise SkipShape(
-            f"a copy of {type(layer.module).__name__} failed on a random {tuple(layer.input_shape)} input "
+            f"a copy of {type(unit).__name__} failed on a random {tuple(x.shape)} input "
             f"({type(exc).__name__}: {exc})"
         ) from exc
     fan = not (isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype == x.dtype)
@@ -1085,7 +1099,10 @@ def build_throwaway(
     else:
         inputs = (x,)
     names = [c.name for c in discover_chain(model, inputs)]
-    return Throwaway(model, inputs, phase, "fan" if fan else "chain", n, names)
+    mode = "block" if unit is layer.block else ("fan" if fan else "chain")
+    if mode == "block" and len(names) != n:
+        raise SkipShape(f"copies of {layer.context} hold {len(names)} chain layers, expected {n}")
+    return Throwaway(model, inputs, phase, mode, n, names)
 
 
 class CudaShapeBench:

@@ -85,6 +85,7 @@ STEP_VARIANTS = (
     "compile_graph",
     "compile_graph_prefetch",
 )
+OPTIMIZER_IMPLS = ("fused", "foreach")
 CHAIN_VARIANTS = {
     "step": STEP_VARIANTS,
     "forward_backward": ("eager", "graph", "graph_prefetch", "graph_decoy"),
@@ -144,6 +145,9 @@ class BenchSettings:
     lightning_skip: int = 8
     prefetch: str = "auto"
     lr: float = 1e-4
+    # AdamW implementation for every variant: "fused" (one pass over the state per step) or
+    # "foreach" (about a dozen multi-tensor passes, which dominated the captured step on the H200)
+    optimizer: str = "fused"
     device: int = 0
     criteria: Path | None = None
     out: Path | None = None
@@ -168,6 +172,8 @@ class BenchSettings:
                 raise ValueError(f"unknown variants {bad}; known: {list(ALL_VARIANTS)}")
         if self.repeats < 1 or self.steps < 1 or self.warmup < 0 or self.lightning_skip < 1:
             raise ValueError("repeats and steps must be >= 1, warmup >= 0, lightning skip >= 1")
+        if self.optimizer not in OPTIMIZER_IMPLS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZER_IMPLS}, got {self.optimizer!r}")
         if self.prefetch not in ("auto", "default"):
             raise ValueError(f"prefetch must be 'auto' or 'default', got {self.prefetch!r}")
         report.dtype_bytes(self.dtype)  # raises on an unknown dtype
@@ -357,12 +363,12 @@ class Runner:
         self.batches = []
 
 
-def _optimizer(model: Any, lr: float, capturable: bool) -> Any:
+def _optimizer(model: Any, lr: float, capturable: bool, impl: str) -> Any:
     import torch
 
     from l2lightning import make_capturable
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, **{impl: True})
     if capturable:
         return make_capturable(opt).optimizer
     return opt
@@ -467,7 +473,7 @@ class PlainRunner(Runner):
         with_optimizer = case.chain == "step"
         if v == "compile_ro":
             cmodel = torch.compile(model, mode="reduce-overhead")
-            opt = _optimizer(model, s.lr, capturable=False)
+            opt = _optimizer(model, s.lr, capturable=False, impl=s.optimizer)
 
             def step(i: int) -> Any:
                 torch.compiler.cudagraph_mark_step_begin()
@@ -480,7 +486,7 @@ class PlainRunner(Runner):
             self.step = step
             return
         if not graph:
-            opt = _optimizer(model, s.lr, capturable=False) if with_optimizer else None
+            opt = _optimizer(model, s.lr, capturable=False, impl=s.optimizer) if with_optimizer else None
 
             def step(i: int) -> Any:
                 if opt is not None:
@@ -495,7 +501,7 @@ class PlainRunner(Runner):
 
             self.step = step
             return
-        opt = _optimizer(model, s.lr, capturable=True) if with_optimizer else None
+        opt = _optimizer(model, s.lr, capturable=True, impl=s.optimizer) if with_optimizer else None
         # CapturedStep holds the optimizer: the graph updates its state tensors in place.
         captured = capture_step(lambda b: regression_loss(model, b), batches[0], model, opt)
         self._keep.append(captured)
@@ -542,7 +548,7 @@ class LightningRunner(Runner):
     def setup(self) -> None:
         case = self.case
         model = build_model(case.width, case.depth, self.device, self.dtype)
-        self.module = _lightning_module(model, self.settings.lr)
+        self.module = _lightning_module(model, self.settings.lr, self.settings.optimizer)
         self.batches = make_batches(case.width, case.batch, self.device, self.dtype)
         self.callback_summaries: list[dict[str, Any]] = []
         if self.variant != "lightning_eager":
@@ -598,7 +604,7 @@ def callback_summary(cb: Any) -> dict[str, Any]:
     return {k: json.loads(json.dumps(summary.get(k), default=str)) for k in keys if k in summary}
 
 
-def _lightning_module(model: Any, lr: float) -> Any:
+def _lightning_module(model: Any, lr: float, impl: str) -> Any:
     import lightning.pytorch as pl
     import torch
 
@@ -611,7 +617,7 @@ def _lightning_module(model: Any, lr: float) -> Any:
             return regression_loss(self.net, batch)
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=lr, foreach=True)
+            return torch.optim.AdamW(self.parameters(), lr=lr, **{impl: True})
 
     return BenchModule()
 
@@ -1084,6 +1090,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefetch", choices=("auto", "default"), default="auto", help="plans for graph_prefetch variants"
     )
     parser.add_argument(
+        "--optimizer", choices=OPTIMIZER_IMPLS, default="fused", help="AdamW implementation (every variant)"
+    )
+    parser.add_argument(
         "--criteria",
         type=Path,
         default=None,
@@ -1121,6 +1130,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         steps=args.steps or (10 if args.quick else 30),
         lightning_skip=6 if args.quick else 8,
         prefetch=args.prefetch,
+        optimizer=args.optimizer,
         device=args.device,
         criteria=criteria,
         out=args.out,

@@ -19,6 +19,7 @@ class TinyMLP(LightningModule):
         scheduler: str | None = None,
         dtype: torch.dtype = torch.float32,
         sync_in_step: bool = False,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(
@@ -28,6 +29,7 @@ class TinyMLP(LightningModule):
         self.lr = lr
         self.scheduler = scheduler
         self.sync_in_step = sync_in_step
+        self.fused = fused
         self.to(dtype)
 
     def training_step(self, batch, batch_idx):
@@ -41,7 +43,8 @@ class TinyMLP(LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=True)
+        impl = {"fused": True} if self.fused else {"foreach": True}
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, **impl)
         if self.scheduler == "step":
             return {
                 "optimizer": opt,

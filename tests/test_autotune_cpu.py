@@ -496,6 +496,23 @@ def test_throwaway_chain_copies_with_fresh_weights_and_leaves_the_model_alone():
         assert torch.equal(p, before)
 
 
+def test_throwaway_copies_the_layers_block_with_fresh_weights():
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU()) for _ in range(3)])
+    chain = discover_chain(model, torch.randn(4, 64))
+    assert chain[1].block is model[1]
+    saved = [p.detach().clone() for p in model.parameters()]
+    t = build_throwaway(chain[1], "backward", l2_bytes=64 * 64 * 4 * 4)
+    assert t.mode == "block" and t.copies == 8
+    assert t.names == [f"layers.{i}.1" for i in range(8)]  # the Linear inside each block copy
+    copies = list(t.model.layers)
+    assert all(isinstance(c[0], nn.LayerNorm) and isinstance(c[2], nn.GELU) for c in copies)
+    assert all(c[1].weight.data_ptr() != model[1][1].weight.data_ptr() for c in copies)
+    assert not torch.equal(copies[0][1].weight, copies[1][1].weight)
+    t.run()
+    assert all(c[1].weight.grad is not None for c in copies)
+    assert all(torch.equal(p, before) and p.grad is None for p, before in zip(model.parameters(), saved))
+
+
 def test_throwaway_fan_mode_for_layers_that_change_shape():
     up = nn.Linear(64, 256)
     layer = Layer(0, "up", up, [up.weight], 64 * 256 * 4, (4, 64))

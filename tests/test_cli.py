@@ -74,6 +74,7 @@ def test_doctor_strict_exits_1_when_not_ready(capsys):
         (["bench", "--repeats", "0"], "expected a positive integer"),
         (["bench", "--steps", "x"], "expected a positive integer"),
         (["bench", "--prefetch", "always"], "invalid choice"),
+        (["bench", "--optimizer", "lamb"], "invalid choice"),
     ],
 )
 def test_bad_arguments_give_argparse_errors(argv, message, capsys):
@@ -99,10 +100,15 @@ def test_bench_settings_from_args_quick_defaults():
     args = parser.parse_args(["bench", "--quick", "--criteria", ""])
     s = bench.settings_from_args(args)
     assert s.quick and s.batches == [16] and s.repeats == 6 and s.steps == 10
-    assert s.models == [(1536, 40)] and s.criteria is None
+    assert s.models == [(1536, 40)] and s.criteria is None and s.optimizer == "fused"
     args = parser.parse_args(["bench", "--widths", "768,1536", "--depths", "40", "--batches", "4,8,16,64"])
     s = bench.settings_from_args(args)
     assert s.models == [(768, 40), (1536, 40)] and s.batches == [4, 8, 16, 64] and s.repeats == 10
+    assert s.optimizer == "fused"
+    s = bench.settings_from_args(parser.parse_args(["bench", "--optimizer", "foreach"]))
+    assert s.optimizer == "foreach"
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        bench.BenchSettings(models=[(8, 2)], optimizer="sgd")
     args = parser.parse_args(["bench", "--models", "1536x40,1024x60", "--variants", "eager,graph"])
     s = bench.settings_from_args(args)
     assert s.models == [(1536, 40), (1024, 60)]

@@ -46,6 +46,40 @@ def test_chain_is_linear_layers_in_execution_order():
     )  # the 256-byte bias is not worth a launch
 
 
+def test_each_layer_knows_its_block_only_where_the_block_holds_just_that_layer():
+    from l2lightning.hooks import discover_chain
+
+    class Residual(nn.Module):  # same shape in and out, one Linear inside
+        def __init__(self, d):
+            super().__init__()
+            self.body = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU())
+
+        def forward(self, x):
+            return x + self.body(x)
+
+    model = nn.Sequential(
+        Residual(64),  # the largest block around 0.body.1 is the Residual
+        nn.Sequential(nn.Linear(64, 128), nn.ReLU()),  # changes the shape: no block
+        nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128)),  # two chain layers: no block
+        nn.Linear(128, 8),  # directly in the model: no block
+    )
+    chain = discover_chain(model, torch.randn(2, 64))
+    assert [layer.name for layer in chain] == ["0.body.1", "1.0", "2.0", "2.1", "3"]
+    assert chain[0].block is model[0] and chain[0].block_input == ((2, 64), torch.float32)
+    assert chain[0].context == "Residual(LayerNorm,Linear,GELU)"
+    assert chain[0].shape_key.endswith("@Residual(LayerNorm,Linear,GELU)")
+    assert all(layer.block is None and "@" not in layer.shape_key for layer in chain[1:])
+
+
+def test_a_block_called_twice_is_not_a_tuning_unit():
+    from l2lightning.hooks import discover_chain
+
+    block = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+    model = nn.Sequential(block, block)  # shared: its two calls see different inputs
+    (layer,) = discover_chain(model, torch.randn(2, 64))
+    assert layer.block is None
+
+
 def test_forward_issues_next_layer_then_joins_once():
     model = stack()
     hooks, rec = make(model, backward=False)

@@ -74,11 +74,15 @@ def assert_same_run(a, b):
         assert torch.equal(p, q), f"parameter {name} differs"
 
 
-@pytest.mark.parametrize("scheduler", [None, "step", "cosine"])
-def test_fit_30_steps_bitwise_equal_to_eager(scheduler):
-    base = fit(CapturableBaseline, [], scheduler=scheduler)
+@pytest.mark.parametrize(
+    ("scheduler", "fused"),
+    [(None, False), ("step", False), ("cosine", False), ("step", True)],
+    ids=["constant", "step", "cosine", "step-fused"],
+)
+def test_fit_30_steps_bitwise_equal_to_eager(scheduler, fused):
+    base = fit(CapturableBaseline, [], scheduler=scheduler, fused=fused)
     cb = L2GraphCallback(prefetch="default")
-    run = fit(TinyMLP, [cb], scheduler=scheduler)
+    run = fit(TinyMLP, [cb], scheduler=scheduler, fused=fused)
     assert_same_run(base, run)
     summary = cb.summary()
     assert summary["captured"] and summary["capture_step"] == 3 and summary["fallback_steps"] == 0
