@@ -23,7 +23,10 @@ closure runs ``training_step``, ``optimizer_zero_grad`` and ``backward``. So:
 Steps that cannot be replayed run eagerly, with one rank-zero warning naming the cause: another
 batch shape or dtype (the last partial batch), a capture that fails (a host sync such as ``.item()``
 in ``training_step``). Configurations the graph cannot honour (gradient accumulation, fp16 with a
-GradScaler, manual optimization, hooks the replay would skip) are refused up front.
+GradScaler, manual optimization, hooks the replay would skip) are refused up front. A torchmetrics
+object updated inside ``training_step`` is refused at the first warm-up step that updates it: a
+replay would skip the metric's Python-side state, so the fit goes on eagerly with the optimizer as
+it was configured.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +55,40 @@ PREFETCH_MODES = ("off", "default", "auto", "decoy")
 REPLAY_SKIPPED_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
 _OVERRIDDEN = ("training_step", "optimizer_step", "optimizer_zero_grad", "backward")
+# Timed replays whose events must have completed before the l2/* metrics are first logged.
+TIMED_REPLAYS_BEFORE_LOG = 5
+
+
+def metric_update_counts(module: torch.nn.Module) -> dict[str, int]:
+    """``_update_count`` of every torchmetrics ``Metric`` among `module`'s submodules, by attribute path.
+
+    ``update()`` and ``forward()`` both add one to it. torchmetrics is looked up in ``sys.modules``,
+    never imported: if it was not imported, no submodule can be one of its metrics.
+    """
+    torchmetrics = sys.modules.get("torchmetrics")
+    metric_type = getattr(torchmetrics, "Metric", None)
+    if not isinstance(metric_type, type):
+        return {}
+    return {
+        name: int(getattr(sub, "_update_count", 0))
+        for name, sub in module.named_modules()
+        if isinstance(sub, metric_type)
+    }
+
+
+def metrics_updated(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """Attribute paths of the metrics whose update count changed between two snapshots."""
+    return sorted(name for name, count in after.items() if count != before.get(name, 0))
+
+
+def metric_update_reason(names: list[str]) -> str:
+    """Why a step that updates these torchmetrics objects inside ``training_step`` is not captured."""
+    return (
+        f"training_step updates the torchmetrics objects {names}, and a replayed graph would skip their "
+        "Python-side state (update count, list states, cached result), so their values would be wrong; "
+        "update them in `on_train_batch_end` from the outputs training_step returns (for example "
+        "`return {'loss': loss, 'preds': preds.detach()}`)"
+    )
 
 
 @dataclass
@@ -104,8 +142,11 @@ class L2GraphCallback(Callback):
         report: print the step report (per-layer plans, tuning table, timings) at capture.
         eager_optimizer_fallback: train eagerly (with a warning) when the optimizer cannot be
             captured, instead of raising.
-        log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/speedup`` and
-            ``l2/graph_pool_mib`` through the Trainer's loggers on rank zero.
+        log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/speedup``,
+            ``l2/graph_pool_mib``, ``l2/prefetch_layers``, ``l2/prefetch_mib`` and
+            ``l2/fallback_steps`` through the Trainer's loggers on rank zero: once at the first
+            ``on_train_batch_end`` after the first ``TIMED_REPLAYS_BEFORE_LOG`` replays have
+            finished on the device (read without a host sync), and again at each epoch end.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -171,9 +212,11 @@ class L2GraphCallback(Callback):
         self._graph_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._log_calls: list[_LogCall] = []
         self._optimizer: CapturableOptimizer | None = None
+        self._configured_lrs: list[Any] = []
         self._hooks: Any = None
         self._timing = _Timing()
         self._pool_mib: float | None = None
+        self._timing_logged = False  # the l2/* metrics went to the loggers once they were known
         self._tuning_report: Any = None
         self._step_output: Any = None
         self._captured = False  # this fit captured a graph (capture_step may come from a checkpoint)
@@ -310,6 +353,9 @@ class L2GraphCallback(Callback):
                 f"{len(trainer.optimizers)} optimizers configured; the capture supports exactly one"
             )
             return
+        # make_capturable turns float LRs into float32 tensors; an eager fit refused later (a metric
+        # updated in training_step) gets the exact floats back.
+        self._configured_lrs = [group.get("lr") for group in trainer.optimizers[0].param_groups]
         try:
             self._optimizer = make_capturable(trainer.optimizers[0], trainer.strategy.root_device)
         except OptimizerNotCapturableError as exc:
@@ -375,8 +421,27 @@ class L2GraphCallback(Callback):
             self._phase_events.mark("forward")
             self._step_output = output
             return output
+        if self._mode == "warmup":
+            return self._warmup_training_step(*args, **kwargs)
         with self._kernel_counter.phase("forward"):
             return self._originals["training_step"](*args, **kwargs)
+
+    def _warmup_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """An eager ``training_step`` that refuses the capture if it updates a torchmetrics object.
+
+        Metrics are compared right around the user's ``training_step``, so updates in
+        ``on_train_batch_end`` (the supported place) are not counted. The refusal comes before the
+        optimizer update of this step (the closure runs first), so releasing the optimizer here
+        makes the rest of the fit the eager one the user would have had without the callback.
+        """
+        before = metric_update_counts(self._module)
+        with self._kernel_counter.phase("forward"):
+            output = self._originals["training_step"](*args, **kwargs)
+        updated = metrics_updated(before, metric_update_counts(self._module))
+        if updated:
+            self._disable(metric_update_reason(updated))
+            self._release_optimizer()
+        return output
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self._mode == "replay":
@@ -638,6 +703,35 @@ class L2GraphCallback(Callback):
             if isinstance(group.get("lr"), torch.Tensor):
                 group["lr"] = float(group["lr"])
 
+    def _release_optimizer(self) -> None:
+        """Undo ``make_capturable`` when the fit will not capture: the rest of it is a plain eager fit.
+
+        The configured float LRs, the original ``capturable`` flags, and step counters back where
+        the optimizer keeps them without capture (on the CPU unless it was capturable or fused).
+        With no wrapper left, the checkpoint hook has nothing to convert.
+        """
+        wrapped, self._optimizer = self._optimizer, None
+        if wrapped is None:
+            return
+        optimizer = wrapped.optimizer
+        configured = self._configured_lrs + [None] * len(optimizer.param_groups)
+        for group, original, lr in zip(optimizer.param_groups, wrapped.original_capturable, configured):
+            if isinstance(group.get("lr"), torch.Tensor):
+                # The configured float where no scheduler has moved the LR since (the float32 tensor
+                # still holds its rounding), else the tensor's value.
+                value = float(group["lr"])
+                unchanged = isinstance(lr, float) and float(torch.tensor(lr, dtype=torch.float32)) == value
+                group["lr"] = lr if unchanged else value
+            if "capturable" in group:
+                group["capturable"] = original
+        fused = any(bool(g.get("fused")) for g in optimizer.param_groups)
+        if any(wrapped.original_capturable) or fused:
+            return
+        for state in optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                state["step"] = step.detach().to("cpu", copy=True)
+
     @override
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -655,27 +749,63 @@ class L2GraphCallback(Callback):
     ) -> None:
         if self._mode == "fallback":
             self._mode = "replay" if self._graph is not None else "eager"
+        self._log_timing_once_known(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._log_timing(trainer)
 
+    def _logs_timing(self, trainer: Trainer) -> bool:
+        return bool(
+            self.log_timing and self._module is not None and trainer.is_global_zero and trainer.loggers
+        )
+
+    def _log_timing_once_known(self, trainer: Trainer) -> None:
+        """Log the l2/* metrics as soon as a captured run has timed replays, once per fit.
+
+        Only when the replays' end events have completed (``query``, no host sync), so the step
+        path never waits for the device; until then each batch end checks again.
+        """
+        if self._timing_logged or self._graph is None or not self._logs_timing(trainer):
+            return
+        replays = self._timing.graph
+        if len(replays) < TIMED_REPLAYS_BEFORE_LOG or not replays[TIMED_REPLAYS_BEFORE_LOG - 1][1].query():
+            return
+        self._timing_logged = True
+        self._emit_timing(trainer)
+
     def _log_timing(self, trainer: Trainer) -> None:
-        if not self.log_timing or self._module is None or not trainer.is_global_zero:
+        """Epoch end: wait for the device, then log the l2/* metrics over every step timed so far."""
+        if not self._logs_timing(trainer):
             return
         torch.cuda.synchronize()
+        self._emit_timing(trainer)
+
+    def _timing_metrics(self) -> dict[str, float]:
+        """The l2/* metrics, all from one ``summary()``: floats, non-finite or unknown ones left out."""
         summary = self.summary()
         metrics = {
             f"l2/{key}": float(summary[key])
             for key in ("eager_step_ms", "graph_step_ms", "speedup", "graph_pool_mib")
             if summary[key] is not None and math.isfinite(float(summary[key]))
         }
-        metrics["l2/prefetch_layers"] = float(
-            sum(1 for row in self.plans if row.get("forward") or row.get("backward"))
-        )
+        prefetched = [row for row in self.plans if row.get("forward") or row.get("backward")]
+        metrics["l2/prefetch_layers"] = float(len(prefetched))
+        metrics["l2/prefetch_mib"] = float(sum(float(row.get("mib") or 0.0) for row in prefetched))
         metrics["l2/fallback_steps"] = float(self.fallback_steps)
+        return metrics
+
+    def _emit_timing(self, trainer: Trainer) -> None:
+        metrics = self._timing_metrics()
+        # The step Lightning logs this batch's own metrics at (as DeviceStatsMonitor and
+        # LearningRateMonitor do): global_step is already one ahead in on_train_batch_end, and
+        # loggers such as W&B drop rows whose step goes back.
+        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        step = getattr(epoch_loop, "_batches_that_stepped", None)
+        if not isinstance(step, int):
+            step = int(trainer.global_step)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=step)
 
     def _build_step_report(self) -> None:
         from l2lightning.step_report import build_report, measure_ceilings

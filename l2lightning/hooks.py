@@ -36,6 +36,10 @@ FUSED_BLOCK_TYPES: tuple[type[nn.Module], ...] = (
 )
 # Parameters smaller than this are not worth a launch (a Linear's bias, a norm's scale).
 MIN_TENSOR_BYTES = 4096
+# Chain layers below this size, and below an eighth of the layer's own size, may share its block (a
+# wide LayerNorm's scale and shift next to its Linear): the autotuner never plans for them (the same
+# floor as autotune.MIN_LAYER_BYTES), so they are context, not another layer to tune.
+BLOCK_COMPANION_BYTES = 256 * 1024
 
 
 @dataclass
@@ -225,7 +229,7 @@ def discover_chain(
         chain.append(
             Layer(len(chain), names.get(module, type(module).__name__), module, weights, nbytes, input_shape)
         )
-    chain_modules = {id(layer.module) for layer in chain}
+    chain_modules = {id(layer.module): layer.nbytes for layer in chain}
     by_name = dict(model.named_modules())
     for layer in chain:
         layer.block, layer.block_input = _enclosing_block(model, layer, by_name, chain_modules, calls)
@@ -247,11 +251,13 @@ def _enclosing_block(
     model: nn.Module,
     layer: Layer,
     modules: dict[str, nn.Module],
-    chain_modules: set[int],
+    chain_modules: dict[int, int],
     calls: dict[int, list],
 ) -> tuple[nn.Module | None, tuple[tuple[int, ...], torch.dtype] | None]:
-    """The largest proper ancestor of `layer` (not the model) that contains no other chain layer, was
+    """The largest proper ancestor of `layer` (not the model) that contains no other chain layer
+    (`chain_modules`: id -> weight bytes) except small companions (see `BLOCK_COMPANION_BYTES`), was
     called once on one tensor, and returned one tensor of the same shape and dtype; else (None, None)."""
+    companion = min(BLOCK_COMPANION_BYTES, layer.nbytes // 8)
     parts = layer.name.split(".")
     if layer.module is model or len(parts) < 2:
         return None, None
@@ -259,7 +265,10 @@ def _enclosing_block(
         block = modules.get(".".join(parts[:depth]))
         if block is None:
             continue
-        if sum(id(m) in chain_modules for m in block.modules()) != 1:
+        if any(
+            m is not layer.module and chain_modules.get(id(m), 0) >= max(companion, 1)
+            for m in block.modules()
+        ):
             continue
         seen = calls.get(id(block), [])
         if len(seen) != 1:

@@ -287,6 +287,35 @@ def test_the_rng_is_left_as_it_was():
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_a_training_forward_plan_is_measured_in_its_own_context(tmp_path, monkeypatch):
+    # Tuning both phases is a training step: its forward row is context "train", cached apart from
+    # a forward-only (inference) decision, and the CUDA bench runs forward + backward graphs.
+    monkeypatch.delenv("L2L_RETUNE", raising=False)
+    versions = {"torch": "t", "cupy": "c", "kernel": "k", "l2lightning": "v"}
+    clock = FakeClock()
+    factory = Factory(clock, hint8_wins)
+    cache = PlanCache(tmp_path / "plans.json", versions=versions, retune=False)
+    inference = tuner(clock, factory, cache=cache).tune([fake_layer()], "cpu", ("forward",))
+    assert [(r.phase, r.context) for r in inference.rows] == [("forward", "")]
+    training = tuner(clock, factory, cache=cache).tune([fake_layer()], "cpu", ("forward", "backward"))
+    assert [(r.phase, r.context) for r in training.rows] == [("forward", "train"), ("backward", "")]
+    assert not training.rows[0].from_cache, "a forward-only decision must not stand in for training"
+    assert "forward@train" in training.table()
+    assert TuningRow.from_dict(training.rows[0].to_dict()).context == "train"
+
+    made = []
+
+    class RecordingBench:
+        def __init__(self, layer, phase, device, **kw):
+            made.append((phase, kw["training"]))
+
+    monkeypatch.setattr("l2lightning.autotune.CudaShapeBench", RecordingBench)
+    real = Autotuner(cache=None)
+    real._factory("train")(fake_layer(), "forward", torch.device("cpu"))
+    real._factory("")(fake_layer(), "forward", torch.device("cpu"))
+    assert made == [("forward", True), ("forward", False)]
+
+
 def test_cached_decisions_are_reused_and_retune_measures_again(tmp_path, monkeypatch):
     monkeypatch.setenv("L2L_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("L2L_RETUNE", raising=False)
@@ -382,7 +411,8 @@ def test_plans_for_counts_distance_in_significant_layers():
 
 def test_table_and_dict():
     clock = FakeClock()
-    report = tuner(clock, Factory(clock, hint8_wins)).tune(
+    # a forward + backward graph 3x the forward-only one: the training-context forward op stays as long
+    report = tuner(clock, Factory(clock, hint8_wins, base=300e-6)).tune(
         [fake_layer(), fake_layer(d=256, index=1, name="t")], "cpu", ("forward", "backward")
     )
     text = report.table()
@@ -511,6 +541,18 @@ def test_throwaway_copies_the_layers_block_with_fresh_weights():
     t.run()
     assert all(c[1].weight.grad is not None for c in copies)
     assert all(torch.equal(p, before) and p.grad is None for p, before in zip(model.parameters(), saved))
+
+
+def test_a_wide_layernorm_is_a_companion_in_its_block_not_a_second_layer():
+    d = 1100  # the LayerNorm's 4.4 KiB scale is a chain layer of its own (>= 4 KiB), the Linear 4.6 MiB
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU()) for _ in range(2)])
+    chain = discover_chain(model, torch.randn(2, d))
+    assert [layer.name for layer in chain] == ["0.0", "0.1", "1.0", "1.1"]
+    linear = chain[1]
+    assert linear.block is model[0] and linear.context == "Sequential(LayerNorm,Linear,GELU)"
+    assert chain[0].block is None  # the LayerNorm's block holds a layer 1000x its size
+    t = build_throwaway(linear, "forward", l2_bytes=None)
+    assert t.mode == "block" and t.names == [f"layers.{i}.1" for i in range(t.copies)]
 
 
 def test_throwaway_fan_mode_for_layers_that_change_shape():

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device call: the named stages in order, each with its own time limit so a slow one cannot
+# starve the rest. Logs and results under $OUT (the device tool returns at most 8 files).
+# Usage on the device machine: bash benchmarks/gpu_run.sh STAGE [STAGE ...]
+#   verify_first  the verify test as the first capture of a fresh process (it once failed that way)
+#   tests         the whole GPU suite (tests/gpu)
+#   autotune      the autotuner benchmark over the held-out grid
+#   examples      the decode examples (generation, Lightning predict_step)
+#   callback      Trainer.fit per-step time, fused AdamW, the three MLP stacks
+#   harness[=WxD,...]  the comparison harness over MLP stacks (default the three) and
+#                 batches 4, 8, 16, 64; harness-quick=WxD,... with 4 repeats of 10 steps
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active,power.draw,power.limit --format=csv | tee "$OUT/gpu_state.txt"
+python3 -c "import torch, cupy, lightning; print('torch', torch.__version__, 'cupy', cupy.__version__, 'lightning', lightning.__version__)" | tee -a "$OUT/gpu_state.txt"
+PYTEST=(python3 -m pytest -m gpu -q --timeout 150 --no-header -p no:cacheprovider)
+for stage in "$@"; do
+  echo "=== stage $stage ($(date +%T))"
+  case "$stage" in
+    verify_first)
+      timeout 90 "${PYTEST[@]}" tests/gpu/test_callback_gpu.py -k "verify_passes" > "$OUT/pytest_verify_first.log" 2>&1
+      echo "rc=$?"; tail -1 "$OUT/pytest_verify_first.log" ;;
+    tests)
+      timeout 300 "${PYTEST[@]}" tests/gpu > "$OUT/pytest_gpu.log" 2>&1
+      echo "rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_gpu.log" | grep -v DEBUG | tail -15 ;;
+    autotune)
+      timeout 200 python3 benchmarks/bench_autotune.py --out "$OUT/autotune" > "$OUT/autotune.log" 2>&1
+      echo "rc=$?"; tail -8 "$OUT/autotune.log" ;;
+    examples)
+      for ex in decode_generate decode_predict_step; do
+        echo "=== python3 examples/$ex.py"; timeout 60 python3 "examples/$ex.py"; echo "rc=$?"
+      done > "$OUT/examples.log" 2>&1
+      grep -v DEBUG "$OUT/examples.log" | tail -20 ;;
+    callback)
+      timeout 300 python3 benchmarks/bench_callback.py --out "$OUT" --json-name callback_fit_fused.json \
+        --optimizer fused --rounds 1 --steps 40 \
+        --variants lightning,callback,callback+compile,compile-reduce-overhead > "$OUT/callback.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/callback.log" | tail -14 ;;
+    harness*)
+      models=1536x40,1024x60,768x96; [[ "$stage" == *=* ]] && models=${stage#*=}
+      extra=(); [[ "$stage" == harness-quick* ]] && extra=(--repeats 4 --steps 10)
+      timeout 540 python3 benchmarks/harness.py --models "$models" --batches 4,8,16,64 "${extra[@]}" \
+        --out "$OUT/harness" > "$OUT/harness.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/harness.log" | grep -v "^  " | tail -30 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
