@@ -3,12 +3,14 @@
 # starve the rest. Logs and results under $OUT (the device tool returns at most 8 files).
 # Usage on the device machine: bash benchmarks/gpu_run.sh STAGE [STAGE ...]
 #   verify_first  the verify test as the first capture of a fresh process (it once failed that way)
-#   tests         the whole GPU suite (tests/gpu)
+#   tests[=PATH,...]  the GPU suite (default all of tests/gpu)
 #   autotune      the autotuner benchmark over the held-out grid
 #   examples      the decode examples (generation, Lightning predict_step)
 #   callback      Trainer.fit per-step time, fused AdamW, the three MLP stacks
 #   harness[=WxD,...]  the comparison harness over MLP stacks (default the three) and
-#                 batches 4, 8, 16, 64; harness-quick=WxD,... with 4 repeats of 10 steps
+#                 batches 4, 8, 16, 64, every variant and chain
+#   harness-sweep the three MLP stacks x batches 4, 8, 16, 64, whole training step only,
+#                 without the torch.compile and decoy variants, 4 repeats of 10 steps
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -23,12 +25,13 @@ for stage in "$@"; do
     verify_first)
       timeout 90 "${PYTEST[@]}" tests/gpu/test_callback_gpu.py -k "verify_passes" > "$OUT/pytest_verify_first.log" 2>&1
       echo "rc=$?"; tail -1 "$OUT/pytest_verify_first.log" ;;
-    tests)
-      timeout 300 "${PYTEST[@]}" tests/gpu > "$OUT/pytest_gpu.log" 2>&1
+    tests*)
+      paths=tests/gpu; [[ "$stage" == *=* ]] && paths=${stage#*=}
+      timeout 300 "${PYTEST[@]}" ${paths//,/ } > "$OUT/pytest_gpu.log" 2>&1
       echo "rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_gpu.log" | grep -v DEBUG | tail -15 ;;
     autotune)
-      timeout 200 python3 benchmarks/bench_autotune.py --out "$OUT/autotune" > "$OUT/autotune.log" 2>&1
-      echo "rc=$?"; tail -8 "$OUT/autotune.log" ;;
+      timeout 200 python3 benchmarks/bench_autotune.py --out "$OUT/autotune" > /tmp/autotune.log 2>&1
+      echo "rc=$?"; tail -8 /tmp/autotune.log ;;
     examples)
       for ex in decode_generate decode_predict_step; do
         echo "=== python3 examples/$ex.py"; timeout 60 python3 "examples/$ex.py"; echo "rc=$?"
@@ -39,10 +42,16 @@ for stage in "$@"; do
         --optimizer fused --rounds 1 --steps 40 \
         --variants lightning,callback,callback+compile,compile-reduce-overhead > "$OUT/callback.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/callback.log" | tail -14 ;;
+    harness-sweep)
+      timeout 420 python3 benchmarks/harness.py --models 1536x40,1024x60,768x96 --batches 4,8,16,64 \
+        --chains step --variants lightning_eager,callback_off,callback_auto,eager,graph,graph_prefetch \
+        --repeats 4 --steps 10 --out /tmp/harness > "$OUT/harness.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/harness.log" | grep -v "^  " | tail -30
+      # results.json and .csv only (the device returns 8 files): the plots are redrawn from the JSON
+      mkdir -p "$OUT/harness"; cp /tmp/harness/results.json /tmp/harness/results.csv "$OUT/harness/" ;;
     harness*)
       models=1536x40,1024x60,768x96; [[ "$stage" == *=* ]] && models=${stage#*=}
-      extra=(); [[ "$stage" == harness-quick* ]] && extra=(--repeats 4 --steps 10)
-      timeout 540 python3 benchmarks/harness.py --models "$models" --batches 4,8,16,64 "${extra[@]}" \
+      timeout 540 python3 benchmarks/harness.py --models "$models" --batches 4,8,16,64 \
         --out "$OUT/harness" > "$OUT/harness.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/harness.log" | grep -v "^  " | tail -30 ;;
     *) echo "unknown stage $stage" ;;

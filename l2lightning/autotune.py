@@ -61,6 +61,7 @@ __all__ = [
     "tune_hooks",
     "log_table",
     "make_plan",
+    "chain_step_plans",
     "candidate_grid",
     "ineligibility",
     "prune_candidates",
@@ -124,6 +125,36 @@ def make_plan(kind: str, blocks: int, distance: int = 1) -> PrefetchPlan:
     the measured ``bulkN`` shape; hint kinds use 256 threads, 128-byte stride."""
     threads = 32 if kind.startswith("bulk") else 256
     return PrefetchPlan(kind=kind, blocks=blocks, threads=threads, distance=distance)
+
+
+def chain_step_plans(
+    length: int, significant: Sequence[int], plans: dict[int, PrefetchPlan], phase: str
+) -> list[PrefetchPlan | None]:
+    """Per chain step, the plan with its distance counted in chain steps.
+
+    A tuned distance counts *significant* layers (those worth a prefetch); the chain also holds
+    small steps that hide almost no time (a LayerNorm's 5 KiB scale and shift in bf16 at d=2560).
+    Forward, the prefetch of significant layer j is issued when the ``distance``-th previous
+    significant layer starts; backward, when the ``distance``-th next one's backward starts. The
+    throwaway bench and the model's mapping (:meth:`TuningReport.plans_for`) both go through
+    here, so a measured plan is the plan the model runs. A layer with no such source, or one more
+    than 8 chain steps away, runs plain; so does a step that is not significant.
+    """
+    position = {i: k for k, i in enumerate(significant)}
+    out: list[PrefetchPlan | None] = [None] * length
+    for j, plan in plans.items():
+        if j not in position:
+            continue
+        k = position[j]
+        if phase == "forward":
+            source = k - plan.distance
+            gap = j - significant[source] if source >= 0 else None
+        else:
+            source = k + plan.distance
+            gap = significant[source] - j if source < len(significant) else None
+        if gap is not None and gap <= 8:
+            out[j] = dataclasses.replace(plan, distance=gap)
+    return out
 
 
 def candidate_grid(
@@ -273,23 +304,12 @@ class TuningReport:
             raise ValueError(f"`phase` must be one of {PHASES}, got {phase!r}")
         by_shape = {r.shape: r for r in self.rows if r.phase == phase}
         significant = [i for i, layer in enumerate(chain) if layer.nbytes >= self.min_layer_bytes]
-        position = {i: k for k, i in enumerate(significant)}
-        plans: list[PrefetchPlan | None] = []
+        kept: dict[int, PrefetchPlan] = {}
         for j, layer in enumerate(chain):
             row = by_shape.get(layer.shape_key)
-            plan = row.plan if row is not None and row.chosen else None
-            if plan is None or j not in position:
-                plans.append(None)
-                continue
-            k = position[j]
-            if phase == "forward":
-                source = k - plan.distance
-                gap = j - significant[source] if source >= 0 else None
-            else:
-                source = k + plan.distance
-                gap = significant[source] - j if source < len(significant) else None
-            plans.append(dataclasses.replace(plan, distance=gap) if gap is not None and gap <= 8 else None)
-        return plans
+            if row is not None and row.chosen and row.plan is not None:
+                kept[j] = row.plan
+        return chain_step_plans(len(chain), significant, kept, phase)
 
     def seconds_per_shape(self) -> dict[str, float]:
         """Tuning wall time of each shape in this run, summed over its phases."""
@@ -705,7 +725,7 @@ class Autotuner:
                     hit.layers, hit.from_cache = count, True
                     hit.tuned_seconds, hit.seconds = hit.seconds or hit.tuned_seconds, self.clock() - start
                     return hit
-        self._measure(row, layer, phase, context, device, start, deadline, l2, kinds)
+        self._measure(row, layer, count, phase, context, device, start, deadline, l2, kinds)
         row.seconds = row.tuned_seconds = self.clock() - start
         if key is not None and row.measured:
             try:
@@ -718,7 +738,7 @@ class Autotuner:
                 )
         return row
 
-    def _factory(self, context: str) -> BenchFactory:
+    def _factory(self, context: str, count: int = 1) -> BenchFactory:
         if self.bench_factory is not None:
             return self.bench_factory  # a fake bench models whatever context it likes
         replays = self.replays
@@ -726,7 +746,13 @@ class Autotuner:
 
         def cuda_factory(layer: Layer, phase: str, device: torch.device) -> ShapeBench:
             return CudaShapeBench(
-                layer, phase, device, replays=replays, l2_bytes=l2, training=context == "train"
+                layer,
+                phase,
+                device,
+                replays=replays,
+                l2_bytes=l2,
+                training=context == "train",
+                min_copies=count,
             )
 
         return cuda_factory
@@ -735,6 +761,7 @@ class Autotuner:
         self,
         row: TuningRow,
         layer: Layer,
+        count: int,
         phase: str,
         context: str,
         device: torch.device,
@@ -744,7 +771,7 @@ class Autotuner:
         kinds: tuple[str, ...],
     ) -> None:
         try:
-            bench = self._factory(context)(layer, phase, device)
+            bench = self._factory(context, count)(layer, phase, device)
         except SkipShape as exc:
             row.reason = str(exc)
             return
@@ -1014,7 +1041,10 @@ def _loss_of(output: Any) -> torch.Tensor:
     return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
 
-def copies_for(layer_bytes: int, l2_bytes: int | None, low: int = 6, high: int = 32) -> int:
+MAX_COPIES = 32
+
+
+def copies_for(layer_bytes: int, l2_bytes: int | None, low: int = 6, high: int = MAX_COPIES) -> int:
     """Copies in a throwaway chain: twice L2 worth of weights so each layer is evicted between
     replays, at least `low` (a steady state) and at most `high` (capture cost). Layers below
     L2 / 16 get a chain that may partly stay in L2: a conservative setting, which is where the
@@ -1062,7 +1092,7 @@ def _random_input(proto: nn.Module, layer: Layer) -> torch.Tensor:
 
 
 def build_throwaway(
-    layer: Layer, phase: str, l2_bytes: int | None, *, max_bytes: int | None = None
+    layer: Layer, phase: str, l2_bytes: int | None, *, max_bytes: int | None = None, min_copies: int = 1
 ) -> Throwaway:
     """Copies of the layer's block (``layer.block``, mode ``block``) or of ``layer.module`` with fresh
     random weights, on the layer's device, with random inputs.
@@ -1073,7 +1103,8 @@ def build_throwaway(
     mode when a copy maps its input to a tensor of the same shape and dtype (each copy feeds the
     next); ``fan`` mode otherwise (Linear d->4d: each copy reads its own input, and in backward
     each input is a leaf that needs grad, so every copy computes grad-input and reads its W as a
-    mid-model layer does). `max_bytes` caps the copies' weight bytes (free GPU memory).
+    mid-model layer does). `min_copies` (the model's layers of this shape) lengthens the chain up
+    to 32 copies; `max_bytes` caps the copies' weight bytes (free GPU memory).
 
     Raises:
         SkipShape: the module cannot be copied or called on a random input of the recorded shape,
@@ -1104,7 +1135,7 @@ def build_throwaway(
         ) from exc
     fan = not (isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype == x.dtype)
     del y
-    n = copies_for(layer.nbytes, l2_bytes)
+    n = max(copies_for(layer.nbytes, l2_bytes), min(min_copies, MAX_COPIES))
     if max_bytes is not None:
         n = min(n, max_bytes // max(1, layer.nbytes))
     if n < 2:
@@ -1156,6 +1187,8 @@ class CudaShapeBench:
         replays: graph replays per sample (one sample = mean over them, timed by CUDA events).
         l2_bytes: the L2 size (default: what the device reports).
         training: measure a forward plan in forward + backward graphs.
+        min_copies: the model's layers of this shape: the throwaway is at least as long (up to
+            32), so what builds up along a chain (lines an evict_last prefetch keeps) shows.
     """
 
     def __init__(
@@ -1167,6 +1200,7 @@ class CudaShapeBench:
         replays: int = 5,
         l2_bytes: int | None = None,
         training: bool = False,
+        min_copies: int = 1,
     ) -> None:
         from l2lightning.prefetch import load_prefetch_kernels
 
@@ -1182,7 +1216,12 @@ class CudaShapeBench:
         graph_phase = "backward" if training else phase
         # weights (x3 in backward: grads and allocator slack) within 40% of the free memory
         max_bytes = int(0.4 * free) // (3 if graph_phase == "backward" else 1)
-        self.chain = build_throwaway(layer, graph_phase, l2, max_bytes=max_bytes)
+        self.chain = build_throwaway(layer, graph_phase, l2, max_bytes=max_bytes, min_copies=min_copies)
+        # The throwaway's own chain, to count plan distances in significant layers as the model
+        # does (block copies may hold small chain steps, a wide LayerNorm, between the layers).
+        steps = [c.name for c in discover_chain(self.chain.model, self.chain.inputs)]
+        self._step_names = steps
+        self._significant = [i for i, name in enumerate(steps) if name in set(self.chain.names)]
         self.phase = phase
         self.copies = self.chain.copies
         self.mode = self.chain.mode
@@ -1210,7 +1249,10 @@ class CudaShapeBench:
         hooks = None
         chain = self.chain
         if plan is not None:
-            plans = {name: plan for name in chain.names}
+            per_step = chain_step_plans(
+                len(self._step_names), self._significant, dict.fromkeys(self._significant, plan), self.phase
+            )
+            plans = {name: p for name, p in zip(self._step_names, per_step) if p is not None}
             if self.phase == "forward":
                 hooks = PrefetchHooks(chain.model, chain.inputs, backward=False, plans=plans, decoy=decoy)
             else:

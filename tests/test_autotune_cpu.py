@@ -12,6 +12,7 @@ from torch import nn
 
 from l2lightning.autotune import (
     Autotuner,
+    chain_step_plans,
     SkipShape,
     TuningReport,
     TuningRow,
@@ -553,6 +554,26 @@ def test_a_wide_layernorm_is_a_companion_in_its_block_not_a_second_layer():
     assert chain[0].block is None  # the LayerNorm's block holds a layer 1000x its size
     t = build_throwaway(linear, "forward", l2_bytes=None)
     assert t.mode == "block" and t.names == [f"layers.{i}.1" for i in range(t.copies)]
+
+
+def test_distances_count_significant_layers_in_the_bench_and_the_model_alike():
+    # chain steps: LN0 Lin0 LN1 Lin1 LN2 Lin2; the Linears (1, 3, 5) are the significant ones
+    d1, d2 = make_plan("hint", 8, 1), make_plan("hint", 8, 2)
+    forward = chain_step_plans(6, [1, 3, 5], {1: d1, 3: d1, 5: d2}, "forward")
+    # Lin1 is fetched while Lin0 runs (2 steps back), Lin2 while Lin0 runs (4 steps back)
+    assert forward == [None, None, None, make_plan("hint", 8, 2), None, make_plan("hint", 8, 4)]
+    backward = chain_step_plans(6, [1, 3, 5], {1: d1, 3: d1, 5: d1}, "backward")
+    assert backward == [None, make_plan("hint", 8, 2), None, make_plan("hint", 8, 2), None, None]
+    # more than 8 steps away: plain
+    assert chain_step_plans(12, [0, 11], {11: d1}, "forward") == [None] * 12
+
+
+def test_throwaway_is_at_least_as_long_as_the_models_run_of_that_shape():
+    lin = nn.Linear(64, 64)
+    layer = Layer(0, "l", lin, [lin.weight], 64 * 64 * 4, (2, 64))
+    assert build_throwaway(layer, "forward", l2_bytes=None).copies == 6
+    assert build_throwaway(layer, "forward", l2_bytes=None, min_copies=20).copies == 20
+    assert build_throwaway(layer, "forward", l2_bytes=None, min_copies=100).copies == 32
 
 
 def test_throwaway_fan_mode_for_layers_that_change_shape():
