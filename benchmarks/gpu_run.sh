@@ -43,7 +43,7 @@ for stage in "$@"; do
         --variants lightning,callback,callback+compile,compile-reduce-overhead > "$OUT/callback.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/callback.log" | tail -14 ;;
     harness-sweep)
-      timeout 420 python3 benchmarks/harness.py --models 1536x40,1024x60,768x96 --batches 4,8,16,64 \
+      timeout 380 python3 benchmarks/harness.py --models 1536x40,1024x60,768x96 --batches 4,8,16,64 \
         --chains step --variants lightning_eager,callback_off,callback_auto,eager,graph,graph_prefetch \
         --repeats 4 --steps 10 --out /tmp/harness > "$OUT/harness.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/harness.log" | grep -v "^  " | tail -30
