@@ -12,12 +12,12 @@ from torch import nn
 
 from l2lightning.autotune import (
     Autotuner,
-    chain_step_plans,
     SkipShape,
     TuningReport,
     TuningRow,
     build_throwaway,
     candidate_grid,
+    chain_step_plans,
     copies_for,
     ineligibility,
     make_plan,

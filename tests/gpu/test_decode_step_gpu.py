@@ -83,7 +83,9 @@ def test_graph_steps_across_length_buckets():
 
 @needs_cupy
 @pytest.mark.parametrize(
-    "prefetch", ["default", PrefetchPlan(kind="hint", blocks=4)], ids=["default-plans", "hint4-everywhere"]
+    "prefetch",
+    ["auto", "default", PrefetchPlan(kind="hint", blocks=4)],
+    ids=["autotuned", "default-plans", "hint4-everywhere"],
 )
 def test_prefetch_graph_is_bit_identical_to_plain_graph(prefetch):
     model = model_for(SMOLLM2_135M)
@@ -97,7 +99,10 @@ def test_prefetch_graph_is_bit_identical_to_plain_graph(prefetch):
         fetched.step()
         assert torch.equal(plain.logits, fetched.logits), f"step {step}: logits differ with prefetch"
         assert torch.equal(plain.next_tokens, fetched.next_tokens)
-    assert any(row["forward"] for row in fetched.prefetch_summary), fetched.prefetch_summary
+    if prefetch == "auto":  # the tuner may keep no plan at all (then the graphs match trivially)
+        assert fetched.prefetch_summary, "the autotuned session reports its chain"
+    else:
+        assert any(row["forward"] for row in fetched.prefetch_summary), fetched.prefetch_summary
     # the hooks live only during a capture: the model is plain PyTorch again afterwards
     assert not model._forward_pre_hooks and all(not m._forward_pre_hooks for m in model.modules())
 
