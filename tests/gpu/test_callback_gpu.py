@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.loggers import Logger
 
 from l2lightning import EquivalenceError, L2GraphCallback, make_capturable
 from tests.lightning_models import TinyMLP, regression_loader
@@ -213,3 +214,71 @@ def test_report_times_phases_inside_the_graph_and_counts_kernels():
     assert all(p["time_us"] > 0 for p in phases.values())
     assert all(p["kernel_count"] and p["kernel_count"] > 0 for p in phases.values())
     assert report["bound"] in ("launch", "bandwidth", "compute")
+
+
+class MetricInStep(TinyMLP):
+    """Updates a torchmetrics object inside training_step: the callback must refuse the capture."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        import torchmetrics
+
+        self.train_mean = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.train_mean.update(loss.detach())
+        return loss
+
+
+def test_torchmetrics_in_training_step_refuses_capture_and_trains_like_plain_eager():
+    base = fit(MetricInStep, [], steps=10)  # plain Lightning: no make_capturable, nothing captured
+    cb = L2GraphCallback(prefetch="off")
+    with pytest.warns(UserWarning, match="train_mean"):
+        run = fit(MetricInStep, [cb], steps=10)
+    summary = cb.summary()
+    assert not summary["captured"] and "train_mean" in summary["reason"], summary
+    assert_same_run(base, run)
+    assert torch.equal(base[0].train_mean.compute(), run[0].train_mean.compute())
+
+
+class RecordingLogger(Logger):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    @property
+    def name(self):
+        return "recording"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append((step, dict(metrics)))
+
+
+def test_l2_metrics_reach_the_logger_before_the_epoch_ends():
+    seed_everything(0)
+    logger = RecordingLogger()
+    cb = L2GraphCallback(prefetch="off")
+    trainer = Trainer(
+        accelerator="gpu",
+        max_epochs=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1000,  # Lightning's own metrics stay out of the way
+        callbacks=[cb],
+    )
+    trainer.fit(TinyMLP(width=512, depth=4), regression_loader(n=8 * 30, width=512))  # 30 steps, one epoch
+    l2 = [(step, m) for step, m in logger.calls if "l2/graph_step_ms" in m]
+    assert len(l2) >= 2, logger.calls  # once known, and at the epoch end
+    first_step, first = l2[0]
+    assert first_step < 29, f"first l2/* log at step {first_step}: only at the epoch end"
+    assert first["l2/graph_step_ms"] > 0 and first["l2/speedup"] > 0
