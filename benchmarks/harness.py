@@ -7,6 +7,7 @@ output directory (benchmarks/results/<gpu-name-slug>/) resolve.
 Example:
     python benchmarks/harness.py --quick
     python benchmarks/harness.py --models 1536x40,1024x60,768x96 --batches 4,8,16
+    python benchmarks/harness.py --families all --batches 4,8,16,64 --repeats 3 --steps 10
 """
 
 from __future__ import annotations

@@ -26,6 +26,21 @@ its parameters itself and runs ``F.layer_norm``/``F.linear``/``F.gelu`` (the sam
 ``nn`` modules), so that one block is one prefetch chain layer and, in the compiled variants, the
 compiled block function runs *inside* the block while the prefetch hooks stay outside it.
 
+Model families (``--families vit,recommender`` or ``all``; the names of
+``l2lightning.models.FAMILIES``): for each family and each ``--batches`` size, a case ``vit b8
+[step]`` fits the family's LightningModule with the Lightning variants only: ``lightning_eager``,
+``callback_off``, ``callback_auto``, and ``callback_decoy`` when ``--variants`` names it. The other
+variants time this harness's own MLP outside Lightning, so they are skipped for families (one note
+in the log). Module and data module come from the package's Hydra configs (``conf/model/<family>``,
+``conf/data/<family>``, composed as ``l2lightning-train model=<family> data.batch_size=<batch>``
+would compose them), the module initialised from the config's seed and trained with its own
+``configure_optimizers`` (``--dtype`` and ``--optimizer`` apply to MLP cases only). As for the
+MLP, a few batches are drawn from the data module once, put on the GPU and cycled through each fit,
+so the data pipeline is not timed. A family row has ``family``, ``params``, ``param_bytes`` and
+``captured`` / ``capture_reason`` (whether the callback's fits captured the step, and why not),
+with ``width``/``depth`` None and ``layer_mib`` the largest single parameter tensor. Without
+``--models`` (or ``--widths``/``--depths``) only family cases run.
+
 Timing: CUDA events recorded at each step boundary (start to start, so the loop's own CPU work is
 included, as a user sees it); Lightning steps are timed from ``on_train_batch_start`` to the
 next. Each (variant, repeat) gives the median of its steps; the reported median and its
@@ -33,7 +48,8 @@ order-statistic 95% CI are over those per-repeat medians (see :func:`l2lightning
 Floors per case: bytes from :func:`l2lightning.report.step_bytes` (AdamW states in the parameters'
 dtype, as PyTorch keeps them) over the doctor's copy bandwidth, and kernels counted on one eager
 pass with ``torch.profiler`` times the doctor's empty-kernel cost (compiled variants launch fewer
-kernels, so their launch floor is an upper estimate).
+kernels, so their launch floor is an upper estimate). For a family the eager pass is one
+``training_step`` + backward + ``step()`` of the module's own optimizer, outside Lightning.
 
 Graph lifetimes: every variant's graphs stay live through all repeats, in one process with eager
 code, Lightning fits and compiled code interleaved, so nothing a graph reads or writes may be freed
@@ -46,7 +62,9 @@ graph's own pool instead of one that Lightning's teardown or inductor's cudagrap
 The GPU state is checked with the doctor first; timing is refused unless ``--force``, which marks
 every result ``forced: true``. Pre-registered criteria are hashed and stored before any timing
 and evaluated after it. ``results.json`` is rewritten after every case (``complete: false``) and
-once at the end with the criteria verdicts, beside ``results.csv`` and the plots.
+once at the end with the criteria verdicts, beside ``results.csv`` and the plots (the MLP cases'
+in the output directory, each family's in ``families/<family>/``). A case that fails as a whole
+(a family whose config does not compose, say) gives error rows and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -55,6 +73,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import logging
 import math
@@ -65,7 +84,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +112,10 @@ CHAIN_VARIANTS = {
 }
 ALL_VARIANTS = STEP_VARIANTS
 LIGHTNING_VARIANTS = ("lightning_eager", "callback_off", "callback_auto", "callback_decoy")
+# What a family case runs unless --variants says otherwise (the decoy is a control, asked for by name).
+FAMILY_DEFAULT_VARIANTS = ("lightning_eager", "callback_off", "callback_auto")
+# Distinct batches drawn from a family's data module and cycled through every fit (as make_batches).
+FAMILY_BATCHES = 4
 COMPILE_VARIANTS = ("compile_ro", "compile_graph", "compile_graph_prefetch")
 CSV_COLUMNS = (
     "config",
@@ -125,6 +148,8 @@ CSV_COLUMNS = (
     "forced",
     "error",
 )
+# Appended to CSV_COLUMNS when the results hold family rows (an MLP-only CSV keeps its columns).
+FAMILY_CSV_COLUMNS = ("family", "params", "captured", "capture_reason", "fallback_steps")
 DEFAULT_RESULTS_ROOT = Path("benchmarks") / "results"
 DEFAULT_CRITERIA = Path("benchmarks") / "criteria.yaml"
 
@@ -135,6 +160,8 @@ class BenchSettings:
     """What to time and how (the CLI fills it; see ``l2lightning bench --help``)."""
 
     models: list[tuple[int, int]] = field(default_factory=lambda: [(1536, 40)])
+    # model families (names of l2lightning.models.FAMILIES), each timed at every batch size
+    families: list[str] = field(default_factory=list)
     batches: list[int] = field(default_factory=lambda: [4, 8, 16, 64])
     chains: list[str] = field(default_factory=lambda: ["step", "forward_backward", "forward"])
     variants: list[str] | None = None
@@ -156,8 +183,15 @@ class BenchSettings:
     doctor_load_seconds: float = 0.6
 
     def __post_init__(self) -> None:
-        if not self.models:
-            raise ValueError("no model configuration: give `--widths`/`--depths` or `--models`")
+        if not self.models and not self.families:
+            raise ValueError(
+                "no model configuration: give `--models` (or `--widths`/`--depths`) or `--families`"
+            )
+        if self.families:
+            known = family_names()
+            unknown_families = [f for f in self.families if f not in known]
+            if unknown_families:
+                raise ValueError(f"unknown model families {unknown_families}; known: all, {', '.join(known)}")
         for w, d in self.models:
             if w < 1 or d < 1:
                 raise ValueError(f"model widths and depths must be >= 1, got {w}x{d}")
@@ -180,6 +214,23 @@ class BenchSettings:
 
     def variants_for(self, chain: str) -> list[str]:
         return [v for v in CHAIN_VARIANTS[chain] if self.variants is None or v in self.variants]
+
+    def family_variants(self) -> list[str]:
+        """The variants a family case runs: Lightning ones only (the rest time the harness's own MLP).
+
+        By default lightning_eager, callback_off and callback_auto; callback_decoy, a control, only
+        when ``--variants`` names it.
+        """
+        if self.variants is None:
+            return list(FAMILY_DEFAULT_VARIANTS)
+        return [v for v in LIGHTNING_VARIANTS if v in self.variants]
+
+
+def family_names() -> tuple[str, ...]:
+    """The model families, in ``l2lightning.models.FAMILIES`` order (importing it imports Lightning)."""
+    from l2lightning.models import FAMILIES
+
+    return tuple(FAMILIES)
 
 
 def gpu_slug(name: str | None) -> str:
@@ -322,12 +373,248 @@ class BenchCase:
             "chain": self.chain,
         }
 
+    def variants(self, settings: BenchSettings) -> list[str]:
+        return settings.variants_for(self.chain)
+
+    def prepare(self) -> None:
+        """Nothing to build before the runners (see :meth:`FamilyCase.prepare`)."""
+
+    def row_fields(self) -> dict[str, Any]:
+        return {"layer_mib": self.width * self.width * report.dtype_bytes(self.dtype) / (1 << 20)}
+
+    def variant_fields(self, variant: str, runner: Runner | None) -> dict[str, Any]:
+        return {}
+
+
+# ---------------------------------------------------------------------- model families
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the floors and the rows need to know of a module's parameters."""
+
+    params: int
+    param_bytes: dict[str, int]
+    # the dtype holding most parameter bytes (AdamW keeps its states in it)
+    dtype: str
+    # the largest single parameter tensor, the family counterpart of the MLP's d x d layer
+    layer_mib: float
+
+
+def model_facts(module: Any) -> ModelFacts:
+    """Parameter count, bytes per dtype, dominant dtype and largest tensor (MiB) of a torch module."""
+    params = list(module.parameters())
+    if not params:
+        raise ValueError(f"{type(module).__name__} has no parameters: nothing to train or time")
+    param_bytes = report.param_bytes_by_dtype(module)
+    return ModelFacts(
+        params=sum(p.numel() for p in params),
+        param_bytes=param_bytes,
+        dtype=max(param_bytes, key=lambda name: param_bytes[name]),
+        layer_mib=max(p.numel() * p.element_size() for p in params) / (1 << 20),
+    )
+
+
+def compose_family(family: str, batch: int, overrides: Sequence[str] = ()) -> Any:
+    """train.yaml composed for `family` as ``l2lightning-train model=<family> data.batch_size=<batch>``.
+
+    The configs are found as the training entry point finds them (:func:`l2lightning._resources.config_dir`,
+    a checkout or the installed wheel). `overrides` are further Hydra overrides (tests shrink the
+    models with them). The data config then asks for only :data:`FAMILY_BATCHES` training batches
+    (``train_batches`` or ``steps_per_epoch``, whichever it has) and no validation data: the
+    harness draws that many batches and cycles them (see :func:`family_batches`).
+
+    Raises:
+        ValueError: an unknown family (the message lists the known ones).
+    """
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from l2lightning._resources import config_dir
+
+    known = family_names()
+    if family not in known:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(known)}")
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={family}", f"data.batch_size={batch}", *overrides])
+    with open_dict(cfg.data):
+        for key in ("train_batches", "steps_per_epoch"):
+            if key in cfg.data:
+                cfg.data[key] = FAMILY_BATCHES
+        if "val_batches" in cfg.data:
+            cfg.data.val_batches = 0  # the harness's Trainer never validates (limit_val_batches=0)
+    return cfg
+
+
+def build_family(cfg: Any) -> tuple[Any, Any]:
+    """The LightningModule and data module `cfg` describes, as :func:`l2lightning.train.run` builds them.
+
+    The module is initialised from ``cfg.seed`` (every variant starts from the same weights) and
+    float32 matmuls run at the config's precision, as in the training entry point.
+    """
+    import torch
+    from hydra.utils import instantiate
+
+    torch.set_float32_matmul_precision(cfg.get("float32_matmul_precision", "highest"))
+    torch.manual_seed(int(cfg.get("seed", 0)))
+    module = instantiate(cfg.model, _convert_="all")
+    datamodule = instantiate(cfg.data, _convert_="all")
+    return module, datamodule
+
+
+def family_batches(datamodule: Any, device: Any, count: int = FAMILY_BATCHES) -> list[Any]:
+    """The first `count` training batches of `datamodule`, on `device`.
+
+    Cycled through every fit by :func:`_loader`, as the MLP's batches are: the timed steps are the
+    training step's, not the data pipeline's (synthetic images are made per sample on the CPU, and
+    CartPole rollouts would run the policy on the host between steps).
+    """
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    datamodule.setup("fit")
+    batches = [
+        move_data_to_device(batch, device) for batch in itertools.islice(datamodule.train_dataloader(), count)
+    ]
+    if not batches:
+        raise ValueError(f"{type(datamodule).__name__}.train_dataloader() yielded no batch")
+    return batches
+
+
+def module_optimizer(module: Any) -> Any:
+    """The (first) optimizer of ``module.configure_optimizers()``, in any of Lightning's return forms."""
+    import torch
+
+    conf = module.configure_optimizers()
+    while not isinstance(conf, torch.optim.Optimizer):
+        if isinstance(conf, Mapping) and "optimizer" in conf:
+            conf = conf["optimizer"]
+        elif isinstance(conf, (list, tuple)) and conf:
+            conf = conf[0]
+        else:
+            raise TypeError(
+                f"{type(module).__name__}.configure_optimizers() returned {type(conf).__name__}; "
+                "expected an optimizer, a list of them or a dict with an 'optimizer'"
+            )
+    return conf
+
+
+def eager_family_step(module: Any, optimizer: Any, batches: Sequence[Any]) -> Callable[[int], Any]:
+    """``step(i)``: zero-grad, ``training_step`` on batch i, backward, optimizer step (outside Lightning)."""
+    from l2lightning.capture import loss_of
+
+    source = f"{type(module).__name__}.training_step"
+
+    def step(i: int) -> Any:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(module.training_step(batches[i % len(batches)], i), source)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def family_step_floors(
+    facts: ModelFacts, kernel_count: int | None, copy_bw: float, empty_kernel_us: float | None
+) -> report.Floors:
+    """Floors of one training step: weights, grads and both AdamW states (6P + 4S bytes, see step_bytes)."""
+    return report.floors(
+        facts.param_bytes,
+        kernel_count,
+        copy_bw,
+        empty_kernel_us,
+        chain="step",
+        # PyTorch's AdamW keeps exp_avg / exp_avg_sq in the parameters' dtype.
+        state_bytes_per_element=report.dtype_bytes(facts.dtype),
+    )
+
+
+def capture_fields(variant: str, summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``captured`` / ``capture_reason`` / ``fallback_steps`` of a variant over its fits' callback summaries.
+
+    ``captured`` is True only when every fit captured its step; otherwise ``capture_reason`` gives
+    the callback's reason (and in how many fits). None where there is no callback or no fit ran.
+    """
+    if variant == "lightning_eager" or not summaries:
+        return {"captured": None, "capture_reason": None, "fallback_steps": None}
+    missed = [s for s in summaries if s.get("captured") is not True]
+    reason = None
+    if missed:
+        reason = next(
+            (
+                str(s.get("reason") or s.get("summary_error"))
+                for s in missed
+                if s.get("reason") or s.get("summary_error")
+            ),
+            "no reason given",
+        )
+        if len(missed) < len(summaries):
+            reason = f"not captured in {len(missed)} of {len(summaries)} fits: {reason}"
+    return {
+        "captured": not missed,
+        "capture_reason": reason,
+        "fallback_steps": max(int(s.get("fallback_steps") or 0) for s in summaries),
+    }
+
+
+@dataclass
+class FamilyCase:
+    """One model family at one batch size: the whole training step, Lightning variants only."""
+
+    family: str
+    batch: int
+    overrides: tuple[str, ...] = ()
+    chain: str = "step"
+    cfg: Any = field(default=None, repr=False, compare=False)
+    facts: ModelFacts | None = field(default=None, compare=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} b{self.batch}"
+
+    @property
+    def dtype(self) -> str:
+        return self.facts.dtype if self.facts is not None else "float32"
+
+    def key(self) -> dict[str, Any]:
+        # width/depth are the MLP's; None keeps family rows out of criteria scoped on them.
+        return {
+            "family": self.family,
+            "width": None,
+            "depth": None,
+            "batch": self.batch,
+            "dtype": self.facts.dtype if self.facts is not None else None,
+            "chain": self.chain,
+        }
+
+    def variants(self, settings: BenchSettings) -> list[str]:
+        return settings.family_variants()
+
+    def prepare(self) -> None:
+        """Compose the configs and read the module's parameters (built once on the CPU); idempotent."""
+        if self.facts is not None:
+            return
+        cfg = compose_family(self.family, self.batch, self.overrides)
+        module, _ = build_family(cfg)
+        self.cfg, self.facts = cfg, model_facts(module)
+
+    def row_fields(self) -> dict[str, Any]:
+        facts, cfg = self.facts, self.cfg
+        return {
+            "layer_mib": facts.layer_mib if facts else None,
+            "params": facts.params if facts else None,
+            "param_bytes": dict(facts.param_bytes) if facts else None,
+            "model_target": cfg.model.get("_target_") if cfg is not None else None,
+            "data_target": cfg.data.get("_target_") if cfg is not None else None,
+        }
+
+    def variant_fields(self, variant: str, runner: Runner | None) -> dict[str, Any]:
+        return capture_fields(variant, getattr(runner, "callback_summaries", None) or [])
+
 
 class Runner:
     """One variant of one case: ``setup()`` once, ``run(steps)`` per repeat, ``close()``."""
 
     def __init__(
-        self, variant: str, case: BenchCase, settings: BenchSettings, shared: dict[str, Any]
+        self, variant: str, case: BenchCase | FamilyCase, settings: BenchSettings, shared: dict[str, Any]
     ) -> None:
         import torch
 
@@ -546,13 +833,17 @@ class LightningRunner(Runner):
     }
 
     def setup(self) -> None:
-        case = self.case
-        model = build_model(case.width, case.depth, self.device, self.dtype)
-        self.module = _lightning_module(model, self.settings.lr, self.settings.optimizer)
-        self.batches = make_batches(case.width, case.batch, self.device, self.dtype)
+        self.module, self.batches = self._module_and_batches()
         self.callback_summaries: list[dict[str, Any]] = []
         if self.variant != "lightning_eager":
             from l2lightning import L2GraphCallback  # noqa: F401  (fail in setup, with the reason, if missing)
+
+    def _module_and_batches(self) -> tuple[Any, list[Any]]:
+        """The benchmark's MLP in a LightningModule, and its batches on the device."""
+        case = self.case
+        model = build_model(case.width, case.depth, self.device, self.dtype)
+        module = _lightning_module(model, self.settings.lr, self.settings.optimizer)
+        return module, make_batches(case.width, case.batch, self.device, self.dtype)
 
     def run(self, steps: int) -> list[float]:
         import torch
@@ -579,6 +870,20 @@ class LightningRunner(Runner):
             self.callback_summaries.append(summary)
             self.info["callback"] = summary
         return [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(steps)]
+
+
+class FamilyRunner(LightningRunner):
+    """A Lightning variant of a family case: the family's module, batches drawn from its data module.
+
+    Fitted and timed exactly as the MLP's Lightning variants (:meth:`LightningRunner.run`).
+    """
+
+    def _module_and_batches(self) -> tuple[Any, list[Any]]:
+        case = self.case
+        case.prepare()
+        module, datamodule = build_family(case.cfg)
+        self.info["optimizer"] = "the module's configure_optimizers()"
+        return module, family_batches(datamodule, self.device)
 
 
 def callback_summary(cb: Any) -> dict[str, Any]:
@@ -653,12 +958,13 @@ def _loader(batches: list[tuple[Any, Any]], length: int) -> Any:
     return torch.utils.data.DataLoader(Batches(), batch_size=None, shuffle=False, num_workers=0)
 
 
-def _trainer(settings: BenchSettings, max_steps: int, callbacks: list[Any]) -> Any:
+def _trainer(settings: BenchSettings, max_steps: int, callbacks: list[Any], accelerator: str = "cuda") -> Any:
+    """The Trainer every Lightning variant fits with (`accelerator="cpu"`: the CPU tests' stand-in)."""
     import lightning.pytorch as pl
 
     return pl.Trainer(
-        accelerator="cuda",
-        devices=[settings.device],
+        accelerator=accelerator,
+        devices=[settings.device] if accelerator == "cuda" else 1,
         max_steps=max_steps,
         max_epochs=1,
         precision="32-true",  # the model already is bf16; nothing to cast
@@ -684,13 +990,23 @@ def _quiet_lightning() -> Iterator[None]:
             warnings.filterwarnings("ignore", message=".*does not have many workers.*")
             warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
             warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+            # family modules define validation_step; the harness's fits never validate
+            warnings.filterwarnings("ignore", message=".*validation_step.*but have no .val_dataloader.*")
             yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
 
 
-def make_runner(variant: str, case: BenchCase, settings: BenchSettings, shared: dict[str, Any]) -> Runner:
+def make_runner(
+    variant: str, case: BenchCase | FamilyCase, settings: BenchSettings, shared: dict[str, Any]
+) -> Runner:
+    if isinstance(case, FamilyCase):
+        if variant not in LIGHTNING_VARIANTS:
+            raise ValueError(
+                f"family cases run only the Lightning variants {list(LIGHTNING_VARIANTS)}, not {variant!r}"
+            )
+        return FamilyRunner(variant, case, settings, shared)
     cls = LightningRunner if variant in LIGHTNING_VARIANTS else PlainRunner
     return cls(variant, case, settings, shared)
 
@@ -717,11 +1033,13 @@ def count_kernels(fn: Callable[[], Any]) -> int | None:
 
 
 def case_floors(
-    case: BenchCase, gpu_state: dict[str, Any], settings: BenchSettings
+    case: BenchCase | FamilyCase, gpu_state: dict[str, Any], settings: BenchSettings
 ) -> tuple[Any, int | None]:
     """(Floors or None, kernel count) of `case`: kernels counted on one eager pass."""
     import torch
 
+    if isinstance(case, FamilyCase):
+        return family_floors(case, gpu_state, settings)
     bw, empty = gpu_state.get("copy_bandwidth_bytes_per_s"), gpu_state.get("empty_kernel_us")
     runner = PlainRunner("eager", case, settings, {})
     runner.setup()
@@ -749,6 +1067,37 @@ def case_floors(
     return f, kernels
 
 
+def family_floors(
+    case: FamilyCase, gpu_state: dict[str, Any], settings: BenchSettings
+) -> tuple[Any, int | None]:
+    """(Floors or None, kernel count) of a family case: kernels of one eager training step."""
+    import torch
+
+    case.prepare()
+    assert case.facts is not None
+    try:
+        kernels = _count_family_step_kernels(case, torch.device("cuda", settings.device))
+    finally:
+        gc.collect()  # the counting module, its batches and optimizer states are garbage by now
+        torch.cuda.empty_cache()
+    bw, empty = gpu_state.get("copy_bandwidth_bytes_per_s"), gpu_state.get("empty_kernel_us")
+    if not bw:
+        return None, kernels
+    return family_step_floors(case.facts, kernels, bw, empty), kernels
+
+
+def _count_family_step_kernels(case: FamilyCase, device: Any) -> int | None:
+    """Kernels of the second eager step of a fresh copy of the family's module (the first makes the states)."""
+    module, datamodule = build_family(case.cfg)
+    module.to(device).train()
+    step = eager_family_step(module, module_optimizer(module), family_batches(datamodule, device, count=2))
+    with warnings.catch_warnings():
+        # training_step's self.log warns on every call without a Trainer; it logs nothing either way.
+        warnings.simplefilter("ignore")
+        step(0)
+        return count_kernels(lambda: step(1))
+
+
 # ---------------------------------------------------------------------- the run
 def _error_text(exc: BaseException) -> str:
     last = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -756,16 +1105,21 @@ def _error_text(exc: BaseException) -> str:
 
 
 def run_case(
-    case: BenchCase,
+    case: BenchCase | FamilyCase,
     settings: BenchSettings,
     gpu_state: dict[str, Any],
     forced: bool,
     log: Callable[[str], None],
 ) -> list[dict[str, Any]]:
-    """Time every selected variant of `case`, interleaved round-robin over repeats; one row per variant."""
+    """Time every selected variant of `case`, interleaved round-robin over repeats; one row per variant.
+
+    Raises only when the case cannot be built at all (:meth:`FamilyCase.prepare`); a variant that
+    fails in set-up or in a repeat gets an error row instead.
+    """
     import torch
 
-    variants = settings.variants_for(case.chain)
+    variants = case.variants(settings)
+    case.prepare()
     floors_, kernels = None, None
     try:
         floors_, kernels = case_floors(case, gpu_state, settings)
@@ -799,37 +1153,21 @@ def run_case(
             except Exception as exc:
                 errors[v] = f"run (repeat {r}): {_error_text(exc)}"
                 log(f"  {v}: failed: {errors[v]}")
-    rows = []
-    for v in variants:
-        repeat_medians = [statistics.median(t) for t in times[v]]
-        row: dict[str, Any] = {
-            "config": case.label,
-            **case.key(),
-            "variant": v,
-            "layer_mib": case.width * case.width * report.dtype_bytes(case.dtype) / (1 << 20),
-            "repeats": settings.repeats,
-            "steps_per_repeat": settings.steps,
-            "median_us": None,
-            "ci_lo_us": None,
-            "ci_hi_us": None,
-            "ci_coverage": None,
-            "n": len(repeat_medians),
-            "repeat_medians_us": repeat_medians,
-            "step_times_us": times[v],
-            "kernel_count": kernels,
-            "floor_bytes_us": floors_.bytes_us if floors_ else None,
-            "floor_launch_us": floors_.launch_us if floors_ else None,
-            "floor_us": floors_.larger if floors_ else None,
-            "floor_bound": floors_.bound if floors_ else None,
-            "forced": forced,
-            "error": errors.get(v),
-            "setup_s": round(setup_s.get(v, 0.0), 3),
-            "info": runners[v].info if v in runners else {},
-        }
-        if repeat_medians and v not in errors:
-            ci = report.median_ci(repeat_medians)
-            row.update(median_us=ci.median, ci_lo_us=ci.lo, ci_hi_us=ci.hi, ci_coverage=ci.coverage)
-        rows.append(row)
+    rows = [
+        variant_row(
+            case,
+            v,
+            settings,
+            forced,
+            times[v],
+            floors_,
+            kernels,
+            errors.get(v),
+            setup_s.get(v, 0.0),
+            runners.get(v),
+        )
+        for v in variants
+    ]
     # Only now, with every variant's graphs gone, is memory handed back (never between replays).
     compiled_ro = "compile_ro" in runners
     for runner in runners.values():
@@ -840,6 +1178,51 @@ def run_case(
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def variant_row(
+    case: BenchCase | FamilyCase,
+    variant: str,
+    settings: BenchSettings,
+    forced: bool,
+    times: Sequence[Sequence[float]] = (),
+    floors_: Any = None,
+    kernels: int | None = None,
+    error: str | None = None,
+    setup_s: float = 0.0,
+    runner: Runner | None = None,
+) -> dict[str, Any]:
+    """The result row of one variant of one case (`times`: that variant's step times, one list per repeat)."""
+    repeat_medians = [statistics.median(t) for t in times]
+    row: dict[str, Any] = {
+        "config": case.label,
+        **case.key(),
+        "variant": variant,
+        **case.row_fields(),
+        "repeats": settings.repeats,
+        "steps_per_repeat": settings.steps,
+        "median_us": None,
+        "ci_lo_us": None,
+        "ci_hi_us": None,
+        "ci_coverage": None,
+        "n": len(repeat_medians),
+        "repeat_medians_us": repeat_medians,
+        "step_times_us": [list(t) for t in times],
+        "kernel_count": kernels,
+        "floor_bytes_us": floors_.bytes_us if floors_ else None,
+        "floor_launch_us": floors_.launch_us if floors_ else None,
+        "floor_us": floors_.larger if floors_ else None,
+        "floor_bound": floors_.bound if floors_ else None,
+        "forced": forced,
+        "error": error,
+        "setup_s": round(setup_s, 3),
+        "info": runner.info if runner is not None else {},
+        **case.variant_fields(variant, runner),
+    }
+    if repeat_medians and error is None:
+        ci = report.median_ci(repeat_medians)
+        row.update(median_us=ci.median, ci_lo_us=ci.lo, ci_hi_us=ci.hi, ci_coverage=ci.coverage)
+    return row
 
 
 def _reset_cudagraph_trees() -> None:
@@ -872,6 +1255,7 @@ def _print_rows(rows: Sequence[dict[str, Any]], log: Callable[[str], None]) -> N
             + (f"  {speed:5.2f}x vs {row.get('baseline')}" if speed else "")
             + (f"  prefetch {gain:+.1%}" if gain is not None else "")
             + (f"  {floor:.1f}x floor" if floor else "")
+            + (f"  NOT captured: {row.get('capture_reason')}" if row.get("captured") is False else "")
         )
 
 
@@ -952,28 +1336,28 @@ def run_bench(
             "wall_s": round(time.perf_counter() - t_start, 1),
         }
 
-    for width, depth in settings.models:
-        for batch in settings.batches:
-            for chain in settings.chains:
-                case = BenchCase(width, depth, batch, settings.dtype, chain)
-                if not settings.variants_for(chain):
-                    continue
-                log(f"{case.label} [{chain}]: {', '.join(settings.variants_for(chain))}")
-                case_rows = run_case(case, settings, state, forced, log)
-                report.add_comparisons(case_rows)
-                _print_rows(case_rows, log)
-                rows.extend(case_rows)
-                # Written after every case (``complete: false``) so a crash late in a sweep keeps the rest.
-                report.write_json(out / "results.json", document(complete=False))
-    report.add_comparisons(rows)
+    for case in bench_cases(settings, log):
+        variants = case.variants(settings)
+        log(f"{case.label} [{case.chain}]: {', '.join(variants)}")
+        try:
+            case_rows = run_case(case, settings, state, forced, log)
+        except Exception as exc:  # one case that cannot be built must not end the sweep
+            error = f"case: {_error_text(exc)}"
+            case_rows = [variant_row(case, v, settings, forced, error=error) for v in variants]
+        report.add_comparisons(case_rows)
+        _print_rows(case_rows, log)
+        rows.extend(case_rows)
+        # Written after every case (``complete: false``) so a crash late in a sweep keeps the rest.
+        report.write_json(out / "results.json", document(complete=False))
+    # Family rows have no width/depth: report's grouping (width, depth, batch, dtype, chain) would put
+    # all families of one batch in one group, so they are compared only within their case (above).
+    report.add_comparisons([r for r in rows if r.get("family") is None])
     final = document(complete=True)
     json_path = report.write_json(out / "results.json", final)
-    csv_path = report.write_csv(out / "results.csv", rows, CSV_COLUMNS)
-    plots = []
-    try:
-        plots = report.make_plots(final, out)
-    except Exception as exc:  # matplotlib missing or a plotting bug must not lose the timings
-        log(f"plots skipped: {_error_text(exc)} (`pip install matplotlib`)")
+    has_families = any(r.get("family") for r in rows)
+    columns = CSV_COLUMNS + FAMILY_CSV_COLUMNS if has_families else CSV_COLUMNS
+    csv_path = report.write_csv(out / "results.csv", rows, columns)
+    plots = write_plots(final, out, log)
     if final["criteria_results"]:
         log("criteria (pre-registered, sha256 " + (sha or "?") + "):")
         for res in report.evaluate(criteria, rows):
@@ -981,6 +1365,62 @@ def run_bench(
     log(f"wrote {json_path}, {csv_path}" + "".join(f", {p}" for p in plots))
     log(f"total {final['wall_s']} s")
     return 0
+
+
+def bench_cases(settings: BenchSettings, log: Callable[[str], None]) -> Iterator[BenchCase | FamilyCase]:
+    """The cases to time, in order: MLP cases (model x batch x chain), then family cases (family x batch)."""
+    for width, depth in settings.models:
+        for batch in settings.batches:
+            for chain in settings.chains:
+                if settings.variants_for(chain):
+                    yield BenchCase(width, depth, batch, settings.dtype, chain)
+    if not settings.families:
+        return
+    names = ", ".join(settings.families)
+    if "step" not in settings.chains:
+        log(
+            f"model families ({names}) skipped: they time the whole training step, and --chains has no `step`"
+        )
+        return
+    variants = settings.family_variants()
+    if not variants:
+        log(
+            f"model families ({names}) skipped: --variants names no Lightning variant "
+            f"({', '.join(LIGHTNING_VARIANTS)}), the only ones a family runs"
+        )
+        return
+    skipped = [v for v in settings.variants_for("step") if v not in variants]
+    if skipped:
+        log(
+            f"model families run {', '.join(variants)}; not for them: {', '.join(skipped)} "
+            "(eager/graph/compile variants time the harness's own MLP outside Lightning; "
+            "callback_decoy runs only when --variants names it)"
+        )
+    for family in settings.families:
+        for batch in settings.batches:
+            yield FamilyCase(family, batch)
+
+
+def write_plots(document: dict[str, Any], out: Path, log: Callable[[str], None]) -> list[Path]:
+    """The MLP cases' plots in `out`, each family's in ``out/families/<family>/``; failures logged, not raised.
+
+    Separate figures because report's plot labels and ordering come from width x depth, which
+    family rows do not have (None): in one figure two families at one batch would share a label.
+    """
+    rows = document.get("results", [])
+    groups: dict[str | None, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(row.get("family"), []).append(row)
+    plots: list[Path] = []
+    for family, group in groups.items():
+        where = out if family is None else out / "families" / family
+        try:
+            plots += report.make_plots({**document, "results": group}, where)
+        except Exception as exc:  # matplotlib missing or a plotting bug must not lose the timings
+            log(
+                f"plots skipped for {family or 'the MLP cases'}: {_error_text(exc)} (`pip install matplotlib`)"
+            )
+    return plots
 
 
 def _raise_compile_limits() -> None:
@@ -1049,17 +1489,44 @@ def _name_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+def _family_list(text: str) -> list[str]:
+    """``vit,recommender`` or ``all`` -> family names, checked against ``l2lightning.models.FAMILIES``."""
+    known = family_names()
+    names = [v for v in text.replace(" ", "").split(",") if v]
+    if "all" in names:
+        return list(known)
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown model families {bad or text!r}; choose from all, {', '.join(known)}"
+        )
+    return list(dict.fromkeys(names))  # each family once, in the order given
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``l2lightning bench`` options."""
-    parser.add_argument("--widths", type=_int_list, default=[1536], help="layer widths d (default 1536)")
+    # --widths/--depths default to None so that giving only --families runs no MLP case.
+    parser.add_argument("--widths", type=_int_list, default=None, help="layer widths d (default 1536)")
     parser.add_argument(
-        "--depths", type=_int_list, default=[40], help="block counts (default 40); crossed with --widths"
+        "--depths", type=_int_list, default=None, help="block counts (default 40); crossed with --widths"
     )
     parser.add_argument(
         "--models",
         type=_model_list,
         default=None,
         help="WIDTHxDEPTH pairs, e.g. 1536x40,1024x60 (overrides --widths/--depths)",
+    )
+    parser.add_argument(
+        "--families",
+        type=_family_list,
+        default=None,
+        metavar="NAME[,NAME...]",
+        help=(
+            "model families of l2lightning.models (conf/model/<NAME>.yaml), e.g. vit,recommender, or `all`: "
+            "each is fitted at every --batches size with the Lightning variants only (lightning_eager, "
+            "callback_off, callback_auto; callback_decoy when --variants names it). Without --models, "
+            "--widths or --depths, no MLP case runs"
+        ),
     )
     parser.add_argument(
         "--batches", type=_int_list, default=None, help="batch sizes (default 4,8,16,64; --quick: 16)"
@@ -1076,7 +1543,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"subset of: {', '.join(ALL_VARIANTS)}",
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="MLP parameter dtype (default bfloat16); families keep their configs' dtype",
+    )
     parser.add_argument(
         "--repeats",
         type=_positive_int,
@@ -1090,7 +1562,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefetch", choices=("auto", "default"), default="auto", help="plans for graph_prefetch variants"
     )
     parser.add_argument(
-        "--optimizer", choices=OPTIMIZER_IMPLS, default="fused", help="AdamW implementation (every variant)"
+        "--optimizer",
+        choices=OPTIMIZER_IMPLS,
+        default="fused",
+        help="AdamW implementation of every MLP variant; families use their configure_optimizers()",
     )
     parser.add_argument(
         "--criteria",
@@ -1114,14 +1589,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
-    """BenchSettings from parsed ``bench`` arguments (``--quick`` shortens the defaults only)."""
-    models = args.models or [(w, d) for w in args.widths for d in args.depths]
+    """BenchSettings from parsed ``bench`` arguments (``--quick`` shortens the defaults only).
+
+    ``--families`` alone runs family cases only; with ``--models``, ``--widths`` or ``--depths``
+    the MLP cases run too.
+    """
+    families = args.families or []
+    if args.models:
+        models = args.models
+    elif families and args.widths is None and args.depths is None:
+        models = []
+    else:
+        models = [(w, d) for w in args.widths or [1536] for d in args.depths or [40]]
     if args.criteria is None:
         criteria = DEFAULT_CRITERIA if DEFAULT_CRITERIA.is_file() else None
     else:
         criteria = args.criteria if str(args.criteria) not in ("", ".") else None
     return BenchSettings(
         models=models,
+        families=families,
         batches=args.batches or ([16] if args.quick else [4, 8, 16, 64]),
         chains=args.chains or ["step", "forward_backward", "forward"],
         variants=args.variants,

@@ -296,8 +296,11 @@ METRICS = (
 
 
 def config_label(row: Mapping[str, Any]) -> str:
-    """``d1536x40 b16`` (plus the chain when it is not a whole step)."""
-    label = f"d{row.get('width')}x{row.get('depth')} b{row.get('batch')}"
+    """``d1536x40 b16``, or ``vit b16`` for a model-family row (plus the chain when it is not a whole step)."""
+    if row.get("family") and row.get("width") is None:
+        label = f"{row['family']} b{row.get('batch')}"
+    else:
+        label = f"d{row.get('width')}x{row.get('depth')} b{row.get('batch')}"
     return label if row.get("chain", "step") == "step" else f"{label} {row['chain']}"
 
 

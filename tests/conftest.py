@@ -24,3 +24,14 @@ def _fresh_warnings():
 
     reset_warnings()
     yield
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models: one intra-op thread beats several threads contending for a small CI machine's cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

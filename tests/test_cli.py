@@ -69,6 +69,7 @@ def test_doctor_strict_exits_1_when_not_ready(capsys):
         (["bench", "--batches", "four"], "comma-separated integers"),
         (["bench", "--models", "1536"], "WIDTHxDEPTH"),
         (["bench", "--variants", "graph,warp"], "unknown ['warp']"),
+        (["bench", "--families", "vit,warp"], "unknown model families ['warp']; choose from all, mlp_stack"),
         (["bench", "--chains", "sideways"], "choose from"),
         (["bench", "--dtype", "int8"], "invalid choice"),
         (["bench", "--repeats", "0"], "expected a positive integer"),
@@ -92,7 +93,7 @@ def test_version_and_help(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     out = capsys.readouterr().out
-    assert "--quick" in out and "--force" in out and "--criteria" in out
+    assert "--quick" in out and "--force" in out and "--criteria" in out and "--families" in out
 
 
 def test_bench_settings_from_args_quick_defaults():

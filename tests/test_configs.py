@@ -19,7 +19,10 @@ from l2lightning._resources import config_dir
 from l2lightning.models import FAMILIES
 from l2lightning.train import build_callback, cpu_fallback
 
-pytestmark = pytest.mark.filterwarnings("ignore:You are trying to .self.log")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:You are trying to .self.log"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 CONF = config_dir()
 EXPERIMENTS = (
     "mlp_blocks_w768_b4",
@@ -33,15 +36,6 @@ EXPERIMENTS = (
     "text_encoder",
     "convs",
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models: one intra-op thread beats several threads contending for a small CI machine's cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def options(group: str) -> list[str]:

@@ -18,13 +18,7 @@ EXAMPLES = REPO / "examples"
 HAS_CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models: one intra-op thread beats several threads contending for a small CI machine's cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run_example(name: str, capsys) -> str:

@@ -32,16 +32,10 @@ from l2lightning.models._common import cross_entropy
 from l2lightning.models.recommender import pair_selector
 from l2lightning.models.rl_policy import CartPoleRollouts
 
-pytestmark = pytest.mark.filterwarnings("ignore:You are trying to .self.log")
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models: one intra-op thread beats several threads contending for a small CI machine's cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:You are trying to .self.log"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 
 def tiny(family: str) -> tuple[pl.LightningModule, pl.LightningDataModule]:

@@ -364,3 +364,12 @@ def test_step_report_bandwidth_and_compute_bound():
         report.StepReport([])
     with pytest.raises(ValueError, match="negative"):
         report.StepReport([report.PhaseTime("forward", -1)])
+
+
+def test_config_label_names_the_mlp_shape_or_the_family():
+    assert report.config_label({"width": 1536, "depth": 40, "batch": 16}) == "d1536x40 b16"
+    assert (
+        report.config_label({"width": 1536, "depth": 40, "batch": 16, "chain": "forward"})
+        == "d1536x40 b16 forward"
+    )
+    assert report.config_label({"family": "vit", "width": None, "depth": None, "batch": 8}) == "vit b8"

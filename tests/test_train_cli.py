@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
@@ -89,13 +88,7 @@ TRAIN_METRIC = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models: one intra-op thread beats several threads contending for a small CI machine's cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def python_env() -> dict[str, str]:
