@@ -11,8 +11,9 @@
 #                 batches 4, 8, 16, 64, every variant and chain
 #   harness-sweep the three MLP stacks x batches 4, 8, 16, 64, whole training step only,
 #                 without the torch.compile and decoy variants, 4 repeats of 10 steps
-#   harness-families  every model family x batches 4, 8, 16, 64: Lightning eager vs the callback
-#                 without and with autotuned prefetch, 3 repeats of 10 steps
+#   harness-families[=FAMILY,...[@REPEATS]]  model families (default all) x batches 4, 8, 16, 64:
+#                 Lightning eager vs the callback without and with autotuned prefetch, 10 steps per
+#                 repeat (default 3 repeats)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -51,8 +52,9 @@ for stage in "$@"; do
       echo "rc=$?"; grep -v DEBUG "$OUT/harness.log" | grep -v "^  " | tail -30
       # results.json and .csv only (the device returns 8 files): the plots are redrawn from the JSON
       mkdir -p "$OUT/harness"; cp /tmp/harness/results.json /tmp/harness/results.csv "$OUT/harness/" ;;
-    harness-families)
-      timeout 420 python3 benchmarks/harness.py --families all --batches 4,8,16,64 --repeats 3 --steps 10 \
+    harness-families*)
+      spec=all@3; [[ "$stage" == *=* ]] && spec=${stage#*=}; [[ "$spec" == *@* ]] || spec="$spec@3"
+      timeout 280 python3 benchmarks/harness.py --families "${spec%@*}" --batches 4,8,16,64 --repeats "${spec#*@}" --steps 10 \
         --out /tmp/harness_families > "$OUT/harness_families.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/harness_families.log" | grep -E "^\[|^[a-z_]+ b[0-9]+|criteria|PASSED|FAILED|NO DATA|total|NOT captured|error" | tail -40
       mkdir -p "$OUT/harness_families"; cp /tmp/harness_families/results.json /tmp/harness_families/results.csv "$OUT/harness_families/" ;;
