@@ -93,6 +93,19 @@ class FamilyModule(pl.LightningModule):
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
 
+    def use_class_accuracy(self, num_classes: int) -> None:
+        """Set up a classifier's metric: ``class_ids`` for the one-hot loss, train/val accuracy."""
+        import torchmetrics
+
+        self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
+        self.metric_name = "acc"
+        self.train_metric = torchmetrics.classification.MulticlassAccuracy(
+            num_classes, average="micro", validate_args=False
+        )
+        self.val_metric = torchmetrics.classification.MulticlassAccuracy(
+            num_classes, average="micro", validate_args=False
+        )
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # foreach=True: a handful of multi-tensor kernels per step, and capturable by the callback.
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, foreach=True)
@@ -123,7 +136,7 @@ class FamilyModule(pl.LightningModule):
 class ClassifierFamily(FamilyModule):
     """A family whose batch is ``(inputs, labels)`` and whose forward returns class logits.
 
-    Subclasses register a ``class_ids`` buffer (``torch.arange(num_classes)``) for the one-hot loss.
+    Subclasses call :meth:`use_class_accuracy` in ``__init__`` (``class_ids`` and the accuracy metrics).
     """
 
     class_ids: torch.Tensor

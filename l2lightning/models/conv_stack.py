@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torchmetrics
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -40,8 +39,6 @@ class ConvStack(ClassifierFamily):
         torch.Size([2, 4])
     """
 
-    metric_name = "acc"
-
     def __init__(
         self,
         in_channels: int = 3,
@@ -68,13 +65,7 @@ class ConvStack(ClassifierFamily):
         self.head = nn.Linear(channels[-1], num_classes)
         self.features.to(self.param_dtype)
         self.head.to(self.param_dtype)
-        self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
-        self.train_metric = torchmetrics.classification.MulticlassAccuracy(
-            num_classes, average="micro", validate_args=False
-        )
-        self.val_metric = torchmetrics.classification.MulticlassAccuracy(
-            num_classes, average="micro", validate_args=False
-        )
+        self.use_class_accuracy(num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(images.to(self.param_dtype)).mean(dim=(2, 3)))

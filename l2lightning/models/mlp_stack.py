@@ -87,16 +87,10 @@ class MLPStack(FamilyModule):
         self.head = nn.Linear(width, num_classes if task == "classification" else out_features)
         for module in (self.stem, self.blocks, self.head):
             module.to(self.param_dtype)
-        self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
         if task == "classification":
-            self.metric_name = "acc"
-            self.train_metric = torchmetrics.classification.MulticlassAccuracy(
-                num_classes, average="micro", validate_args=False
-            )
-            self.val_metric = torchmetrics.classification.MulticlassAccuracy(
-                num_classes, average="micro", validate_args=False
-            )
+            self.use_class_accuracy(num_classes)
         else:
+            self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
             self.metric_name = "mse"
             self.train_metric = torchmetrics.MeanSquaredError()
             self.val_metric = torchmetrics.MeanSquaredError()

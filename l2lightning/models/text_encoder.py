@@ -9,7 +9,6 @@ vocabulary some of their tokens come from (`TokenData`).
 from __future__ import annotations
 
 import torch
-import torchmetrics
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
@@ -42,8 +41,6 @@ class TextEncoder(ClassifierFamily):
         >>> model(torch.randint(0, 50, (3, 8))).shape
         torch.Size([3, 2])
     """
-
-    metric_name = "acc"
 
     def __init__(
         self,
@@ -86,13 +83,7 @@ class TextEncoder(ClassifierFamily):
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
         self.to(self.param_dtype)
-        self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
-        self.train_metric = torchmetrics.classification.MulticlassAccuracy(
-            num_classes, average="micro", validate_args=False
-        )
-        self.val_metric = torchmetrics.classification.MulticlassAccuracy(
-            num_classes, average="micro", validate_args=False
-        )
+        self.use_class_accuracy(num_classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_norm(self.embed(tokens) + self.pos_embed)  # (B, L, d)

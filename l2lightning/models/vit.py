@@ -8,7 +8,6 @@ inference) and the prefetch hooks treat each block as one layer. Data: `ImageDat
 from __future__ import annotations
 
 import torch
-import torchmetrics
 from torch import nn
 
 from l2lightning.models._common import ClassifierFamily, check_int, parse_dtype
@@ -36,8 +35,6 @@ class ViT(ClassifierFamily):
         >>> model.num_tokens, model(torch.randn(2, 3, 32, 32)).shape
         (5, torch.Size([2, 3]))
     """
-
-    metric_name = "acc"
 
     def __init__(
         self,
@@ -92,13 +89,7 @@ class ViT(ClassifierFamily):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
         self.to(self.param_dtype)  # metrics keep their float32 states: torchmetrics ignores dtype casts
-        self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
-        self.train_metric = torchmetrics.classification.MulticlassAccuracy(
-            num_classes, average="micro", validate_args=False
-        )
-        self.val_metric = torchmetrics.classification.MulticlassAccuracy(
-            num_classes, average="micro", validate_args=False
-        )
+        self.use_class_accuracy(num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(images.to(self.param_dtype))  # (B, dim, H/p, W/p)
