@@ -819,16 +819,30 @@ class TorchBackend(AttentionBackend):
         v_cache: torch.Tensor,
         cache_lens: torch.Tensor,
     ) -> torch.Tensor:
+        mask = self._append(k_new, v_new, k_cache, v_cache, cache_lens)
+        q3 = q.reshape(self.batch, self.heads, -1)
+        return _torch_attend(q3, k_cache, v_cache, mask, self.scale, self.window).view(q.shape)
+
+    def _append(
+        self,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cache_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write the new keys and values into the caches (index_copy_); returns the window's mask."""
         if self._meta is None or self._meta_lens is not cache_lens:
             self.prepare(cache_lens)
         rows, mask = self._meta
-        q3, k3, v3 = (
-            q.reshape(self.batch, self.heads, -1),
+        _torch_append(
             k_new.reshape(self.batch, self.kv_heads, -1),
             v_new.reshape(self.batch, self.kv_heads, -1),
+            k_cache,
+            v_cache,
+            rows,
         )
-        _torch_append(k3, v3, k_cache, v_cache, rows)
-        return _torch_attend(q3, k_cache, v_cache, mask, self.scale, self.window).view(q.shape)
+        return mask
 
     @property
     def label(self) -> str:
@@ -863,17 +877,8 @@ class FlashInferBackend(TorchBackend):
         v_cache: torch.Tensor,
         cache_lens: torch.Tensor,
     ) -> torch.Tensor:
-        if self._meta is None or self._meta_lens is not cache_lens:
-            self.prepare(cache_lens)
-        rows, _ = self._meta
+        self._append(k_new, v_new, k_cache, v_cache, cache_lens)
         q3 = q.reshape(self.batch, self.heads, -1)
-        _torch_append(
-            k_new.reshape(self.batch, self.kv_heads, -1),
-            v_new.reshape(self.batch, self.kv_heads, -1),
-            k_cache,
-            v_cache,
-            rows,
-        )
         if self.fi.planned is None:
             raise RuntimeError(
                 "FlashInfer backend: call before_replay(cached) before the first call (it plans on the host)"
