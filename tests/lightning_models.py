@@ -64,6 +64,16 @@ class TinyMLP(LightningModule):
         return opt
 
 
+def quiet_trainer(**kwargs):
+    """A Trainer without logger, checkpoints, progress bar or model summary; `kwargs` add or override."""
+    from lightning.pytorch import Trainer
+
+    settings = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    return Trainer(**{**settings, **kwargs})
+
+
 def regression_loader(
     n: int = 64, width: int = 32, batch_size: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> DataLoader:

@@ -15,22 +15,13 @@ from l2lightning import L2GraphCallback, PrefetchPlan
 from l2lightning import callback as callback_module
 from l2lightning.callback import metric_update_counts, metric_update_reason, metrics_updated
 from l2lightning.optim import CapturableOptimizer
-from tests.lightning_models import TinyMLP, regression_loader
+from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
 
 def fit(callbacks, steps: int = 6, model=None, **trainer_kwargs):
     seed_everything(0)
     model = TinyMLP() if model is None else model
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        **trainer_kwargs,
-    )
+    trainer = quiet_trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, **trainer_kwargs)
     trainer.fit(model, regression_loader())
     return model, trainer
 

@@ -31,6 +31,7 @@ from l2lightning.models import (
 from l2lightning.models._common import cross_entropy
 from l2lightning.models.recommender import pair_selector
 from l2lightning.models.rl_policy import CartPoleRollouts
+from tests.lightning_models import quiet_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You are trying to .self.log"),
@@ -131,15 +132,7 @@ def test_the_host_sync_guard_catches_item(forbid_host_syncs_and_metric_updates, 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fit_logs_loss_and_metric(family, tmp_path):
     model, dm = tiny(family)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(accelerator="cpu", max_steps=3, default_root_dir=tmp_path)
     before = [p.detach().clone() for p in model.parameters()]
     trainer.fit(model, datamodule=dm)
     metrics = trainer.callback_metrics
@@ -236,15 +229,7 @@ def test_mlp_learns_the_digits(tmp_path):
     pl.seed_everything(0, verbose=False)
     model = MLPStack(width=64, depth=2, in_features=64, task="classification", lr=3e-3)
     dm = DigitsData(batch_size=32, val_batches=8)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=80,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(accelerator="cpu", max_steps=80, default_root_dir=tmp_path)
     trainer.fit(model, datamodule=dm)
     accuracy = trainer.validate(model, datamodule=dm, verbose=False)[0]["val/acc"]
     assert accuracy > 0.85, f"validation accuracy {accuracy:.3f} after 80 steps"
@@ -429,15 +414,7 @@ def test_cartpole_data_acts_with_the_policy(tmp_path):
         policy.actor[-1].weight.zero_()
         policy.actor[-1].bias.copy_(torch.tensor([-20.0, 20.0]))
     dm = CartPoleData(batch_size=8, steps_per_epoch=2, env_backend="numpy")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(accelerator="cpu", max_steps=1, default_root_dir=tmp_path)
     trainer.fit(policy, datamodule=dm)
     batch = dm.rollouts.step()
     assert batch["action"].tolist() == [1] * 8
@@ -479,14 +456,6 @@ def test_rl_policy_learns_cartpole(tmp_path):
     pl.seed_everything(0, verbose=False)
     policy = RLPolicy(hidden=128, depth=2, lr=1e-3)
     dm = CartPoleData(batch_size=16, steps_per_epoch=500, env_backend="numpy")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=1000,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(accelerator="cpu", max_steps=1000, default_root_dir=tmp_path)
     trainer.fit(policy, datamodule=dm)
     assert float(dm.rollouts.step()["recent_return"]) > 50

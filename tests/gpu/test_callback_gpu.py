@@ -8,7 +8,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 
 from l2lightning import EquivalenceError, L2GraphCallback, make_capturable
-from tests.lightning_models import TinyMLP, regression_loader
+from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
 pytestmark = pytest.mark.gpu
 
@@ -48,14 +48,10 @@ def fit(
     torch.use_deterministic_algorithms(True, warn_only=True)
     model = model_cls(width=512, depth=4, **model_kwargs)
     rec = LossRecorder()
-    trainer = Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu",
         devices=1,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         precision=precision,
         callbacks=[rec, *callbacks],
         deterministic=True,
