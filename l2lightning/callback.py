@@ -212,7 +212,6 @@ class L2GraphCallback(Callback):
         self._graph_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._log_calls: list[_LogCall] = []
         self._optimizer: CapturableOptimizer | None = None
-        self._configured_lrs: list[Any] = []
         self._hooks: Any = None
         self._timing = _Timing()
         self._pool_mib: float | None = None
@@ -353,9 +352,6 @@ class L2GraphCallback(Callback):
                 f"{len(trainer.optimizers)} optimizers configured; the capture supports exactly one"
             )
             return
-        # make_capturable turns float LRs into float32 tensors; an eager fit refused later (a metric
-        # updated in training_step) gets the exact floats back.
-        self._configured_lrs = [group.get("lr") for group in trainer.optimizers[0].param_groups]
         try:
             self._optimizer = make_capturable(trainer.optimizers[0], trainer.strategy.root_device)
         except OptimizerNotCapturableError as exc:
@@ -440,7 +436,10 @@ class L2GraphCallback(Callback):
         updated = metrics_updated(before, metric_update_counts(self._module))
         if updated:
             self._disable(metric_update_reason(updated))
-            self._release_optimizer()
+            # with no wrapper left, the checkpoint hook has nothing to convert
+            wrapped, self._optimizer = self._optimizer, None
+            if wrapped is not None:
+                wrapped.release()
         return output
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -702,35 +701,6 @@ class L2GraphCallback(Callback):
         for group in self._optimizer.optimizer.param_groups:
             if isinstance(group.get("lr"), torch.Tensor):
                 group["lr"] = float(group["lr"])
-
-    def _release_optimizer(self) -> None:
-        """Undo ``make_capturable`` when the fit will not capture: the rest of it is a plain eager fit.
-
-        The configured float LRs, the original ``capturable`` flags, and step counters back where
-        the optimizer keeps them without capture (on the CPU unless it was capturable or fused).
-        With no wrapper left, the checkpoint hook has nothing to convert.
-        """
-        wrapped, self._optimizer = self._optimizer, None
-        if wrapped is None:
-            return
-        optimizer = wrapped.optimizer
-        configured = self._configured_lrs + [None] * len(optimizer.param_groups)
-        for group, original, lr in zip(optimizer.param_groups, wrapped.original_capturable, configured):
-            if isinstance(group.get("lr"), torch.Tensor):
-                # The configured float where no scheduler has moved the LR since (the float32 tensor
-                # still holds its rounding), else the tensor's value.
-                value = float(group["lr"])
-                unchanged = isinstance(lr, float) and float(torch.tensor(lr, dtype=torch.float32)) == value
-                group["lr"] = lr if unchanged else value
-            if "capturable" in group:
-                group["capturable"] = original
-        fused = any(bool(g.get("fused")) for g in optimizer.param_groups)
-        if any(wrapped.original_capturable) or fused:
-            return
-        for state in optimizer.state.values():
-            step = state.get("step")
-            if isinstance(step, torch.Tensor) and step.device.type != "cpu":
-                state["step"] = step.detach().to("cpu", copy=True)
 
     @override
     def on_save_checkpoint(

@@ -47,6 +47,8 @@ class CapturableOptimizer:
     tensor_lr: bool
     original_capturable: list[Any] = field(default_factory=list)
     captured_lrs: list[float] = field(default_factory=list)
+    # the param groups' LRs before make_capturable turned them into tensors (for release())
+    configured_lrs: list[Any] = field(default_factory=list)
 
     def lr_changed_since_capture(self) -> bool:
         """True when a float LR baked into the graph no longer matches the param group (re-capture)."""
@@ -62,23 +64,56 @@ class CapturableOptimizer:
         groups = []
         for group, original in zip(state_dict["param_groups"], self.original_capturable):
             group = dict(group)
-            if isinstance(group.get("lr"), torch.Tensor):
-                group["lr"] = float(group["lr"])
-            if "capturable" in group:
-                group["capturable"] = original
+            _plain_group(group, original, configured_lr=None)
             groups.append(group)
         state = {}
         for key, value in state_dict["state"].items():
             value = dict(value)
             step = value.get("step")
-            if (
-                isinstance(step, torch.Tensor)
-                and not any(self.original_capturable)
-                and not _fused(self.optimizer)
-            ):
+            if isinstance(step, torch.Tensor) and not self._steps_stay_on_device():
                 value["step"] = step.detach().to("cpu", copy=True)
             state[key] = value
         return {**state_dict, "state": state, "param_groups": groups}
+
+    def release(self) -> torch.optim.Optimizer:
+        """Undo :func:`make_capturable` in place, for a fit that will not capture after all.
+
+        The configured float LRs come back (where nothing has moved them since), the original
+        ``capturable`` flags, and step counters where the optimizer keeps them without capture (on
+        the CPU unless it was capturable or fused). Returns the optimizer.
+        """
+        groups = self.optimizer.param_groups
+        configured = list(self.configured_lrs) + [None] * len(groups)
+        for group, original, lr in zip(groups, self.original_capturable, configured):
+            _plain_group(group, original, configured_lr=lr)
+        if not self._steps_stay_on_device():
+            for state in self.optimizer.state.values():
+                step = state.get("step")
+                if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                    state["step"] = step.detach().to("cpu", copy=True)
+        return self.optimizer
+
+    def _steps_stay_on_device(self) -> bool:
+        """Capturable or fused optimizers keep their step counters on the device, as PyTorch does."""
+        return any(self.original_capturable) or _fused(self.optimizer)
+
+
+def _plain_group(group: dict[str, Any], original_capturable: Any, configured_lr: Any) -> None:
+    """Turn a param-group dict back to its non-capturable form, in place.
+
+    A tensor LR becomes `configured_lr` when that float still rounds to the tensor's float32 value
+    (nothing has moved the LR since), else the tensor's value as a float.
+    """
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor):
+        value = float(lr)
+        unchanged = (
+            isinstance(configured_lr, float)
+            and float(torch.tensor(configured_lr, dtype=torch.float32)) == value
+        )
+        group["lr"] = configured_lr if unchanged else value
+    if "capturable" in group:
+        group["capturable"] = original_capturable
 
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -111,6 +146,7 @@ def make_capturable(
             f"capturable optimizers need CUDA parameters; `optimizer`'s parameters are on {device}"
         )
     original = [g.get("capturable") for g in optimizer.param_groups]
+    configured_lrs = [g.get("lr") for g in optimizer.param_groups]
     tensor_lr = isinstance(optimizer, TENSOR_LR_TYPES)
     for group in optimizer.param_groups:
         if "capturable" in group:
@@ -122,6 +158,6 @@ def make_capturable(
             step = state.get("step")
             if isinstance(step, torch.Tensor) and step.device != p.device:
                 state["step"] = step.to(p.device)
-    wrapped = CapturableOptimizer(optimizer, tensor_lr, original)
+    wrapped = CapturableOptimizer(optimizer, tensor_lr, original, configured_lrs=configured_lrs)
     wrapped.mark_captured()
     return wrapped

@@ -223,11 +223,14 @@ def _cpu_decision_harness(monkeypatch, cb, capturable: bool):
 
     def fake_make_capturable(optimizer, device=None):
         original = [g.get("capturable") for g in optimizer.param_groups]
+        configured = [g.get("lr") for g in optimizer.param_groups]
         if capturable:
             for group in optimizer.param_groups:
                 group["capturable"] = True
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
-        return CapturableOptimizer(optimizer, tensor_lr=capturable, original_capturable=original)
+        return CapturableOptimizer(
+            optimizer, tensor_lr=capturable, original_capturable=original, configured_lrs=configured
+        )
 
     monkeypatch.setattr(callback_module, "make_capturable", fake_make_capturable)
     monkeypatch.setattr(cb, "_refusal", lambda trainer, pl_module: None)

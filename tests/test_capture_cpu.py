@@ -84,6 +84,21 @@ def test_portable_state_dict_turns_tensor_lr_and_device_steps_back():
     assert isinstance(state_dict["param_groups"][0]["lr"], torch.Tensor)
 
 
+def test_release_gives_back_the_configured_optimizer():
+    params = list(nn.Linear(2, 2).parameters())
+    opt = torch.optim.AdamW([{"params": params[:1], "lr": 1e-2}, {"params": params[1:], "lr": 3e-4}])
+    # what make_capturable leaves (it needs CUDA): float32 tensor LRs, capturable=True
+    for group in opt.param_groups:
+        group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+        group["capturable"] = True
+    opt.param_groups[1]["lr"].fill_(1e-4)  # a scheduler moved the second group's LR since
+    wrapped = CapturableOptimizer(opt, True, [False, False], configured_lrs=[1e-2, 3e-4])
+    assert wrapped.release() is opt
+    assert opt.param_groups[0]["lr"] == 1e-2  # the exact configured float, not its float32 rounding
+    assert opt.param_groups[1]["lr"] == float(torch.tensor(1e-4, dtype=torch.float32))  # the moved value
+    assert [g["capturable"] for g in opt.param_groups] == [False, False]
+
+
 def test_uncapturable_optimizer_is_named():
     opt = torch.optim.LBFGS(nn.Linear(2, 2).parameters())
     assert "LBFGS" in capture_support(opt)
