@@ -1220,8 +1220,9 @@ class CudaShapeBench:
         # The throwaway's own chain, to count plan distances in significant layers as the model
         # does (block copies may hold small chain steps, a wide LayerNorm, between the layers).
         steps = [c.name for c in discover_chain(self.chain.model, self.chain.inputs)]
+        targets = set(self.chain.names)
         self._step_names = steps
-        self._significant = [i for i, name in enumerate(steps) if name in set(self.chain.names)]
+        self._significant = [i for i, name in enumerate(steps) if name in targets]
         self.phase = phase
         self.copies = self.chain.copies
         self.mode = self.chain.mode

@@ -193,19 +193,21 @@ def discover_chain(
             first = next(_flatten_tensors(args), None)
             order.append((module, tuple(first.shape) if first is not None else None))
 
-    # Containers (blocks) record their calls' input and output signatures, to find `Layer.block`.
+    # Containers (blocks) record their calls' input and output signatures, to find `Layer.block`;
+    # the fused blocks with children are chain steps themselves (candidates), not containers.
     containers = [
         m
         for m in model.modules()
         if m is not model
         and m not in inside_fused
-        and not any(m is c for c in candidates)
+        and not isinstance(m, FUSED_BLOCK_TYPES)
         and next(m.children(), None) is not None
     ]
     calls: dict[int, list] = {}
 
     def count_call(module: nn.Module, args: tuple, output: Any) -> None:
-        calls.setdefault(id(module), []).append((_signature(args), _signature((output,), whole=True)))
+        only_arg = args[0] if len(args) == 1 else None
+        calls.setdefault(id(module), []).append((_tensor_signature(only_arg), _tensor_signature(output)))
 
     handles = [m.register_forward_pre_hook(record) for m in candidates]
     handles += [m.register_forward_hook(count_call) for m in containers]
@@ -236,15 +238,9 @@ def discover_chain(
     return chain
 
 
-def _signature(values: tuple, whole: bool = False) -> tuple[tuple[int, ...], torch.dtype] | None:
-    """(shape, dtype) of a call's only tensor argument (or, `whole`, of an output that is one tensor)."""
-    if whole:
-        (value,) = values
-        return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
-    tensors = list(_flatten_tensors(values))
-    if len(tensors) != 1 or len(values) != 1:
-        return None
-    return tuple(tensors[0].shape), tensors[0].dtype
+def _tensor_signature(value: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """(shape, dtype) of `value` when it is one tensor, else None."""
+    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
 
 
 def _enclosing_block(
