@@ -1349,9 +1349,7 @@ def run_bench(
         rows.extend(case_rows)
         # Written after every case (``complete: false``) so a crash late in a sweep keeps the rest.
         report.write_json(out / "results.json", document(complete=False))
-    # Family rows have no width/depth: report's grouping (width, depth, batch, dtype, chain) would put
-    # all families of one batch in one group, so they are compared only within their case (above).
-    report.add_comparisons([r for r in rows if r.get("family") is None])
+    report.add_comparisons(rows)
     final = document(complete=True)
     json_path = report.write_json(out / "results.json", final)
     has_families = any(r.get("family") for r in rows)

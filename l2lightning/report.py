@@ -271,7 +271,8 @@ def median_ci(values: Sequence[float], confidence: float = 0.95) -> MedianCI:
 
 
 # ---------------------------------------------------------------------- comparisons
-GROUP_KEYS = ("width", "depth", "batch", "dtype", "chain")
+# `family` is None for the harness's MLP rows; family rows have no width or depth.
+GROUP_KEYS = ("family", "width", "depth", "batch", "dtype", "chain")
 # Per chain, the variant every other one is compared with.
 BASELINES = {"step": "lightning_eager", "forward_backward": "eager", "forward": "eager"}
 # A prefetch variant and the same configuration without prefetch.

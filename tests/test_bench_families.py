@@ -302,17 +302,16 @@ def test_family_rows_work_with_report_comparisons_csv_criteria_and_plots(tmp_pat
         {"lightning_eager": 6000.0, "callback_off": 6100.0, "callback_auto": 6150.0},
         captured=False,
     )
-    for case_rows in (vit, rec):  # as run_bench does: within each case
-        report.add_comparisons(case_rows)
+    report.add_comparisons(vit + rec)  # as run_bench does at the end, over all rows together
     auto = {r["family"]: r for r in vit + rec if r["variant"] == "callback_auto"}
     assert auto["vit"]["speedup_vs_lightning_eager"] == pytest.approx(9000 / 2900, rel=1e-2)
     assert auto["vit"]["gain_vs_no_prefetch"] == pytest.approx(3000 / 2900 - 1, rel=1e-2)
     assert auto["recommender"]["speedup_vs_lightning_eager"] == pytest.approx(6000 / 6150, rel=1e-2)
     assert auto["vit"]["ratio_to_floor"] > 1 and auto["vit"]["floor_us"] > 0
-    # report groups by (width, depth, batch, dtype, chain): two families at one batch share a key,
-    # which is why run_bench compares family rows within their case only
+    # two families at one batch are two groups (the family is part of the key)
     assert {tuple(r.get(k) for k in report.GROUP_KEYS) for r in vit + rec} == {
-        (None, None, 8, "float32", "step")
+        ("vit", None, None, 8, "float32", "step"),
+        ("recommender", None, None, 8, "float32", "step"),
     }
 
     row = auto["recommender"]
