@@ -3,10 +3,5 @@
 # On a machine without CUDA it trains eagerly on the CPU and prints one line saying why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-fi
-FIND_LINKS=()
-[ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)
-.venv/bin/pip install -q "${FIND_LINKS[@]}" "torch==2.13.0" -e ".[dev]"
+source scripts/setup_venv.sh
 exec .venv/bin/python -m l2lightning.train "$@"
