@@ -1064,6 +1064,17 @@ class Throwaway:
     mode: str  # "block", "chain" or "fan"
     copies: int
     names: list[str]  # the chain layers' names inside `model` (for a name -> plan mapping)
+    steps: list[str]  # every chain step of `model` (the layers and small steps such as a LayerNorm)
+
+    def plans(self, plan: PrefetchPlan, phase: str) -> dict[str, PrefetchPlan]:
+        """`plan` on every layer of `names` for the `phase` ("forward"/"backward") prefetch, its
+        distance counted in chain steps as the model's is (:func:`chain_step_plans`: block copies
+        may hold small steps between the layers). A training-context forward plan runs in a
+        backward-phase chain, hence `phase` apart from ``self.phase``."""
+        targets = set(self.names)
+        significant = [i for i, name in enumerate(self.steps) if name in targets]
+        per_step = chain_step_plans(len(self.steps), significant, dict.fromkeys(significant, plan), phase)
+        return {name: p for name, p in zip(self.steps, per_step) if p is not None}
 
     def zero_grads(self) -> None:
         """Grads to None (before each capture, so each graph allocates its .grad in its pool)."""
@@ -1150,13 +1161,14 @@ def build_throwaway(
     else:
         inputs = (x,)
     mode = "block" if unit is layer.block else ("fan" if fan else "chain")
+    steps = [c.name for c in discover_chain(model, inputs)]
     if mode == "block":
         # the layer's place inside each block copy (its LayerNorm companions get no plan)
         inner = _module_name(layer.block, layer.module)
         names = [f"layers.{i}.{inner}" for i in range(n)]
     else:
-        names = [c.name for c in discover_chain(model, inputs)]
-    return Throwaway(model, inputs, phase, mode, n, names)
+        names = steps
+    return Throwaway(model, inputs, phase, mode, n, names, steps)
 
 
 def _module_name(block: nn.Module, module: nn.Module) -> str:
@@ -1217,12 +1229,6 @@ class CudaShapeBench:
         # weights (x3 in backward: grads and allocator slack) within 40% of the free memory
         max_bytes = int(0.4 * free) // (3 if graph_phase == "backward" else 1)
         self.chain = build_throwaway(layer, graph_phase, l2, max_bytes=max_bytes, min_copies=min_copies)
-        # The throwaway's own chain, to count plan distances in significant layers as the model
-        # does (block copies may hold small chain steps, a wide LayerNorm, between the layers).
-        steps = [c.name for c in discover_chain(self.chain.model, self.chain.inputs)]
-        targets = set(self.chain.names)
-        self._step_names = steps
-        self._significant = [i for i, name in enumerate(steps) if name in targets]
         self.phase = phase
         self.copies = self.chain.copies
         self.mode = self.chain.mode
@@ -1250,10 +1256,7 @@ class CudaShapeBench:
         hooks = None
         chain = self.chain
         if plan is not None:
-            per_step = chain_step_plans(
-                len(self._step_names), self._significant, dict.fromkeys(self._significant, plan), self.phase
-            )
-            plans = {name: p for name, p in zip(self._step_names, per_step) if p is not None}
+            plans = chain.plans(plan, self.phase)
             if self.phase == "forward":
                 hooks = PrefetchHooks(chain.model, chain.inputs, backward=False, plans=plans, decoy=decoy)
             else:

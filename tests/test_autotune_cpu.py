@@ -554,6 +554,13 @@ def test_a_wide_layernorm_is_a_companion_in_its_block_not_a_second_layer():
     assert chain[0].block is None  # the LayerNorm's block holds a layer 1000x its size
     t = build_throwaway(linear, "forward", l2_bytes=None)
     assert t.mode == "block" and t.names == [f"layers.{i}.1" for i in range(t.copies)]
+    assert t.steps == [f"layers.{i}.{j}" for i in range(t.copies) for j in (0, 1)]
+    # distance 1 = the previous Linear, two chain steps back (the LayerNorm between gets no plan)
+    two_back = make_plan("hint", 8, 2)
+    forward = t.plans(make_plan("hint", 8, 1), "forward")
+    assert forward == {f"layers.{i}.1": two_back for i in range(1, t.copies)}
+    backward = t.plans(make_plan("hint", 8, 1), "backward")
+    assert backward == {f"layers.{i}.1": two_back for i in range(t.copies - 1)}
 
 
 def test_distances_count_significant_layers_in_the_bench_and_the_model_alike():
