@@ -262,13 +262,10 @@ def test_l2_metrics_reach_the_logger_before_the_epoch_ends():
     seed_everything(0)
     logger = RecordingLogger()
     cb = L2GraphCallback(prefetch="off")
-    trainer = Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu",
         max_epochs=1,
         logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=1000,  # Lightning's own metrics stay out of the way
         callbacks=[cb],
     )
