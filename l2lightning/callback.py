@@ -1,32 +1,39 @@
 """L2GraphCallback: Lightning's own training step captured in one CUDA graph, with L2 weight prefetch.
 
-Route chosen: a callback that, in ``setup``, installs instance-level overrides of the
-LightningModule's documented hooks (``training_step``, ``optimizer_step``, ``optimizer_zero_grad``,
-``backward``) and removes them in ``teardown``. A callback cannot swap the Trainer's strategy, and
-the product's front door is ``Trainer(callbacks=[L2GraphCallback()])`` on an unmodified module,
-so hooks it is. No private Lightning method is patched.
+Route chosen: a callback that installs instance-level overrides of the LightningModule's documented
+hooks (``training_step``, ``optimizer_zero_grad``, ``backward``, ``configure_gradient_clipping``
+and, where the user defined them, ``on_before_zero_grad``, ``on_before_backward``,
+``on_after_backward``, ``on_before_optimizer_step``), and wraps the optimizer's ``step``. A
+callback cannot swap the Trainer's strategy, and the product's front door is
+``Trainer(callbacks=[L2GraphCallback()])`` on an unmodified module. No private Lightning method is
+patched; everything is removed again at ``teardown`` and, after an error, at ``on_exception``.
 
 One step of automatic optimization goes ``optimizer_step`` hook -> ``LightningOptimizer.step`` ->
-``Strategy.optimizer_step`` -> ``Precision.optimizer_step`` -> ``optimizer.step(closure)``, where the
-closure runs ``training_step``, ``optimizer_zero_grad`` and ``backward``. So:
+``Precision.optimizer_step`` -> ``optimizer.step(closure)``, where the closure runs
+``training_step``, ``on_before_zero_grad``/``optimizer_zero_grad``, ``backward`` with its hooks,
+``on_before_optimizer_step`` and gradient clipping. The callback works at ``optimizer.step``, so a
+user's ``optimizer_step`` override (an LR warm-up setting ``pg["lr"]``) runs in Python every step,
+around whatever the step does:
 
-* warm-up steps (``warmup_steps``) run eagerly and are timed;
-* the capture step records the whole ``optimizer_step`` hook (the user's ``training_step`` on static
-  batch buffers, backward, gradient clipping, the capturable optimizer update) into one graph and
-  replays it once, which is that step's real update;
-* every later step copies the batch into the static buffers, replays, and then calls the closure in
-  a cheap replay mode: ``training_step`` returns the static outputs and re-issues the ``self.log``
-  calls recorded at capture with this step's values, ``backward`` and ``optimizer_zero_grad`` do
-  nothing (the graph's ``.grad`` tensors stay). Replay first, closure second, or Lightning would
-  copy the previous step's loss.
+* warm-up steps run eagerly and are traced (:mod:`l2lightning.step_trace`): two steps that run
+  different ops or host values, host syncs, host tensors that change, list-state metrics are
+  refused before anything is captured, naming the user's line;
+* the capture step records the closure and the optimizer update in one graph and replays it once,
+  which is that step's real update;
+* every later step copies the batch into the static buffers, replays, and calls the closure in
+  replay mode: ``training_step`` returns this step's outputs (extra tensors as fresh copies), every
+  ``self.log`` call recorded at capture is re-issued with this replay's values (Python numbers
+  re-evaluated from their source where it can be read), hooks the graph ran are not run again, and
+  torchmetrics objects updated in the step get their Python-side state back
+  (:mod:`l2lightning.metric_binding`).
 
-Steps that cannot be replayed run eagerly, with one rank-zero warning naming the cause: another
-batch shape or dtype (the last partial batch), a capture that fails (a host sync such as ``.item()``
-in ``training_step``). Configurations the graph cannot honour (gradient accumulation, fp16 with a
-GradScaler, manual optimization, hooks the replay would skip) are refused up front. A torchmetrics
-object updated inside ``training_step`` is refused at the first warm-up step that updates it: a
-replay would skip the metric's Python-side state, so the fit goes on eagerly with the optimizer as
-it was configured.
+Before each replay the callback checks, from metadata only (never a host sync), what a graph
+cannot see: the batch's structure and shapes, the branch the step takes on the step counters
+(:mod:`l2lightning.step_source`), ``eager_steps``, the accumulation factor, the optimizer's baked
+hyperparameters, modules' ``training`` flags and parameters' ``requires_grad``. A step that does
+not match runs eagerly or is captured again (bounded); anything that cannot be replayed faithfully
+runs eagerly with one warning naming the cause. A capture that fails leaves the model, optimizer,
+RNG (the CUDA generator included) and process as a plain fit would have them.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-import sys
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,75 +53,120 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason, prefetch_unavailable_reason
-from l2lightning.capture import StaticBatch, TrainingState, graph_capture, loss_of
-from l2lightning.optim import CapturableOptimizer, OptimizerNotCapturableError, make_capturable
+from l2lightning.capture import StaticBatch, TrainingState, batch_signature, graph_capture, loss_of
+from l2lightning.metric_binding import (
+    MetricBinding,
+    named_metrics,
+    needs_sync_free_nan_check,
+    sync_free_nan_check,
+    unreplayable_reason,
+    update_counts,
+    updated_between,
+)
+from l2lightning.optim import (
+    CapturableOptimizer,
+    OptimizerNotCapturableError,
+    installed_capturable,
+    make_capturable,
+)
 from l2lightning.prefetch import PrefetchPlan
+from l2lightning.step_source import StepSource, analyse
+from l2lightning.step_trace import (
+    CaptureRefused,
+    HostConstants,
+    StepTrace,
+    StepTracer,
+    describe_frame,
+    first_difference,
+    user_frame_of_traceback,
+)
 
 PREFETCH_MODES = ("off", "default", "auto", "decoy")
-# Hooks that run inside the captured step once, and that a replay would silently skip.
-REPLAY_SKIPPED_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+# Hooks inside the closure that the graph runs once at capture; a replay re-issues their log calls.
+CAPTURED_HOOKS = (
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+)
 UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
-_OVERRIDDEN = ("training_step", "optimizer_step", "optimizer_zero_grad", "backward")
+# Module methods replaced for the fit: replay mode skips them or answers from the graph.
+_MODULE_OVERRIDES = ("training_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping", "log")
 # Timed replays whose events must have completed before the l2/* metrics are first logged.
 TIMED_REPLAYS_BEFORE_LOG = 5
+# CUDA-event pairs kept for the step-time medians (a window, so a long fit holds no growing list).
+TIMING_WINDOW = 256
+# Traced warm-up steps after which a fit that found no capturable stretch stops trying.
+MAX_TRACED_STEPS = 24
+# Re-captures on consecutive steps after which a schedule is taken to change the graph every step.
+RECAPTURE_STREAK_LIMIT = 3
 
 
-def metric_update_counts(module: torch.nn.Module) -> dict[str, int]:
-    """``_update_count`` of every torchmetrics ``Metric`` among `module`'s submodules, by attribute path.
-
-    ``update()`` and ``forward()`` both add one to it. torchmetrics is looked up in ``sys.modules``,
-    never imported: if it was not imported, no submodule can be one of its metrics.
-    """
-    torchmetrics = sys.modules.get("torchmetrics")
-    metric_type = getattr(torchmetrics, "Metric", None)
-    if not isinstance(metric_type, type):
-        return {}
-    return {
-        name: int(getattr(sub, "_update_count", 0))
-        for name, sub in module.named_modules()
-        if isinstance(sub, metric_type)
-    }
-
-
-def metrics_updated(before: dict[str, int], after: dict[str, int]) -> list[str]:
-    """Attribute paths of the metrics whose update count changed between two snapshots."""
-    return sorted(name for name, count in after.items() if count != before.get(name, 0))
-
-
-def metric_update_reason(names: list[str]) -> str:
-    """Why a step that updates these torchmetrics objects inside ``training_step`` is not captured."""
+def metric_update_reason(names: list[str], detail: str | None = None) -> str:
+    """Why torchmetrics objects updated inside ``training_step`` keep the step from being captured."""
     return (
-        f"training_step updates the torchmetrics objects {names}, and a replayed graph would skip their "
-        "Python-side state (update count, list states, cached result), so their values would be wrong; "
-        "update them in `on_train_batch_end` from the outputs training_step returns (for example "
-        "`return {'loss': loss, 'preds': preds.detach()}`)"
+        f"training_step updates the torchmetrics objects {names}, and "
+        + (detail or "a replayed graph would skip their Python-side state")
+        + "; update them in `on_train_batch_end` from the outputs training_step returns "
+        "(for example `return {'loss': loss, 'preds': preds.detach()}`)"
     )
 
 
 @dataclass
 class _LogCall:
+    fx: str
     args: tuple
     kwargs: dict
 
 
 @dataclass
 class _Timing:
-    """CUDA-event pairs of eager and replayed steps; read lazily so timing never syncs the host."""
+    """CUDA-event pairs of eager and replayed steps (the latest ``TIMING_WINDOW``); read without host syncs."""
 
-    eager: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
-    graph: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    eager: deque = field(default_factory=lambda: deque(maxlen=TIMING_WINDOW))
+    graph: deque = field(default_factory=lambda: deque(maxlen=TIMING_WINDOW))
+    graph_count: int = 0
 
     @staticmethod
-    def _median_ms(pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float | None:
+    def _median_ms(pairs: Any) -> float | None:
         done = [start.elapsed_time(end) for start, end in pairs if end.query()]
         return statistics.median(done) if done else None
 
     def eager_ms(self) -> float | None:
-        # The first eager step pays for lazy initialisation (cuBLAS handles, allocator growth).
-        return self._median_ms(self.eager[1:] or self.eager)
+        return self._median_ms(self.eager)
 
     def graph_ms(self) -> float | None:
         return self._median_ms(self.graph)
+
+
+@dataclass
+class _Group:
+    """Traced warm-up steps that share a batch signature and a branch through the step."""
+
+    traces: list[StepTrace] = field(default_factory=list)
+    metrics: set[str] = field(default_factory=set)
+    problem: str | None = None  # why this group can never be captured
+    dropped_first: bool = False  # its first traced step differed from the next and was set aside
+    timed: int = 0  # untraced, timed eager steps of this group
+
+
+@dataclass
+class _Graph:
+    """One captured step and what its replays need."""
+
+    graph: Any
+    static: StaticBatch
+    key: tuple
+    output: Any = None
+    grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    log_calls: list[_LogCall] = field(default_factory=list)
+    binding: MetricBinding | None = None
+    constants: HostConstants | None = None
+    flags: tuple = ()
+
+
+class _Defer(Exception):
+    """training_step returned None at the capture step: capture at a later step."""
 
 
 class L2GraphCallback(Callback):
@@ -122,11 +174,13 @@ class L2GraphCallback(Callback):
 
     Inside the graph a side-stream kernel prefetches into L2 the weights the next layer will read
     (forward: W_{i+1}; backward: W_{i-1}). Gradients stay bit-identical to an eager run of the same
-    (capturable) optimizer configuration; ``verify=True`` checks that at capture.
+    (capturable) optimizer configuration, ``make_capturable(optimizer)``; ``verify=True`` checks
+    that at capture. What cannot be replayed faithfully runs eagerly, with one warning naming the
+    cause and, where there is one, the user's line.
 
     Args:
-        warmup_steps: eager steps before the capture (>= 1; PyTorch needs warm-up before capturing
-            backward, and the optimizer's state must exist).
+        warmup_steps: eager steps before the capture (>= 1). The first ``warmup_steps - 1`` (at
+            least one) are traced and compared op by op, the last one is timed.
         prefetch: ``"auto"`` (the autotuner keeps a plan per layer shape only where it measurably
             pays), ``"default"`` (plans sized by layer bytes), ``"off"`` (graph only), ``"decoy"``
             (same traffic at the wrong layer: a control for benchmarks), or a
@@ -137,21 +191,24 @@ class L2GraphCallback(Callback):
             differs in any bit. Meant for users' GPU CI.
         compile: compile the LightningModule's child modules with ``torch.compile`` (default mode,
             no CUDA graphs of its own) at the first step, so inductor's fusion runs inside the
-            whole-step graph. The prefetch then goes through custom ops that the compiler keeps in
-            its graph (:mod:`l2lightning.prefetch_ops`), not through hooks that would break it.
+            whole-step graph (prefetch through :mod:`l2lightning.prefetch_ops`).
         report: print the step report (per-layer plans, tuning table, timings) at capture.
         eager_optimizer_fallback: train eagerly (with a warning) when the optimizer cannot be
             captured, instead of raising.
         log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/speedup``,
             ``l2/graph_pool_mib``, ``l2/prefetch_layers``, ``l2/prefetch_mib`` and
-            ``l2/fallback_steps`` through the Trainer's loggers on rank zero: once at the first
-            ``on_train_batch_end`` after the first ``TIMED_REPLAYS_BEFORE_LOG`` replays have
-            finished on the device (read without a host sync), and again at each epoch end.
+            ``l2/fallback_steps`` through the Trainer's loggers on rank zero, once the first
+            replays have finished on the device (read without a host sync), and at each epoch end.
+        eager_steps: ``(trainer, batch_idx) -> bool``; steps for which it returns True run eagerly
+            (a periodic target-network sync, image logging, a print), and their effects flow into
+            the next replay. Branches on ``self.global_step``/``current_epoch``/``batch_idx`` that
+            the callback can read in ``training_step`` are handled without it.
 
     Example:
         >>> from lightning.pytorch import Trainer
         >>> from l2lightning import L2GraphCallback
-        >>> trainer = Trainer(accelerator="gpu", devices=1, max_steps=100, callbacks=[L2GraphCallback()])
+        >>> cb = L2GraphCallback(eager_steps=lambda trainer, batch_idx: trainer.global_step % 100 == 0)
+        >>> trainer = Trainer(accelerator="gpu", devices=1, max_steps=1000, callbacks=[cb])
         >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
     """
 
@@ -165,6 +222,7 @@ class L2GraphCallback(Callback):
         report: bool = False,
         eager_optimizer_fallback: bool = False,
         log_timing: bool = True,
+        eager_steps: Callable[[Trainer, int], bool] | None = None,
     ) -> None:
         super().__init__()
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
@@ -183,6 +241,10 @@ class L2GraphCallback(Callback):
         ]:
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool (True or False), got {value!r}")
+        if eager_steps is not None and not callable(eager_steps):
+            raise TypeError(
+                f"`eager_steps` must be None or a callable (trainer, batch_idx) -> bool, got {eager_steps!r}"
+            )
         self.warmup_steps = warmup_steps
         self.prefetch = prefetch
         self.backward_prefetch = backward_prefetch
@@ -191,6 +253,7 @@ class L2GraphCallback(Callback):
         self.report = report
         self.eager_optimizer_fallback = eager_optimizer_fallback
         self.log_timing = log_timing
+        self.eager_steps = eager_steps
         self._reset_run_state()
         # Persisted through state_dict (chosen plans and capture step of the last run).
         self.capture_step: int | None = None
@@ -201,25 +264,45 @@ class L2GraphCallback(Callback):
         self.disabled_reason: str | None = None
         self.verify_report: Any = None
         self.fallback_steps = 0
+        self.captures = 0
         self._fallback_causes: set[str] = set()
+        self._warned: set[str] = set()
         self._module: LightningModule | None = None
-        self._originals: dict[str, Any] = {}
+        self._trainer: Trainer | None = None
+        self._installed: dict[str, Any] = {}  # module attribute -> our override
+        self._callback_overrides: list[tuple[Any, str]] = []
         self._mode = "eager"
-        self._steps_seen = 0
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._static: StaticBatch | None = None
-        self._static_output: Any = None
-        self._graph_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._log_calls: list[_LogCall] = []
         self._optimizer: CapturableOptimizer | None = None
+        self._owns_optimizer = False
+        self._nan_patched: list[Any] = []
+        self._graph: _Graph | None = None
+        self._groups: dict[tuple, _Group] = {}
+        self._baked_history: list[Any] = []  # the optimizer's baked hyperparameters at each warm-up step
+        self._traced_steps = 0
+        self._tracer: StepTracer | None = None
+        self._step_logs: dict[str, list[Any]] = {}  # Python-number log values per key, over the traced steps
+        self._capture_logs: list[_LogCall] = []
+        self._pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
+        self._pending_key: tuple = ()
+        self._in_step = False
+        self._reissued: set[str] = set()
+        self._recapture_streak = 0
+        self._recapture_next = False
+        self._live_log_values: set[str] = set()
+        self._eager_hooks: set[str] = set()
+        self._memo: list[tuple[str, Any]] = []
+        self._originals: dict[str, Any] = {}
+        self._capture_graph: _Graph | None = None
+        self._source = StepSource()
         self._hooks: Any = None
         self._timing = _Timing()
         self._pool_mib: float | None = None
-        self._timing_logged = False  # the l2/* metrics went to the loggers once they were known
+        self._timing_logged = False
         self._tuning_report: Any = None
         self._step_output: Any = None
-        self._captured = False  # this fit captured a graph (capture_step may come from a checkpoint)
+        self._captured = False
         self._compiled_children: list[torch.nn.Module] = []
+        self._static_for_prefetch: StaticBatch | None = None
         from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
 
         self._phase_events = PhaseEvents() if self.report and torch.cuda.is_available() else _NoPhaseEvents()
@@ -243,6 +326,7 @@ class L2GraphCallback(Callback):
             "captured": self._captured,
             "reason": self.disabled_reason,
             "capture_step": self.capture_step,
+            "captures": self.captures,
             "eager_step_ms": eager_ms,
             "graph_step_ms": graph_ms,
             "speedup": (eager_ms / graph_ms) if eager_ms and graph_ms else None,
@@ -255,13 +339,33 @@ class L2GraphCallback(Callback):
             "step_report": self.step_report.to_dict() if self.step_report is not None else None,
         }
 
-    # ------------------------------------------------------------------ set-up and refusals
+    # ------------------------------------------------------------------ refusals
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(f"L2GraphCallback: {message}")
+
     def _disable(self, reason: str) -> None:
-        """Train eagerly for the rest of the fit, with one warning naming the reason."""
+        """Train eagerly for the rest of the fit, with the optimizer as configured, and one warning."""
         if self.disabled_reason is None:
             self.disabled_reason = reason
             rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.")
         self._mode = "eager"
+        self._graph = None
+        self._release_optimizer()
+
+    def _release_optimizer(self) -> None:
+        """Give the optimizer back as the user configured it (the rest of the fit is plain Lightning)."""
+        wrapped, self._optimizer = self._optimizer, None
+        if wrapped is None:
+            return
+        wrapped.handler = None
+        if self._owns_optimizer:
+            wrapped.release()
+        for metric in self._nan_patched:
+            if "_cast_and_nan_check_input" in vars(metric):
+                del metric._cast_and_nan_check_input
+        self._nan_patched = []
 
     def _refusal(self, trainer: Trainer, pl_module: LightningModule) -> str | None:
         """Why this run cannot be captured at all (and trains eagerly), or None."""
@@ -275,23 +379,18 @@ class L2GraphCallback(Callback):
                 f"multi-process training (world size {trainer.world_size}) is not captured yet: the DDP capture "
                 "path has not been validated on several GPUs"
             )
+        return self._configuration_refusal(trainer)
+
+    @staticmethod
+    def _configuration_refusal(trainer: Trainer) -> str | None:
         if trainer.accumulate_grad_batches != 1:
             return f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}) is not captured"
         precision = str(trainer.precision)
         if precision in ("16-mixed", "16"):
             return f"precision={precision!r} uses a GradScaler whose step syncs with the host; use 'bf16-mixed' or 'bf16-true'"
-        skipped = [h for h in REPLAY_SKIPPED_HOOKS if is_overridden(h, pl_module)]
-        skipped += [
-            f"{type(cb).__name__}.{h}"
-            for cb in trainer.callbacks
-            if cb is not self
-            for h in REPLAY_SKIPPED_HOOKS
-            if is_overridden(h, cb, parent=Callback)
-        ]
-        if skipped:
-            return f"hooks {skipped} would run only at capture, not at each replayed step"
         return None
 
+    # ------------------------------------------------------------------ set-up and clean-up
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -314,21 +413,42 @@ class L2GraphCallback(Callback):
             self._disable(reason)
             return
         self._module = pl_module
-        for name in _OVERRIDDEN:
-            self._originals[name] = getattr(pl_module, name)
-        pl_module.training_step = self._training_step  # type: ignore[method-assign]
-        pl_module.optimizer_step = self._optimizer_step  # type: ignore[method-assign]
-        pl_module.optimizer_zero_grad = self._optimizer_zero_grad  # type: ignore[method-assign]
-        pl_module.backward = self._backward  # type: ignore[method-assign]
+        self._trainer = trainer
+        user_hooks = tuple(h for h in CAPTURED_HOOKS if is_overridden(h, pl_module))
+        self._source = analyse(pl_module, ("training_step", *user_hooks))
+        overrides: dict[str, Any] = {
+            "training_step": self._training_step,
+            "optimizer_zero_grad": self._optimizer_zero_grad,
+            "backward": self._backward,
+            "configure_gradient_clipping": self._configure_gradient_clipping,
+            "log": self._log,
+        }
+        for hook in user_hooks:
+            overrides[hook] = self._captured_hook(hook, getattr(pl_module, hook))
+        self._originals = {name: getattr(pl_module, name) for name in overrides}
+        for name, fn in overrides.items():
+            setattr(pl_module, name, fn)
+        self._installed = overrides
+        for cb in trainer.callbacks:
+            if cb is self:
+                continue
+            for hook in CAPTURED_HOOKS:
+                if is_overridden(hook, cb, parent=Callback):
+                    setattr(cb, hook, self._captured_hook(hook, getattr(cb, hook)))
+                    self._callback_overrides.append((cb, hook))
 
-    @override
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        for name in self._originals:
-            if name in vars(pl_module):
-                delattr(pl_module, name)
-        self._originals = {}
+    def _cleanup(self, pl_module: LightningModule | None) -> None:
+        """Undo everything the callback installed; drop every reference to the module and the graph."""
+        module = self._module or pl_module
+        if module is not None:
+            for name, fn in self._installed.items():
+                if vars(module).get(name) is fn:
+                    delattr(module, name)
+        self._installed = {}
+        for cb, hook in self._callback_overrides:
+            if hook in vars(cb):
+                delattr(cb, hook)
+        self._callback_overrides = []
         for child in self._compiled_children:
             if "forward" in vars(child):
                 del child.forward  # back to the class's own forward
@@ -336,24 +456,42 @@ class L2GraphCallback(Callback):
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
-        if self._optimizer is not None:
-            self._restore_lr_floats()
+        self._release_optimizer()
         self._graph = None
-        self._static = None
-        self._static_output = None
-        self._log_calls = []
+        self._groups = {}
+        self._tracer = None
+        self._pending = None
+        self._step_output = None
+        self._capture_logs = []
+        self._static_for_prefetch = None
+        self._originals = {}
+        self._module = None
+        self._trainer = None
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._cleanup(pl_module)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # teardown does not run after an error (or KeyboardInterrupt): leave nothing installed
+        self._cleanup(pl_module)
+        self._mode = "eager"
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.disabled_reason:
+        if self.disabled_reason or self._module is None:
             return
         if len(trainer.optimizers) != 1:
             self._disable(
                 f"{len(trainer.optimizers)} optimizers configured; the capture supports exactly one"
             )
             return
+        optimizer = trainer.optimizers[0]
+        existing = installed_capturable(optimizer)
         try:
-            self._optimizer = make_capturable(trainer.optimizers[0], trainer.strategy.root_device)
+            wrapped = existing or make_capturable(optimizer, trainer.strategy.root_device)
         except OptimizerNotCapturableError as exc:
             if not self.eager_optimizer_fallback:
                 raise OptimizerNotCapturableError(
@@ -361,7 +499,21 @@ class L2GraphCallback(Callback):
                 ) from exc
             self._disable(str(exc))
             return
-        self._mode = "warmup"
+        self._optimizer = wrapped
+        self._owns_optimizer = existing is None
+        wrapped.handler = self._step
+        for _, metric in named_metrics(pl_module):
+            if needs_sync_free_nan_check(metric) and "_cast_and_nan_check_input" not in vars(metric):
+                metric._cast_and_nan_check_input = sync_free_nan_check(metric)
+                self._nan_patched.append(metric)
+        if self._source.opaque_conditions:
+            self._warn_once(
+                "opaque",
+                "training_step branches on the step counters in a way the callback cannot evaluate, at "
+                f"{'; '.join(self._source.opaque_conditions)}; a replayed graph always takes the branch of the capture "
+                "step. Pass "
+                "`eager_steps=lambda trainer, batch_idx: ...` returning True for the steps that take the other branch",
+            )
 
     # ------------------------------------------------------------------ per-step decision
     @override
@@ -369,78 +521,470 @@ class L2GraphCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.disabled_reason or self._module is None:
-            self._mode = "eager"
+            self._pending = None
             return
-        self._steps_seen += 1
-        if self._steps_seen == 1 and self.compile:
+        self._pending = (batch, batch_idx)
+        if self.compile and not self._compiled_children:
             self._prepare_compiled(pl_module, batch)
-        if self._steps_seen <= self.warmup_steps:
-            self._mode = "warmup"
-            return
-        if self._graph is None:
-            self._static = StaticBatch(batch)
-            self._mode = "capture"
-            return
-        mismatch = self._static.mismatch(batch)
-        if mismatch:
-            self._fall_back_this_step(f"batch {batch_idx}: {mismatch}")
-            return
-        if self._optimizer is not None and self._optimizer.lr_changed_since_capture():
-            # A float learning rate is baked into the graph (SGD): capture again with the new one.
-            self._static = StaticBatch(batch)
-            self._mode = "capture"
-            return
-        self._static.copy_in(batch)
-        self._mode = "replay"
 
-    def _fall_back_this_step(self, cause: str) -> None:
-        self.fallback_steps += 1
-        kind = cause.split(":", 1)[-1].strip()
-        if kind not in self._fallback_causes:
-            self._fallback_causes.add(kind)
-            rank_zero_warn(
-                f"L2GraphCallback: running this step eagerly ({cause}); the graph is kept for later steps."
+    def _decide(self) -> str:
+        """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture", "replay"."""
+        if self.disabled_reason or self._pending is None or self._optimizer is None:
+            return "eager"
+        trainer, module = self._trainer, self._module
+        batch, batch_idx = self._pending
+        if trainer.accumulate_grad_batches != 1:
+            self._fall_back(
+                f"gradient accumulation ({trainer.accumulate_grad_batches} batches) is not captured"
             )
-        self._mode = "fallback"
+            return "eager"
+        if self.eager_steps is not None and self.eager_steps(trainer, batch_idx):
+            self._count_fallback("`eager_steps` asked for it")
+            return "eager"
+        key = (self._source.branch_key(module, batch_idx), batch_signature(batch))
+        self._pending_key = key
+        graph = self._graph
+        if graph is None:
+            return self._warmup_decision(key)
+        if key[0] != graph.key[0]:
+            self._fall_back("the step takes another branch on the step counters than the captured one")
+            return "eager"
+        if key[1] != graph.static.signature:
+            self._fall_back(f"batch {batch_idx}: {graph.static.mismatch(batch)}")
+            return "eager"
+        flags = self._module_flags()
+        if self._recapture_next:
+            self._recapture_next = False
+            return self._recapture("parameters' `requires_grad` changed since capture")
+        if flags != graph.flags:
+            if flags[1] != graph.flags[1]:
+                # new trainable parameters need their optimizer state made eagerly, outside a graph
+                self._recapture_next = True
+                self._fall_back(
+                    "parameters' `requires_grad` changed since capture (captured again next step)"
+                )
+                return "eager"
+            return self._recapture("modules' `train()`/`eval()` mode changed since capture")
+        changes = self._optimizer.baked_changes()
+        if changes:
+            return self._recapture(f"the optimizer's {', '.join(changes)} (baked into the graph)")
+        self._recapture_streak = 0
+        return "replay"
+
+    def _warmup_decision(self, key: tuple) -> str:
+        group = self._groups.setdefault(key, _Group())
+        self._baked_history.append(self._optimizer.baked_snapshot())
+        traced_needed = max(1, self.warmup_steps - 1)
+        if len(group.traces) < traced_needed:
+            if self._traced_steps >= MAX_TRACED_STEPS:
+                self._disable(
+                    f"no {traced_needed} warm-up steps in the first {MAX_TRACED_STEPS} shared a batch shape and a "
+                    "branch through training_step"
+                )
+                return "eager"
+            return "trace"
+        if group.problem:
+            self._disable(group.problem)
+            return "eager"
+        if self.warmup_steps > 1 and group.timed < 1:
+            return "time"
+        problem = self._baked_every_step()
+        if problem:
+            self._disable(problem)
+            return "eager"
+        return "capture"
+
+    def _baked_every_step(self) -> str | None:
+        """A refusal when a baked hyperparameter changed between every pair of traced steps (a per-step schedule)."""
+        snapshots = self._baked_history[-(self.warmup_steps + 1) :]
+        if len(snapshots) < 3 or any(a == b for a, b in zip(snapshots, snapshots[1:])):
+            return None
+        changed = sorted(
+            {
+                k
+                for a, b in zip(snapshots, snapshots[1:])
+                for ga, gb in zip(a, b)
+                for k in ga
+                if ga[k] != gb.get(k)
+            }
+        )
+        name = type(self._optimizer.optimizer).__name__
+        return (
+            f"{name}'s {changed} changed at every warm-up step (a per-step schedule such as OneCycleLR); {name} bakes "
+            "them into the graph as numbers, so every step would need a new capture. Use Adam or AdamW (their "
+            "learning rate is read from a tensor), or step the schedule per epoch"
+        )
+
+    def _recapture(self, cause: str) -> str:
+        self._recapture_streak += 1
+        if self._recapture_streak >= RECAPTURE_STREAK_LIMIT:
+            self._disable(
+                f"{cause}, on {self._recapture_streak} steps in a row: every step would need a new capture"
+            )
+            return "eager"
+        self._warn_once(f"recapture:{cause.split(' ')[0]}", f"capturing the step again: {cause}.")
+        return "capture"
+
+    def _module_flags(self) -> tuple:
+        module = self._module
+        return (
+            tuple(m.training for m in module.modules()),
+            tuple(p.requires_grad for p in module.parameters()),
+        )
+
+    def _count_fallback(self, cause: str) -> None:
+        self.fallback_steps += 1
+        self._fallback_causes.add(cause)
+
+    def _fall_back(self, cause: str) -> None:
+        """This one step runs eagerly; the graph stays for later steps."""
+        kind = cause.split(":", 1)[-1].strip()
+        self._count_fallback(kind)
+        self._warn_once(
+            f"fallback:{kind}", f"running this step eagerly ({cause}); the graph is kept for later steps."
+        )
+
+    # ------------------------------------------------------------------ the optimizer step
+    def _step(self, run: Callable[..., Any], closure: Callable[[], Any] | None, kwargs: dict) -> Any:
+        """Called by the capturable optimizer's ``step``: `run(closure)` is its eager step."""
+        mode = self._decide()
+        self._in_step = True
+        try:
+            if mode == "trace":
+                return self._traced_step(run, closure, kwargs)
+            if mode == "time":
+                return self._timed_step(run, closure, kwargs)
+            if mode == "capture":
+                return self._capture_step(run, closure, kwargs)
+            if mode == "replay":
+                return self._replay_step(closure)
+            self._mode = "eager"
+            return run(closure, **kwargs)
+        finally:
+            self._in_step = False
+            self._pending = None
+
+    def _timed_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        self._groups[self._pending_key].timed += 1
+        self._mode = "eager"
+        if self.report:
+            # profiled (and so not timed) to count the kernels each phase launches
+            return self._kernel_counter.profile(lambda: run(closure, **kwargs))
+        start, end = self._events()
+        start.record()
+        out = run(closure, **kwargs)
+        end.record()
+        self._timing.eager.append((start, end))
+        return out
+
+    def _traced_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """An eager warm-up step under the tracer; refusals come before this step's optimizer update."""
+        key = self._pending_key
+        group = self._groups[key]
+        tracer = StepTracer(self._device_type())
+        before = update_counts(self._module)
+        self._mode = "trace"
+        self._traced_steps += 1
+
+        def traced() -> Any:
+            self._tracer = tracer
+            try:
+                with tracer, tracer.memoized():
+                    out = closure() if closure is not None else None
+            finally:
+                self._tracer = None
+            self._judge_trace(group, tracer.trace, updated_between(before, update_counts(self._module)))
+            return out
+
+        return run(traced, **kwargs)
+
+    def _judge_trace(self, group: _Group, trace: StepTrace, updated: list[str]) -> None:
+        """Compare a traced step with its group; refuse (before the update) what can never be replayed."""
+        metrics = dict(named_metrics(self._module))
+        for name in updated:
+            reason = unreplayable_reason(name, metrics[name])
+            if reason:
+                self._disable(metric_update_reason([name], reason))
+                return
+        problem = None
+        for hook in sorted(trace.host_hooks | {h for _, _, h in trace.syncs if h}):
+            self._runs_after_replay(hook, trace)  # marks the hooks that will run after each replay
+        for hook in sorted(trace.host_hooks):
+            if not self._runs_after_replay(hook, trace):
+                problem = (
+                    f"`{hook}` builds tensors from host values (`torch.tensor([...])`, often of `.item()`s, as "
+                    "Lightning's `grad_norm` does), which a graph cannot hold"
+                    + (
+                        " and, with gradient clipping, cannot run after a replay either"
+                        if self._trainer.gradient_clip_val
+                        else ""
+                    )
+                )
+        syncs = [s for s in trace.syncs if not self._runs_after_replay(s[2], trace)]
+        if syncs and problem is None:
+            what, frame, _ = syncs[0]
+            problem = (
+                f"{what} at {describe_frame(frame)} makes the host wait for the GPU inside the step, which a CUDA "
+                "graph cannot hold; log the tensor with `self.log` instead, or run such steps eagerly with "
+                "`eager_steps=lambda trainer, batch_idx: ...`"
+            )
+        elif trace.problems:
+            problem = trace.problems[0]
+        elif group.traces:
+            difference = first_difference(group.traces[-1], trace, skip_hooks=self._eager_hooks)
+            if difference and len(group.traces) == 1 and not group.dropped_first:
+                # the first step often builds something once (a cached positional encoding, a lazy
+                # layer): it is dropped, and the steps after it must agree with each other
+                group.traces, group.dropped_first = [], True
+                difference = None
+            if difference:
+                problem = (
+                    f"two warm-up steps ran different work ({difference}); a graph replays one of them. If the "
+                    "difference is a periodic branch, pass `eager_steps=lambda trainer, batch_idx: ...` for its steps"
+                )
+        group.traces.append(trace)
+        group.metrics.update(updated)
+        if problem and not any(c.evaluate is not None for c in self._source.conditions):
+            self._disable(problem)  # one branch only: this step's branch is the one every step takes
+        elif problem:
+            group.problem = group.problem or problem
+
+    def _runs_after_replay(self, hook: str | None, trace: StepTrace) -> bool:
+        """Whether a hook that syncs can run eagerly after each replay instead of inside the graph.
+
+        Only hooks that read the step's gradients and write nothing (``self.log_dict(grad_norm(self, 2))``
+        turns each norm into a Python float) and see, after a replay, exactly what they see in an eager
+        step: ``on_after_backward`` and ``on_before_optimizer_step``, without gradient clipping (which
+        runs after them in an eager step, before them in a replayed one).
+        """
+        if hook not in ("on_after_backward", "on_before_optimizer_step") or hook in trace.mutating_hooks:
+            return False
+        if self._trainer.gradient_clip_val:
+            return False
+        self._eager_hooks.add(hook)
+        return True
+
+    # ------------------------------------------------------------------ capture
+    def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        module, wrapped = self._module, self._optimizer
+        key = self._pending_key
+        group = self._groups.get(key)
+        batch = self._pending[0]
+        torch.cuda.synchronize()
+        if group is not None and group.traces:
+            try:
+                constants = HostConstants(group.traces[-1].constants, self._device())
+            except ValueError as exc:
+                self._disable(str(exc))
+                return run(closure, **kwargs)
+        elif self._graph is not None and self._graph.constants is not None:
+            constants = self._graph.constants  # a re-capture: the same host constants, checked again
+        else:
+            constants = HostConstants([], self._device())
+        constants.used = 0
+        metrics = dict(named_metrics(module))
+        bound = {name: metrics[name] for name in sorted(group.metrics if group else ()) if name in metrics}
+        if self._graph is not None and self._graph.binding is not None:
+            self._graph.binding.before_replay()
+            bound.update(self._graph.binding.metrics)
+        self._graph = None  # a re-capture replaces the graph; a failed one leaves none
+        binding = MetricBinding(bound) if bound else None
+        static = StaticBatch(batch)
+        if self._hooks is None and not self.compile:
+            self._static_for_prefetch = static
+            self._install_prefetch(module)
+        eager_record = self._verify_eager(run, closure, kwargs, binding) if self.verify else None
+        saved = TrainingState.save(module, wrapped.optimizer, binding.state_tensors() if binding else ())
+        saved_metrics = binding.python_state() if binding else {}
+        graph = _Graph(torch.cuda.CUDAGraph(), static, key, binding=binding, constants=constants)
+        self._capture_logs = []
+        self._step_output = None
+        memo = group.traces[-1].memo if group is not None and group.traces else self._memo
+        self._memo = memo
+        tracer = StepTracer(self._device_type(), constants, memo)
+        self._mode = "capture"
+        self._capture_graph = graph
+        wrapped.sync_tensors()
+        wrapped.freeze(True)
+
+        def captured() -> Any:
+            self._tracer = tracer
+            try:
+                with tracer, tracer.memoized():
+                    out = closure() if closure is not None else None
+            finally:
+                self._tracer = None
+            if self._step_output is None:
+                raise _Defer()
+            return out
+
+        validating = [m for m in bound.values() if getattr(m, "validate_args", False)]
+        for m in validating:
+            m.validate_args = False  # input checks sync with the host; the warm-up steps ran them
+        try:
+            try:
+                self._capture_into(graph, run, captured, kwargs)
+            finally:
+                wrapped.freeze(False)
+                for m in validating:
+                    m.validate_args = True
+        except _Defer:
+            self._undo_capture(saved, binding, saved_metrics)
+            self._mode = "eager"
+            return run(closure, **kwargs)  # training_step returned None: nothing to capture this step
+        except Exception as exc:  # a host sync or an op that cannot be captured
+            self._undo_capture(saved, binding, saved_metrics)
+            self._disable(self._capture_failure_reason(exc))
+            return run(closure, **kwargs)
+        graph.output = self._step_output
+        graph.log_calls = self._capture_logs
+        graph.grads = [(p, p.grad) for p in module.parameters()]
+        graph.flags = self._module_flags()
+        if binding is not None:
+            binding.finish_capture()
+        wrapped.mark_captured()
+        self._graph = graph
+        self.captures += 1
+        self.capture_step = int(self._trainer.global_step)
+        self._captured = True
+        self._groups = {}  # the traces and their host copies are not needed any more
+        # The capture recorded but did not run the step: this replay is the step's real update. Then
+        # the closure again, in replay mode, so Lightning keeps fresh outputs and the logs are issued.
+        graph.graph.replay()
+        if binding is not None:
+            binding.fresh_forward_caches()
+        self._live_log_values = self._python_log_sources(graph.log_calls)
+        self._mode = "replay"
+        self._reissued = set()
+        result = closure() if closure is not None else None
+        if self.verify:
+            self._finish_verify(eager_record)
+        if self.report:
+            self._build_step_report()
+            rank_zero_info(self._report_text())
+        if self.captures == 1 and self._source.conditions and not self._source.opaque_conditions:
+            rank_zero_info(
+                "L2GraphCallback: steps whose branch on the step counters differs from the captured step's "
+                f"({[c.line for c in self._source.conditions]}) run eagerly."
+            )
+        return result
+
+    def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:
+        module = self._module
+        reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+        # grads are allocated inside the capture, in the graph's pool
+        self._optimizer.optimizer.zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=True)
+        with graph_capture(graph.graph):
+            self._phase_events.mark("start")
+            run(closure, **kwargs)
+            if graph.binding is not None:
+                graph.binding.copy_home_in_graph()
+            self._phase_events.mark("end")
+        if torch.cuda.is_available():
+            self._pool_mib = (torch.cuda.memory_reserved() - reserved) / (1 << 20)
+
+    def _undo_capture(self, saved: TrainingState, binding: MetricBinding | None, metrics: dict) -> None:
+        """A capture that did not complete leaves nothing: state, RNG (CUDA generator too), metrics, grads."""
+        module = self._module
+        saved.restore_rng()  # first: the CUDA generator may be unusable until it gets a fresh state
+        saved.restore(self._optimizer.optimizer if self._optimizer is not None else None)
+        if binding is not None:
+            binding.rebind()  # attributes back on the home tensors restored above
+            binding.restore_python_state(metrics)
+        module.zero_grad(set_to_none=True)
+        self._capture_logs = []
+        self._step_output = None
+        self._mode = "eager"
+
+    def _capture_failure_reason(self, exc: BaseException) -> str:
+        if isinstance(exc, CaptureRefused):
+            return f"the step could not be captured: {exc}"
+        where = user_frame_of_traceback(exc.__traceback__)
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        located = f" at {describe_frame(where)}" if where else ""
+        return (
+            f"the step could not be captured ({type(exc).__name__}: {first}){located}; if that line syncs with the "
+            "host (`.item()`, `print(tensor)`, `if tensor:`), log the tensor with `self.log` or run such steps "
+            "eagerly with `eager_steps`"
+        )
+
+    # ------------------------------------------------------------------ replay
+    def _replay_step(self, closure: Any) -> Any:
+        graph = self._graph
+        graph.static.copy_in(self._pending[0])
+        for param, grad in graph.grads:
+            if param.grad is not grad:  # an eager step replaced them
+                param.grad = grad
+        if graph.binding is not None:
+            graph.binding.before_replay()
+        self._optimizer.sync_tensors()
+        start, end = self._events()
+        start.record()
+        graph.graph.replay()
+        end.record()
+        self._timing.graph.append((start, end))
+        self._timing.graph_count += 1
+        if graph.binding is not None:
+            graph.binding.after_replay()
+        self._mode = "replay"
+        self._reissued = set()
+        return closure() if closure is not None else loss_of(graph.output, "training_step")
 
     # ------------------------------------------------------------------ the overridden LightningModule hooks
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._mode == "replay":
-            self._reissue_logs()
-            return self._static_output
-        if self._mode in ("capture", "verify-eager"):
-            # The graph reads the static buffers; the batch Lightning passed was copied into them.
+        mode = self._mode
+        if mode == "replay":
+            self._reissue("training_step")
+            return _fresh_extras(self._graph.output)
+        accumulating = self._trainer is not None and self._trainer.accumulate_grad_batches != 1
+        if (
+            not self._in_step
+            and self._pending is not None
+            and self._optimizer is not None
+            and not accumulating
+        ):
+            # the closure ran outside optimizer.step: the step cannot be wrapped around it
+            self._disable(
+                "the module's `optimizer_step` calls the optimizer closure itself, outside `optimizer.step`, so the "
+                "captured step cannot include it"
+            )
+            mode = "eager"
+        if mode == "capture":
+            # The graph reads the static buffers; the batch Lightning passed is copied into them.
             # The prefetch scope is the forward pass: its end joins the side stream and arms the
             # backward join on the outputs this forward produced.
             with self._prefetch_scope():
-                output = self._originals["training_step"](self._static.batch, *args[1:], **kwargs)
+                output = self._originals["training_step"](
+                    self._capture_graph.static.batch, *args[1:], **kwargs
+                )
             self._phase_events.mark("forward")
             self._step_output = output
             return output
-        if self._mode == "warmup":
-            return self._warmup_training_step(*args, **kwargs)
+        if mode == "verify":
+            output = self._originals["training_step"](*args, **kwargs)
+            self._step_output = output
+            return output
         with self._kernel_counter.phase("forward"):
             return self._originals["training_step"](*args, **kwargs)
 
-    def _warmup_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """An eager ``training_step`` that refuses the capture if it updates a torchmetrics object.
+    def _captured_hook(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A hook the graph runs at capture: in replay mode only its log calls are re-issued."""
 
-        Metrics are compared right around the user's ``training_step``, so updates in
-        ``on_train_batch_end`` (the supported place) are not counted. The refusal comes before the
-        optimizer update of this step (the closure runs first), so releasing the optimizer here
-        makes the rest of the fit the eager one the user would have had without the callback.
-        """
-        before = metric_update_counts(self._module)
-        with self._kernel_counter.phase("forward"):
-            output = self._originals["training_step"](*args, **kwargs)
-        updated = metrics_updated(before, metric_update_counts(self._module))
-        if updated:
-            self._disable(metric_update_reason(updated))
-            # with no wrapper left, the checkpoint hook has nothing to convert
-            wrapped, self._optimizer = self._optimizer, None
-            if wrapped is not None:
-                wrapped.release()
-        return output
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            mode = self._mode
+            if name in self._eager_hooks:
+                # a read-only hook that syncs with the host: kept out of the graph, run after each replay
+                return None if mode == "capture" else original(*args, **kwargs)
+            if mode == "replay":
+                self._reissue(name)
+                return None
+            if mode == "trace" and self._tracer is not None:
+                with self._tracer.hook(name):
+                    return original(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        return hook
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self._mode == "replay":
@@ -460,53 +1004,87 @@ class L2GraphCallback(Callback):
             return None
         return self._originals["optimizer_zero_grad"](epoch, batch_idx, optimizer)
 
-    def _optimizer_step(
-        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable | None = None
-    ) -> None:
-        original = self._originals["optimizer_step"]
+    def _configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         if self._mode == "replay":
-            self._replay(optimizer_closure)
-            return None
-        if self._mode == "capture":
-            self._capture(epoch, batch_idx, optimizer, optimizer_closure)
-            return None
-        if self._mode != "warmup":  # eager or a one-step fallback: not timed
-            return original(epoch, batch_idx, optimizer, optimizer_closure)
-        if self.report and self._steps_seen == self.warmup_steps:
-            # The last warm-up step is profiled (and so not timed) to count kernels per phase.
-            return self._kernel_counter.profile(
-                lambda: original(epoch, batch_idx, optimizer, optimizer_closure)
-            )
-        start, end = self._events()
-        start.record()
-        out = original(epoch, batch_idx, optimizer, optimizer_closure)
-        end.record()
-        self._timing.eager.append((start, end))
-        return out
+            return None  # the graph clipped the gradients already
+        return self._originals["configure_gradient_clipping"](optimizer, *args, **kwargs)
 
     @staticmethod
     def _events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
+    def _device(self) -> torch.device:
+        return self._trainer.strategy.root_device
+
+    def _device_type(self) -> str:
+        return self._device().type
+
     # ------------------------------------------------------------------ logging through replays
-    def _recording_log(self, *args: Any, **kwargs: Any) -> None:
-        self._log_calls.append(_LogCall(args, kwargs))
+    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """``self.log`` for the fit: recorded during a capture, kept out of traces, passed through otherwise."""
+        mode = self._mode
+        if mode == "capture":
+            fx = self._module._current_fx_name or "training_step"
+            self._capture_logs.append(_LogCall(fx, (name, value, *args), kwargs))
+            return None
+        if mode == "verify":
+            return None  # the verify step logs nothing; the real step does
+        if mode == "trace" and self._tracer is not None:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._step_logs.setdefault(name, []).append(value)
+            with self._tracer.paused():
+                return self._originals["log"](name, value, *args, **kwargs)
+        return self._originals["log"](name, value, *args, **kwargs)
 
-    def _reissue_logs(self) -> None:
-        """Call the real ``self.log`` for each call recorded at capture, with this replay's values."""
-        module = self._module
-        real_log = module.log
-        for call in self._log_calls:
-            args = list(call.args)
-            if len(args) > 1 and isinstance(args[1], torch.Tensor):
-                args[1] = args[1].detach().clone()
-            kwargs = {
-                k: (v.detach().clone() if isinstance(v, torch.Tensor) and k == "value" else v)
-                for k, v in call.kwargs.items()
-            }
-            real_log(*args, **kwargs)
+    def _reissue(self, fx: str) -> None:
+        """Call the real ``self.log`` for each call recorded in hook `fx` at capture, with this replay's values."""
+        if fx in self._reissued:
+            return
+        self._reissued.add(fx)
+        for call in self._graph.log_calls:
+            if call.fx == fx:
+                self._reissue_call(call)
 
-    # ------------------------------------------------------------------ capture, verify, replay
+    def _reissue_call(self, call: _LogCall) -> None:
+        name, value, *rest = call.args
+        if isinstance(value, torch.Tensor):
+            value = value.detach().clone()
+        elif (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and name in self._live_log_values
+        ):
+            value = self._source.log_value(name, self._module, self._pending[1] if self._pending else 0)
+        kwargs = {
+            k: (v.detach().clone() if k == "value" and isinstance(v, torch.Tensor) else v)
+            for k, v in call.kwargs.items()
+        }
+        self._originals["log"](name, value, *rest, **kwargs)
+
+    def _python_log_sources(self, calls: list[_LogCall]) -> set[str]:
+        """Keys of logged Python numbers to re-evaluate at each replay; warn about the ones that would freeze."""
+        live = set()
+        batch_idx = self._pending[1] if self._pending else 0
+        for call in calls:
+            name, value = call.args[0], call.args[1]
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if name in self._source.log_values:
+                try:
+                    if self._source.log_value(name, self._module, batch_idx) == value:
+                        live.add(name)
+                        continue
+                except Exception:  # falls through to the warning below
+                    pass
+            seen = self._step_logs.get(name, [])
+            if seen and all(v == value for v in seen):
+                continue  # the same number at every traced step: a constant
+            self._warn_once(
+                f"frozen-log:{name}",
+                f"`self.log({name!r}, ...)` in {call.fx} logs a Python number that a replay cannot recompute, so "
+                "it would repeat the capture step's value; log a tensor, or log it in `on_train_batch_end`",
+            )
+        return live
+
+    # ------------------------------------------------------------------ prefetch, compile
     def _prepare_compiled(self, pl_module: LightningModule, batch: Any) -> None:
         """compile=True: install the prefetch points first, then compile the children.
 
@@ -515,14 +1093,19 @@ class L2GraphCallback(Callback):
         (l2lightning.prefetch_ops) that dynamo traces into the compiled graph; they act only inside
         the capture's scope, checked at run time, so the warm-up steps run the same compiled code.
         """
-        self._static = StaticBatch(batch)
+        self._static_for_prefetch = StaticBatch(batch)
         self._install_prefetch(pl_module)
         for child in pl_module.children():
             self._compiled_children.append(child)
             child.forward = _compiled_forward(child)  # type: ignore[method-assign]
 
     def _install_prefetch(self, pl_module: LightningModule) -> None:
-        self._hooks = self._prefetch_hooks(pl_module)
+        if self.prefetch == "off":
+            return
+        # Finding the layer chain runs training_step on the static batch, and the tuner times
+        # copies of layers: neither may leave a trace (BatchNorm statistics, metric states, RNG).
+        with _leaves_no_trace(pl_module, self._optimizer.optimizer if self._optimizer else None):
+            self._hooks = self._prefetch_hooks(pl_module)
         if self._hooks is not None:
             self._tuning_report = self._hooks.tuning_report
             self.plans = self._hooks.plan_summary()
@@ -532,20 +1115,20 @@ class L2GraphCallback(Callback):
             return None
         reason = prefetch_unavailable_reason()
         if reason:
-            rank_zero_warn(f"L2GraphCallback: prefetch off ({reason}); capturing the graph without it.")
+            self._warn_once("prefetch", f"prefetch off ({reason}); capturing the graph without it.")
             return None
         from l2lightning.hooks import PrefetchHooks
 
-        static_batch = self._static.batch
+        static_batch = self._static_for_prefetch.batch
         original_training_step = self._originals["training_step"]
+        original_log = self._originals["log"]
 
         def dry_step(module: Any, batch: Any) -> Any:
-            saved = module.log
             module.log = lambda *a, **k: None  # the dry run must not log
             try:
                 return original_training_step(batch, 0)
             finally:
-                module.log = saved
+                module.log = self._installed.get("log", original_log)
 
         plans: Any = None if self.prefetch in ("default", "decoy") else self.prefetch
         return PrefetchHooks(
@@ -559,156 +1142,72 @@ class L2GraphCallback(Callback):
             via="ops" if self.compile else "hooks",
         )
 
-    def _capture(self, epoch: int, batch_idx: int, optimizer: Any, closure: Any) -> None:
-        module = self._module
-        original = self._originals["optimizer_step"]
-        torch.cuda.synchronize()
-        if self._hooks is None and not self.compile:
-            self._install_prefetch(module)
-        if self.verify:
-            eager_record = self._verify_eager(epoch, batch_idx, optimizer, closure)
-        saved = TrainingState.save(module, None)
-        try:
-            graph = torch.cuda.CUDAGraph()
-            self._log_calls = []
-            self._step_output = None
-            # self.log inside the capture is recorded, not run: Lightning's accumulation ops would
-            # otherwise be baked into the graph and repeated on every replay.
-            module.log = self._recording_log  # type: ignore[method-assign]
-            try:
-                self._capture_into(graph, epoch, batch_idx, optimizer, closure, original)
-            finally:
-                del module.log
-        except Exception as exc:  # a host sync or an unsupported op inside training_step
-            self._graph = None
-            saved.restore(None)
-            self._disable(
-                f"the step could not be captured ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-            )
-            self._mode = "eager"
-            original(epoch, batch_idx, optimizer, closure)
-            return
-        self._graph = graph
-        self._graph_grads = [(p, p.grad) for p in module.parameters()]
-        self._optimizer.mark_captured()
-        self.capture_step = self._global_step()
-        self._captured = True
-        try:
-            self._pool_mib = torch.cuda.memory_stats().get("allocated_bytes.all.current", 0) / (1 << 20)
-        except Exception:  # memory stats are informational only
-            self._pool_mib = None
-        # The capture recorded but did not run the step: this replay is the step's real update.
-        self._mode = "replay"
-        start, end = self._events()
-        start.record()
-        graph.replay()
-        end.record()
-        self._reissue_logs_in_training_step_context()
-        if self.verify:
-            self._finish_verify(eager_record)
-        if self.report:
-            self._build_step_report()
-            rank_zero_info(self._report_text())
-
-    def _capture_into(
-        self, graph: Any, epoch: int, batch_idx: int, optimizer: Any, closure: Any, original: Any
-    ) -> None:
-        with graph_capture(graph):
-            self._phase_events.mark("start")
-            original(epoch, batch_idx, optimizer, closure)
-            self._phase_events.mark("end")
-        # training_step ran inside the capture: its output tensors are the graph's static outputs.
-        self._static_output = self._step_output
-
     def _prefetch_scope(self) -> Any:
         return self._hooks.scope() if self._hooks is not None else contextlib.nullcontext()
 
-    def _reissue_logs_in_training_step_context(self) -> None:
-        module = self._module
-        previous = module._current_fx_name
-        module._current_fx_name = "training_step"
-        try:
-            self._reissue_logs()
-        finally:
-            module._current_fx_name = previous
-
-    def _replay(self, closure: Any) -> None:
-        for param, grad in self._graph_grads:
-            if param.grad is not grad:  # an eager fallback step replaced them
-                param.grad = grad
-        start, end = self._events()
-        start.record()
-        self._graph.replay()
-        end.record()
-        self._timing.graph.append((start, end))
-        if closure is not None:
-            closure()  # replay mode: static outputs, logs re-issued, no backward
-
-    def _global_step(self) -> int:
-        trainer = self._module.trainer
-        return int(trainer.global_step)
-
     # ------------------------------------------------------------------ verify
-    def _verify_eager(self, epoch: int, batch_idx: int, optimizer: Any, closure: Any) -> Any:
+    def _verify_eager(
+        self, run: Callable[..., Any], closure: Any, kwargs: dict, binding: MetricBinding | None
+    ) -> Any:
+        """The capture step run eagerly from the same state, recorded, then undone."""
         from l2lightning.verify import StepRecord, gradients, parameters
 
         module = self._module
-        saved = TrainingState.save(module, self._optimizer.optimizer)
-        previous_mode = self._mode
-        self._mode = "verify-eager"
-        module.log = lambda *a, **k: None  # type: ignore[method-assign]  # logged once, by the real step
+        saved = TrainingState.save(
+            module, self._optimizer.optimizer, binding.state_tensors() if binding else ()
+        )
+        saved_metrics = binding.python_state() if binding else {}
+        self._mode = "verify"
+        self._step_output = None
         try:
             # On a side stream, not the default one: Lightning's closure keeps this step's loss, and
             # with it each parameter's AccumulateGrad node, alive into the capture; a node bound to
             # the default stream makes the captured backward sync with it, which aborts the capture
-            # (seen on the H200 when verify=True ran as the first capture of a process). The
-            # synchronize below orders everything this step allocated before anyone else uses it.
+            # (seen on the H200 when verify=True ran as the first capture of a process).
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._originals["optimizer_step"](epoch, batch_idx, optimizer, closure)
+                run(closure, **kwargs)
             torch.cuda.current_stream().wait_stream(side)
+            if self._step_output is None:
+                return None  # training_step returned None: the capture defers, nothing to compare
             loss = loss_of(self._step_output, "training_step")
             record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
-            # Drop the eager step's outputs: a live autograd graph from before the capture keeps
-            # AccumulateGrad nodes bound to the eager stream, which breaks capturing backward.
             self._step_output = None
         finally:
-            del module.log
-            self._mode = previous_mode
+            self._mode = "eager"
         torch.cuda.synchronize()
         saved.restore(self._optimizer.optimizer)
+        if binding is not None:
+            binding.rebind()
+            binding.restore_python_state(saved_metrics)
         module.zero_grad(set_to_none=True)
         return record
 
     def _finish_verify(self, eager_record: Any) -> None:
         from l2lightning.verify import EquivalenceError, StepRecord, compare_steps, gradients, parameters
 
+        if eager_record is None:
+            return
         module = self._module
-        loss = loss_of(self._static_output, "training_step")
+        loss = loss_of(self._graph.output, "training_step")
         graph_record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
         report = compare_steps(graph_record, eager_record, "captured step vs eager step")
         self.verify_report = report
         rank_zero_info(f"L2GraphCallback verify: {report}")
         for logger in module.trainer.loggers:
-            logger.log_metrics({"l2/verify_ok": float(report.ok)}, step=self._global_step())
+            logger.log_metrics({"l2/verify_ok": float(report.ok)}, step=int(self._trainer.global_step))
         if not report.ok:
             raise EquivalenceError(report)
 
-    # ------------------------------------------------------------------ metrics
-    def _restore_lr_floats(self) -> None:
-        """Leave float learning rates behind, as the optimizer had them before the fit."""
-        for group in self._optimizer.optimizer.param_groups:
-            if isinstance(group.get("lr"), torch.Tensor):
-                group["lr"] = float(group["lr"])
-
+    # ------------------------------------------------------------------ checkpoints and metrics
     @override
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         if self._optimizer is None or "optimizer_states" not in checkpoint:
             return
-        # Save what the optimizer would save without capture (float LR, original capturable flag).
+        # Save what the optimizer would save without capture (original capturable flag, CPU steps).
         states = checkpoint["optimizer_states"]
         if states:
             states[0] = self._optimizer.portable_state_dict(states[0])
@@ -717,8 +1216,7 @@ class L2GraphCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._mode == "fallback":
-            self._mode = "replay" if self._graph is not None else "eager"
+        self._mode = "eager"
         self._log_timing_once_known(trainer)
 
     @override
@@ -739,13 +1237,13 @@ class L2GraphCallback(Callback):
         if self._timing_logged or self._graph is None or not self._logs_timing(trainer):
             return
         replays = self._timing.graph
-        if len(replays) < TIMED_REPLAYS_BEFORE_LOG or not replays[TIMED_REPLAYS_BEFORE_LOG - 1][1].query():
+        if self._timing.graph_count < TIMED_REPLAYS_BEFORE_LOG or not replays[-1][1].query():
             return
         self._timing_logged = True
         self._emit_timing(trainer)
 
     def _log_timing(self, trainer: Trainer) -> None:
-        """Epoch end: wait for the device, then log the l2/* metrics over every step timed so far."""
+        """Epoch end: wait for the device, then log the l2/* metrics over the steps timed so far."""
         if not self._logs_timing(trainer):
             return
         torch.cuda.synchronize()
@@ -783,7 +1281,7 @@ class L2GraphCallback(Callback):
         times = self._phase_events.phase_times_us()
         if times is None:
             return
-        device = self._module.trainer.strategy.root_device
+        device = self._device()
         copy_bw, empty_us = measure_ceilings(device.index or 0)
         self.step_report = build_report(
             self._module,
@@ -806,6 +1304,42 @@ class L2GraphCallback(Callback):
                 f"  {row['layer']:<40} {row['mib']:>8.2f} MiB  fwd {row['forward']}  bwd {row['backward']}"
             )
         return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _leaves_no_trace(module: LightningModule, optimizer: Any) -> Any:
+    """Run code on the module that must leave nothing behind: parameters, buffers, metrics, RNG."""
+    metrics = [m for _, m in named_metrics(module)]
+    attributes = [(m, attr, _shallow_copy(getattr(m, attr))) for m in metrics for attr in m._defaults]
+    python = [(m, m._update_count, m._forward_cache, m._computed) for m in metrics]
+    tensors = [value for _, _, value in attributes if isinstance(value, torch.Tensor)]
+    saved = TrainingState.save(module, optimizer, tensors)
+    try:
+        yield
+    finally:
+        for m, attr, value in attributes:
+            setattr(m, attr, value)
+        for m, count, cache, computed in python:
+            m._update_count, m._forward_cache, m._computed = count, cache, computed
+        saved.restore(optimizer)
+
+
+def _shallow_copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+def _fresh_extras(output: Any) -> Any:
+    """A replay's step output: the static loss, and fresh copies of the other tensors it returned.
+
+    Lightning copies the loss itself; the other tensors would otherwise be the graph's static
+    outputs, overwritten by the next replay under anyone who kept them (collected predictions).
+    """
+    if isinstance(output, dict):
+        return {
+            k: (v.detach().clone() if k != "loss" and isinstance(v, torch.Tensor) else v)
+            for k, v in output.items()
+        }
+    return output
 
 
 class _NoPhaseEvents:

@@ -10,6 +10,9 @@ an eager run would start from.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import gc
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +26,17 @@ class BatchMismatchError(ValueError):
 
 
 # ---------------------------------------------------------------------- batches
+# A batch is any nesting of tensors in dicts (any Mapping), lists, tuples, namedtuples and
+# dataclasses, with other leaves (ints, strings, None, ...) treated as values that must not change.
+_PRIMITIVES = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
 def flatten_batch(batch: Any) -> tuple[list[torch.Tensor], Any]:
-    """Tensors of a nested tuple/list/dict batch, and a spec that rebuilds it around other tensors."""
+    """Tensors of a nested batch, and a spec that rebuilds it around other tensors.
+
+    Handles dicts (any ``Mapping``), lists, tuples, namedtuples and dataclasses, like Lightning's
+    ``apply_to_collection``; any other leaf is kept as a value in the spec.
+    """
     tensors: list[torch.Tensor] = []
 
     def walk(obj: Any) -> Any:
@@ -32,40 +44,64 @@ def flatten_batch(batch: Any) -> tuple[list[torch.Tensor], Any]:
             tensors.append(obj)
             return ("T", len(tensors) - 1)
         if isinstance(obj, Mapping):
-            return ("D", type(obj), [(k, walk(v)) for k, v in obj.items()])
-        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            return ("L", type(obj), [walk(v) for v in obj])
+            return ("M", type(obj), tuple((k, walk(v)) for k, v in obj.items()))
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return ("N", type(obj), tuple(walk(v) for v in obj))
+        if isinstance(obj, (list, tuple)):
+            return ("S", type(obj), tuple(walk(v) for v in obj))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            names = tuple(f.name for f in dataclasses.fields(obj))
+            return ("D", obj, names, tuple(walk(getattr(obj, n)) for n in names))
         return ("C", obj)
 
     return tensors, walk(batch)
 
 
 def unflatten_batch(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """The batch `spec` describes, with `tensors` in place of the original ones."""
     kind = spec[0]
     if kind == "T":
         return tensors[spec[1]]
-    if kind == "D":
+    if kind == "M":
         return spec[1]((k, unflatten_batch(v, tensors)) for k, v in spec[2])
-    if kind == "L":
+    if kind == "N":
+        return spec[1](*(unflatten_batch(v, tensors) for v in spec[2]))
+    if kind == "S":
         return spec[1](unflatten_batch(v, tensors) for v in spec[2])
+    if kind == "D":
+        rebuilt = copy.copy(spec[1])  # keeps fields that are not in __init__; frozen ones too
+        for name, child in zip(spec[2], spec[3]):
+            object.__setattr__(rebuilt, name, unflatten_batch(child, tensors))
+        return rebuilt
     return spec[1]
 
 
-def batch_signature(batch: Any) -> tuple:
-    """What must match for a batch to be copied into the static buffers: structure, shapes, dtypes, devices."""
-    tensors, spec = flatten_batch(batch)
-    return (_spec_shape(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+def _structure(spec: Any) -> Any:
+    """What must stay equal between batches, apart from tensor metadata: containers and values.
 
-
-def _spec_shape(spec: Any) -> Any:
+    Values that are not plain Python/torch scalars are compared by identity (a new object each
+    step means a new batch structure: the step then runs eagerly, never on a stale value).
+    """
     kind = spec[0]
     if kind == "T":
         return "T"
+    if kind == "M":
+        return ("M", spec[1], tuple((k, _structure(v)) for k, v in spec[2]))
+    if kind in ("N", "S"):
+        return (kind, spec[1], tuple(_structure(v) for v in spec[2]))
     if kind == "D":
-        return ("D", tuple((k, _spec_shape(v)) for k, v in spec[2]))
-    if kind == "L":
-        return ("L", tuple(_spec_shape(v) for v in spec[2]))
-    return ("C", repr(spec[1]))
+        return ("D", type(spec[1]), spec[2], tuple(_structure(v) for v in spec[3]))
+    value = spec[1]
+    return ("C", value) if isinstance(value, _PRIMITIVES) else ("C", type(value), id(value))
+
+
+def batch_signature(batch: Any) -> tuple:
+    """What must match for a batch to be copied into the static buffers: structure, values, shapes, dtypes, devices.
+
+    Built from metadata only: no tensor is read, so this never waits for the device.
+    """
+    tensors, spec = flatten_batch(batch)
+    return (_structure(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
 
 
 def describe_mismatch(expected: tuple, got: tuple) -> str:
@@ -95,10 +131,15 @@ class StaticBatch:
         return describe_mismatch(self.signature, signature)
 
     def copy_in(self, batch: Any) -> None:
-        reason = self.mismatch(batch)
-        if reason:
-            raise BatchMismatchError(reason)
-        tensors, _ = flatten_batch(batch)
+        """Copy `batch`'s tensors into the buffers (asynchronously where the source allows).
+
+        Raises:
+            BatchMismatchError: `batch` has another structure, value, shape, dtype or device.
+        """
+        tensors, spec = flatten_batch(batch)
+        signature = (_structure(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+        if signature != self.signature:
+            raise BatchMismatchError(describe_mismatch(self.signature, signature))
         for dst, src in zip(self.tensors, tensors):
             dst.copy_(src, non_blocking=True)
 
@@ -120,16 +161,26 @@ class TrainingState:
     cuda_rng: list[tuple[int, torch.Tensor]]
 
     @classmethod
-    def save(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainingState:
+    def save(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: Sequence[torch.Tensor] = (),
+    ) -> TrainingState:
+        """Snapshot `model`'s parameters and buffers, `optimizer`'s state, the RNGs and `extra` tensors.
+
+        `extra` holds other tensors a step mutates in place (for example torchmetrics states, which
+        are not registered buffers); they are restored like buffers.
+        """
         params = [(p, p.detach().clone()) for p in model.parameters()]
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        buffers = [(b, b.detach().clone()) for b in [*model.buffers(), *extra]]
         opt_state: dict[int, dict[str, Any]] = {}
         if optimizer is not None:
             for p, state in optimizer.state.items():
                 opt_state[id(p)] = {
                     k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()
                 }
-        devices = sorted({p.device.index for p in model.parameters() if p.is_cuda})
+        devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
         cuda_rng = [(d, torch.cuda.get_rng_state(d)) for d in devices]
         return cls(params, buffers, opt_state, torch.get_rng_state(), cuda_rng)
 
@@ -157,6 +208,32 @@ class TrainingState:
         torch.set_rng_state(self.cpu_rng)
         for device, state in self.cuda_rng:
             torch.cuda.set_rng_state(state, device)
+
+    def restore_rng(self) -> None:
+        """Put the CPU and CUDA generators back where they were, after a capture that failed.
+
+        A capture that fails (a host sync, an op that cannot be captured) ends without the CUDA
+        generator's capture epilogue, and from then on every CUDA random op in the process raises
+        ``Offset increment outside graph capture encountered unexpectedly``. See
+        :func:`reset_cuda_generators`.
+        """
+        torch.set_rng_state(self.cpu_rng)
+        reset_cuda_generators(self.cuda_rng)
+
+
+def reset_cuda_generators(states: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Give each CUDA device's default generator a fresh state holding `states`' seed and offset.
+
+    A generator's state object keeps a per-capture offset that only a completed capture resets.
+    ``graphsafe_set_state`` swaps in the state object of a new generator (offset 0, not capturing)
+    after ``set_state`` has put the saved seed and offset into it, so the default generator goes
+    on from exactly where it was, with nothing left of the failed capture.
+    """
+    for device, state in states:
+        generator = torch.cuda.default_generators[device]
+        fresh = torch.Generator(device=f"cuda:{device}")
+        fresh.set_state(state)
+        generator.graphsafe_set_state(fresh)
 
 
 def _dampening(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> float:
@@ -195,10 +272,17 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: Any = N
     graph; cleared after, no later capture reuses it.
     """
     clear_cublas_workspaces()
+    # torch.cuda.graph collects garbage before the capture; the collector must not run *during* it
+    # either: freeing a CUDA event left in a reference cycle (an earlier fit's) is a CUDA call the
+    # capture forbids, and it aborts a capture that has nothing wrong with it.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
     finally:
+        if collecting:
+            gc.enable()
         clear_cublas_workspaces()
 
 

@@ -1,18 +1,26 @@
-"""Making optimizers safe to capture in a CUDA graph, and keeping a captured learning rate current.
+"""Making optimizers safe to capture in a CUDA graph, with hyperparameters that stay live after capture.
 
-Adam and AdamW read a tensor learning rate when `capturable=True`, so a scheduler's in-place update
-(`torch.optim.lr_scheduler` fills tensor LRs in place) reaches the graph with no re-capture. SGD
-and others bake the float LR into the graph: a change is detected before replay and re-captured.
+A captured optimizer step bakes every Python number it reads into the graph. So:
 
-Capturable Adam computes its bias corrections (and, with a tensor LR, its decoupled weight decay)
-with device tensors instead of host floats, so it is not bit-identical to the default
-`capturable=False` path. Equivalence is therefore promised against an eager run of the *same*
-configuration: `make_capturable(optimizer)` gives users that baseline for their own checks.
+* Adam and AdamW run with ``capturable=True`` and read their learning rate from a 0-dim device
+  tensor during each step. The param groups keep the float LR, as without capture, so schedulers,
+  the user's own code (``pg["lr"] = ...``), ``_last_lr`` and checkpoints all see exact Python
+  floats; the step copies the float into the tensor when it changed (a device fill, no host sync)
+  and swaps the tensor into the group only for the duration of the step. A replayed graph reads
+  the tensor, so an LR change reaches it with no re-capture.
+* Every other hyperparameter (betas, eps, weight decay, SGD's LR and momentum, ...) is a float
+  baked into the graph. :meth:`CapturableOptimizer.baked_changes` names the ones that changed
+  since capture, so the caller can capture again before replaying.
+
+Capturable Adam computes its bias corrections with device tensors instead of host floats, so it is
+not bit-identical to the default ``capturable=False`` path. Equivalence is therefore promised
+against an eager run of the *same* configuration: ``make_capturable(optimizer)`` gives users that
+baseline for their own checks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +28,12 @@ import torch
 # Optimizers whose step is known to capture, and whether they can read a tensor LR inside the graph.
 TENSOR_LR_TYPES: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
 FLOAT_LR_TYPES: tuple[type, ...] = (torch.optim.SGD,)
+# Device types capturable optimizer states may live on (CPU tests widen this with the graph emulator).
+CAPTURABLE_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+# Param-group entries that are not hyperparameters of the update.
+_NOT_HYPERPARAMETERS = frozenset({"params", "initial_lr", "name"})
+# Attribute on the torch optimizer naming the CapturableOptimizer installed on it.
+_INSTALLED = "_l2lightning_capturable"
 
 
 class OptimizerNotCapturableError(TypeError):
@@ -39,32 +53,164 @@ def capture_support(optimizer: torch.optim.Optimizer) -> str | None:
     )
 
 
-@dataclass
 class CapturableOptimizer:
-    """An optimizer switched to capturable mode, with what is needed to undo it for checkpoints."""
+    """An optimizer switched to capturable mode by :func:`make_capturable`, and how to undo it.
 
-    optimizer: torch.optim.Optimizer
-    tensor_lr: bool
-    original_capturable: list[Any] = field(default_factory=list)
-    captured_lrs: list[float] = field(default_factory=list)
-    # the param groups' LRs before make_capturable turned them into tensors (for release())
-    configured_lrs: list[Any] = field(default_factory=list)
+    Attributes:
+        optimizer: the torch optimizer (its ``step`` is wrapped while this object is installed).
+        tensor_lr: whether the step reads its LR from device tensors (Adam, AdamW).
+        lr_tensors: per param group, the device tensor the step reads, or None (a float LR).
+    """
 
-    def lr_changed_since_capture(self) -> bool:
-        """True when a float LR baked into the graph no longer matches the param group (re-capture)."""
-        if self.tensor_lr:
-            return False
-        return [float(g["lr"]) for g in self.optimizer.param_groups] != self.captured_lrs
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        tensor_lr: bool,
+        original_capturable: list[Any],
+        lr_tensors: list[torch.Tensor | None] | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.tensor_lr = tensor_lr
+        self.original_capturable = list(original_capturable)
+        self.lr_tensors: list[torch.Tensor | None] = (
+            list(lr_tensors) if lr_tensors is not None else [None] * len(optimizer.param_groups)
+        )
+        # the float each LR tensor holds, so a step fills it only when the group's LR moved
+        self._filled: list[Any] = [
+            g.get("lr") if t is not None else None for g, t in zip(optimizer.param_groups, self.lr_tensors)
+        ]
+        self._frozen = False
+        self._released = False
+        self._baked: list[dict[str, Any]] = []
+        # Called as handler(run, closure, kwargs) instead of the step when set (L2GraphCallback's capture/replay).
+        self.handler: Callable[[Callable[..., Any], Any, dict], Any] | None = None
+        self._inner_step: Callable[..., Any] | None = None
+        self._had_instance_step = False
+        self._previous_step: Any = None
 
+    # ------------------------------------------------------------------ the step
+    def install(self) -> None:
+        """Wrap ``optimizer.step`` (an instance attribute, so schedulers' own wrappers stay inside)."""
+        if self._inner_step is not None:
+            return
+        opt = self.optimizer
+        self._had_instance_step = "step" in vars(opt)
+        self._previous_step = vars(opt).get("step")
+        self._inner_step = opt.step
+
+        def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+            return self._step(closure, **kwargs)
+
+        # LR schedulers warn unless optimizer.step carries the marker their own wrapper sets
+        if hasattr(self._inner_step, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        opt.step = step  # type: ignore[method-assign]
+        setattr(opt, _INSTALLED, self)
+
+    def uninstall(self) -> None:
+        """Remove the wrapper installed by :meth:`install`."""
+        if self._inner_step is None:
+            return
+        opt = self.optimizer
+        if self._had_instance_step:
+            opt.step = self._previous_step  # type: ignore[method-assign]
+        elif "step" in vars(opt):
+            del opt.step
+        if getattr(opt, _INSTALLED, None) is self:
+            delattr(opt, _INSTALLED)
+        self._inner_step = None
+
+    @property
+    def inner_step(self) -> Callable[..., Any]:
+        """The optimizer's own step (with the schedulers' wrappers), without the tensor-LR swap."""
+        return self._inner_step if self._inner_step is not None else self.optimizer.step
+
+    def _step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        if self.handler is not None:
+            return self.handler(self.run, closure, kwargs)
+        return self.run(closure, **kwargs)
+
+    def run(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """One eager step of the optimizer with its LR tensors in place (as configured, once released)."""
+        inner = self.inner_step
+        if self._released:
+            return inner(closure, **kwargs)
+        with self.tensor_hyperparameters():
+            return inner(closure, **kwargs)
+
+    def sync_tensors(self) -> None:
+        """Copy each group's float LR into its device tensor where it changed (a fill, no host sync)."""
+        for i, (group, tensor) in enumerate(zip(self.optimizer.param_groups, self.lr_tensors)):
+            if tensor is None:
+                continue
+            value = group["lr"]
+            if value is tensor or value == self._filled[i]:
+                continue
+            if isinstance(value, torch.Tensor):  # someone put a tensor of their own there
+                raise TypeError(
+                    f"param group {i}'s `lr` was replaced by a tensor after make_capturable; set a float "
+                    "(schedulers and `pg['lr'] = value` both work)"
+                )
+            if self._frozen:
+                raise RuntimeError(
+                    f"param group {i}'s learning rate changed inside a captured step ({self._filled[i]} -> "
+                    f"{value}); change it outside `optimizer.step`, e.g. in `optimizer_step` after the step"
+                )
+            tensor.fill_(float(value))
+            self._filled[i] = value
+
+    def tensor_hyperparameters(self) -> _TensorHyperparameters:
+        """Context: the groups hold the LR tensors (filled from their floats), then the floats again."""
+        return _TensorHyperparameters(self)
+
+    def freeze(self, frozen: bool) -> None:
+        """While frozen (a capture), an LR change raises instead of filling a tensor inside the graph."""
+        self._frozen = frozen
+
+    # ------------------------------------------------------------------ baked hyperparameters
     def mark_captured(self) -> None:
-        self.captured_lrs = [float(_scalar(g["lr"])) for g in self.optimizer.param_groups]
+        """Remember the hyperparameters a capture bakes into its graph."""
+        self._baked = [self._baked_values(i, g) for i, g in enumerate(self.optimizer.param_groups)]
 
+    def _baked_values(self, index: int, group: dict[str, Any]) -> dict[str, Any]:
+        tensor = self.lr_tensors[index] if index < len(self.lr_tensors) else None
+        return {
+            key: value
+            for key, value in group.items()
+            if key not in _NOT_HYPERPARAMETERS
+            and not isinstance(value, torch.Tensor)
+            and not (key == "lr" and tensor is not None)
+        }
+
+    def baked_changes(self) -> list[str]:
+        """``"group i: key a -> b"`` for each hyperparameter baked into the graph that changed since capture."""
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self._baked):
+            return [
+                f"the optimizer has {len(groups)} param groups, the graph was captured with {len(self._baked)}"
+            ]
+        changes = []
+        for i, (group, baked) in enumerate(zip(groups, self._baked)):
+            for key, value in baked.items():
+                now = group.get(key)
+                if now is not value and now != value:
+                    changes.append(f"group {i} `{key}` {value!r} -> {now!r}")
+        return changes
+
+    def baked_snapshot(self) -> list[dict[str, Any]]:
+        """The baked hyperparameters as they are now (to compare warm-up steps with each other)."""
+        return [self._baked_values(i, g) for i, g in enumerate(self.optimizer.param_groups)]
+
+    # ------------------------------------------------------------------ undoing
     def portable_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A copy of `state_dict` as the optimizer would save it without capture (float LR, CPU steps)."""
+        """A copy of `state_dict` as the optimizer would save it without capture (original flags, CPU steps)."""
         groups = []
         for group, original in zip(state_dict["param_groups"], self.original_capturable):
             group = dict(group)
-            _plain_group(group, original, configured_lr=None)
+            if isinstance(group.get("lr"), torch.Tensor):
+                group["lr"] = float(group["lr"])
+            if "capturable" in group:
+                group["capturable"] = original
             groups.append(group)
         state = {}
         for key, value in state_dict["state"].items():
@@ -76,16 +222,21 @@ class CapturableOptimizer:
         return {**state_dict, "state": state, "param_groups": groups}
 
     def release(self) -> torch.optim.Optimizer:
-        """Undo :func:`make_capturable` in place, for a fit that will not capture after all.
+        """Undo :func:`make_capturable` in place: the step wrapper, ``capturable`` flags, step counters.
 
-        The configured float LRs come back (where nothing has moved them since), the original
-        ``capturable`` flags, and step counters where the optimizer keeps them without capture (on
-        the CPU unless it was capturable or fused). Returns the optimizer.
+        The learning rates were floats all along. Step counters go back to the CPU where the
+        optimizer keeps them without capture (unless it was capturable or fused). Returns the
+        optimizer.
         """
-        groups = self.optimizer.param_groups
-        configured = list(self.configured_lrs) + [None] * len(groups)
-        for group, original, lr in zip(groups, self.original_capturable, configured):
-            _plain_group(group, original, configured_lr=lr)
+        self.uninstall()
+        self._released = True
+        self.handler = None
+        for i, (group, original) in enumerate(zip(self.optimizer.param_groups, self.original_capturable)):
+            if "capturable" in group:
+                group["capturable"] = original
+            tensor = self.lr_tensors[i] if i < len(self.lr_tensors) else None
+            if tensor is not None and group.get("lr") is tensor:  # released in the middle of a step
+                group["lr"] = self._filled[i]
         if not self._steps_stay_on_device():
             for state in self.optimizer.state.values():
                 step = state.get("step")
@@ -98,30 +249,32 @@ class CapturableOptimizer:
         return any(self.original_capturable) or _fused(self.optimizer)
 
 
-def _plain_group(group: dict[str, Any], original_capturable: Any, configured_lr: Any) -> None:
-    """Turn a param-group dict back to its non-capturable form, in place.
+class _TensorHyperparameters:
+    """See :meth:`CapturableOptimizer.tensor_hyperparameters`."""
 
-    A tensor LR becomes `configured_lr` when that float still rounds to the tensor's float32 value
-    (nothing has moved the LR since), else the tensor's value as a float.
-    """
-    lr = group.get("lr")
-    if isinstance(lr, torch.Tensor):
-        value = float(lr)
-        unchanged = (
-            isinstance(configured_lr, float)
-            and float(torch.tensor(configured_lr, dtype=torch.float32)) == value
-        )
-        group["lr"] = configured_lr if unchanged else value
-    if "capturable" in group:
-        group["capturable"] = original_capturable
+    def __init__(self, owner: CapturableOptimizer) -> None:
+        self.owner = owner
+        self.saved: list[Any] = []
+
+    def __enter__(self) -> None:
+        owner = self.owner
+        owner.sync_tensors()
+        self.saved = []
+        for group, tensor in zip(owner.optimizer.param_groups, owner.lr_tensors):
+            self.saved.append(group.get("lr"))
+            if tensor is not None:
+                group["lr"] = tensor
+
+    def __exit__(self, *exc: Any) -> None:
+        owner = self.owner
+        for group, tensor, saved in zip(owner.optimizer.param_groups, owner.lr_tensors, self.saved):
+            # a float the step's closure set stays (it is the user's); our tensor goes back to the float
+            if tensor is not None and group.get("lr") is tensor:
+                group["lr"] = saved
 
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
     return any(bool(g.get("fused")) for g in optimizer.param_groups)
-
-
-def _scalar(value: Any) -> float:
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
 def make_capturable(
@@ -130,34 +283,52 @@ def make_capturable(
     """Switch `optimizer` to capturable mode before its first captured step.
 
     Sets ``capturable=True`` where the optimizer has the option, moves existing ``step`` state to
-    the parameters' device (capturable steps live there), and for Adam/AdamW turns each group's
-    float LR into a 0-dim float32 tensor on `device`, so LR schedulers update it in place.
+    the parameters' device (capturable steps live there), and for Adam/AdamW makes each step read
+    its learning rate from a 0-dim float32 tensor on `device` that follows the param group's float
+    (see the module docstring). Apply it in ``configure_optimizers`` to get the eager baseline the
+    callback is bit-identical to.
 
     Raises:
         OptimizerNotCapturableError: the optimizer has no capturable mode (the message names it).
+        ValueError: the parameters are not on a CUDA device.
     """
+    existing = getattr(optimizer, _INSTALLED, None)
+    if isinstance(existing, CapturableOptimizer) and existing._inner_step is not None:
+        return existing  # already capturable: a second wrapper would swap tensors into tensors
     reason = capture_support(optimizer)
     if reason:
         raise OptimizerNotCapturableError(reason)
     if device is None:
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
-    if device.type != "cuda":
+    if device.type not in CAPTURABLE_DEVICE_TYPES:
         raise ValueError(
             f"capturable optimizers need CUDA parameters; `optimizer`'s parameters are on {device}"
         )
     original = [g.get("capturable") for g in optimizer.param_groups]
-    configured_lrs = [g.get("lr") for g in optimizer.param_groups]
     tensor_lr = isinstance(optimizer, TENSOR_LR_TYPES)
+    lr_tensors: list[torch.Tensor | None] = []
     for group in optimizer.param_groups:
         if "capturable" in group:
             group["capturable"] = True
-        if tensor_lr and not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        lr = group.get("lr")
+        if tensor_lr and not isinstance(lr, torch.Tensor):
+            lr_tensors.append(torch.tensor(float(lr), dtype=torch.float32, device=device))
+        else:
+            lr_tensors.append(None)
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             step = state.get("step")
             if isinstance(step, torch.Tensor) and step.device != p.device:
                 state["step"] = step.to(p.device)
-    wrapped = CapturableOptimizer(optimizer, tensor_lr, original, configured_lrs=configured_lrs)
+    wrapped = CapturableOptimizer(optimizer, tensor_lr, original, lr_tensors)
+    wrapped.install()
     wrapped.mark_captured()
     return wrapped
+
+
+def installed_capturable(optimizer: torch.optim.Optimizer) -> CapturableOptimizer | None:
+    """The :class:`CapturableOptimizer` that :func:`make_capturable` installed on `optimizer`, if any."""
+    existing = getattr(optimizer, _INSTALLED, None)
+    return (
+        existing if isinstance(existing, CapturableOptimizer) and existing._inner_step is not None else None
+    )

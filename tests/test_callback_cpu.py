@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +12,13 @@ from lightning.pytorch import Trainer, seed_everything
 
 from l2lightning import L2GraphCallback, PrefetchPlan
 from l2lightning import callback as callback_module
-from l2lightning.callback import metric_update_counts, metric_update_reason, metrics_updated
-from l2lightning.optim import CapturableOptimizer
+from l2lightning.callback import metric_update_reason
+from l2lightning.metric_binding import (
+    sync_free_nan_check,
+    unreplayable_reason,
+    update_counts,
+    updated_between,
+)
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
 
@@ -125,7 +129,7 @@ def test_summary_does_not_claim_a_capture_restored_from_a_checkpoint():
 
 
 class MetricInStep(TinyMLP):
-    """Updates a torchmetrics object inside training_step: not replay-safe."""
+    """Updates a torchmetrics object inside training_step (captured with the step)."""
 
     def __init__(self, call: str = "update"):
         super().__init__()
@@ -141,60 +145,70 @@ class MetricInStep(TinyMLP):
         return loss
 
 
-class MetricInBatchEnd(TinyMLP):
-    """The supported pattern: training_step returns outputs, on_train_batch_end updates the metric."""
-
-    def __init__(self):
-        super().__init__()
-        self.train_mean = torchmetrics.MeanMetric()
-
-    def training_step(self, batch, batch_idx):
-        return {"loss": super().training_step(batch, batch_idx)}
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.train_mean.update(outputs["loss"].detach())
-
-
-def _batch():
-    return next(iter(regression_loader()))
-
-
 def _counted_training_step(model):
-    """Update counts around training_step only, as the callback takes them, then on_train_batch_end."""
+    """Update counts around training_step only, as the callback takes them."""
     model.log = lambda *a, **k: None  # no Trainer attached
-    before = metric_update_counts(model)
-    outputs = model.training_step(_batch(), 0)
-    updated = metrics_updated(before, metric_update_counts(model))
-    if isinstance(outputs, dict):
-        model.on_train_batch_end(outputs, _batch(), 0)
-    return updated
+    before = update_counts(model)
+    model.training_step(next(iter(regression_loader())), 0)
+    return updated_between(before, update_counts(model))
 
 
 @pytest.mark.parametrize("call", ["update", "forward"])
 def test_metric_updated_in_training_step_is_detected_by_name(call):
     model = MetricInStep(call)
-    assert metric_update_counts(model) == {"train_mean": 0}
+    assert update_counts(model) == {"train_mean": 0}
     assert _counted_training_step(model) == ["train_mean"]
-    reason = metric_update_reason(["train_mean"])
-    assert "['train_mean']" in reason and "on_train_batch_end" in reason
+    assert unreplayable_reason("train_mean", model.train_mean) is None  # a sum-reduced tensor state
+    reason = metric_update_reason(["train_cat"], "it keeps a list")
+    assert "['train_cat']" in reason and "on_train_batch_end" in reason
 
 
-def test_metric_updated_in_on_train_batch_end_is_not_detected():
-    model = MetricInBatchEnd()
-    assert _counted_training_step(model) == []
-    assert int(model.train_mean.update_count) == 1  # it was updated, outside training_step
+def test_list_and_mean_reduced_metric_states_are_named_as_unreplayable():
+    cat = torchmetrics.CatMetric()
+    assert "`preds` (CatMetric) keeps a list state `value`" in unreplayable_reason("preds", cat)
+
+    class MeanReduced(torchmetrics.Metric):
+        def __init__(self):
+            super().__init__()
+            self.add_state("m", default=torch.tensor(0.0), dist_reduce_fx="mean")
+
+        def update(self, x):
+            self.m += x
+
+        def compute(self):
+            return self.m
+
+    assert "reduces its state `m` with dim_zero_mean" in unreplayable_reason("m", MeanReduced())
 
 
 def test_metric_detection_names_nested_metrics_and_ignores_modules_without_any(monkeypatch):
     model = TinyMLP()
-    assert metric_update_counts(model) == {}
+    assert update_counts(model) == {}
     model.metrics = torch.nn.ModuleDict({"acc": torchmetrics.MeanMetric()})
-    before = metric_update_counts(model)
+    before = update_counts(model)
     model.metrics["acc"].update(torch.tensor(1.0))
-    assert metrics_updated(before, metric_update_counts(model)) == ["metrics.acc"]
+    assert updated_between(before, update_counts(model)) == ["metrics.acc"]
     # torchmetrics never imported: nothing can be a metric, and nothing is imported to find out
     monkeypatch.delitem(sys.modules, "torchmetrics")
-    assert metric_update_counts(model) == {}
+    assert update_counts(model) == {}
+
+
+@pytest.mark.parametrize("strategy", ["warn", "ignore", 0.5])
+def test_sync_free_nan_check_matches_the_eager_mean_without_nan_and_ignores_nan(strategy):
+    eager, patched = (
+        torchmetrics.MeanMetric(nan_strategy=strategy),
+        torchmetrics.MeanMetric(nan_strategy=strategy),
+    )
+    patched._cast_and_nan_check_input = sync_free_nan_check(patched)
+    x = torch.randn(37)
+    eager.update(x)
+    patched.update(x)
+    assert torch.equal(eager.compute(), patched.compute())
+    with_nan = torch.tensor([1.0, float("nan"), 3.0])
+    expected = 2.0 if strategy != 0.5 else 1.5
+    patched.reset()
+    patched.update(with_nan)
+    assert float(patched.compute()) == pytest.approx(expected)
 
 
 class _DoneEvent:
@@ -211,65 +225,6 @@ class _DoneEvent:
 
     def elapsed_time(self, end):
         return end.ms
-
-
-def _cpu_decision_harness(monkeypatch, cb, capturable: bool):
-    """Run the callback's warm-up steps on the CPU: no CUDA refusal, CPU stand-ins for the CUDA parts.
-
-    `capturable=True` configures the optimizer as make_capturable does (tensor LR, capturable=True),
-    which AdamW refuses to step on CPU parameters: a fit only gets through if the callback gives the
-    optimizer back as it was configured before the update.
-    """
-
-    def fake_make_capturable(optimizer, device=None):
-        original = [g.get("capturable") for g in optimizer.param_groups]
-        configured = [g.get("lr") for g in optimizer.param_groups]
-        if capturable:
-            for group in optimizer.param_groups:
-                group["capturable"] = True
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
-        return CapturableOptimizer(
-            optimizer, tensor_lr=capturable, original_capturable=original, configured_lrs=configured
-        )
-
-    monkeypatch.setattr(callback_module, "make_capturable", fake_make_capturable)
-    monkeypatch.setattr(cb, "_refusal", lambda trainer, pl_module: None)
-    monkeypatch.setattr(cb, "_events", lambda: (_DoneEvent(), _DoneEvent()))
-
-
-@pytest.mark.parametrize("call", ["update", "forward"])
-def test_metric_in_training_step_refuses_capture_and_trains_like_plain_eager(monkeypatch, call):
-    seed_everything(0)
-    plain = fit([], steps=6, model=MetricInStep(call))[0]
-    cb = L2GraphCallback(warmup_steps=3)
-    _cpu_decision_harness(monkeypatch, cb, capturable=True)
-    seed_everything(0)
-    model = MetricInStep(call)
-    with pytest.warns(
-        UserWarning, match=r"training_step updates the torchmetrics objects \['train_mean'\]"
-    ) as rec:
-        fit([cb], steps=6, model=model)  # past the warm-up: a capture would be tried without the refusal
-    assert sum("L2GraphCallback" in str(w.message) for w in rec) == 1  # one warning
-    summary = cb.summary()
-    assert summary["captured"] is False and summary["capture_step"] is None
-    assert "['train_mean']" in summary["reason"] and "on_train_batch_end" in summary["reason"]
-    for a, b in zip(plain.parameters(), model.parameters()):
-        assert torch.equal(a, b)
-    assert int(model.train_mean.update_count) == int(plain.train_mean.update_count) == 6
-    assert torch.equal(model.train_mean.compute(), plain.train_mean.compute())
-    optimizer_group = model.trainer.optimizers[0].param_groups[0]
-    assert isinstance(optimizer_group["lr"], float) and not optimizer_group["capturable"]
-
-
-def test_metric_in_on_train_batch_end_is_not_refused(monkeypatch):
-    cb = L2GraphCallback(warmup_steps=3)
-    _cpu_decision_harness(monkeypatch, cb, capturable=False)
-    model = MetricInBatchEnd()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="L2GraphCallback")
-        fit([cb], steps=3, model=model)  # the warm-up steps only: capturing needs CUDA
-    assert cb.summary()["reason"] is None and cb._mode == "warmup"
-    assert int(model.train_mean.update_count) == 3
 
 
 # ---------------------------------------------------------------- l2/* metrics to the loggers
@@ -295,8 +250,9 @@ def _logging_state(replays: int, last_done: bool = True, rank_zero: bool = True)
         {"layer": "net.0.1", "mib": 1.5, "forward": "hint8", "backward": None},
         {"layer": "net.1.1", "mib": 2.0, "forward": None, "backward": None},
     ]
-    cb._timing.eager = [(_DoneEvent(), _DoneEvent(9.0)), (_DoneEvent(), _DoneEvent(4.0))]
-    cb._timing.graph = [(_DoneEvent(), _DoneEvent(2.0)) for _ in range(replays)]
+    cb._timing.eager.extend([(_DoneEvent(), _DoneEvent(9.0)), (_DoneEvent(), _DoneEvent(4.0))])
+    cb._timing.graph.extend((_DoneEvent(), _DoneEvent(2.0)) for _ in range(replays))
+    cb._timing.graph_count = replays
     if replays:
         cb._timing.graph[-1][1].done = last_done
     logger = _RecordingLogger()
@@ -320,6 +276,7 @@ def test_l2_metrics_are_logged_once_at_the_first_batch_end_after_timed_replays()
     _batch_end(cb, trainer)
     assert logger.rows == []  # not known yet
     cb._timing.graph.append((_DoneEvent(), _DoneEvent(2.0)))
+    cb._timing.graph_count += 1
     trainer.fit_loop.epoch_loop._batches_that_stepped += 1
     trainer.global_step += 1  # in on_train_batch_end, one ahead of the step Lightning logs at
     _batch_end(cb, trainer)
@@ -327,9 +284,9 @@ def test_l2_metrics_are_logged_once_at_the_first_batch_end_after_timed_replays()
     step, metrics = logger.rows[0]
     assert step == n + 3 and trainer.global_step == n + 4  # Lightning's step for this batch's metrics
     assert metrics == {
-        "l2/eager_step_ms": 4.0,  # the first eager step (lazy initialisation) is left out
+        "l2/eager_step_ms": 6.5,  # the median of the timed eager steps
         "l2/graph_step_ms": 2.0,
-        "l2/speedup": 2.0,
+        "l2/speedup": 3.25,
         "l2/graph_pool_mib": 12.5,
         "l2/prefetch_layers": 1.0,
         "l2/prefetch_mib": 1.5,
@@ -367,6 +324,7 @@ def test_l2_metrics_are_logged_again_at_epoch_end(monkeypatch):
     cb, trainer, logger = _logging_state(replays=callback_module.TIMED_REPLAYS_BEFORE_LOG)
     _batch_end(cb, trainer)
     cb._timing.graph.append((_DoneEvent(), _DoneEvent(1.0)))
+    cb._timing.graph_count += 1
     cb.fallback_steps = 1
     trainer.fit_loop.epoch_loop._batches_that_stepped += 1
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)

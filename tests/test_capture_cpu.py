@@ -70,7 +70,9 @@ def test_make_capturable_refuses_cpu_parameters():
 
 def test_portable_state_dict_turns_tensor_lr_and_device_steps_back():
     opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=1e-3)
-    wrapped = CapturableOptimizer(opt, tensor_lr=True, original_capturable=[False])
+    wrapped = CapturableOptimizer(
+        opt, tensor_lr=True, original_capturable=[False]
+    )  # as make_capturable leaves it
     state_dict = {
         "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
         "param_groups": [{"lr": torch.tensor(5e-4), "capturable": True, "params": [0]}],
@@ -84,19 +86,61 @@ def test_portable_state_dict_turns_tensor_lr_and_device_steps_back():
     assert isinstance(state_dict["param_groups"][0]["lr"], torch.Tensor)
 
 
-def test_release_gives_back_the_configured_optimizer():
-    params = list(nn.Linear(2, 2).parameters())
-    opt = torch.optim.AdamW([{"params": params[:1], "lr": 1e-2}, {"params": params[1:], "lr": 3e-4}])
-    # what make_capturable leaves (it needs CUDA): float32 tensor LRs, capturable=True
-    for group in opt.param_groups:
-        group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
-        group["capturable"] = True
-    opt.param_groups[1]["lr"].fill_(1e-4)  # a scheduler moved the second group's LR since
-    wrapped = CapturableOptimizer(opt, True, [False, False], configured_lrs=[1e-2, 3e-4])
+@pytest.fixture
+def capturable_on_cpu(monkeypatch):
+    """Let make_capturable and torch's capturable optimizers accept CPU parameters (their math is plain tensor ops)."""
+    import torch.optim.adam as adam_module
+
+    from l2lightning import optim
+
+    monkeypatch.setattr(optim, "CAPTURABLE_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(adam_module, "_get_capturable_supported_devices", lambda *a, **k: ["cuda", "cpu"])
+
+
+def test_make_capturable_keeps_float_lrs_and_steps_with_a_tensor_that_follows_them(capturable_on_cpu):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    wrapped = make_capturable(opt)
+    seen = []
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        seen.append(float(wrapped.lr_tensors[0]))
+        sched.step()
+    group = opt.param_groups[0]
+    assert type(group["lr"]) is float and group["lr"] == 1e-2 * 0.5**3  # exact: the scheduler's double math
+    assert all(type(v) is float for v in sched.get_last_lr())
+    assert seen == [float(torch.tensor(v, dtype=torch.float32)) for v in (1e-2, 5e-3, 2.5e-3)]
+    group["lr"] = 0.125  # user code setting the LR by hand (Lightning docs' warm-up)
+    opt.step()
+    assert float(wrapped.lr_tensors[0]) == 0.125 and group["lr"] == 0.125
+    assert make_capturable(opt) is wrapped  # a second call keeps the one wrapper
+
+
+def test_release_gives_back_the_configured_optimizer(capturable_on_cpu):
+    opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=3e-4)
+    had_step = "step" in vars(opt)
+    wrapped = make_capturable(opt)
+    assert opt.param_groups[0]["capturable"] is True and "step" in vars(opt)
     assert wrapped.release() is opt
-    assert opt.param_groups[0]["lr"] == 1e-2  # the exact configured float, not its float32 rounding
-    assert opt.param_groups[1]["lr"] == float(torch.tensor(1e-4, dtype=torch.float32))  # the moved value
-    assert [g["capturable"] for g in opt.param_groups] == [False, False]
+    assert opt.param_groups[0]["capturable"] is False and opt.param_groups[0]["lr"] == 3e-4
+    assert ("step" in vars(opt)) == had_step
+
+
+def test_baked_hyperparameters_that_change_are_named(capturable_on_cpu):
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+    wrapped = make_capturable(opt)
+    assert wrapped.lr_tensors == [None] and wrapped.baked_changes() == []
+    opt.param_groups[0]["lr"] = 0.05
+    opt.param_groups[0]["momentum"] = 0.8
+    assert wrapped.baked_changes() == ["group 0 `lr` 0.1 -> 0.05", "group 0 `momentum` 0.9 -> 0.8"]
+    wrapped.mark_captured()
+    assert wrapped.baked_changes() == []
+    adam = make_capturable(torch.optim.Adam(nn.Linear(2, 2).parameters(), lr=0.1))
+    adam.optimizer.param_groups[0]["lr"] = 0.01  # read from a tensor in the graph: not baked
+    assert adam.baked_changes() == []
 
 
 def test_uncapturable_optimizer_is_named():
@@ -104,15 +148,6 @@ def test_uncapturable_optimizer_is_named():
     assert "LBFGS" in capture_support(opt)
     with pytest.raises(OptimizerNotCapturableError, match="optimizer LBFGS has no `capturable` mode"):
         make_capturable(opt)
-
-
-def test_float_lr_change_requests_recapture():
-    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
-    wrapped = CapturableOptimizer(opt, tensor_lr=False, original_capturable=[None])
-    wrapped.mark_captured()
-    assert not wrapped.lr_changed_since_capture()
-    opt.param_groups[0]["lr"] = 0.05
-    assert wrapped.lr_changed_since_capture()
 
 
 def test_captured_step_holds_what_its_graph_writes():

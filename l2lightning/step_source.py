@@ -1,0 +1,259 @@
+"""Reading a LightningModule's step source for the Python a replayed graph would freeze.
+
+A graph replays one path through ``training_step``. Two kinds of Python in the source change from
+step to step in a way the graph cannot see:
+
+* conditions on the step counters (``if self.global_step % 10 == 0:`` for a target-network sync,
+  ``if batch_idx % 50 == 0: print(...)``): :func:`analyse` finds every ``if``/``while``/ternary test
+  that reads ``global_step``, ``current_epoch`` or the ``batch_idx`` argument and, where the test
+  only needs ``self`` and ``batch_idx`` (locals assigned once from such expressions are inlined),
+  compiles it. :meth:`StepSource.branch_key` evaluates them each step; a step whose key differs
+  from the captured one runs eagerly. Tests it cannot evaluate are named in a warning.
+* Python numbers passed to ``self.log`` (``self.lr_schedulers().get_last_lr()[0]``): a replay would
+  re-log the capture-time value. :meth:`StepSource.log_value` re-evaluates the logged expression
+  where it can be (same rules, plus the side-effect-free calls ``lr_schedulers()``,
+  ``optimizers()``, ``get_last_lr()``).
+
+Evaluation only reads attributes and calls the whitelisted builtins and methods above, so it has
+no side effects of its own.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+STEP_COUNTERS = ("global_step", "current_epoch")
+_SAFE_BUILTINS = {"min", "max", "abs", "int", "float", "bool", "len", "round", "divmod", "pow"}
+_SAFE_METHODS = {"lr_schedulers", "optimizers", "get_last_lr"}
+_BRANCH_ERROR = object()
+
+
+@dataclass
+class Condition:
+    """A test on the step counters in the step's source."""
+
+    line: str  # "file:line (`source`)"
+    evaluate: Callable[[Any, int], Any] | None  # (module, batch_idx) -> value, or None if not evaluable
+
+
+@dataclass
+class StepSource:
+    """What :func:`analyse` found in a module's step hooks."""
+
+    conditions: list[Condition] = field(default_factory=list)
+    log_values: dict[str, tuple[str, Callable[[Any, int], Any]]] = field(default_factory=dict)
+
+    @property
+    def opaque_conditions(self) -> list[str]:
+        """Lines of step-counter conditions that cannot be evaluated per step."""
+        return [c.line for c in self.conditions if c.evaluate is None]
+
+    def branch_key(self, module: Any, batch_idx: int) -> tuple:
+        """The value of every evaluable step-counter condition for this step (its branch through the step)."""
+        key = []
+        for c in self.conditions:
+            if c.evaluate is None:
+                continue
+            try:
+                key.append(bool(c.evaluate(module, batch_idx)))
+            except Exception:  # a condition that cannot be read now: never equal to a captured key
+                key.append(_BRANCH_ERROR)
+        return tuple(key)
+
+    def log_value(self, key: str, module: Any, batch_idx: int) -> Any:
+        """The current value of the expression logged under `key` (raises if it was not found)."""
+        return self.log_values[key][1](module, batch_idx)
+
+
+def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> StepSource:
+    """Conditions on step counters and logged Python expressions in `module`'s own step hooks."""
+    found = StepSource()
+    for hook in hook_names:
+        method = getattr(type(module), hook, None)
+        if method is None or _defined_by_library(method):
+            continue
+        tree, filename, first_line, params = _parse(method)
+        if tree is None:
+            continue
+        batch_idx = params[2] if hook == "training_step" and len(params) > 2 else None
+        _Visitor(found, filename, first_line, params[0] if params else "self", batch_idx).run(tree)
+    return found
+
+
+def _defined_by_library(method: Any) -> bool:
+    module = getattr(method, "__module__", "") or ""
+    return module.startswith(("lightning.", "pytorch_lightning."))
+
+
+def _parse(method: Any) -> tuple[Any, str, int, list[str]]:
+    try:
+        lines, first_line = inspect.getsourcelines(method)
+        filename = inspect.getsourcefile(method) or "<unknown>"
+    except (OSError, TypeError):
+        return None, "", 0, []
+    try:
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except SyntaxError:
+        return None, "", 0, []
+    func = (
+        tree.body[0]
+        if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
+        else None
+    )
+    if func is None:
+        return None, "", 0, []
+    params = [a.arg for a in func.args.posonlyargs + func.args.args]
+    return func, filename, first_line, params
+
+
+class _Visitor:
+    def __init__(
+        self, found: StepSource, filename: str, first_line: int, self_name: str, batch_idx: str | None
+    ):
+        self.found = found
+        self.filename = filename
+        self.first_line = first_line
+        self.self_name = self_name
+        self.batch_idx = batch_idx
+        self.assigned: dict[
+            str, ast.expr | None
+        ] = {}  # local -> its only assigned value (None: assigned twice)
+
+    def run(self, func: ast.AST) -> None:
+        for node in ast.walk(func):
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+            ):
+                name = node.targets[0].id
+                self.assigned[name] = None if name in self.assigned else node.value
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name):
+                self.assigned[node.target.id] = None
+        for node in ast.walk(func):
+            if isinstance(node, (ast.If, ast.While, ast.IfExp)):
+                self._condition(node.test)
+            elif isinstance(node, ast.comprehension):
+                for test in node.ifs:
+                    self._condition(test)
+            elif isinstance(node, ast.Call):
+                self._log_call(node)
+
+    # ------------------------------------------------------------------ helpers
+    def _line(self, node: ast.AST) -> str:
+        import linecache
+
+        line = self.first_line + node.lineno - 1
+        source = linecache.getline(self.filename, line).strip()
+        return f"{self.filename}:{line} (`{source}`)" if source else f"{self.filename}:{line}"
+
+    def _inline(self, expr: ast.expr, depth: int = 0) -> ast.expr | None:
+        """`expr` with single-assignment locals replaced by their values; None if a local is not inlinable."""
+        if depth > 4:
+            return None
+
+        class Inline(ast.NodeTransformer):
+            ok = True
+
+            def visit_Name(inner, node: ast.Name) -> Any:  # noqa: N805
+                if (
+                    node.id in (self.self_name, self.batch_idx)
+                    or node.id in _SAFE_BUILTINS
+                    or node.id in ("True", "False", "None")
+                ):
+                    return node
+                value = self.assigned.get(node.id)
+                if value is None:
+                    inner.ok = False
+                    return node
+                replaced = self._inline(value, depth + 1)
+                if replaced is None:
+                    inner.ok = False
+                    return node
+                return replaced
+
+        transformer = Inline()
+        result = transformer.visit(ast.fix_missing_locations(ast.parse(ast.unparse(expr), mode="eval")).body)
+        return result if transformer.ok else None
+
+    def _reads_step_counter(self, expr: ast.AST) -> bool:
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Attribute) and node.attr in STEP_COUNTERS:
+                return True
+            if isinstance(node, ast.Name):
+                if node.id == self.batch_idx:
+                    return True
+                value = self.assigned.get(node.id)
+                if value is not None and node.id != self.self_name and self._reads_step_counter(value):
+                    return True
+        return False
+
+    def _compile(self, expr: ast.expr, allow_methods: bool) -> Callable[[Any, int], Any] | None:
+        inlined = self._inline(expr)
+        if inlined is None or not _safe(inlined, allow_methods):
+            return None
+        args = [self.self_name, self.batch_idx or "_batch_idx"]
+        lam = ast.Expression(
+            body=ast.Lambda(
+                args=ast.arguments(
+                    posonlyargs=[],
+                    args=[ast.arg(a) for a in args],
+                    kwonlyargs=[],
+                    kw_defaults=[],
+                    defaults=[],
+                ),
+                body=inlined,
+            )
+        )
+        try:
+            code = compile(ast.fix_missing_locations(lam), "<l2lightning step source>", "eval")
+            env = {name: getattr(builtins, name) for name in _SAFE_BUILTINS}
+            return eval(code, {"__builtins__": {}, **env})  # noqa: S307 - only reads, see _safe
+        except Exception:
+            return None
+
+    def _condition(self, test: ast.expr) -> None:
+        if not self._reads_step_counter(test):
+            return
+        self.found.conditions.append(Condition(self._line(test), self._compile(test, allow_methods=False)))
+
+    def _log_call(self, node: ast.Call) -> None:
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and func.attr == "log" and isinstance(func.value, ast.Name)):
+            return
+        if func.value.id != self.self_name or len(node.args) < 2:
+            return
+        key = node.args[0]
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            return
+        evaluate = self._compile(node.args[1], allow_methods=True)
+        if evaluate is not None:
+            self.found.log_values.setdefault(key.value, (self._line(node), evaluate))
+
+
+def _safe(expr: ast.expr, allow_methods: bool) -> bool:
+    """Only reads: names, attributes, subscripts, constants, arithmetic; whitelisted calls."""
+    allowed = (
+        ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp,
+        ast.IfExp, ast.Load, ast.operator, ast.unaryop, ast.cmpop, ast.boolop, ast.Slice, ast.Tuple, ast.Call,
+        ast.keyword,
+    )  # fmt: skip
+    for node in ast.walk(expr):
+        if not isinstance(node, allowed):
+            return False
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id in _SAFE_BUILTINS:
+                continue
+            if allow_methods and isinstance(f, ast.Attribute) and f.attr in _SAFE_METHODS:
+                continue
+            return False
+        if isinstance(node, ast.Attribute) and node.attr.startswith("__"):
+            return False
+    return True

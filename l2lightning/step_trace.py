@@ -1,0 +1,509 @@
+"""What one training step does, op by op, as seen by a ``TorchDispatchMode``: for deciding what a graph may replay.
+
+A CUDA graph replays the ops its capture recorded and runs no Python. So before capturing, the
+callback traces its eager warm-up steps (:class:`StepTracer`) and learns:
+
+* the op sequence, with every Python number and small host tensor the ops received: two steps that
+  differ there (a branch on ``self.global_step``, a schedule computed in Python) cannot share one
+  graph, and :func:`first_difference` names the op and the user's line;
+* host syncs (``.item()``, ``print(tensor)``, ``if tensor:``, ``.cpu()``, boolean masks): a capture
+  cannot contain them, so they are named (file:line) before any capture is tried;
+* host-made constants: CPU tensors that reach the device inside the step (a causal mask built with
+  ``torch.triu`` on the CPU and ``.to(device)``; index tensors built on the CPU). If their bytes are
+  the same at every traced step, the capture substitutes a device-resident copy made beforehand
+  (:class:`HostConstants`), because a host-to-device copy from pageable memory cannot be captured;
+  if their bytes differ, the step cannot be captured, and the line is named.
+
+During the capture itself the same mode runs with the constants (substituting them, and refusing a
+sync before CUDA ever sees it, which keeps a refused capture clean).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+aten = torch.ops.aten
+
+# Ops whose result the host must wait for when their input lives on the device.
+_SYNC_OPS = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+}
+_BOOL_INDEX_OPS = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+}
+_REPEAT_INTERLEAVE = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor}
+# Op arguments that carry random-number state: they differ every step by design, and a graph replays
+# them correctly (PyTorch registers the generator with the capture).
+_RNG_ARGUMENTS = frozenset({"philox_seed", "philox_offset", "seed", "offset", "rng_state", "generator"})
+# Host tensors up to this many elements enter an op's signature by value (scalars, small index lists).
+_SMALL_HOST_NUMEL = 64
+# Host constants larger than this are refused rather than copied to the device (bytes).
+MAX_HOST_CONSTANT_BYTES = 64 << 20
+# Files that are not the user's: the first frame outside them is "the user's line".
+_LIBRARY_PARTS = (
+    "/torch/",
+    "/lightning/",
+    "/lightning_fabric/",
+    "/pytorch_lightning/",
+    "/lightning_utilities/",
+    "/torchmetrics/",
+    "/contextlib.py",
+    "/functools.py",
+    "<frozen ",
+)
+
+
+class CaptureRefused(RuntimeError):
+    """Raised inside a capture before an op the graph cannot hold reaches CUDA."""
+
+
+def _is_library(filename: str) -> bool:
+    if "/l2lightning/" in filename and "/l2lightning/models/" not in filename:
+        return True
+    return any(part in filename for part in _LIBRARY_PARTS)
+
+
+def user_frame(skip: int = 1) -> tuple[str, int] | None:
+    """(file, line) of the innermost caller outside torch, Lightning, torchmetrics and this package."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        if not _is_library(frame.f_code.co_filename):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def user_frame_of_traceback(tb: Any) -> tuple[str, int] | None:
+    """(file, line) of the innermost user frame in an exception's traceback."""
+    found = None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not _is_library(filename):
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+def describe_frame(frame: tuple[str, int] | None) -> str:
+    """``file:line (`source`)`` for a user frame, or a placeholder when none was found."""
+    if frame is None:
+        return "an unknown line"
+    filename, line = frame
+    source = linecache.getline(filename, line).strip()
+    return f"{filename}:{line} (`{source}`)" if source else f"{filename}:{line}"
+
+
+def _op_name(func: Any) -> str:
+    return str(func).replace("aten.", "", 1)
+
+
+def _value_key(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return value
+
+
+@dataclass
+class HostConstant:
+    """A host tensor that reached the device inside a traced step."""
+
+    kind: str  # "to" (x.to(device)), "copy" (dev.copy_(host)), "arg" (a host tensor passed to a device op)
+    value: torch.Tensor  # the host bytes (a CPU clone)
+    result: (
+        torch.Tensor | None
+    )  # for "to": the device tensor the op produced (dtype/layout as the op made it)
+    frame: tuple[str, int] | None
+
+
+@dataclass
+class StepTrace:
+    """One traced step: op signatures (with the user's line of each), syncs, host constants, problems."""
+
+    ops: list[tuple] = field(default_factory=list)
+    frames: list[tuple[str, int] | None] = field(default_factory=list)
+    op_hooks: list[str | None] = field(default_factory=list)  # the Lightning hook each op ran in
+    # (what, the user's line, the Lightning hook it ran in or None)
+    syncs: list[tuple[str, tuple[str, int] | None, str | None]] = field(default_factory=list)
+    mutating_hooks: set[str] = field(default_factory=set)  # hooks that wrote tensors they did not create
+    # hooks that built tensors from Python data (`torch.tensor([...])`): their values may come from hidden syncs
+    host_hooks: set[str] = field(default_factory=set)
+    memo: list[tuple[str, Any]] = field(default_factory=list)  # results of MEMOIZED calls, in order
+    constants: list[HostConstant] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what can never be captured, each naming its line
+
+
+def first_difference(
+    a: StepTrace, b: StepTrace, skip_hooks: set[str] | frozenset = frozenset()
+) -> str | None:
+    """None when two traced steps ran the same ops with the same host values, else the first difference.
+
+    Ops that ran inside `skip_hooks` (hooks that run eagerly after each replay) are not compared.
+    """
+    ia = [i for i, h in enumerate(a.op_hooks) if h not in skip_hooks]
+    ib = [i for i, h in enumerate(b.op_hooks) if h not in skip_hooks]
+    for i, j in zip(ia, ib):
+        if a.ops[i] != b.ops[j]:
+            return (
+                f"op {i} was `{_describe_op(a.ops[i])}` at {describe_frame(a.frames[i])} in one step and "
+                f"`{_describe_op(b.ops[j])}` at {describe_frame(b.frames[j])} in another"
+            )
+    if a.memo != b.memo:
+        return f"torch's {a.memo} in one step and {b.memo} in another (the same attention mask should decide alike)"
+    if len(ia) != len(ib):
+        (longer, li), (_, si) = sorted([(a, ia), (b, ib)], key=lambda t: -len(t[1]))
+        i = li[len(si)]
+        return (
+            f"one step ran {len(li)} ops and another {len(si)}; the first extra one is "
+            f"`{_describe_op(longer.ops[i])}` at {describe_frame(longer.frames[i])}"
+        )
+    for x, y in zip(a.constants, b.constants):
+        if (
+            x.value.shape != y.value.shape
+            or x.value.dtype != y.value.dtype
+            or not torch.equal(x.value, y.value)
+        ):
+            return (
+                f"a host tensor that reaches the device at {describe_frame(x.frame)} holds different values "
+                "from step to step, and a graph can only hold a constant one"
+            )
+    return None
+
+
+def _describe_op(signature: tuple) -> str:
+    name, args = signature
+    shown = []
+    for arg in args:
+        if isinstance(arg, tuple) and arg and arg[0] == "dev":
+            shown.append(f"<{arg[2]} {list(arg[3])}>")
+        elif isinstance(arg, tuple) and arg and arg[0] == "host":
+            shown.append(f"host{list(arg[2])}={arg[3]!r}")
+        else:
+            shown.append(repr(arg))
+    text = f"{name}({', '.join(shown)})"
+    return text if len(text) < 160 else text[:157] + "..."
+
+
+class HostConstants:
+    """The host constants of the traced steps, ready as device tensors for the capture to substitute."""
+
+    def __init__(self, constants: Sequence[HostConstant], device: torch.device) -> None:
+        self.entries = list(constants)
+        self.device_copies: list[torch.Tensor] = []
+        for c in self.entries:
+            nbytes = c.value.numel() * c.value.element_size()
+            if nbytes > MAX_HOST_CONSTANT_BYTES:
+                raise ValueError(
+                    f"the host tensor at {describe_frame(c.frame)} is {nbytes >> 20} MiB; build it on the "
+                    "device once (a buffer in __init__) instead of copying it in every step"
+                )
+            if c.kind == "to" and c.result is not None:
+                self.device_copies.append(c.result)
+            else:
+                self.device_copies.append(c.value.to(device))
+        self.used = 0
+
+
+# Library functions that sync only to decide a Python value from a tensor that a step builds the
+# same way every time (nn.Transformer* checking whether a mask is causal: `bool((mask == causal).all())`).
+# Traced steps record their results; a capture returns the recorded ones instead of syncing.
+MEMOIZED: tuple[tuple[str, str], ...] = (("torch.nn.modules.transformer", "_detect_is_causal_mask"),)
+
+
+class StepTracer(TorchDispatchMode):
+    """Trace a step's ops (warm-up), or substitute host constants and refuse syncs (capture).
+
+    Args:
+        device_type: the device the step trains on ("cuda"); tensors elsewhere are host tensors.
+        constants: for a capture, the host constants to substitute, in the order they occur.
+    """
+
+    def __init__(
+        self,
+        device_type: str = "cuda",
+        constants: HostConstants | None = None,
+        memo: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.constants = constants
+        self._memo_replay = list(memo)
+        self.trace = StepTrace()
+        self._paused = 0
+        self._hook: str | None = None
+        self._hook_made: set[int] = set()  # storages created inside the current hook
+
+    @contextlib.contextmanager
+    def memoized(self) -> Iterator[None]:
+        """Patch the MEMOIZED functions: record their results (trace) or return the recorded ones (capture)."""
+        import importlib
+
+        patched = []
+        for module_name, attr in MEMOIZED:
+            module = importlib.import_module(module_name)
+            original = getattr(module, attr)
+            patched.append((module, attr, original))
+            setattr(module, attr, self._memoize(attr, original))
+        try:
+            yield
+        finally:
+            for module, attr, original in patched:
+                setattr(module, attr, original)
+
+    def _memoize(self, name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.constants is not None:  # capturing
+                if not self._memo_replay or self._memo_replay[0][0] != name:
+                    raise CaptureRefused(
+                        f"torch's `{name}` ran in the captured step but not in the warm-up steps"
+                    )
+                return self._memo_replay.pop(0)[1]
+            with self.paused():
+                result = original(*args, **kwargs)
+            self.trace.memo.append((name, result))
+            return result
+
+        return call
+
+    @contextlib.contextmanager
+    def hook(self, name: str) -> Iterator[None]:
+        """Attribute what runs inside to the Lightning hook `name` (its syncs, its writes)."""
+        previous, made = self._hook, self._hook_made
+        self._hook, self._hook_made = name, set()
+        try:
+            yield
+        finally:
+            self._hook, self._hook_made = previous, made
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops inside are neither traced nor changed (Lightning's own logging machinery)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        on_device = any(t.device.type == self.device_type for t in tensors)
+        frame = user_frame(2)
+        sync = self._sync_reason(func, args, kwargs, tensors) if on_device else None
+        if sync is not None:
+            if self.constants is not None:
+                raise CaptureRefused(
+                    f"{sync} at {describe_frame(frame)} waits for the GPU inside the captured step"
+                )
+            if not _in_metric_validation():
+                self.trace.syncs.append((sync, frame, self._hook))
+        if self._hook is not None:
+            self._note_hook_writes(func, args, kwargs)
+            if func is aten.lift_fresh.default:
+                self.trace.host_hooks.add(self._hook)
+        if func is aten.lift_fresh.default and on_device and self.device_type != "cpu":
+            self.trace.problems.append(
+                f"a tensor built from host data directly on the GPU (`torch.tensor(..., device=...)`) at "
+                f"{describe_frame(frame)}: its copy cannot be captured; build it on the CPU and `.to(device)` it, "
+                "or once in __init__ as a buffer"
+            )
+        host_kind = self._host_constant_kind(func, args, kwargs, tensors, on_device)
+        if self.constants is not None and host_kind is not None:
+            return self._substitute(func, host_kind, args, kwargs, frame)
+        result = func(*args, **kwargs)
+        if self._hook is not None:
+            for r in tree_flatten(result)[0]:
+                if isinstance(r, torch.Tensor):
+                    self._hook_made.add(r.untyped_storage().data_ptr())
+        self.trace.ops.append((_op_name(func), self._signature(func, args, kwargs)))
+        self.trace.frames.append(frame)
+        self.trace.op_hooks.append(self._hook)
+        if host_kind is not None:
+            self._record_constants(host_kind, args, result, frame)
+        return result
+
+    def _note_hook_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            flat, _ = tree_flatten(value)
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._hook_made:
+                    self.trace.mutating_hooks.add(self._hook)
+
+    def _sync_reason(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> str | None:
+        if func in _SYNC_OPS:
+            return {
+                aten._local_scalar_dense.default: "reading a tensor's value on the host (`.item()`, `float()`, `print`, `if tensor:`)",
+                aten.is_nonzero.default: "`bool(tensor)` (an `if` or `while` on a tensor)",
+            }.get(func, f"`{_op_name(func)}` (its output size depends on the data)")
+        if self.device_type == "cpu":
+            return None  # training on the host: copies to it are not syncs
+        if func is aten._to_copy.default:
+            target = kwargs.get("device")
+            if (
+                target is not None
+                and torch.device(target).type == "cpu"
+                and args[0].device.type == self.device_type
+            ):
+                return "copying a tensor to the host (`.cpu()`, `.tolist()`, `.numpy()`)"
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            if dst.device.type == "cpu" and src.device.type == self.device_type:
+                return "copying a tensor to the host"
+        if func in _BOOL_INDEX_OPS:
+            indices = args[1] if len(args) > 1 else ()
+            if any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()
+            ):
+                return "indexing with a boolean mask (`x[mask]`; use `torch.where`)"
+        if func in _REPEAT_INTERLEAVE and kwargs.get("output_size") is None:
+            return "`repeat_interleave` without `output_size`"
+        return None
+
+    def _host_constant_kind(
+        self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor], on_device: bool
+    ) -> str | None:
+        if self.device_type == "cpu":
+            return None  # training on the host: nothing crosses to a device
+        if func is aten._to_copy.default:
+            target = kwargs.get("device")
+            to_device = target is not None and torch.device(target).type == self.device_type
+            return "to" if to_device and args[0].device.type == "cpu" else None
+        if not on_device:
+            return None
+        if func is aten.copy_.default:
+            return "copy" if args[1].device.type == "cpu" and args[1].dim() > 0 else None
+        if any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
+            return "arg"
+        return None
+
+    # ------------------------------------------------------------------ tracing
+    def _signature(self, func: Any, args: tuple, kwargs: dict) -> tuple:
+        """The op's arguments as compared between steps; random-number state (seeds, offsets) left out."""
+        keys: list[Any] = []
+        for i, schema_arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(schema_arg.name)
+            if schema_arg.name in _RNG_ARGUMENTS:
+                keys.append("rng")
+                continue
+            flat, _ = tree_flatten(value)
+            keys.extend(self._arg_key(v) for v in flat)
+        return tuple(keys)
+
+    def _arg_key(self, arg: Any) -> Any:
+        if isinstance(arg, torch.Tensor):
+            host = arg.device.type == "cpu" and self.device_type != "cpu"
+            if host and arg.numel() <= _SMALL_HOST_NUMEL:
+                return (
+                    "host",
+                    str(arg.dtype),
+                    tuple(arg.shape),
+                    tuple(_value_key(v) for v in arg.flatten().tolist()),
+                )
+            return (
+                "hostbig" if host else "dev",
+                arg.device.type,
+                str(arg.dtype),
+                tuple(arg.shape),
+            )
+        if isinstance(arg, (int, float, bool, str, type(None))):
+            return _value_key(arg)
+        if isinstance(arg, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return str(arg)
+        return type(arg).__name__
+
+    def _record_constants(self, kind: str, args: tuple, result: Any, frame: tuple[str, int] | None) -> None:
+        if kind == "to":
+            out = result if isinstance(result, torch.Tensor) else None
+            if out is None or out.device.type != self.device_type:
+                return
+            self.trace.constants.append(
+                HostConstant("to", args[0].detach().clone(), out.detach().clone(), frame)
+            )
+        elif kind == "copy":
+            self.trace.constants.append(HostConstant("copy", args[1].detach().clone(), None, frame))
+        else:
+            for t in _host_args(args):
+                self.trace.constants.append(HostConstant("arg", t.detach().clone(), None, frame))
+
+    # ------------------------------------------------------------------ capture
+    def _next_constant(self, value: torch.Tensor, frame: tuple[str, int] | None) -> torch.Tensor:
+        constants = self.constants
+        assert constants is not None
+        i = constants.used
+        if i >= len(constants.entries):
+            raise CaptureRefused(
+                f"a host tensor reaches the device at {describe_frame(frame)} in the captured step but not in "
+                "the traced warm-up steps"
+            )
+        entry = constants.entries[i]
+        if (
+            entry.value.shape != value.shape
+            or entry.value.dtype != value.dtype
+            or not torch.equal(entry.value, value)
+        ):
+            raise CaptureRefused(
+                f"the host tensor that reaches the device at {describe_frame(frame)} changed since the warm-up "
+                "steps; a graph can only hold a constant one"
+            )
+        constants.used += 1
+        return constants.device_copies[i]
+
+    def _substitute(
+        self, func: Any, kind: str, args: tuple, kwargs: dict, frame: tuple[str, int] | None
+    ) -> Any:
+        if kind == "to":
+            # a fresh device tensor, as `.to(device)` gives, copied on the device from the constant
+            return self._next_constant(args[0], frame).clone()
+        if kind == "copy":
+            dst, src = args[0], args[1]
+            return dst.copy_(self._next_constant(src, frame))
+
+        def swap(a: Any) -> Any:
+            if isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() > 0:
+                return self._next_constant(a, frame)
+            return a
+
+        return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+
+
+def _in_metric_validation() -> bool:
+    """Whether the caller is a torchmetrics input check (``*_validation``): eager-only, skipped in a capture."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name.endswith("_validation") and "/torchmetrics/" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _host_args(args: tuple) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(args)
+    return [a for a in flat if isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() > 0]

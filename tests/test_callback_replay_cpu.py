@@ -1,0 +1,668 @@
+"""L2GraphCallback's capture, replay and fallback on the CPU, through the graph emulator.
+
+Every test compares a fit with the callback against the eager fit it must equal: the
+``make_capturable`` baseline when the step is captured, plain Lightning when it is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torchmetrics
+from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.utilities import grad_norm
+from torch import nn
+from torch.utils.data import DataLoader
+
+from l2lightning import L2GraphCallback, make_capturable
+from l2lightning.callback import TIMING_WINDOW
+from tests import graph_emulator as emu
+from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
+
+
+@pytest.fixture(autouse=True)
+def emulated_cuda_graphs(monkeypatch, one_torch_thread):
+    emu.install(monkeypatch.setattr)
+    yield
+
+
+def baseline_of(cls):
+    """The eager reference for a captured fit: the optimizer configured as the callback configures it."""
+
+    class Baseline(cls):
+        def configure_optimizers(self):
+            config = super().configure_optimizers()
+            opt = config["optimizer"] if isinstance(config, dict) else config
+            make_capturable(opt)
+            return config
+
+    Baseline.__name__ = f"Baseline{cls.__name__}"
+    return Baseline
+
+
+class Recorder(Callback):
+    """Per step: the loss Lightning saw, every logged value, and the step's outputs."""
+
+    def __init__(self):
+        self.losses, self.logged, self.outputs = [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self.losses.append(loss.detach().clone() if isinstance(loss, torch.Tensor) else None)
+        self.logged.append(
+            {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in trainer.callback_metrics.items()
+            }
+        )
+        self.outputs.append(outputs)
+
+
+def fit(
+    model_cls, callbacks=(), steps=30, n=240, loader=None, model=None, trainer_kwargs=None, **model_kwargs
+):
+    seed_everything(0)
+    model = model_cls(width=32, depth=3, **model_kwargs) if model is None else model
+    rec = Recorder()
+    trainer = quiet_trainer(
+        accelerator="cpu", max_steps=steps, callbacks=[rec, *callbacks], **(trainer_kwargs or {})
+    )
+    trainer.fit(model, loader if loader is not None else regression_loader(n=n, width=32))
+    return model, rec, trainer
+
+
+def callback(**kwargs):
+    return L2GraphCallback(prefetch="off", log_timing=False, **kwargs)
+
+
+def assert_same(a, b):
+    """Same losses, same logged values, same parameters: bit for bit."""
+    (ma, ra, _), (mb, rb, _) = a, b
+    assert len(ra.losses) == len(rb.losses)
+    for i, (x, y) in enumerate(zip(ra.losses, rb.losses)):
+        assert (x is None and y is None) or torch.equal(x, y), f"loss differs at step {i}"
+    for i, (x, y) in enumerate(zip(ra.logged, rb.logged)):
+        assert x.keys() == y.keys(), f"logged keys differ at step {i}: {sorted(x)} vs {sorted(y)}"
+        for k in x:
+            same = torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k]
+            assert same, f"logged {k!r} differs at step {i}: {x[k]} vs {y[k]}"
+    for (name, p), q in zip(ma.named_parameters(), mb.parameters()):
+        assert torch.equal(p, q), f"parameter {name} differs"
+
+
+def captured_pair(cls, callback_kwargs=None, **kwargs):
+    base = fit(baseline_of(cls), **kwargs)
+    cb = callback(**(callback_kwargs or {}))
+    run = fit(cls, [cb, *kwargs.pop("callbacks", ())], **kwargs)
+    return base, run, cb
+
+
+# --------------------------------------------------------------------------- the plain case
+@pytest.mark.parametrize("scheduler", [None, "step", "cosine"])
+def test_capture_replays_bitwise_equal_to_the_baseline(scheduler):
+    base, run, cb = captured_pair(TinyMLP, scheduler=scheduler)
+    s = cb.summary()
+    assert s["captured"] and s["capture_step"] == 3 and s["fallback_steps"] == 0, s
+    assert emu.FakeGraph.replays == 30 - 3
+    assert_same(base, run)
+    assert len({float(v["train/loss"]) for v in run[1].logged[4:]}) > 5  # logged values follow the replays
+
+
+# --------------------------------------------------------------------------- 1. faults leave nothing behind
+class Boom(Callback):
+    def __init__(self, at, exc):
+        self.at, self.exc = at, exc
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            raise self.exc("boom")
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_an_exception_during_fit_leaves_nothing_installed(exc):
+    seed_everything(0)
+    model = TinyMLP(width=32, depth=3)
+    trainer = quiet_trainer(accelerator="cpu", max_steps=30, callbacks=[callback(), Boom(8, exc)])
+    with pytest.raises((RuntimeError, SystemExit)):
+        trainer.fit(model, regression_loader(n=240, width=32))
+    optimizer = trainer.optimizers[0]
+    assert not {"training_step", "backward", "optimizer_zero_grad", "log"} & set(vars(model))
+    assert "step" not in vars(optimizer)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 0.01 and group["capturable"] is False
+    # a later plain fit of the same model trains like plain eager Lightning: no stale graph replays
+    clean = TinyMLP(width=32, depth=3)
+    clean.load_state_dict(model.state_dict())
+    replays = emu.FakeGraph.replays
+    for m in (model, clean):
+        seed_everything(1)
+        quiet_trainer(accelerator="cpu", max_steps=5).fit(m, regression_loader(n=240, width=32, seed=5))
+    assert emu.FakeGraph.replays == replays
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clean.parameters()))
+
+
+class FailsInCapture(TinyMLP):
+    """An op that only fails inside a capture (the emulator sets CAPTURING while it records)."""
+
+    def training_step(self, batch, batch_idx):
+        if emu.CAPTURING[0]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_failed_capture_is_undone_and_the_fit_goes_on_eagerly():
+    plain = fit(FailsInCapture, fused=True)  # fused AdamW: capturable and configured steps agree bitwise
+    cb = callback()
+    with pytest.warns(
+        UserWarning,
+        match=r"could not be captured \(RuntimeError: operation not permitted.*test_callback_replay_cpu.py:\d+",
+    ):
+        run = fit(FailsInCapture, [cb], fused=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+    group = run[2].optimizers[0].param_groups[0]
+    assert isinstance(group["lr"], float) and group["capturable"] is False
+
+
+# --------------------------------------------------------------------------- 2. checked before each replay
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclass
+class Example:
+    x: torch.Tensor
+    y: torch.Tensor
+    tag: str = "train"
+
+
+def structured_loader(kind, n=240):
+    data = regression_loader(n=n, width=32).dataset
+
+    def collate(items):
+        x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+        return Pair(x, y) if kind == "namedtuple" else Example(x, y)
+
+    return DataLoader(data, batch_size=8, collate_fn=collate)
+
+
+class StructuredStep(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        return super().training_step((batch.x, batch.y), batch_idx)
+
+
+@pytest.mark.parametrize("kind", ["namedtuple", "dataclass"])
+def test_namedtuple_and_dataclass_batches_are_copied_into_the_graph(kind):
+    base, run, cb = captured_pair(StructuredStep, loader=structured_loader(kind))
+    assert cb.summary()["captured"] and cb.fallback_steps == 0
+    assert_same(base, run)
+
+
+class SGDSchedule(TinyMLP):
+    interval = "step"
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1 if self.interval == "epoch" else 30, 0.5)
+        if self.interval == "step":
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 30)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval}}
+
+
+class SGDEpochSchedule(SGDSchedule):
+    interval = "epoch"
+
+
+def test_sgd_with_a_per_step_schedule_is_refused_before_capture_and_trains_like_plain():
+    plain = fit(SGDSchedule)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"SGD's \['lr'\] changed at every warm-up step"):
+        run = fit(SGDSchedule, [cb])
+    assert not cb.summary()["captured"] and emu.FakeGraph.instances == 0
+    assert_same(plain, run)
+
+
+def test_sgd_with_a_per_epoch_schedule_is_captured_again_each_epoch():
+    plain = fit(SGDEpochSchedule, steps=-1, n=64, trainer_kwargs={"max_epochs": 4})
+    cb = callback()
+    run = fit(SGDEpochSchedule, [cb], steps=-1, n=64, trainer_kwargs={"max_epochs": 4})
+    assert cb.summary()["captured"] and cb.captures == 4  # one per epoch: the LR is baked into SGD's graph
+    assert_same(plain, run)
+
+
+class OneCycleSGD(TinyMLP):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=40)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_onecycle_sgd_momentum_and_clipping_is_refused_by_name_and_equals_plain():
+    plain = fit(OneCycleSGD, trainer_kwargs={"gradient_clip_val": 1.0})
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"\['lr', 'momentum'\] changed at every warm-up step"):
+        run = fit(OneCycleSGD, [cb], trainer_kwargs={"gradient_clip_val": 1.0})
+    assert_same(plain, run)
+
+
+def test_gradient_accumulation_scheduler_steps_run_eagerly_and_match():
+    kw = dict(steps=-1, n=64, trainer_kwargs={"max_epochs": 3})
+    base = fit(baseline_of(TinyMLP), [GradientAccumulationScheduler({0: 1, 1: 2})], **kw)
+    cb = callback()
+    with pytest.warns(UserWarning, match="gradient accumulation"):
+        run = fit(TinyMLP, [cb, GradientAccumulationScheduler({0: 1, 1: 2})], **kw)
+    assert run[2].global_step == base[2].global_step
+    assert_same(base, run)
+
+
+class Unfreeze(TinyMLP):
+    def on_fit_start(self):
+        self.net.requires_grad_(False)
+
+    def on_train_epoch_start(self):
+        if self.current_epoch == 1:
+            self.net.requires_grad_(True)
+
+
+class FreezeBatchNorm(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(
+            nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32)
+        )
+
+    def on_train_epoch_start(self):
+        if self.current_epoch == 1:
+            self.net[1].eval()  # fine-tuning: freeze BatchNorm statistics
+
+
+@pytest.mark.parametrize("cls", [Unfreeze, FreezeBatchNorm])
+def test_requires_grad_and_train_mode_changes_after_capture_are_honoured(cls):
+    base, run, cb = captured_pair(cls, steps=-1, n=64, trainer_kwargs={"max_epochs": 3})
+    assert cb.captures >= 2
+    assert_same(base, run)
+
+
+# --------------------------------------------------------------------------- 3. hooks and overrides
+class DocsWarmup(TinyMLP):
+    """Lightning docs: LR warm-up by hand in an `optimizer_step` override."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step(closure=optimizer_closure)
+        if self.trainer.global_step < 20:
+            scale = min(1.0, float(self.trainer.global_step + 1) / 20.0)
+            for pg in optimizer.param_groups:
+                pg["lr"] = scale * self.lr
+
+
+def test_optimizer_step_override_runs_around_every_replay():
+    base, run, cb = captured_pair(DocsWarmup)
+    assert cb.summary()["captured"] and emu.FakeGraph.replays == 27
+    assert_same(base, run)
+    assert run[2].optimizers[0].param_groups[0]["lr"] == 0.01  # an exact float after the fit
+
+
+class ClosureOutsideStep(TinyMLP):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer_closure()
+        optimizer.step()
+
+
+def test_closure_called_outside_optimizer_step_is_refused_by_name():
+    cb = callback()
+    with pytest.warns(UserWarning, match="calls the optimizer closure itself"):
+        fit(ClosureOutsideStep, [cb], steps=6)
+    assert not cb.summary()["captured"]
+
+
+class EMAHook(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.register_buffer("ema", torch.zeros(()))
+        self.register_buffer("ema_updates", torch.zeros(()))
+
+    def on_before_zero_grad(self, optimizer):
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(self.head.weight.sum(), alpha=0.1)
+            self.ema_updates.add_(1)
+
+
+def test_on_before_zero_grad_runs_once_per_step():
+    base, run, cb = captured_pair(EMAHook)
+    assert cb.summary()["captured"]
+    assert float(run[0].ema_updates) == 30
+    assert_same(base, run)
+
+
+class GradNormLogging(TinyMLP):
+    def on_before_optimizer_step(self, optimizer):
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+class GradNormCallback(Callback):
+    def on_after_backward(self, trainer, pl_module):
+        pl_module.log("head_grad_abs", pl_module.head.weight.grad.abs().sum())
+
+
+def test_gradient_hooks_are_captured_and_their_logs_follow_each_replay():
+    base, run, cb = captured_pair(GradNormLogging, callbacks=[GradNormCallback()])
+    assert cb.summary()["captured"] and cb.fallback_steps == 0
+    assert "grad_2.0_norm_total" in run[1].logged[-1] and "head_grad_abs" in run[1].logged[-1]
+    assert len({float(s["grad_2.0_norm_total"]) for s in run[1].logged[5:]}) > 5
+    assert len({float(s["head_grad_abs"]) for s in run[1].logged[5:]}) > 5
+    assert_same(base, run)
+
+
+def test_a_grad_norm_hook_with_gradient_clipping_is_refused_by_name():
+    plain = fit(GradNormLogging, fused=True, trainer_kwargs={"gradient_clip_val": 0.5})
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"`on_before_optimizer_step` builds tensors from host values.*clipping"
+    ):
+        run = fit(GradNormLogging, [cb], fused=True, trainer_kwargs={"gradient_clip_val": 0.5})
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+
+
+# --------------------------------------------------------------------------- 4. step-variant Python
+class TargetSync(TinyMLP):
+    """CleanRL-style DQN: a target network copied every 10 steps inside training_step."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.target = copy.deepcopy(self.head).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step % 10 == 0:
+            self.target.load_state_dict(self.head.state_dict())
+        h = self.net(x)
+        loss = (self.head(h).squeeze(-1) - self.target(h).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_steps_on_another_branch_of_the_step_counter_run_eagerly():
+    base, run, cb = captured_pair(TargetSync)
+    s = cb.summary()
+    assert s["captured"] and s["fallback_steps"] == 2  # steps 10 and 20 copy the target network eagerly
+    assert_same(base, run)
+
+
+class PeriodicPrint(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 7 == 0:
+            print(f"step {batch_idx} loss {loss.item():.4f}")
+        return loss
+
+
+def test_a_periodic_print_of_item_runs_on_its_steps_and_the_rest_replays(capsys):
+    base, run, cb = captured_pair(PeriodicPrint)
+    assert cb.summary()["captured"]
+    assert_same(base, run)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(printed) == 2 * 5  # the baseline's five prints, then the callback run's five
+
+
+class LocalStepCondition(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        every = self.helper_period()
+        if self.global_step % every == 0:
+            loss = loss * 1.0
+        return loss
+
+    def helper_period(self):
+        return 10
+
+
+def test_eager_steps_predicate_runs_those_steps_eagerly_and_an_opaque_branch_is_named():
+    cb = callback(eager_steps=lambda trainer, batch_idx: trainer.global_step % 10 == 0)
+    with pytest.warns(
+        UserWarning,
+        match=r"cannot evaluate.*test_callback_replay_cpu.py:\d+ \(`if self.global_step % every == 0:`\)",
+    ):
+        base = fit(baseline_of(LocalStepCondition))
+        run = fit(LocalStepCondition, [cb])
+    assert cb.summary()["captured"] and cb.fallback_steps == 3  # steps 0 (in the warm-up), 10 and 20
+    assert_same(base, run)
+
+
+class Annealed(TinyMLP):
+    """A KL-annealing style weight computed in Python from the step counter."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        beta = min(1.0, (self.global_step + 1) / 20)
+        loss = beta * (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_python_values_that_change_per_step_are_refused_naming_the_op_and_line():
+    plain = fit(Annealed, fused=True)
+    cb = callback()
+    with pytest.warns(
+        UserWarning,
+        match=r"two warm-up steps ran different work \(op \d+ was `mul.Tensor\(.*\)` at .*test_callback_replay_cpu.py:\d+",
+    ):
+        run = fit(Annealed, [cb], fused=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+
+
+class NoneAtThree(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 3 else loss
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_training_step_returning_none_at_the_capture_step_defers_the_capture(verify):
+    base = fit(baseline_of(NoneAtThree))
+    cb = callback(verify=verify)
+    run = fit(NoneAtThree, [cb])
+    assert cb.summary()["captured"] and cb.capture_step == 4
+    assert_same(base, run)
+
+
+class LogsScheduledLR(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        self.log("epoch_const", 3.0)
+        return loss
+
+
+class LogsLocalFloat(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("twice_step", float(self.global_step) * 2)  # read from the source: recomputed per replay
+        self.log("opaque", self.opaque_value())  # a call the callback does not evaluate
+        return loss
+
+    def opaque_value(self):
+        return float(self.global_step)
+
+
+def test_logged_python_numbers_are_recomputed_per_replay_or_named():
+    base, run, cb = captured_pair(LogsScheduledLR, scheduler="cosine")
+    assert cb.summary()["captured"]
+    assert_same(base, run)
+    assert len({s["lr"] for s in run[1].logged[5:]}) > 5
+    cb2 = callback()
+    with pytest.warns(
+        UserWarning, match=r"`self.log\('opaque', ...\)` in training_step logs a Python number"
+    ):
+        _, rec, _ = fit(LogsLocalFloat, [cb2], steps=8)
+    assert cb2.summary()["captured"]
+    assert [s["twice_step"] for s in rec.logged] == [float(2 * i) for i in range(8)]
+
+
+# --------------------------------------------------------------------------- 5. torchmetrics in training_step
+class MetricsInStep(TinyMLP):
+    """The hydra-template and torchmetrics-docs patterns: metrics updated and logged in training_step."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.classes = nn.Linear(32, 4)
+        self.train_loss = torchmetrics.MeanMetric()
+        self.train_max = torchmetrics.MaxMetric()
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net(x)
+        pred = self.head(h).squeeze(-1)
+        logits = self.classes(h)
+        target = (y.abs() * 2).long().clamp(max=3)
+        loss = (pred - y).square().mean() + nn.functional.cross_entropy(logits, target)
+        self.train_loss(loss)
+        self.train_max.update(pred.max())
+        self.train_acc(logits, target)
+        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True)
+        self.log("train/acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log("train/max", self.train_max, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_tensor_state_metrics_update_inside_the_graph_and_log_like_eager():
+    base, run, cb = captured_pair(MetricsInStep, steps=-1, n=96, trainer_kwargs={"max_epochs": 3})
+    assert cb.summary()["captured"] and cb.fallback_steps == 0
+    assert_same(base, run)
+    for key in ("train/loss", "train/acc_epoch", "train/max", "train/acc_step"):
+        assert torch.equal(base[2].callback_metrics[key], run[2].callback_metrics[key]), key
+
+
+class CatInStep(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.preds = torchmetrics.CatMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.preds.update(loss.detach())
+        return loss
+
+
+def test_list_state_metrics_are_refused_by_name_and_train_like_plain():
+    plain = fit(CatInStep)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"`preds` \(CatMetric\) keeps a list state"):
+        run = fit(CatInStep, [cb])
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+
+
+# --------------------------------------------------------------------------- 7. host syncs
+def test_a_host_sync_every_step_is_refused_at_the_first_step_naming_the_line():
+    plain = fit(TinyMLP, sync_in_step=True)
+    cb = callback()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = fit(TinyMLP, [cb], sync_in_step=True)
+    messages = [str(w.message) for w in caught if "L2GraphCallback" in str(w.message)]
+    assert any("lightning_models.py:" in m and "`.item()`" in m and "eager_steps" in m for m in messages), (
+        messages
+    )
+    assert emu.FakeGraph.instances == 0
+    assert_same(plain, run)  # refused before the first update: the plain fit, bit for bit
+
+
+# --------------------------------------------------------------------------- 8./9. bookkeeping and outputs
+class DictOutputs(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(self.net(x)).squeeze(-1)
+        loss = (pred - y).square().mean()
+        return {"loss": loss, "preds": pred.detach()}
+
+
+def test_extra_outputs_are_fresh_tensors_each_step():
+    base, run, cb = captured_pair(DictOutputs, steps=12)
+    preds_b = [o["preds"] for o in base[1].outputs]
+    preds_r = [o["preds"] for o in run[1].outputs]
+    assert all(torch.equal(a, b) for a, b in zip(preds_b, preds_r))
+    assert len({p.data_ptr() for p in preds_r}) == len(preds_r)
+
+
+def test_partial_batch_at_the_capture_step_defers_the_capture():
+    base = fit(baseline_of(TinyMLP), steps=-1, n=28, trainer_kwargs={"max_epochs": 4})  # batches 8, 8, 8, 4
+    cb = callback()
+    run = fit(TinyMLP, [cb], steps=-1, n=28, trainer_kwargs={"max_epochs": 4})
+    assert cb.summary()["captured"] and cb.fallback_steps == 3  # only the three later partial batches
+    assert_same(base, run)
+
+
+def test_timing_is_a_bounded_window_and_teardown_drops_references():
+    cb = callback()
+    model, _, trainer = fit(TinyMLP, [cb], steps=TIMING_WINDOW + 40)
+    assert len(cb._timing.graph) == TIMING_WINDOW
+    assert cb._module is None and cb._graph is None and cb._optimizer is None and cb._trainer is None
+    assert not {"training_step", "log"} & set(vars(model))
+    assert "step" not in vars(trainer.optimizers[0])
+
+
+class StepSchedule(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(scheduler="step", **kw)
+
+
+def test_checkpoints_hold_exact_float_lrs_and_resume_equals_an_uninterrupted_run(tmp_path):
+    def run(with_cb, ckpt_path=None, save_dir=None, steps=30):
+        seed_everything(0)
+        model = (StepSchedule if with_cb else baseline_of(StepSchedule))(width=32, depth=3)
+        cbs = [callback()] if with_cb else []
+        if save_dir is not None:
+            cbs.append(
+                ModelCheckpoint(dirpath=save_dir, every_n_train_steps=10, save_top_k=-1, filename="{step}")
+            )
+        t = quiet_trainer(
+            accelerator="cpu", max_steps=steps, callbacks=cbs, enable_checkpointing=save_dir is not None
+        )
+        t.fit(model, regression_loader(n=80, width=32), ckpt_path=ckpt_path)
+        return model, t
+
+    full, trainer = run(True, save_dir=tmp_path / "cb")
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert all(type(v) is float for v in scheduler._last_lr)
+    ck = torch.load(tmp_path / "cb" / "step=20.ckpt", weights_only=False)
+    group = ck["optimizer_states"][0]["param_groups"][0]
+    assert group["lr"] == 0.01 * 0.5**4 and type(group["lr"]) is float and group["capturable"] is False
+    assert all(type(v) is float for v in ck["lr_schedulers"][0]["_last_lr"])
+    resumed, _ = run(True, ckpt_path=str(tmp_path / "cb" / "step=20.ckpt"))
+    assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
+
+
+class BatchNormAndMetric(MetricsInStep):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.GELU())
+
+
+def test_finding_the_prefetch_chain_leaves_no_trace(monkeypatch):
+    """The prefetch set-up runs training_step on the static batch (and the tuner times layer copies):
+    BatchNorm statistics, metric states and the RNG must come out as they went in."""
+    from l2lightning import callback as callback_module
+
+    def dry_run_hooks(self, pl_module):
+        self._originals["log"], saved_log = (lambda *a, **k: None), self._originals["log"]
+        try:
+            self._originals["training_step"](self._static_for_prefetch.batch, 0)
+            torch.rand(3)  # the tuner draws random inputs
+        finally:
+            self._originals["log"] = saved_log
+        return None
+
+    monkeypatch.setattr(callback_module.L2GraphCallback, "_prefetch_hooks", dry_run_hooks)
+    base = fit(baseline_of(BatchNormAndMetric), steps=-1, n=96, trainer_kwargs={"max_epochs": 2})
+    cb = L2GraphCallback(prefetch="default", log_timing=False)
+    run = fit(BatchNormAndMetric, [cb], steps=-1, n=96, trainer_kwargs={"max_epochs": 2})
+    assert cb.summary()["captured"]
+    assert_same(base, run)
