@@ -39,6 +39,7 @@ RNG (the CUDA generator included) and process as a plain fit would have them.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import statistics
 from collections import deque
@@ -975,7 +976,12 @@ class L2GraphCallback(Callback):
             mode = self._mode
             if name in self._eager_hooks:
                 # a read-only hook that syncs with the host: kept out of the graph, run after each replay
-                return None if mode == "capture" else original(*args, **kwargs)
+                if mode == "capture":
+                    return None
+                if mode == "trace" and self._tracer is not None:
+                    with self._tracer.paused():
+                        return original(*args, **kwargs)
+                return original(*args, **kwargs)
             if mode == "replay":
                 self._reissue(name)
                 return None
@@ -1315,7 +1321,9 @@ def _leaves_no_trace(module: LightningModule, optimizer: Any) -> Any:
     tensors = [value for _, _, value in attributes if isinstance(value, torch.Tensor)]
     saved = TrainingState.save(module, optimizer, tensors)
     try:
-        yield
+        # a print in training_step (a periodic `print(loss.item())`) must not print for a step that is not one
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
     finally:
         for m, attr, value in attributes:
             setattr(m, attr, value)
