@@ -459,6 +459,7 @@ class L2GraphCallback(Callback):
             self._hooks = None
         self._release_optimizer()
         self._graph = None
+        self._capture_graph = None
         self._groups = {}
         self._tracer = None
         self._pending = None

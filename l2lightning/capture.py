@@ -278,7 +278,11 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: Any = N
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        # thread_local: only this thread's unsafe CUDA calls end the capture. In the default "global"
+        # mode any thread's does (the autograd engine's device thread freeing an unrelated graph, a
+        # pin-memory thread), which aborted captures now and then on the H200 with "operation
+        # failed due to a previous error during capture".
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             yield
     finally:
         if collecting:

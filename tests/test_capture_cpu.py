@@ -176,7 +176,8 @@ def test_graph_capture_clears_cublas_workspaces_around_the_capture(monkeypatch):
     events = []
 
     @contextlib.contextmanager
-    def fake_graph(graph, pool=None, stream=None):
+    def fake_graph(graph, pool=None, stream=None, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local"
         events.append("enter")
         yield
         events.append("exit")
