@@ -1,4 +1,5 @@
-"""CPU tests of conf/: every config composes and instantiates, experiments are deltas, targets are public."""
+"""CPU tests of conf/: every config composes and instantiates, experiments and l2/trainer options are
+deltas, callbacks and loggers are groups of `_target_` entries, targets are public."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from omegaconf import OmegaConf
 from l2lightning import _env
 from l2lightning._resources import config_dir
 from l2lightning.models import FAMILIES
-from l2lightning.train import build_callback, cpu_fallback
+from l2lightning.train import (
+    ConfigError,
+    build_callback,
+    build_callbacks,
+    build_loggers,
+    cpu_fallback,
+    group_option,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You are trying to .self.log"),
@@ -42,9 +50,16 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def compose_train(overrides: list[str] = (), hydra: bool = False):
+def compose_train(overrides: list[str] = (), hydra: bool = False, output_dir: Path | None = None):
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides), return_hydra_config=hydra)
+        cfg = compose("train", overrides=list(overrides), return_hydra_config=hydra)
+    if output_dir is not None:  # what train.run does: paths.output_dir is the run directory
+        cfg.paths.output_dir = str(output_dir)
+    return cfg
+
+
+def has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 def callback_class():
@@ -58,8 +73,18 @@ def callback_class():
 def test_config_dir_is_the_checkout_conf():
     assert (CONF / "train.yaml").is_file()
     assert CONF == Path(__file__).resolve().parent.parent / "conf"
-    assert options("trainer") == ["cpu", "gpu"]
-    assert options("l2") == ["autotune", "off", "prefetch", "verify"]
+    assert options("trainer") == ["cpu", "default", "gpu"]
+    # `none` (no callback) is not `prefetch: "off"` (l2=graph): no option name collides with a prefetch mode
+    assert options("l2") == ["autotune", "default", "graph", "none", "prefetch", "verify"]
+    assert options("callbacks") == [
+        "default",
+        "l2",
+        "lr_monitor",
+        "model_checkpoint",
+        "rich_progress_bar",
+        "tqdm_progress_bar",
+    ]
+    assert options("logger") == ["csv", "tensorboard"]
     assert set(options("model")) == set(FAMILIES)
     assert set(options("experiment")) == set(EXPERIMENTS)
 
@@ -67,16 +92,32 @@ def test_config_dir_is_the_checkout_conf():
 def test_default_config():
     cfg = compose_train(hydra=True)
     choices = cfg.hydra.runtime.choices
-    assert (choices.model, choices.data, choices.trainer, choices.l2) == (
+    assert (choices.model, choices.data, choices.trainer, choices.l2, choices.callbacks, choices.logger) == (
         "mlp_stack",
         "mlp_stack",
         "gpu",
         "prefetch",
+        "default",
+        "csv",
     )
     assert choices.experiment is None
     assert cfg.l2._target_ == "l2lightning.L2GraphCallback"
     assert cfg.trainer.accelerator == "gpu"
+    assert cfg.ckpt_path is None
     assert [c._target_ for c in cfg.hydra.callbacks.values()] == ["l2lightning.train.SweepSummary"]
+    assert cfg.hydra.job.name == "train"  # the log file is train.log
+    assert cfg.hydra.help.app_name == "l2lightning-train"
+    assert "L2GraphCallback" in cfg.hydra.help.header and "$APP_CONFIG_GROUPS" in cfg.hydra.help.template
+    # the L2 callback is one entry of the callbacks group: the `l2` node
+    assert list(cfg.callbacks) == ["model_checkpoint", "lr_monitor", "progress_bar", "l2"]
+    assert OmegaConf.to_container(cfg.callbacks, resolve=False)["l2"] == "${l2}"
+    assert cfg.callbacks.l2 == cfg.l2
+
+
+def test_top_level_keys_are_the_accepted_ones():
+    from l2lightning.train import TOP_LEVEL_KEYS
+
+    assert set(compose_train()) == set(TOP_LEVEL_KEYS)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -124,18 +165,32 @@ def test_mlp_data_options(name):
         assert y.dtype == torch.int64 and int(y.max()) < 10
 
 
-def test_trainer_cpu_instantiates():
+# ids other than "gpu": conftest skips items with a `gpu` keyword on machines without CUDA
+@pytest.mark.parametrize("name", ["cpu", "gpu"], ids=["trainer=cpu", "trainer=gpu"])
+def test_trainer_options_are_deltas_over_default(name):
+    text = (CONF / "trainer" / f"{name}.yaml").read_text()
+    delta = yaml.safe_load(text)
+    assert delta["defaults"] == ["default", "_self_"] and "_target_" not in delta
+    base = yaml.safe_load((CONF / "trainer" / "default.yaml").read_text())
+    assert set(delta) - {"defaults"} <= set(base)  # a delta sets keys of the base, no new ones
+    cfg = compose_train([f"trainer={name}"])
+    assert OmegaConf.to_container(cfg.trainer) == OmegaConf.to_container(group_option("trainer", name))
+
+
+def test_trainer_cpu_instantiates(tmp_path):
     cfg = compose_train(["trainer=cpu"])
-    trainer = instantiate(cfg.trainer, logger=False)
+    trainer = instantiate(cfg.trainer, logger=False, default_root_dir=str(tmp_path))
     assert isinstance(trainer, pl.Trainer)
     assert trainer.max_steps == cfg.trainer.max_steps == 20
     assert trainer.strategy.root_device.type == "cpu"
-    assert not trainer.checkpoint_callbacks
+    assert not trainer.checkpoint_callbacks  # off on the CPU; trainer.enable_checkpointing=true turns it on
+    assert trainer.progress_bar_callback is not None  # feedback on long CPU runs too
 
 
 def test_trainer_gpu_instantiates(monkeypatch, tmp_path):
     cfg = compose_train(["trainer=gpu", "trainer.max_steps=7"])
     assert (cfg.trainer.accelerator, cfg.trainer.precision) == ("gpu", "32-true")
+    assert cfg.trainer.enable_checkpointing is True and cfg.trainer.enable_progress_bar is True
     if _env.cuda_unavailable_reason():
         # what train.py does without CUDA: cpu.yaml's settings, the command line's max_steps kept
         message = cpu_fallback(cfg, ["trainer.max_steps=7"])
@@ -145,15 +200,21 @@ def test_trainer_gpu_instantiates(monkeypatch, tmp_path):
     assert trainer.max_steps == 7
 
 
-def test_l2_off_gives_no_callback():
-    cfg = compose_train(["l2=off"])
-    assert cfg.l2 is None
+def test_l2_none_gives_no_callback():
+    cfg = compose_train(["l2=none"])
+    assert cfg.l2 is None and cfg.callbacks.l2 is None
     assert build_callback(cfg) is None
 
 
 @pytest.mark.parametrize(
     ("option", "prefetch", "verify"),
-    [("prefetch", "default", False), ("autotune", "auto", False), ("verify", "default", True)],
+    [
+        ("default", "auto", False),
+        ("graph", "off", False),
+        ("prefetch", "default", False),
+        ("autotune", "auto", False),
+        ("verify", "default", True),
+    ],
 )
 def test_l2_configs_instantiate_the_callback(option, prefetch, verify):
     cls = callback_class()
@@ -165,18 +226,86 @@ def test_l2_configs_instantiate_the_callback(option, prefetch, verify):
         assert cfg.trainer.deterministic is True  # cuDNN / SDPA atomics would break the bitwise check
 
 
-@pytest.mark.parametrize("option", ["prefetch", "autotune", "verify"])
-def test_every_callback_argument_is_set_and_commented(option):
+def test_l2_default_is_the_callbacks_own_defaults_every_argument_commented():
     cls = callback_class()
-    arguments = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    lines = (CONF / "l2" / f"{option}.yaml").read_text().splitlines()
+    parameters = {p: v for p, v in inspect.signature(cls.__init__).parameters.items() if p != "self"}
+    lines = (CONF / "l2" / "default.yaml").read_text().splitlines()
     node = yaml.safe_load("\n".join(lines))["l2"]
-    assert sorted(k for k in node if k != "_target_") == sorted(arguments)
-    for argument in arguments:
+    assert node["_target_"] == "l2lightning.L2GraphCallback"
+    # every key is an argument with the value L2GraphCallback() uses; every argument with a
+    # YAML-expressible default (not a None callable) is there, with a comment above it
+    assert set(node) - {"_target_"} <= set(parameters)
+    for argument, parameter in parameters.items():
+        if parameter.default is None and argument not in node:
+            continue
+        assert node[argument] == parameter.default, argument
         index = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{argument}:"))
         assert lines[index - 1].strip().startswith("#"), (
-            f"l2/{option}.yaml: `{argument}` has no comment above it"
+            f"l2/default.yaml: `{argument}` has no comment above it"
         )
+
+
+@pytest.mark.parametrize("option", ["graph", "prefetch", "autotune", "verify"])
+def test_l2_options_are_deltas_over_default(option):
+    cls = callback_class()
+    arguments = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    text = (CONF / "l2" / f"{option}.yaml").read_text()
+    assert text.startswith("# @package _global_\n")
+    delta = yaml.safe_load(text)
+    assert delta["defaults"] == ["default", "_self_"]
+    assert "_target_" not in delta["l2"] and set(delta["l2"]) <= arguments
+    assert set(delta) <= {"defaults", "l2", "trainer"}
+
+
+def test_bare_off_in_yaml_is_refused_with_advice():
+    cfg = compose_train(["l2.prefetch=false"])
+    with pytest.raises(ConfigError, match='write prefetch: "off"'):
+        build_callback(cfg)
+
+
+def test_default_callbacks_instantiate(tmp_path):
+    cfg = compose_train(["trainer=gpu"], output_dir=tmp_path)
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+
+    callbacks = build_callbacks(cfg, cfg.trainer, None, has_logger=True)
+    assert [type(c) for c in callbacks] == [ModelCheckpoint, LearningRateMonitor, TQDMProgressBar]
+    assert callbacks[0].dirpath == str(tmp_path / "checkpoints") and callbacks[0].save_last is True
+    # the entries that Lightning would refuse follow the trainer switches and the logger
+    cfg = compose_train(
+        ["trainer=cpu", "trainer.enable_progress_bar=false", "trainer.enable_checkpointing=false"],
+        output_dir=tmp_path,
+    )
+    assert build_callbacks(cfg, cfg.trainer, None, has_logger=False) == []
+
+
+@pytest.mark.parametrize("name", ["model_checkpoint", "lr_monitor", "tqdm_progress_bar", "rich_progress_bar"])
+def test_every_callback_option_instantiates(name, tmp_path):
+    cfg = compose_train([f"callbacks={name}"], output_dir=tmp_path)
+    (entry,) = cfg.callbacks.values()
+    if name == "rich_progress_bar" and not has_module("rich"):
+        # a missing optional package: one line of advice, no traceback
+        with pytest.raises(ConfigError, match=r"^callbacks.progress_bar: .*pip install -U rich"):
+            build_callbacks(cfg, cfg.trainer, None, has_logger=True)
+        return
+    (callback,) = build_callbacks(cfg, cfg.trainer, None, has_logger=True)
+    assert type(callback).__name__ == entry._target_.rsplit(".", 1)[-1]
+
+
+@pytest.mark.parametrize("name", ["csv", "tensorboard"])
+def test_every_logger_option_instantiates(name, tmp_path):
+    cfg = compose_train([f"logger={name}"], output_dir=tmp_path)
+    if name == "tensorboard" and not (has_module("tensorboard") or has_module("tensorboardX")):
+        with pytest.raises(ConfigError, match=r"^logger.tensorboard: .*pip install"):
+            build_loggers(cfg)
+        return
+    (logger,) = build_loggers(cfg)
+    assert Path(logger.log_dir) == tmp_path / name
+
+
+def test_several_loggers_and_none():
+    cfg = compose_train(["logger=[csv,tensorboard]"])
+    assert list(cfg.logger) == ["csv", "tensorboard"]
+    assert "logger" not in compose_train(["~logger"])
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -184,7 +313,7 @@ def test_experiment_is_a_delta_that_composes(name):
     text = (CONF / "experiment" / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n")
     delta = yaml.safe_load(text)
-    assert set(delta) <= {"defaults", "model", "data", "trainer", "l2"}
+    assert set(delta) <= {"defaults", "model", "data", "trainer", "l2", "callbacks", "logger"}
     overrides = {next(iter(d)).split()[-1]: next(iter(d.values())) for d in delta["defaults"]}
     assert "/model" in overrides
     cfg = compose_train([f"experiment={name}"], hydra=True)
