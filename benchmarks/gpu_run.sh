@@ -11,6 +11,8 @@
 #                 batches 4, 8, 16, 64, every variant and chain
 #   harness-sweep the three MLP stacks x batches 4, 8, 16, 64, whole training step only,
 #                 without the torch.compile and decoy variants, 4 repeats of 10 steps
+#   idioms[=NAME,...]  the LightningModule idioms (tests/idiom_modules.py): plain vs the callback per
+#                 module, each in its own process, -> idioms.csv / idioms.json
 #   harness-families[=FAMILY,...[@REPEATS]]  model families (default all) x batches 4, 8, 16, 64:
 #                 Lightning eager vs the callback without and with autotuned prefetch, 10 steps per
 #                 repeat (default 3 repeats)
@@ -28,9 +30,13 @@ for stage in "$@"; do
     verify_first)
       timeout 90 "${PYTEST[@]}" tests/gpu/test_callback_gpu.py -k "verify_passes" > "$OUT/pytest_verify_first.log" 2>&1
       echo "rc=$?"; tail -1 "$OUT/pytest_verify_first.log" ;;
+    idioms*)
+      only=""; [[ "$stage" == *=* ]] && only="--only ${stage#*=}"
+      timeout 420 python3 benchmarks/bench_idioms.py --out "$OUT" $only > "$OUT/idioms.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/idioms.log" | tail -22 ;;
     tests*)
       paths=tests/gpu; [[ "$stage" == *=* ]] && paths=${stage#*=}
-      timeout 300 "${PYTEST[@]}" ${paths//,/ } > "$OUT/pytest_gpu.log" 2>&1
+      timeout 540 "${PYTEST[@]}" ${paths//,/ } > "$OUT/pytest_gpu.log" 2>&1
       echo "rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_gpu.log" | grep -v DEBUG | tail -15 ;;
     autotune)
       timeout 200 python3 benchmarks/bench_autotune.py --out "$OUT/autotune" > /tmp/autotune.log 2>&1

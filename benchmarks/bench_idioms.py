@@ -1,0 +1,224 @@
+"""Per-step ``Trainer.fit`` time, plain Lightning vs L2GraphCallback, on modules written the way users
+write them (issue 12), with the bitwise verdict for each.
+
+What it measures: for each idiom module of ``tests/idiom_modules.py`` (16 public idioms: Lightning's
+docs and demos, lightning-hydra-template, torchmetrics' docs, CleanRL, timm, DLRM, pytorch/examples),
+``tests/idiom_harness.judge`` fits it ``--steps`` batches three times in one process: plain, with
+its optimizers passed through ``make_capturable`` (the baseline), and with
+``L2GraphCallback()`` at its defaults; then a plain fit again. Every fit is seeded
+(``seed_everything(0)``) and ``deterministic=True``, without logger, checkpointing, progress bar or
+model summary. ``captured`` and ``reason`` come from ``L2GraphCallback.summary()`` (or the text of
+an error the callback raised by name at setup, after which the run is a plain fit); ``equal`` is
+True when losses, logged ``callback_metrics`` (each step's start and end), final ``state_dict`` and
+printed text are bitwise equal to the baseline (if captured) or to plain Lightning (if not), and the
+plain fit after the callback's fit equals the first one.
+
+How the time is taken: wall time (``time.perf_counter``) from the ``on_train_batch_start`` of step
+10 (after warm-up and capture) to the ``on_train_batch_end`` of the last step, with a
+``torch.cuda.synchronize()`` before reading the end (and one at fit start), divided by the number
+of steps in between: what a user waits for per step, host work included. One fit per variant: the
+numbers are single samples, not medians.
+
+Each idiom runs in its own subprocess (``--one NAME`` prints one JSON line), so a crash or a
+poisoned CUDA context stays in its row (``captured=False, equal=False``, the error in ``reason``).
+Writes ``OUT/idioms.csv`` (``module,captured,reason,equal,plain_ms,callback_ms``) and
+``OUT/idioms.json`` (the same rows, the machine, the command line, and per-idiom details).
+
+Run from the repository root with the package on PYTHONPATH (not necessarily installed):
+
+    python3 benchmarks/bench_idioms.py --out benchmarks/results/h200/idioms_run
+    python3 benchmarks/bench_idioms.py --out /tmp/x --only autoencoder,manual_gan --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = ["module", "captured", "reason", "equal", "plain_ms", "callback_ms"]
+MARKER = "IDIOM_RESULT "
+
+
+def _default_accelerator() -> str:
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def _one(name: str, steps: int, accelerator: str) -> int:
+    """Judge one idiom in this process and print one JSON line (after everything the fits printed)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from tests.idiom_harness import judge
+
+    result = judge(name, steps=steps, accelerator=accelerator)
+    result["extra"]["device"] = (
+        torch.cuda.get_device_name(0)
+        if accelerator == "gpu" and torch.cuda.is_available()
+        else platform.processor()
+    )
+    sys.stdout.flush()
+    print(MARKER + json.dumps(result, default=str), flush=True)
+    return 0
+
+
+def _failed_row(name: str, why: str) -> dict[str, Any]:
+    return {
+        "module": name,
+        "captured": False,
+        "reason": why,
+        "equal": False,
+        "plain_ms": None,
+        "callback_ms": None,
+        "detail": why,
+        "extra": {},
+    }
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:500] if lines else ""
+
+
+def _run_child(name: str, steps: int, accelerator: str, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--steps", str(steps)]
+    cmd += ["--accelerator", accelerator]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return _failed_row(name, f"subprocess timed out after {timeout:.0f} s")
+    except OSError as exc:
+        return _failed_row(name, f"subprocess did not start: {exc}")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(MARKER):
+            try:
+                return json.loads(line[len(MARKER) :])
+            except json.JSONDecodeError as exc:
+                return _failed_row(name, f"unreadable result line: {exc}")
+    cause = _last_line(proc.stderr) or _last_line(proc.stdout) or "no output"
+    return _failed_row(name, f"subprocess failed (rc={proc.returncode}): {cause}")
+
+
+def _fmt_ms(value: Any) -> str:
+    return "" if value is None else f"{float(value):.3f}"
+
+
+def _machine(rows: list[dict[str, Any]], accelerator: str) -> dict[str, Any]:
+    import lightning
+    import torch
+
+    device = next((r["extra"].get("device") for r in rows if r.get("extra", {}).get("device")), None)
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "device": device or platform.processor() or platform.machine(),
+        "accelerator": accelerator,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": commit or None,
+    }
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'module':32s} {'captured':8s} {'equal':5s} {'plain_ms':>9s} {'cb_ms':>9s} {'speedup':>7s}  reason"
+    )
+    for r in rows:
+        speedup = ""
+        if r.get("plain_ms") and r.get("callback_ms"):
+            speedup = f"{r['plain_ms'] / r['callback_ms']:.2f}x"
+        print(
+            f"{r['module']:32s} {str(r['captured']):8s} {str(r['equal']):5s} {_fmt_ms(r['plain_ms']):>9s} "
+            f"{_fmt_ms(r['callback_ms']):>9s} {speedup:>7s}  {(r['reason'] or '')[:80]}"
+        )
+    captured = sum(bool(r["captured"]) for r in rows)
+    equal = sum(bool(r["equal"]) for r in rows)
+    print(f"{len(rows)} idioms: {captured} captured, {equal} equal to their reference")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="directory for idioms.csv and idioms.json")
+    parser.add_argument("--only", default="", help="comma-separated idiom names (default: all 16)")
+    parser.add_argument("--steps", type=int, default=60, help="batches per fit (default 60)")
+    parser.add_argument(
+        "--accelerator", choices=("gpu", "cpu"), default=None, help="default: gpu if CUDA is available"
+    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per idiom subprocess")
+    parser.add_argument("--one", metavar="NAME", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    accelerator = args.accelerator or _default_accelerator()
+    if args.one:
+        return _one(args.one, args.steps, accelerator)
+    if args.out is None:
+        parser.error("--out is required")
+
+    sys.path.insert(0, str(ROOT))
+    from tests.idiom_modules import IDIOMS
+
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(IDIOMS)
+    unknown = [n for n in names if n not in IDIOMS]
+    if unknown:
+        parser.error(f"unknown idioms {unknown}; known: {list(IDIOMS)}")
+
+    rows = []
+    started = time.perf_counter()
+    for name in names:
+        t0 = time.perf_counter()
+        row = _run_child(name, args.steps, accelerator, args.timeout)
+        rows.append(row)
+        verdict = "captured" if row["captured"] else "not captured"
+        print(
+            f"[{time.perf_counter() - t0:6.1f} s] {name}: {verdict}, equal={row['equal']}"
+            + (f" ({row['detail']})" if row.get("detail") else ""),
+            flush=True,
+        )
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "idioms.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        for r in rows:
+            writer.writerow(
+                [
+                    r["module"],
+                    r["captured"],
+                    r["reason"] or "",
+                    r["equal"],
+                    _fmt_ms(r["plain_ms"]),
+                    _fmt_ms(r["callback_ms"]),
+                ]
+            )
+    payload = {
+        "rows": [{k: r[k] for k in COLUMNS} for r in rows],
+        "machine": _machine(rows, accelerator),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "steps": args.steps,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "details": {r["module"]: {"detail": r.get("detail"), **r.get("extra", {})} for r in rows},
+    }
+    (args.out / "idioms.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    _print_table(rows)
+    print(f"wrote {args.out / 'idioms.csv'} and {args.out / 'idioms.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""GPU: L2GraphCallback on modules written the way users write them (issue 12).
+
+Each idiom of ``tests/idiom_modules.py`` is fit for 60 steps plain, with the ``make_capturable``
+baseline, and with the callback (``tests/idiom_harness.judge``). Every idiom must end bitwise equal
+to its reference: the baseline when the callback captured, plain Lightning when it refused (and a
+plain fit after the callback's fit must still equal the first one). Idioms expected to capture must
+capture; a run that does not capture must name its reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.idiom_harness import judge
+from tests.idiom_modules import IDIOMS
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", list(IDIOMS))
+def test_idiom_captured_and_equal_or_refused_by_name_and_equal(name):
+    idiom = IDIOMS[name]
+    result = judge(name, steps=60, accelerator="gpu")
+    context = f"{name} (expect {idiom.expect}: {idiom.why}); reason: {result['reason']!r}"
+    assert result["equal"] is True, f"{context}; {result['detail']}"
+    if idiom.expect == "capture":
+        assert result["captured"] is True, f"not captured: {context}"
+    else:
+        assert result["captured"] or result["reason"], f"neither captured nor refused by name: {context}"

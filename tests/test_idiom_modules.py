@@ -1,0 +1,113 @@
+"""CPU: the idiom modules of issue 12 (tests/idiom_modules.py) and the harness that judges them.
+
+The GPU verdicts are in tests/gpu/test_idioms_gpu.py; here every module fits a few steps with a
+plain Trainer, and the harness's comparison and refusal handling are checked on the CPU (where the
+callback trains eagerly and must equal plain Lightning).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+
+from tests.idiom_harness import compare, judge, run_idiom
+from tests.idiom_modules import IDIOMS
+
+EXPECTED = [
+    "autoencoder",
+    "preds_metrics_on_batch_end",
+    "dqn_target_sync",
+    "docs_lr_warmup",
+    "sgd_onecycle_clip",
+    "print_item_every_50",
+    "hydra_template_mnist",
+    "torchmetrics_docs_forward",
+    "cpu_causal_mask_transformer",
+    "dlrm_cpu_indices",
+    "grad_norm_logging",
+    "vae_randn",
+    "grad_checkpointing",
+    "ema_on_batch_end",
+    "bf16_true_lambdalr",
+    "manual_gan",
+]
+
+
+def test_registry_has_the_sixteen_idioms():
+    assert list(IDIOMS) == EXPECTED
+    for name, idiom in IDIOMS.items():
+        assert idiom.name == name
+        assert idiom.expect in ("capture", "refuse")
+        assert idiom.why
+        assert idiom.callback_kwargs == {}
+        assert idiom.trainer_kwargs["max_steps"] == 60 * idiom.optimizer_steps_per_batch
+    assert sum(idiom.expect == "capture" for idiom in IDIOMS.values()) == 14
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_idiom_fits_three_steps_on_cpu(name, one_torch_thread):
+    idiom = IDIOMS[name]
+    module = idiom.make_module()
+    assert isinstance(module, LightningModule)
+    assert type(module).__doc__, f"{type(module).__name__} needs a docstring naming its idiom"
+    assert idiom.make_loader().dataset[0][0].device.type == "cpu"
+
+    run = run_idiom(name, "plain", steps=3, accelerator="cpu")
+
+    assert run.steps == 3
+    if module.automatic_optimization:
+        assert all(loss is not None and torch.isfinite(loss).all() for loss in run.losses)
+    else:
+        assert run.losses == [None, None, None]
+        assert {"g_loss", "d_loss"} <= set(run.metrics[-1][1])
+    assert run.params and all(torch.isfinite(p).all() for p in run.params.values() if p.is_floating_point())
+    if name == "print_item_every_50":
+        assert run.stdout.startswith("step 0 loss ")
+
+
+def test_fresh_modules_and_loaders():
+    idiom = IDIOMS["hydra_template_mnist"]
+    a, b = idiom.make_module(), idiom.make_module()
+    assert a.net is not b.net
+    x1, y1 = next(iter(idiom.make_loader()))
+    x2, y2 = next(iter(idiom.make_loader()))
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert len(IDIOMS["print_item_every_50"].make_loader()) == 25
+
+
+def test_compare_is_bitwise_and_nan_aware(one_torch_thread):
+    a = run_idiom("autoencoder", "plain", steps=4, accelerator="cpu")
+    b = run_idiom("autoencoder", "plain", steps=4, accelerator="cpu")
+    assert compare(a, b) is None  # a plain fit is deterministic
+
+    nan_a = run_idiom("autoencoder", "plain", steps=4, accelerator="cpu")
+    nan_b = run_idiom("autoencoder", "plain", steps=4, accelerator="cpu")
+    nan_a.losses[1] = torch.tensor(float("nan"))
+    nan_b.losses[1] = torch.tensor(float("nan"))
+    assert compare(nan_a, nan_b) is None
+    assert "loss at step 1" in compare(a, nan_b)
+
+    b.params["encoder.0.weight"].view(-1)[0] += 1e-6
+    assert "encoder.0.weight" in compare(a, b)
+    c = run_idiom("autoencoder", "plain", steps=4, accelerator="cpu")
+    c.metrics[3][1]["train_loss"] = c.metrics[3][1]["train_loss"].nextafter(torch.tensor(1.0))
+    assert "train_loss" in compare(a, c)
+    c = run_idiom("autoencoder", "plain", steps=5, accelerator="cpu")
+    assert "steps" in compare(a, c)
+
+
+def test_judge_on_cpu_callback_trains_eagerly_and_equals_plain(one_torch_thread):
+    result = judge("autoencoder", steps=4, accelerator="cpu")
+    assert set(result) >= {"module", "captured", "reason", "equal", "plain_ms", "callback_ms"}
+    assert result["captured"] is False
+    assert "CUDA" in result["reason"]
+    assert result["equal"] is True, result["detail"]
+
+
+def test_judge_manual_gan_is_refused_by_name_then_plain(one_torch_thread):
+    result = judge("manual_gan", steps=3, accelerator="cpu")
+    assert result["captured"] is False
+    assert "automatic_optimization = False" in result["reason"]
+    assert result["extra"]["refused_at_setup"] is True
+    assert result["equal"] is True, result["detail"]
