@@ -9,9 +9,11 @@ measurement `choose_attention` makes at capture time.
 Part 2, decode steps: SmolLM2-135M and Qwen2.5-0.5B at full depth with random bf16 weights, batch 1,
 at 6 cached-token contexts each (12 combinations): `DecodeSession` (auto attention, compiled
 elementwise ops, L2 prefetch plans from the autotuner unless --prefetch default), the same without prefetch, and `TorchDecodeSession`
-(compiled elementwise ops, SDPA, whole step in one CUDA graph). Before timing: our logits vs the
-baseline's (bf16 tolerance) and prefetch vs no prefetch (bitwise). Each sample is 8 graph replays;
-variants interleave, rotating who goes first.
+(compiled elementwise ops, SDPA, whole step in one CUDA graph), and, where ``import flashinfer``
+works, DecodeSession with FlashInfer's decode attention ("flashinfer"; no prefetch). Before timing:
+our logits vs the baseline's (bf16 tolerance) and prefetch vs no prefetch (bitwise). Each sample is
+8 graph replays; variants interleave, rotating who goes first. (FlashInfer does not travel to the
+lent H200: benchmarks/README.md says why; its columns stay empty there.)
 
 The floor: bytes a step must read (every weight once, the KV cache of context + 1 positions) over
 the measured device-to-device copy bandwidth (bytes read + written); each step is reported as a
@@ -199,6 +201,8 @@ def bench_steps(
             "ours": DecodeSession(model, 1, max_len, attention="auto", prefetch=prefetch),
             "ours_no_prefetch": DecodeSession(model, 1, max_len, attention="auto", prefetch=None),
         }
+        if flashinfer_unavailable_reason() is None:
+            variants["flashinfer"] = DecodeSession(model, 1, max_len, attention="flashinfer", prefetch=None)
         for session in variants.values():  # identical cache contents everywhere, so outputs compare
             gen = torch.Generator(device="cuda").manual_seed(7)
             session.state.k_cache.copy_(
@@ -259,7 +263,8 @@ def bench_steps(
                     }
                 )
             line = "  ".join(
-                f"{r['variant']} {r['median_us']:.1f}µs ({r['x_floor']:.2f}x floor)" for r in rows[-3:]
+                f"{r['variant']} {r['median_us']:.1f}µs ({r['x_floor']:.2f}x floor)"
+                for r in rows[-len(variants) :]
             )
             print(
                 f"step {config.name:<13} ctx={context:<5} {line}  | rel err {rel:.2e}, "
@@ -302,20 +307,21 @@ def summary_markdown(meta: dict, attn_rows: list[dict], step_rows: list[dict]) -
         "",
         "## Decode steps (batch 1)",
         "",
-        "| model | context | baseline µs | ours µs | ours no-prefetch µs | speedup | floor µs | ours × floor | attention | checks |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | context | baseline µs | ours µs | ours no-prefetch µs | flashinfer µs | speedup | floor µs | ours × floor | attention | checks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_case: dict[tuple, dict[str, dict]] = {}
     for r in step_rows:
         by_case.setdefault((r["model"], r["context"]), {})[r["variant"]] = r
     for (model, context), v in by_case.items():
         ours, base, nopf = v["ours"], v["baseline_torch"], v["ours_no_prefetch"]
+        fi_us = v["flashinfer"]["median_us"] if "flashinfer" in v else ""
         checks = (
             f"rel err {ours['logits_rel_err_vs_baseline']}, argmax {'=' if ours['argmax_equal_baseline'] else '≠'}, "
             f"prefetch {'bitwise' if ours['bitwise_prefetch_vs_none'] else 'DIFFERS'}"
         )
         lines.append(
-            f"| {model} | {context} | {base['median_us']} | {ours['median_us']} | {nopf['median_us']} | "
+            f"| {model} | {context} | {base['median_us']} | {ours['median_us']} | {nopf['median_us']} | {fi_us} | "
             f"{ours['speedup_vs_baseline']:.3f}x | {ours['floor_us']} | {ours['x_floor']} | {ours['attention']} | {checks} |"
         )
     lines += [

@@ -15,6 +15,12 @@ default mode and warmed before capture; next-layer weights are prefetched into L
 :class:`TorchDecodeSession` is the plain-PyTorch baseline: same model, compiled elementwise ops,
 SDPA attention over the bucket's window, the whole step in one graph, no prefetch.
 
+Numerics: ``record_layers=True`` keeps each layer's attention inputs and output
+(:class:`LayerRecorder`); :class:`Fp32Reference` is the same model with its weights upcast, run
+eagerly in full precision on the same cache; :func:`compare_with_reference` measures sessions
+against it. :func:`decode_step_report` says where a captured step's time goes (kernels per layer
+and part against the bytes each must move).
+
 Example:
     >>> model = build_decoder(SMOLLM2_135M, device="cuda")  # doctest: +SKIP
     >>> session = DecodeSession(model, batch=1, max_len=512)  # doctest: +SKIP
@@ -24,8 +30,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import math
+import re
+import statistics
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -261,6 +271,38 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(c.mlp, c.hidden, bias=False)
 
 
+class LayerRecorder:
+    """Each layer's attention inputs and output of the latest decode step, for numerics checks.
+
+    The decode step copies them into these preallocated buffers (four small copies per layer), so
+    recording works inside a captured CUDA graph too: after each replay the buffers hold that
+    step's values. ``q`` [layers, batch, heads, head_dim] is the query after rotary, ``k``/``v``
+    [layers, batch, kv_heads, head_dim] the key/value appended at the step's position, ``attn``
+    [layers, batch, heads, head_dim] the attention output; all in the model's dtype.
+
+    Example:
+        >>> session = DecodeSession(model, 1, 512, record_layers=True)  # doctest: +SKIP
+        >>> session.step(); session.recorder.attn[3]  # layer 3's attention output  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, config: DecoderConfig, batch: int, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
+        c = config
+
+        def buf(heads: int) -> torch.Tensor:
+            return torch.zeros(c.layers, batch, heads, c.head_dim, dtype=dtype, device=device)
+
+        self.q, self.k, self.v, self.attn = buf(c.heads), buf(c.kv_heads), buf(c.kv_heads), buf(c.heads)
+
+    def record(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: torch.Tensor
+    ) -> None:
+        """Copy layer `layer`'s tensors (called by :meth:`LlamaDecoder.forward`)."""
+        for dst, src in ((self.q, q), (self.k, k), (self.v, v), (self.attn, attn)):
+            dst[layer].copy_(src.reshape(dst.shape[1:]))
+
+
 @dataclass
 class DecodeState:
     """Everything a decode step reads besides the weights: KV caches, rotary tables, the elementwise
@@ -272,6 +314,7 @@ class DecodeState:
     sin: torch.Tensor
     fns: ElementwiseFns = EAGER_FNS
     attention: AttentionBackend | None = None
+    recorder: LayerRecorder | None = None  # per-layer attention inputs/outputs, for numerics checks
 
     @classmethod
     def allocate(
@@ -337,6 +380,8 @@ class LlamaDecoder(nn.Module):
                 layer.qkv(h), state.cos, state.sin, positions, c.heads, c.kv_heads, c.head_dim
             )
             a = attend(q, k, v, state.k_cache[i], state.v_cache[i], positions)
+            if state.recorder is not None:
+                state.recorder.record(i, q, k, v, a)
             residual, h = fns.add_rms_norm(
                 layer.o_proj(a.reshape(a.shape[0], -1)), residual, layer.post_norm.weight, c.rms_eps
             )
@@ -467,6 +512,9 @@ class DecodeSession:
             reference or on CPU with ``attention="torch"``).
         splits: the kernel's split count (default: sized per bucket).
         warmup: eager warm-up steps before each capture (compiles, cuBLAS handles).
+        record_layers: keep each layer's attention inputs and output of the latest step in
+            :attr:`recorder` (a :class:`LayerRecorder`; four small copies per layer, recorded into
+            the graph too): for numerics checks, not for timing.
 
     Example:
         >>> session = DecodeSession(build_decoder("smollm2-135m"), batch=1, max_len=256)  # doctest: +SKIP
@@ -485,6 +533,7 @@ class DecodeSession:
         graph: bool = True,
         splits: int | None = None,
         warmup: int = 2,
+        record_layers: bool = False,
     ) -> None:
         if not isinstance(model, LlamaDecoder):
             raise TypeError(f"`model` must be a LlamaDecoder (see build_decoder), got {type(model).__name__}")
@@ -493,7 +542,11 @@ class DecodeSession:
                 raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
         if attention not in ATTENTION_MODES:
             raise ValueError(f"`attention` must be one of {ATTENTION_MODES}, got {attention!r}")
-        for name, value in (("compile_elementwise", compile_elementwise), ("graph", graph)):
+        for name, value in (
+            ("compile_elementwise", compile_elementwise),
+            ("graph", graph),
+            ("record_layers", record_layers),
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}")
         _check_prefetch(prefetch)
@@ -525,6 +578,8 @@ class DecodeSession:
         self.prefetch = prefetch
         fns = compiled_fns() if compile_elementwise else EAGER_FNS
         self.state = DecodeState.allocate(self.config, batch, max_len, self.device, self.dtype, fns)
+        if record_layers:
+            self.state.recorder = LayerRecorder(self.config, batch, self.device, self.dtype)
         self.tokens = torch.zeros(
             batch, dtype=torch.long, device=self.device
         )  # static input: this step's tokens
@@ -743,6 +798,7 @@ class DecodeSession:
             f"{type(self).__name__}: {self.config.name} x{self.config.layers} layers, batch {self.batch}, "
             f"max_len {self.max_len}, attention={self.attention}, elementwise "
             f"{'compiled' if self.state.fns.compiled else 'eager'}, graph={self.use_graph}"
+            + (", recording layers" if self.recorder is not None else "")
         ]
         for bucket, choice in sorted(self.choices.items()):
             lines.append(
@@ -758,6 +814,11 @@ class DecodeSession:
             )
         return "\n".join(lines)
 
+    @property
+    def recorder(self) -> LayerRecorder | None:
+        """The per-layer recording of the latest step (``record_layers=True``), else None."""
+        return self.state.recorder
+
     def close(self) -> None:
         """Drop the graphs and remove any installed hooks."""
         if self._eager_hooks is not None:
@@ -772,7 +833,14 @@ class TorchDecodeSession(DecodeSession):
     bucket's window, the whole step in one CUDA graph per bucket, no prefetch, no custom kernel."""
 
     def __init__(
-        self, model: LlamaDecoder, batch: int, max_len: int, *, graph: bool = True, warmup: int = 2
+        self,
+        model: LlamaDecoder,
+        batch: int,
+        max_len: int,
+        *,
+        graph: bool = True,
+        warmup: int = 2,
+        record_layers: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -783,4 +851,797 @@ class TorchDecodeSession(DecodeSession):
             prefetch=None,
             graph=graph,
             warmup=warmup,
+            record_layers=record_layers,
         )
+
+
+# ------------------------------------------------------------------------------------------ numerics
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖out − ref‖ / ‖ref‖`` over all elements, in float64 (0.0 when both are zero).
+
+    Stack several samples (``torch.stack``) to get one error over all of them.
+
+    Example:
+        >>> relative_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 0.0]))
+        1.3333333333333333
+    """
+    for name, t in (("out", out), ("ref", ref)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if out.shape != ref.shape:
+        raise ValueError(f"`out` shape {tuple(out.shape)} differs from `ref` shape {tuple(ref.shape)}")
+    ref64 = ref.detach().to(out.device, torch.float64)
+    diff = (out.detach().double() - ref64).norm().item()
+    base = ref64.norm().item()
+    if base == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / base
+
+
+def upcast_decoder(model: LlamaDecoder, dtype: torch.dtype = torch.float32) -> LlamaDecoder:
+    """A copy of `model` with every parameter converted to `dtype` (bf16 -> fp32 is exact), tied
+    LM head kept tied, on the same device; `model` itself is untouched."""
+    if not isinstance(model, LlamaDecoder):
+        raise TypeError(f"`model` must be a LlamaDecoder, got {type(model).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"`dtype` must be a floating-point torch.dtype, got {dtype!r}")
+    return copy.deepcopy(model).to(dtype).eval()
+
+
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """FP32 matmuls without TF32 (``set_float32_matmul_precision("highest")``) and SDPA's math
+    backend, for reference computations; the previous settings are restored afterwards."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+class Fp32Reference:
+    """The eager full-precision reference of a decode step, layer by layer.
+
+    Holds a copy of `model` with its weights upcast to `dtype` (exactly: every bf16 value is an
+    fp32 value) and an eager session over it (SDPA's math backend, no TF32, every layer recorded in
+    :attr:`recorder`). :meth:`step` copies the first ``cached`` positions of a KV cache (e.g. the
+    bf16 session's under test, upcast) into its own cache and runs one step, so the reference and
+    the session see the same weights, the same cache and the same token.
+
+    Args:
+        model: the (bf16) decoder under test.
+        batch: sequences per step.
+        max_len: cache capacity; at least the session's.
+        dtype: reference precision (``torch.float32``; ``torch.float64`` for a check of the check).
+
+    Example:
+        >>> ref = Fp32Reference(model, 1, 1024)  # doctest: +SKIP
+        >>> logits = ref.step(session.state.k_cache, session.state.v_cache, 320, tokens)  # doctest: +SKIP
+        >>> relative_error(session.logits, logits), ref.recorder.attn[5]  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, model: LlamaDecoder, batch: int, max_len: int, dtype: torch.dtype = torch.float32
+    ) -> None:
+        self.model = upcast_decoder(model, dtype)
+        self.session = DecodeSession(
+            self.model,
+            batch,
+            max_len,
+            attention="torch",
+            compile_elementwise=False,
+            prefetch=None,
+            graph=False,
+            record_layers=True,
+        )
+
+    @property
+    def recorder(self) -> LayerRecorder:
+        assert self.session.recorder is not None
+        return self.session.recorder
+
+    def step(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, cached: int, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """One step at `cached` cached tokens with next input `tokens` [batch], over positions
+        ``[0, cached)`` of `k_cache`/`v_cache` ([layers, batch, kv_heads, >= cached, head_dim], any
+        float dtype). Returns the logits [batch, vocab] (this reference's buffer: clone to keep)."""
+        state = self.session.state
+        shape = state.k_cache.shape
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dim() != 5
+                or t.shape[:3] != shape[:3]
+                or t.shape[4] != shape[4]
+            ):
+                raise ValueError(
+                    f"`{name}` must be [layers, batch, kv_heads, positions, head_dim] = "
+                    f"[{shape[0]}, {shape[1]}, {shape[2]}, >= cached, {shape[4]}], got {tuple(getattr(t, 'shape', ()))}"
+                )
+        if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached <= k_cache.shape[3]:
+            raise ValueError(f"`cached` must be an int in [0, {k_cache.shape[3]}], got {cached!r}")
+        with torch.no_grad(), full_precision():
+            state.k_cache[:, :, :, :cached].copy_(k_cache[:, :, :, :cached])
+            state.v_cache[:, :, :, :cached].copy_(v_cache[:, :, :, :cached])
+            self.session.set_length(cached, tokens.to(self.session.device))
+            self.session.step()
+        return self.session.logits
+
+
+def recorded_attention_reference(session: DecodeSession) -> torch.Tensor:
+    """Float64 attention (returned as float32) over each layer's recorded q, k, v and the session's
+    cache at its latest step: [layers, batch, heads, head_dim].
+
+    Compared with ``session.recorder.attn`` this is the error of the attention operation alone,
+    given the inputs it actually got, apart from what the layers before it passed on. Needs
+    ``record_layers=True`` and a step run since the cache was last changed. Syncs with the host.
+    """
+    from l2lightning.decode_attention import reference_decode_attention
+
+    rec = session.recorder
+    if rec is None:
+        raise RuntimeError("the session records no layers: create it with record_layers=True")
+    lens = (session.cache_lens - 1).to(torch.int32)  # the latest step ran at cache_lens - 1 cached
+    if bool((lens < 0).any()):
+        raise RuntimeError("no decode step has run on this session yet")
+    state = session.state
+    return torch.stack(
+        [
+            reference_decode_attention(rec.q[i], rec.k[i], rec.v[i], state.k_cache[i], state.v_cache[i], lens)
+            for i in range(session.config.layers)
+        ]
+    )
+
+
+def compare_with_reference(
+    sessions: Mapping[str, DecodeSession],
+    reference: Fp32Reference,
+    cached: int,
+    *,
+    samples: int = 8,
+    seed: int = 0,
+) -> dict[str, dict[str, Any]]:
+    """Each session's decode step against the full-precision reference, over `samples` independent
+    draws of a random KV cache (normal(0, 1), as the decode benchmark fills it) and next tokens.
+
+    For every sample, each session (all of one model, batch and dtype) and the reference get the
+    same cache in positions ``[0, cached)`` and the same tokens, and take one step. Errors are
+    :func:`relative_error` over all samples together: one draw alone is noisy (two bf16 runs of a
+    full-depth random model that differ only in how attention rounds reach logits errors whose
+    ratio moves by tens of percent from draw to draw), several independent draws average that out.
+    Per session:
+
+    - ``logits_rel_err``: the logits against the reference's; ``logits_rel_err_samples`` per draw;
+      ``argmax_equal``: the fraction of sequences whose greedy token is the reference's.
+    - with ``record_layers=True``: ``attn_rel_err`` per layer, the attention output against the
+      reference's (what the layers before passed on included); ``attn_op_rel_err`` per layer, the
+      attention output against float64 attention over the inputs this session's layer actually got
+      (the attention operation alone, :func:`recorded_attention_reference`); and
+      ``attn_op_rounding_floor`` per layer, the error of that float64 result rounded once to the
+      session's dtype: no implementation that returns the session's dtype can be closer.
+
+    Leaves every session's cache holding the last draw.
+    """
+    if not sessions:
+        raise ValueError("`sessions` is empty: nothing to compare")
+    if not isinstance(reference, Fp32Reference):
+        raise TypeError(f"`reference` must be an Fp32Reference, got {type(reference).__name__}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"`samples` must be an int >= 1, got {samples!r}")
+    first = next(iter(sessions.values()))
+    cfg, batch, device, dtype = first.config, first.batch, first.device, first.dtype
+    for name, s in sessions.items():
+        if (s.config, s.batch, s.device, s.dtype) != (cfg, batch, device, dtype):
+            raise ValueError(
+                f"session {name!r} differs in model layout, batch, device or dtype from the others"
+            )
+        if not 0 <= cached < s.max_len:
+            raise ValueError(f"`cached` ({cached}) must be below session {name!r}'s max_len ({s.max_len})")
+    shape = (cfg.layers, batch, cfg.kv_heads, cached, cfg.head_dim)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    keys = ("logits", "attn", "op_ref")
+    got: dict[str, dict[str, list[torch.Tensor]]] = {n: {k: [] for k in keys} for n in sessions}
+    ref_logits: list[torch.Tensor] = []
+    ref_attn: list[torch.Tensor] = []
+    for _ in range(samples):
+        k = torch.randn(shape, generator=gen, device=device).to(dtype)
+        v = torch.randn(shape, generator=gen, device=device).to(dtype)
+        tokens = torch.randint(0, cfg.vocab, (batch,), generator=gen, device=device)
+        ref_logits.append(reference.step(k, v, cached, tokens).float().clone())
+        ref_attn.append(reference.recorder.attn.float().clone())
+        for name, s in sessions.items():
+            with torch.no_grad():
+                s.state.k_cache[:, :, :, :cached].copy_(k)
+                s.state.v_cache[:, :, :, :cached].copy_(v)
+            s.set_length(cached, tokens)
+            s.step()
+            got[name]["logits"].append(s.logits.float().clone())
+            if s.recorder is not None:
+                got[name]["attn"].append(s.recorder.attn.float().clone())
+                got[name]["op_ref"].append(recorded_attention_reference(s))
+    r_logits, r_attn = torch.stack(ref_logits), torch.stack(ref_attn)  # [S, B, V], [S, L, B, H, D]
+    out: dict[str, dict[str, Any]] = {}
+    for name, g in got.items():
+        logits = torch.stack(g["logits"])
+        row: dict[str, Any] = {
+            "logits_rel_err": relative_error(logits, r_logits),
+            "logits_rel_err_samples": [relative_error(a, b) for a, b in zip(logits, r_logits)],
+            "argmax_equal": (logits.argmax(-1) == r_logits.argmax(-1)).double().mean().item(),
+            "attn_rel_err": None,
+            "attn_op_rel_err": None,
+            "attn_op_rounding_floor": None,
+        }
+        if g["attn"]:
+            attn, op_ref = torch.stack(g["attn"]), torch.stack(g["op_ref"])
+            rounded = op_ref.to(dtype).float()
+            layers = range(cfg.layers)
+            row["attn_rel_err"] = [relative_error(attn[:, i], r_attn[:, i]) for i in layers]
+            row["attn_op_rel_err"] = [relative_error(attn[:, i], op_ref[:, i]) for i in layers]
+            row["attn_op_rounding_floor"] = [relative_error(rounded[:, i], op_ref[:, i]) for i in layers]
+        out[name] = row
+    return out
+
+
+# ------------------------------------------------------------------------------------------ step report
+RANGE_PREFIX = "l2l::"
+# Host calls that put one kernel, copy or fill on a stream (report.LAUNCH_API_NAMES and relatives).
+_LAUNCH_NAMES = frozenset(
+    {
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cudaLaunchKernelEx",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaLaunchCooperativeKernel",
+        "cudaMemcpyAsync",
+        "cudaMemsetAsync",
+        "cudaMemcpy2DAsync",
+    }
+)
+# Finer roles -> the groups the step report shows as its phases.
+ROLE_GROUPS = {
+    "qkv": "linear",
+    "o_proj": "linear",
+    "gate_up": "linear",
+    "down": "linear",
+    "lm_head": "lm_head",
+    "attention": "attention",
+    "attention_prepare": "attention",
+    "rms_norm": "elementwise",
+    "add_rms_norm": "elementwise",
+    "qkv_rope": "elementwise",
+    "silu_mul": "elementwise",
+    "embed": "other",
+    "other": "other",
+    "unattributed": "other",
+}
+
+
+@dataclass(frozen=True)
+class ProfEvent:
+    """One profiler event, reduced to what the kernel attribution needs (times in µs)."""
+
+    name: str
+    start_us: float
+    end_us: float
+    on_device: bool
+    id: int = 0  # correlation id: a kernel's equals its launch call's
+    linked: int = 0  # a kernel's linked correlation id: the host op (or range) it was launched in
+
+
+def prof_events(prof: Any) -> list[ProfEvent]:
+    """A ``torch.profiler.profile``'s events as :class:`ProfEvent` (device = CUDA-side records)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    out = []
+    for e in prof.events():
+        name, tr = str(e.name), e.time_range
+        on_device = getattr(e, "device_type", None) == cuda
+        if on_device and (name.startswith(RANGE_PREFIX) or getattr(e, "is_user_annotation", False)):
+            continue  # a host range drawn on the device timeline, not a kernel
+        out.append(
+            ProfEvent(
+                name,
+                float(tr.start),
+                float(tr.end),
+                on_device,
+                int(getattr(e, "id", 0) or 0),
+                int(getattr(e, "linked_correlation_id", 0) or 0),
+            )
+        )
+    return out
+
+
+def _launch_base(name: str) -> str:
+    """``cudaLaunchKernel_v7000`` / ``..._ptsz`` -> ``cudaLaunchKernel``."""
+    return re.sub(r"(_v\d+|_pt[sd]z)+$", "", name)
+
+
+def attribute_kernels(events: list[ProfEvent]) -> tuple[list[dict[str, Any]], str]:
+    """Which part of a decode step launched each device-side event of one profiled eager step.
+
+    Ranges are the ``l2l::`` host ranges :func:`profile_ranges` opens around each Linear
+    (``layers.3.qkv``, ``lm_head``), the embedding, the attention call and each elementwise function.
+    A kernel's launch time is that of the host launch call with its correlation id, else the start
+    of the host op its linked correlation id names (the op it was launched in); a time after the
+    kernel's own start is not believed. When some kernel has no time that way and there are as
+    many launch calls as kernels, the k-th launch call is taken for the k-th kernel (one stream).
+    A kernel's role is the innermost range around its launch (``"other"`` outside every range,
+    ``"unattributed"`` without a launch time); its layer is the last ``layers.<i>.qkv`` range begun
+    before it, ``None`` before the first layer and from the LM head on. Returns (rows in device
+    order, method: ``"correlation"``, ``"order"``, ``"partial"`` or ``"none"``).
+    """
+    ranges = [
+        (e.name[len(RANGE_PREFIX) :], e.start_us, e.end_us)
+        for e in events
+        if not e.on_device and e.name.startswith(RANGE_PREFIX)
+    ]
+    launches, ops = [], []
+    for e in events:
+        if not e.on_device:
+            (launches if _launch_base(e.name) in _LAUNCH_NAMES else ops).append(e)
+    launches.sort(key=lambda e: e.start_us)
+    kernels = sorted((e for e in events if e.on_device), key=lambda e: e.start_us)
+    # CUPTI ids (kernels, launch calls) and torch op ids are separate counters: look each up only
+    # among its own kind.
+    launch_at: dict[int, float] = {}
+    for e in launches:
+        if e.id:
+            launch_at.setdefault(e.id, e.start_us)
+    op_at: dict[int, float] = {}
+    for e in ops:
+        if e.id:
+            op_at.setdefault(e.id, e.start_us)
+    host: list[float | None] = []
+    for k in kernels:
+        t = launch_at.get(k.id) if k.id else None
+        if t is None and k.linked:
+            t = op_at.get(k.linked)
+        host.append(t if t is not None and t <= k.start_us else None)
+    method = "correlation"
+    if kernels and any(t is None for t in host):
+        if len(launches) == len(kernels):
+            host, method = [e.start_us for e in launches], "order"
+        else:
+            method = "partial" if any(t is not None for t in host) else "none"
+    marks = sorted(
+        (start, int(m.group(1)))
+        for name, start, _ in ranges
+        if (m := re.fullmatch(r"layers\.(\d+)\.qkv", name)) is not None
+    )
+    head_start = min((start for name, start, _ in ranges if name == "lm_head"), default=math.inf)
+    rows = []
+    for k, t in zip(kernels, host):
+        role, layer = "unattributed", None
+        if t is not None:
+            around = [(start, -(end - start), name) for name, start, end in ranges if start <= t <= end]
+            name = max(around)[2] if around else None  # innermost: the latest start, then the shortest
+            role = "other" if name is None else name.rsplit(".", 1)[-1]
+            if t < head_start:
+                before = [i for start, i in marks if start <= t]
+                layer = before[-1] if before else None
+        rows.append(
+            {
+                "name": k.name,
+                "start_us": k.start_us,
+                "time_us": k.end_us - k.start_us,
+                "role": role,
+                "layer": layer,
+            }
+        )
+    return rows, method
+
+
+def decode_part_bytes(config: DecoderConfig, batch: int, cached: int, dtype_bytes: int = 2) -> dict[str, int]:
+    """Bytes each part of one decode step must move at least, per call (one layer's ``qkv``, one
+    ``attention`` at `cached` tokens, ...): its weights (and bias) read once, the activations it
+    reads and writes, and for attention the K/V of ``cached + 1`` positions read and the new key
+    and value written. The elementwise parts move activations only (a few KB)."""
+    c, b, e = config, batch, dtype_bytes
+    qkv_out = (c.heads + 2 * c.kv_heads) * c.head_dim
+    hd = c.heads * c.head_dim
+    kv_row = c.kv_heads * c.head_dim * e * b  # one position of one layer's K (or V)
+
+    def linear(n_in: int, n_out: int, bias: bool = False) -> int:
+        return (n_in * n_out + (n_out if bias else 0)) * e + b * (n_in + n_out) * e
+
+    return {
+        "embed": b * c.hidden * e,
+        "qkv": linear(c.hidden, qkv_out, c.qkv_bias),
+        "o_proj": linear(hd, c.hidden),
+        "gate_up": linear(c.hidden, 2 * c.mlp),
+        "down": linear(c.mlp, c.hidden),
+        "lm_head": linear(c.hidden, c.vocab),
+        "attention": 2 * kv_row * (cached + 1) + 2 * kv_row + 2 * b * hd * e,
+        "attention_prepare": 0,
+        "rms_norm": 2 * b * c.hidden * e + c.hidden * e,
+        "add_rms_norm": 4 * b * c.hidden * e + c.hidden * e,
+        "qkv_rope": 2 * b * qkv_out * e + 2 * b * (c.head_dim // 2) * 4,
+        "silu_mul": 3 * b * c.mlp * e,
+        "other": 0,
+        "unattributed": 0,
+    }
+
+
+class _RangedAttention:
+    """An attention backend whose calls open ``l2l::attention`` profiler ranges."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def prepare(self, cache_lens: torch.Tensor) -> None:
+        with torch.profiler.record_function(RANGE_PREFIX + "attention_prepare"):
+            self.inner.prepare(cache_lens)
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        with torch.profiler.record_function(RANGE_PREFIX + "attention"):
+            return self.inner(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _ranged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(RANGE_PREFIX + name):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def profile_ranges(session: DecodeSession) -> Iterator[None]:
+    """While open, an eager step of `session` marks its parts with ``l2l::`` profiler ranges: each
+    Linear and the embedding under its module name (``layers.3.qkv``, ``lm_head``), the attention
+    call, and each elementwise function. Forward hooks and wrappers only: nothing is recorded into
+    a graph, and the model and state are restored on exit."""
+    state = session.state
+    handles: list[Any] = []
+    open_ranges: dict[str, Any] = {}
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            rf = torch.profiler.record_function(RANGE_PREFIX + name)
+            rf.__enter__()
+            open_ranges[name] = rf
+
+        return hook
+
+    def post(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            rf = open_ranges.pop(name, None)
+            if rf is not None:
+                rf.__exit__(None, None, None)
+
+        return hook
+
+    saved_fns, saved_attention = state.fns, state.attention
+    try:
+        for name, module in session.model.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                handles.append(module.register_forward_pre_hook(pre(name)))
+                handles.append(module.register_forward_hook(post(name)))
+        f = saved_fns
+        state.fns = dataclasses.replace(
+            f,
+            rms_norm=_ranged("rms_norm", f.rms_norm),
+            add_rms_norm=_ranged("add_rms_norm", f.add_rms_norm),
+            qkv_rope=_ranged("qkv_rope", f.qkv_rope),
+            silu_mul=_ranged("silu_mul", f.silu_mul),
+        )
+        if saved_attention is not None:
+            state.attention = _RangedAttention(saved_attention)  # type: ignore[assignment]
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for rf in open_ranges.values():
+            rf.__exit__(None, None, None)
+        state.fns, state.attention = saved_fns, saved_attention
+
+
+def _time_replays(session: DecodeSession, cached: int, tokens: torch.Tensor | None, rounds: int = 5) -> float:
+    """Median µs per step of `rounds` samples of 8 graph replays from `cached` tokens on."""
+    for j in range(8):  # every bucket the samples touch, captured before timing
+        session.graph_for(cached + j)
+    samples = []
+    for _ in range(rounds):
+        session.set_length(cached, tokens)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(8):
+            session.step()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000 / 8)
+    return statistics.median(samples)
+
+
+def _summarise(
+    rows: list[dict[str, Any]], part_bytes: dict[str, int], layers: int, bw: float, key: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(per role, per layer) sums of kernels, time (`key` of each row), bytes and bytes floor."""
+    instances: dict[tuple[Any, str], float] = {}  # (layer, role) -> time
+    counts: dict[tuple[Any, str], int] = {}
+    for r in rows:
+        k = (r["layer"], r["role"])
+        instances[k] = instances.get(k, 0.0) + r[key]
+        counts[k] = counts.get(k, 0) + 1
+    # Bytes count once per call of a part: layer parts once per layer, the rest once per step;
+    # elementwise calls happen several times per layer (rms_norm once, add_rms_norm twice).
+    calls_per_layer = {"add_rms_norm": 2}
+    by_role: dict[str, dict[str, Any]] = {}
+    by_layer: dict[int, dict[str, Any]] = {}
+    for (layer, role), t in instances.items():
+        n = counts[(layer, role)]
+        nbytes = part_bytes.get(role, 0) * calls_per_layer.get(role, 1)
+        agg = by_role.setdefault(
+            role,
+            {
+                "role": role,
+                "group": ROLE_GROUPS.get(role, "other"),
+                "kernels": 0,
+                "layered_kernels": 0,
+                "time_us": 0.0,
+                "bytes": 0,
+            },
+        )
+        agg["kernels"] += n
+        agg["layered_kernels"] += n if layer is not None else 0
+        agg["time_us"] += t
+        agg["bytes"] += nbytes
+        if layer is not None:
+            lay = by_layer.setdefault(layer, {"layer": layer, "kernels": 0, "time_us": 0.0, "bytes": 0})
+            lay["kernels"] += n
+            lay["time_us"] += t
+            lay["bytes"] += nbytes
+    for agg in [*by_role.values(), *by_layer.values()]:
+        agg["floor_us"] = agg["bytes"] / bw * 1e6
+        agg["x_floor"] = agg["time_us"] / agg["floor_us"] if agg["floor_us"] > 0 else None
+        agg["us_per_kernel"] = agg["time_us"] / agg["kernels"] if agg["kernels"] else None
+    for agg in by_role.values():  # None for parts outside the layers (embed, lm_head, ...)
+        layered = agg.pop("layered_kernels")
+        agg["kernels_per_layer"] = layered / layers if layered else None
+    roles = sorted(by_role.values(), key=lambda a: -a["time_us"])
+    return roles, [by_layer[i] for i in sorted(by_layer)]
+
+
+def _parts_table(roles: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"  {'part':<18}{'kernels':>8}{'/layer':>8}{'time us':>10}{'us/kernel':>11}"
+        f"{'bytes floor us':>16}{'x floor':>9}"
+    ]
+    for r in roles:
+        x = f"{r['x_floor']:.1f}" if r["x_floor"] else "-"
+        per_layer = f"{r['kernels_per_layer']:.2f}" if r["kernels_per_layer"] is not None else "-"
+        lines.append(
+            f"  {r['role']:<18}{r['kernels']:>8}{per_layer:>8}{r['time_us']:>10.1f}"
+            f"{r['us_per_kernel'] or 0:>11.2f}{r['floor_us']:>16.3f}{x:>9}"
+        )
+    return lines
+
+
+def step_report_from_kernels(
+    rows: list[dict[str, Any]],
+    config: DecoderConfig,
+    batch: int,
+    cached: int,
+    step_us: float,
+    copy_bw: float,
+    empty_kernel_us: float | None,
+    *,
+    dtype_bytes: int = 2,
+    label: str = "",
+    graph_info: dict[str, Any] | None = None,
+    time_source: str = "eager",
+) -> dict[str, Any]:
+    """The report :func:`decode_step_report` returns, from attributed kernel rows
+    (:func:`attribute_kernels`): sums per part and per layer against :func:`decode_part_bytes`, and
+    the whole step as a :class:`l2lightning.report.StepReport` with the part groups as phases."""
+    from l2lightning.report import Floors, PhaseTime, StepReport
+
+    c = config
+    graph_info = graph_info or {}
+    part_bytes = decode_part_bytes(c, batch, cached, dtype_bytes)
+    roles, per_layer = _summarise(rows, part_bytes, c.layers, copy_bw, "time_us")
+    kernel_sum = sum(r["time_us"] for r in rows)
+    groups: dict[str, dict[str, Any]] = {}
+    for role in roles:
+        g = groups.setdefault(role["group"], {"time_us": 0.0, "kernels": 0, "bytes": 0})
+        g["time_us"] += role["time_us"]
+        g["kernels"] += role["kernels"]
+        g["bytes"] += role["bytes"]
+    step_floor_bytes = decode_step_bytes(c, batch, cached, dtype_bytes)["total"]
+    n_kernels = len(rows)
+    bytes_us = step_floor_bytes / copy_bw * 1e6
+    launch_us = None if empty_kernel_us is None else n_kernels * empty_kernel_us
+    floors = Floors(
+        bytes_us=bytes_us,
+        launch_us=launch_us,
+        larger=bytes_us if launch_us is None else max(bytes_us, launch_us),
+        bound="launch" if launch_us is not None and launch_us > bytes_us else "bandwidth",
+        bytes_moved=step_floor_bytes,
+        bytes_by_phase={name: g["bytes"] for name, g in groups.items()},
+        kernel_count=n_kernels,
+        copy_bw_bytes_per_s=float(copy_bw),
+        empty_kernel_us=empty_kernel_us,
+        chain="decode",
+    )
+    phases = [PhaseTime(name, g["time_us"], g["kernels"]) for name, g in groups.items()]
+    title = label or f"{c.name} decode step at {cached} cached tokens"
+    step_report = StepReport(phases, floors, step_time_us=step_us, label=title)
+    layer_kernels = [lay["kernels"] for lay in per_layer]
+    per_layer_median = statistics.median(layer_kernels) if layer_kernels else None
+    text = "\n".join(
+        [
+            step_report.format(),
+            f"  kernels: {n_kernels} per step (eager, prefetch excluded), "
+            f"{per_layer_median if per_layer_median is not None else '?'} per layer (median); "
+            f"in the graph: {graph_info.get('kernels', '?')} ({graph_info.get('extra_kernels', '?')} only in the graph)",
+            f"  kernel time {kernel_sum:.1f} us of the {step_us:.1f} us step "
+            f"({time_source} kernel times; the rest is the gaps between kernels)",
+            *_parts_table(roles),
+        ]
+    )
+    return {
+        "label": title,
+        "model": c.name,
+        "layers": c.layers,
+        "batch": batch,
+        "cached": cached,
+        "step_us": step_us,
+        "kernel_sum_us": kernel_sum,
+        "gap_us": step_us - kernel_sum,
+        "kernels_per_step": n_kernels,
+        "kernels_per_layer": per_layer_median,
+        "time_source": time_source,
+        "copy_bandwidth_tbps": copy_bw / 1e12,
+        "empty_kernel_us": empty_kernel_us,
+        "bytes_floor_us": bytes_us,
+        "x_bytes_floor": step_us / bytes_us,
+        "graph": graph_info,
+        "parts": roles,
+        "per_layer": per_layer,
+        "kernels": rows,
+        "step_report": step_report.to_dict(),
+        "text": text,
+    }
+
+
+def decode_step_report(
+    session: DecodeSession,
+    cached: int,
+    tokens: torch.Tensor | None = None,
+    *,
+    step_us: float | None = None,
+    copy_bw: float | None = None,
+    empty_kernel_us: float | None = None,
+    label: str = "",
+) -> dict[str, Any]:
+    """Where one decode step's time goes: kernels per step, per layer and per part, each part's time
+    against the bytes it must move.
+
+    Two profiled runs of the step at `cached` tokens: one eager step through the session's own
+    modules, backend and (compiled) elementwise functions with :func:`profile_ranges` marking each
+    part (which kernel belongs to which layer and part, :func:`attribute_kernels`), and one replay
+    of the captured graph (the kernels' times inside the graph, and the prefetch kernels only the
+    graph has). Where the graph's kernels, prefetch left aside, have the eager step's names in the
+    same order, the per-kernel times are the graph's (``time_source: "graph"``), else the eager
+    step's. Floors: bytes (:func:`decode_part_bytes`) over `copy_bw` (bytes read + written per
+    second, as the decode benchmark's floor), launches times `empty_kernel_us`; both measured with
+    the doctor's probes when not given. The whole step (`step_us`, timed here from graph replays
+    when not given) is reported through :class:`l2lightning.report.StepReport` with the part
+    groups (linear, attention, elementwise, lm_head, other) as phases.
+
+    Returns a JSON-ready dict; ``"text"`` holds the formatted report. Needs a CUDA graph session.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    if session.device.type != "cuda" or not session.use_graph:
+        raise RuntimeError("decode_step_report profiles a CUDA graph session (graph=True on a CUDA device)")
+    c = session.config
+    device_index = session.device.index if session.device.index is not None else torch.cuda.current_device()
+    if copy_bw is None or empty_kernel_us is None:
+        from l2lightning.step_report import measure_ceilings
+
+        measured_bw, measured_empty = measure_ceilings(device_index)
+        copy_bw = copy_bw or measured_bw
+        empty_kernel_us = empty_kernel_us if empty_kernel_us is not None else measured_empty
+    if not copy_bw:
+        raise RuntimeError("decode_step_report: the copy bandwidth could not be measured; pass copy_bw")
+    bucket = length_bucket(cached + 1, session.max_len)
+    session.set_length(cached, tokens)
+    session.step()  # captures this bucket's graph if it has none yet
+    if step_us is None:
+        step_us = _time_replays(session, cached, tokens)
+    backend = session.backends[bucket]
+
+    # 1. one eager step (the graph's work: the body and the advance of tokens and lengths), parts marked
+    def eager_step() -> None:
+        backend.before_replay(cached)
+        session.state.attention = backend
+        with torch.no_grad(), profile_ranges(session):
+            session._body()
+            session._advance()
+
+    session.set_length(cached, tokens)
+    eager_step()  # warm (compiled functions, cuBLAS) outside the profiler
+    session.set_length(cached, tokens)
+    torch.cuda.synchronize(session.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eager_step()
+        torch.cuda.synchronize(session.device)
+    rows, method = attribute_kernels(prof_events(prof))
+    for r in rows:
+        r["eager_us"] = r["time_us"]
+
+    # 2. one graph replay
+    graph_info: dict[str, Any] = {}
+    time_source = "eager"
+    try:
+        session.set_length(cached, tokens)
+        torch.cuda.synchronize(session.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as gprof:
+            session.step()
+            torch.cuda.synchronize(session.device)
+        dev = sorted((e for e in prof_events(gprof) if e.on_device), key=lambda e: e.start_us)
+        eager_names = [r["name"] for r in rows]
+        known = set(eager_names)
+        same = [e for e in dev if e.name in known]
+        extra = [e for e in dev if e.name not in known]
+        aligned = bool(dev) and [e.name for e in same] == eager_names
+        extra_names: dict[str, int] = {}
+        for e in extra:
+            extra_names[e.name] = extra_names.get(e.name, 0) + 1
+        graph_info = {
+            "kernels": len(dev),
+            "aligned_with_eager": aligned,
+            "extra_kernels": len(extra),
+            "extra_kernel_names": extra_names,
+            "extra_time_us": sum(e.end_us - e.start_us for e in extra),
+            "span_us": (max(e.end_us for e in dev) - min(e.start_us for e in dev)) if dev else None,
+        }
+        if aligned:
+            for r, e in zip(rows, same):
+                r["time_us"] = e.end_us - e.start_us
+            time_source = "graph"
+        elif dev:
+            mismatch = next(
+                (i for i, (a, b) in enumerate(zip(eager_names, [e.name for e in same])) if a != b),
+                min(len(eager_names), len(same)),
+            )
+            graph_info["first_mismatch"] = {
+                "index": mismatch,
+                "eager": eager_names[mismatch] if mismatch < len(eager_names) else None,
+                "graph": same[mismatch].name if mismatch < len(same) else None,
+                "eager_count": len(eager_names),
+                "graph_count": len(same),
+            }
+    except Exception as exc:  # the eager attribution still stands; say why the graph part is missing
+        graph_info = {"error": f"{type(exc).__name__}: {exc}"}
+
+    # 3. sums, floors, the StepReport
+    out = step_report_from_kernels(
+        rows,
+        c,
+        session.batch,
+        cached,
+        step_us,
+        copy_bw,
+        empty_kernel_us,
+        dtype_bytes=session.state.k_cache.element_size(),
+        label=label,
+        graph_info=graph_info,
+        time_source=time_source,
+    )
+    out.update(
+        bucket=bucket,
+        attention=backend.label,
+        prefetch=None if session.prefetch is None else str(session.prefetch),
+        attribution=method,
+    )
+    return out

@@ -16,17 +16,31 @@ import torch
 from l2lightning._resources import kernels_dir
 from l2lightning.decode import (
     QWEN25_05B,
+    RANGE_PREFIX,
+    ROLE_GROUPS,
     SMOLLM2_135M,
     DecoderConfig,
     DecodeSession,
+    Fp32Reference,
+    ProfEvent,
     apply_rotary,
+    attribute_kernels,
     build_decoder,
+    compare_with_reference,
+    decode_part_bytes,
     decode_step_bytes,
+    decode_step_report,
     get_config,
     length_bucket,
+    prof_events,
+    profile_ranges,
     qkv_rope,
+    recorded_attention_reference,
+    relative_error,
     rms_norm,
     rope_tables,
+    step_report_from_kernels,
+    upcast_decoder,
 )
 from l2lightning.decode_attention import (
     LOG2E,
@@ -563,3 +577,334 @@ def test_kernel_invalid_length_writes_nan_and_appends_nothing(emulated_kernel):
     )  # fmt: skip
     assert out[0].isnan().all() and out[1].isfinite().all()
     assert torch.equal(kc[0], kc0[0]) and torch.equal(kc[1, :, 3], k[1])
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,length,splits",
+    [
+        (9, 3, 96, 2),  # SmolLM2 layout at the issue's shortest length: merge of 2 splits
+        (9, 3, 1000, 18),  # SmolLM2 at 1000 keys: 18-split merge
+        (14, 2, 150, 1),  # Qwen2.5 layout, direct path (one split writes the output)
+        (14, 2, 1800, 33),  # Qwen2.5 at 1800 keys: 33-split merge
+    ],
+)
+def test_kernel_output_is_at_the_bf16_rounding_floor_under_cpu_emulation(
+    emulated_kernel, heads, kv_heads, length, splits
+):
+    """The kernel's softmax accumulation, split-K partials and ticket merge run in FP32: its bf16
+    output is as close to float64 attention as that result rounded once to bf16 (within 5%): no
+    operation of the kernel loses precision beyond its single output rounding (issue 18)."""
+    d, dtype = 64, torch.bfloat16
+    gen = torch.Generator().manual_seed(length)
+    hpb = default_heads_per_block(heads // kv_heads)
+    q = torch.randn(1, heads, d, generator=gen).to(dtype)
+    k = torch.randn(1, kv_heads, d, generator=gen).to(dtype)
+    v = torch.randn(1, kv_heads, d, generator=gen).to(dtype)
+    kc = torch.randn(1, kv_heads, length + 8, d, generator=gen).to(dtype)
+    vc = torch.randn(1, kv_heads, length + 8, d, generator=gen).to(dtype)
+    lens = torch.tensor([length - 1], dtype=torch.int32)
+    ref = reference_decode_attention(q, k, v, kc, vc, lens).double()
+    chunks = -(-(heads // kv_heads) // hpb)
+    units = kv_heads * chunks
+    part_acc = torch.zeros(units * splits * hpb * d)
+    part_ml = torch.zeros(units * splits * hpb * 2)
+    tickets = torch.zeros(units, dtype=torch.int32)
+    out = torch.empty(1, heads, d, dtype=dtype)
+    emulated_kernel(d, hpb, True).emu_run(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(kc), _ptr(vc), _ptr(lens), _ptr(out), _ptr(part_acc), _ptr(part_ml),
+        _ptr(tickets), 1, heads, kv_heads, chunks, length + 8, splits,
+        KernelConfig(heads_per_block=hpb).granule(d), ctypes.c_float(LOG2E / math.sqrt(d)), 0,
+    )  # fmt: skip
+    err = relative_error(out, ref)
+    floor = relative_error(ref.to(dtype), ref)
+    assert err <= 1.05 * floor, f"kernel {err:.3e} vs rounding floor {floor:.3e}"
+
+
+# ------------------------------------------------------------------------------------------ numerics (issue 18)
+def test_relative_error_helper():
+    assert relative_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0])) == 0.0
+    assert relative_error(torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])) == pytest.approx(1.25)
+    assert relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert relative_error(torch.ones(2), torch.zeros(2)) == math.inf
+    # bf16 against fp32: computed in float64, whatever the inputs' dtypes
+    x = torch.randn(1000)
+    assert 0 < relative_error(x.bfloat16(), x) < 4e-3
+    # stacked samples: one error over all of them, not the mean of per-sample errors
+    a, b = torch.tensor([[1.0, 0.0], [10.0, 0.0]]), torch.tensor([[0.0, 0.0], [10.0, 0.0]])
+    assert relative_error(a, b) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="shape"):
+        relative_error(torch.zeros(2), torch.zeros(3))
+    with pytest.raises(TypeError, match="`ref`"):
+        relative_error(torch.zeros(2), [0.0, 0.0])
+
+
+def test_upcast_decoder_is_exact_and_keeps_the_tie():
+    model = build_decoder(TINY, device="cpu", seed=3)  # bf16
+    up = upcast_decoder(model)
+    assert all(p.dtype == torch.float32 for p in up.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the original is untouched
+    assert up.lm_head.weight is up.embed.weight  # still tied: one parameter, counted once
+    for (name, p), q in zip(model.named_parameters(), up.parameters()):
+        assert torch.equal(p.float(), q), name  # bf16 -> fp32 is exact
+    assert not up.training
+    with pytest.raises(TypeError, match="`model`"):
+        upcast_decoder(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="`dtype`"):
+        upcast_decoder(model, torch.int32)
+
+
+def _eager(model, batch, max_len, **kw):
+    return DecodeSession(
+        model, batch, max_len, attention="torch", compile_elementwise=False, prefetch=None, graph=False, **kw
+    )
+
+
+def test_layer_recorder_holds_each_layers_attention_inputs_and_output(one_torch_thread):
+    torch.manual_seed(0)
+    model = build_decoder(TINY, device="cpu", dtype=torch.float32, std=0.2)
+    ids = torch.randint(0, TINY.vocab, (2, 30))
+    rec, plain = _eager(model, 2, 64, record_layers=True), _eager(model, 2, 64)
+    assert plain.recorder is None and "recording layers" in rec.describe()
+    for s in (rec, plain):
+        s.prefill(ids)
+        s.step()
+    assert torch.equal(rec.logits, plain.logits)  # recording copies only
+    r = rec.recorder
+    assert r.q.shape == (TINY.layers, 2, TINY.heads, TINY.head_dim)
+    assert r.k.shape == r.v.shape == (TINY.layers, 2, TINY.kv_heads, TINY.head_dim)
+    for i in range(TINY.layers):
+        # the recorded key/value are the ones appended at the step's position (30)
+        assert torch.equal(r.k[i], rec.state.k_cache[i][:, :, 30])
+        assert torch.equal(r.v[i], rec.state.v_cache[i][:, :, 30])
+    ref = recorded_attention_reference(rec)
+    assert ref.shape == r.attn.shape and ref.dtype == torch.float32
+    assert relative_error(r.attn, ref) < 1e-5  # fp32 model: the op is exact to fp32 rounding
+    with pytest.raises(RuntimeError, match="record_layers"):
+        recorded_attention_reference(plain)
+    with pytest.raises(TypeError, match="`record_layers`"):
+        _eager(model, 1, 16, record_layers=1)
+    with pytest.raises(RuntimeError, match="no decode step"):
+        recorded_attention_reference(_eager(model, 1, 16, record_layers=True))
+
+
+def test_fp32_reference_and_comparison_on_cpu(one_torch_thread):
+    model = build_decoder(TINY, device="cpu", seed=1, std=0.1)  # bf16 under test
+    ref = Fp32Reference(model, 2, 100)
+    assert ref.model.lm_head.weight.dtype == torch.float32 and ref.recorder is not None
+    # an fp32 model against its own fp32 reference: the same numbers up to fp32 rounding
+    fp32 = upcast_decoder(model)
+    same = compare_with_reference({"fp32": _eager(fp32, 2, 100, record_layers=True)}, ref, 70, samples=2)
+    assert same["fp32"]["logits_rel_err"] < 1e-5 and max(same["fp32"]["attn_rel_err"]) < 1e-5
+    sessions = {"rec": _eager(model, 2, 100, record_layers=True), "plain": _eager(model, 2, 100)}
+    res = compare_with_reference(sessions, ref, 70, samples=3, seed=5)
+    a, b = res["rec"], res["plain"]
+    assert a["logits_rel_err"] == b["logits_rel_err"]  # recording changes nothing
+    assert 1e-4 < a["logits_rel_err"] < 5e-2 and len(a["logits_rel_err_samples"]) == 3
+    assert 0.0 <= a["argmax_equal"] <= 1.0
+    assert len(a["attn_rel_err"]) == len(a["attn_op_rel_err"]) == TINY.layers
+    for op, floor in zip(a["attn_op_rel_err"], a["attn_op_rounding_floor"]):
+        assert 0 < floor <= op * 1.01 < 1e-2  # a bf16 output cannot beat rounding the exact result once
+    assert b["attn_rel_err"] is None and b["attn_op_rel_err"] is None
+    # the same draws again: deterministic
+    again = compare_with_reference({"plain": sessions["plain"]}, ref, 70, samples=3, seed=5)
+    assert again["plain"]["logits_rel_err"] == b["logits_rel_err"]
+    with pytest.raises(ValueError, match="empty"):
+        compare_with_reference({}, ref, 70)
+    with pytest.raises(ValueError, match="`samples`"):
+        compare_with_reference(sessions, ref, 70, samples=0)
+    with pytest.raises(ValueError, match="max_len"):
+        compare_with_reference(sessions, ref, 100)
+    with pytest.raises(ValueError, match="differs"):
+        compare_with_reference({**sessions, "b1": _eager(model, 1, 100)}, ref, 70)
+    with pytest.raises(TypeError, match="`reference`"):
+        compare_with_reference(sessions, object(), 70)
+    with pytest.raises(ValueError, match="`k_cache`"):
+        ref.step(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), 4, torch.zeros(2, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------ step report logic
+def _ev(name, start, end, device=False, id=0):
+    return ProfEvent(name, float(start), float(end), device, id)
+
+
+def _two_layer_events(ids: bool) -> list:
+    """Host ranges and launches of a 2-layer step, and one kernel per launch (device times later)."""
+    r = RANGE_PREFIX
+    ranges = [
+        _ev(r + "attention_prepare", 0, 5),
+        _ev(r + "embed", 5, 10),
+        _ev(r + "rms_norm", 10, 15),
+        _ev(r + "layers.0.qkv", 20, 25),
+        _ev(r + "qkv_rope", 25, 30),
+        _ev(r + "attention", 30, 40),
+        _ev(r + "layers.0.o_proj", 40, 45),
+        _ev(r + "add_rms_norm", 45, 50),
+        _ev(r + "layers.1.qkv", 60, 65),
+        _ev(r + "attention", 70, 80),
+        _ev(r + "add_rms_norm", 85, 90),
+        _ev(r + "lm_head", 100, 105),
+    ]
+    launch_at = [1, 6, 11, 21, 26, 31, 35, 41, 46, 61, 71, 86, 101, 110]  # 110: argmax, outside all
+    events = list(ranges)
+    for n, t in enumerate(launch_at):
+        events.append(_ev("cudaLaunchKernel", t, t + 1, id=1000 + n if ids else 0))
+        events.append(_ev(f"k{n}", 500 + 10 * n, 505 + 10 * n, device=True, id=1000 + n if ids else 0))
+    return events
+
+
+def test_attribute_kernels_by_correlation_and_by_order():
+    rows, method = attribute_kernels(_two_layer_events(ids=True))
+    assert method == "correlation" and len(rows) == 14
+    got = [(r["name"], r["role"], r["layer"]) for r in rows]
+    assert got == [
+        ("k0", "attention_prepare", None),
+        ("k1", "embed", None),
+        ("k2", "rms_norm", None),
+        ("k3", "qkv", 0),
+        ("k4", "qkv_rope", 0),
+        ("k5", "attention", 0),
+        ("k6", "attention", 0),  # two kernels in one range (e.g. split-K partials + merge)
+        ("k7", "o_proj", 0),
+        ("k8", "add_rms_norm", 0),
+        ("k9", "qkv", 1),
+        ("k10", "attention", 1),
+        ("k11", "add_rms_norm", 1),
+        ("k12", "lm_head", None),
+        ("k13", "other", None),
+    ]
+    assert all(r["time_us"] == 5.0 for r in rows)
+    # no correlation ids: the k-th launch is the k-th kernel
+    rows2, method2 = attribute_kernels(_two_layer_events(ids=False))
+    assert method2 == "order" and [(r["role"], r["layer"]) for r in rows2] == [g[1:] for g in got]
+    # neither ids nor matching counts: nothing is guessed
+    events = [
+        e for e in _two_layer_events(ids=False) if not (e.name == "cudaLaunchKernel" and e.start_us == 110)
+    ]
+    rows3, method3 = attribute_kernels(events)
+    assert method3 == "none" and {r["role"] for r in rows3} == {"unattributed"}
+    assert attribute_kernels([]) == ([], "correlation")
+    # kernels launched through an API the profiler did not record (no launch call): the host op
+    # they were launched in (linked correlation id; torch op ids are their own counter) places them
+    ops = [e for e in _two_layer_events(ids=False) if not e.on_device and e.name != "cudaLaunchKernel"]
+    ops = [ProfEvent(e.name, e.start_us, e.end_us, False, 1 + n) for n, e in enumerate(ops)]
+    ops.append(_ev("aten::argmax", 110, 111, id=99))
+    launch_at = [1, 6, 11, 21, 26, 31, 35, 41, 46, 61, 71, 86, 101, 110]
+    owner = [next((o for o in ops if o.start_us <= t <= o.end_us), None) for t in launch_at]
+    kernels = [
+        ProfEvent(f"k{n}", 500 + 10 * n, 505 + 10 * n, True, 1000 + n, o.id) for n, o in enumerate(owner)
+    ]
+    rows4, method4 = attribute_kernels(ops + kernels)
+    assert method4 == "correlation" and [(r["name"], r["role"], r["layer"]) for r in rows4] == got
+    # a launch time after the kernel's start is not believed (ids from another counter)
+    late = [ProfEvent(k.name, k.start_us - 1000, k.end_us - 1000, True, k.id, k.linked) for k in kernels]
+    assert attribute_kernels(ops + late)[1] == "none"
+
+
+def test_decode_part_bytes_and_summary():
+    c = TINY
+    b = decode_part_bytes(c, batch=1, cached=9)
+    qkv_out = (c.heads + 2 * c.kv_heads) * c.head_dim
+    assert b["qkv"] == (c.hidden * qkv_out + qkv_out) * 2 + (c.hidden + qkv_out) * 2  # weight, bias, in + out
+    assert b["lm_head"] == c.hidden * c.vocab * 2 + (c.hidden + c.vocab) * 2
+    kv_row = c.kv_heads * c.head_dim * 2
+    assert decode_part_bytes(c, 1, 10)["attention"] - b["attention"] == 2 * kv_row  # one more K and V row
+    assert set(b) == set(ROLE_GROUPS)  # every part the attribution names has a byte count
+
+
+def test_step_report_from_kernels_sums_parts_layers_and_floors():
+    import json
+
+    cfg = TINY  # 2 layers, like the synthetic step
+    rows, _ = attribute_kernels(_two_layer_events(ids=True))
+    rep = step_report_from_kernels(
+        rows, cfg, 1, 9, step_us=200.0, copy_bw=1e12, empty_kernel_us=2.0, label="t"
+    )
+    json.dumps(rep)
+    assert rep["kernels_per_step"] == 14 and rep["kernel_sum_us"] == 70.0 and rep["gap_us"] == 130.0
+    assert [(lay["layer"], lay["kernels"]) for lay in rep["per_layer"]] == [(0, 6), (1, 3)]
+    parts = {p["role"]: p for p in rep["parts"]}
+    pb = decode_part_bytes(cfg, 1, 9)
+    assert parts["attention"]["kernels"] == 3 and parts["attention"]["bytes"] == 2 * pb["attention"]
+    assert parts["add_rms_norm"]["bytes"] == 2 * 2 * pb["add_rms_norm"]  # twice per layer, two layers
+    assert parts["qkv"]["floor_us"] == pytest.approx(2 * pb["qkv"] / 1e12 * 1e6)
+    assert parts["qkv"]["x_floor"] == pytest.approx(10.0 / parts["qkv"]["floor_us"])
+    assert parts["attention"]["kernels_per_layer"] == 1.5 and parts["other"]["group"] == "other"
+    assert parts["embed"]["kernels_per_layer"] is None and parts["lm_head"]["kernels_per_layer"] is None
+    floors = rep["step_report"]["floors"]
+    assert floors["bytes_moved"] == decode_step_bytes(cfg, 1, 9)["total"]
+    assert floors["launch_us"] == 28.0 and floors["kernel_count"] == 14
+    assert {ph["name"] for ph in rep["step_report"]["phases"]} == {
+        "linear", "attention", "elementwise", "lm_head", "other"
+    }  # fmt: skip
+    assert rep["x_bytes_floor"] == pytest.approx(200.0 / rep["bytes_floor_us"])
+    assert "Step report: t" in rep["text"] and "14 per step" in rep["text"] and "attention" in rep["text"]
+    # nothing attributed: still a report, every kernel under "other"
+    none = step_report_from_kernels(
+        [{"name": "k", "start_us": 0.0, "time_us": 1.0, "role": "unattributed", "layer": None}],
+        cfg, 1, 9, step_us=5.0, copy_bw=1e12, empty_kernel_us=None,
+    )  # fmt: skip
+    assert none["per_layer"] == [] and none["kernels_per_layer"] is None and "?" in none["text"]
+
+
+def test_profile_ranges_mark_every_part_and_restore_the_model(one_torch_thread):
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_decoder(TINY, device="cpu", dtype=torch.float32)
+    session = _eager(model, 1, 64)
+    session.prefill(torch.randint(0, TINY.vocab, (1, 10)))
+    session.step()
+    backend = session.state.attention
+    fns = session.state.fns
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.no_grad(), profile_ranges(session):
+            session._body()
+    names = {e.name[len(RANGE_PREFIX) :] for e in prof_events(prof) if e.name.startswith(RANGE_PREFIX)}
+    expected = {"embed", "lm_head", "attention", "attention_prepare", "rms_norm", "add_rms_norm"}
+    expected |= {"qkv_rope", "silu_mul"} | {
+        f"layers.{i}.{p}" for i in range(2) for p in ("qkv", "o_proj", "gate_up", "down")
+    }
+    assert names == expected
+    assert session.state.attention is backend and session.state.fns is fns
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    with pytest.raises(RuntimeError, match="CUDA graph session"):
+        decode_step_report(session, 10)
+
+
+def test_decode_reference_script_smoke_on_cpu(tmp_path):
+    """The benchmark's plumbing (sessions, reference, comparison, CSV/JSON/Markdown) on the CPU."""
+    import csv
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/decode_reference.py",
+            "--smoke",
+            "--samples",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "decode_reference.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert list(rows[0]) == [
+        "model", "context", "ours_rel_err_fp32", "baseline_rel_err_fp32", "ours_us", "baseline_us", "flashinfer_us"
+    ]  # fmt: skip
+    assert [(r["model"], r["context"]) for r in rows] == [("SmolLM2-135M", "96"), ("Qwen2.5-0.5B", "150")]
+    assert all(0 < float(r["ours_rel_err_fp32"]) < 0.05 and r["ours_us"] == "" for r in rows)
+    doc = json.loads((tmp_path / "decode_reference.json").read_text())
+    assert doc["all_pass"] and len(doc["layers"]) == 2 * 2 * 2  # 2 models x 2 variants x 2 layers
+    assert (tmp_path / "decode_reference_layers.csv").exists() and (tmp_path / "decode_reference.md").exists()
+    assert "verdict" in proc.stdout and "wrote" in proc.stdout
