@@ -689,16 +689,20 @@ class L2GraphCallback(Callback):
         self._traced_steps += 1
 
         def traced() -> Any:
-            self._tracer = tracer
-            try:
-                with tracer, tracer.memoized():
-                    out = closure() if closure is not None else None
-            finally:
-                self._tracer = None
+            out = self._run_traced(tracer, closure)
             self._judge_trace(group, tracer.trace, updated_between(before, update_counts(self._module)))
             return out
 
         return run(traced, **kwargs)
+
+    def _run_traced(self, tracer: StepTracer, closure: Any) -> Any:
+        """Lightning's closure under `tracer` (the captured hooks and ``self.log`` consult it)."""
+        self._tracer = tracer
+        try:
+            with tracer, tracer.memoized():
+                return closure() if closure is not None else None
+        finally:
+            self._tracer = None
 
     def _judge_trace(self, group: _Group, trace: StepTrace, updated: list[str]) -> None:
         """Compare a traced step with its group; refuse (before the update) what can never be replayed."""
@@ -787,7 +791,7 @@ class L2GraphCallback(Callback):
         metrics = dict(named_metrics(module))
         bound = {name: metrics[name] for name in sorted(group.metrics if group else ()) if name in metrics}
         if self._graph is not None and self._graph.binding is not None:
-            self._graph.binding.before_replay()
+            self._graph.binding.bring_home()
             bound.update(self._graph.binding.metrics)
         self._graph = None  # a re-capture replaces the graph; a failed one leaves none
         binding = MetricBinding(bound) if bound else None
@@ -810,12 +814,7 @@ class L2GraphCallback(Callback):
         wrapped.freeze(True)
 
         def captured() -> Any:
-            self._tracer = tracer
-            try:
-                with tracer, tracer.memoized():
-                    out = closure() if closure is not None else None
-            finally:
-                self._tracer = None
+            out = self._run_traced(tracer, closure)
             if self._step_output is None:
                 raise _Defer()
             return out
@@ -881,7 +880,7 @@ class L2GraphCallback(Callback):
             self._phase_events.mark("start")
             run(closure, **kwargs)
             if graph.binding is not None:
-                graph.binding.copy_home_in_graph()
+                graph.binding.bring_home()
             self._phase_events.mark("end")
         if torch.cuda.is_available():
             self._pool_mib = (torch.cuda.memory_reserved() - reserved) / (1 << 20)
@@ -919,7 +918,7 @@ class L2GraphCallback(Callback):
             if param.grad is not grad:  # an eager step replaced them
                 param.grad = grad
         if graph.binding is not None:
-            graph.binding.before_replay()
+            graph.binding.bring_home()
         self._optimizer.sync_tensors()
         start, end = self._events()
         start.record()

@@ -113,8 +113,8 @@ class MetricBinding:
     """The metrics a captured step updates, bound to home tensors that accumulate across replays.
 
     Build it right before the capture with the metrics the warm-up saw updated; call
-    :meth:`copy_home_in_graph` at the end of the captured region (still inside the capture),
-    :meth:`finish_capture` after it, :meth:`before_replay` and :meth:`after_replay` around each replay.
+    :meth:`bring_home` at the end of the captured region (still inside the capture) and before each
+    replay, :meth:`finish_capture` after the capture, :meth:`after_replay` after each replay.
     """
 
     def __init__(self, metrics: dict[str, Any]) -> None:
@@ -126,27 +126,17 @@ class MetricBinding:
         self._counts = {name: int(m._update_count) for name, m in self.metrics.items()}
         self._deltas: dict[str, int] = {}
         self._forward_caches: dict[str, Any] = {}
-        self._patched: list[tuple[Any, str]] = []
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every home tensor (for snapshots that must undo what a warm-up or a capture changed)."""
         return list(self.homes.values())
 
-    def patch_nan_checks(self) -> None:
-        """Install :func:`sync_free_nan_check` on the aggregation metrics that need it (undone by :meth:`unpatch`)."""
-        for m in self.metrics.values():
-            if needs_sync_free_nan_check(m) and "_cast_and_nan_check_input" not in vars(m):
-                m._cast_and_nan_check_input = sync_free_nan_check(m)
-                self._patched.append((m, "_cast_and_nan_check_input"))
+    def bring_home(self) -> None:
+        """Copy each reassigned state into its home and point the attribute back at the home.
 
-    def unpatch(self) -> None:
-        for m, attr in self._patched:
-            if attr in vars(m):
-                delattr(m, attr)
-        self._patched = []
-
-    def copy_home_in_graph(self) -> None:
-        """Inside the capture: copy each reassigned state into its home, and point the attribute back."""
+        At the end of the captured region (so every replay does it), and before each replay
+        (``reset()`` and eager steps assign new tensors between replays).
+        """
         with torch.no_grad():
             for (name, attr), home in self.homes.items():
                 metric = self.metrics[name]
@@ -166,16 +156,6 @@ class MetricBinding:
         for name, m in self.metrics.items():
             self._deltas[name] = int(m._update_count) - self._counts[name]
             self._forward_caches[name] = m._forward_cache
-
-    def before_replay(self) -> None:
-        """Point every state at its home again (``reset()`` and eager steps assign new tensors)."""
-        with torch.no_grad():
-            for (name, attr), home in self.homes.items():
-                metric = self.metrics[name]
-                current = getattr(metric, attr)
-                if current is not home:
-                    home.copy_(current)
-                    setattr(metric, attr, home)
 
     def fresh_forward_caches(self) -> None:
         """Each metric's step value as a fresh tensor (the graph overwrites its own at the next replay)."""
