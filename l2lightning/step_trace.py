@@ -455,7 +455,8 @@ class StepTracer(TorchDispatchMode):
     # ------------------------------------------------------------------ capture
     def _next_constant(self, value: torch.Tensor, frame: tuple[str, int] | None) -> torch.Tensor:
         constants = self.constants
-        assert constants is not None
+        if constants is None:
+            raise RuntimeError("host constants are substituted only while capturing")
         i = constants.used
         if i >= len(constants.entries):
             raise CaptureRefused(

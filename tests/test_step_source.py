@@ -1,0 +1,61 @@
+"""Reading step-counter branches and logged expressions from a module's training_step source."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from l2lightning.step_source import analyse
+
+
+class Module:
+    def __init__(self, step=0):
+        self.global_step = step
+        self.current_epoch = 0
+        self.period = 10
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step % self.period == 0:  # a target-network sync
+            pass
+        every = self.global_step // 2
+        if every % 3 == 0:  # a local assigned once from a step counter: inlined
+            pass
+        helper = self.compute()
+        if self.global_step > helper:  # reads a call's result: cannot be evaluated
+            pass
+        if batch_idx % 50 == 0:
+            pass
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        self.log("twice", float(self.global_step) * 2)
+        self.log("call", self.compute())
+        return None
+
+    def compute(self):
+        return 1
+
+
+def test_conditions_on_step_counters_are_found_and_evaluated_per_step():
+    source = analyse(Module())
+    assert len(source.conditions) == 4
+    assert (
+        len(source.opaque_conditions) == 1 and "if self.global_step > helper" in source.opaque_conditions[0]
+    )
+    assert "test_step_source.py:" in source.opaque_conditions[0]
+    assert source.branch_key(Module(0), 0) == (True, True, True)
+    assert source.branch_key(Module(10), 7) == (True, False, False)
+    assert source.branch_key(Module(4), 50) == (False, False, True)
+
+
+def test_logged_python_expressions_are_recomputed_where_they_only_read():
+    source = analyse(Module())
+    assert set(source.log_values) == {"lr", "twice"}  # a call to one's own method is not evaluated
+    module = Module(7)
+    module.lr_schedulers = lambda: SimpleNamespace(get_last_lr=lambda: [0.25])
+    assert source.log_value("lr", module, 0) == 0.25
+    assert source.log_value("twice", module, 0) == 14.0
+
+
+def test_library_hooks_and_missing_sources_give_nothing():
+    from lightning.pytorch import LightningModule
+
+    assert analyse(LightningModule(), ("on_before_backward",)).conditions == []
+    assert analyse(SimpleNamespace(), ("training_step",)).conditions == []
