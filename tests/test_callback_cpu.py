@@ -52,7 +52,10 @@ def test_cpu_fit_with_callback_equals_fit_without():
         ({"verify": "yes"}, "`verify` must be a bool"),
         ({"compile": 1}, "`compile` must be a bool"),
         ({"eager_optimizer_fallback": None}, "`eager_optimizer_fallback` must be a bool"),
-        ({"eager_steps": 10}, r"`eager_steps` must be None or a callable \(trainer, batch_idx\) -> bool, got 10"),
+        (
+            {"eager_steps": 10},
+            r"`eager_steps` must be None or a callable \(trainer, batch_idx\) -> bool, got 10",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected_naming_them(kwargs, message):
