@@ -8,13 +8,10 @@ the loggers.
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-import l2lightning.train as train
-from l2lightning._resources import config_dir
+from tests.train_helpers import run_overrides
 
 TINY = [
     "model.width=16",
@@ -28,12 +25,6 @@ TINY = [
 ]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def run_overrides(overrides: list[str], run_dir: Path) -> dict:
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
-    return train.run(cfg, output_dir=run_dir, overrides=overrides)
 
 
 def test_config_added_callbacks_run(tmp_path):

@@ -7,22 +7,19 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 import l2lightning.train as train
 from l2lightning import _env
-from l2lightning._resources import config_dir
 from l2lightning.models import FAMILIES
+from tests.train_helpers import compose_train, python_env
 
-REPO = Path(__file__).resolve().parent.parent
 CPU_LINE = "l2lightning: no CUDA device ("
 # sizes small enough for a 2-step CPU fit of each family, given as Hydra overrides
 TINY = {
@@ -90,17 +87,6 @@ TRAIN_METRIC = {
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def python_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO)
-    return env
-
-
-def compose_train(overrides: list[str]):
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        return compose("train", overrides=overrides, return_hydra_config=True)
 
 
 def read_result(directory: Path) -> dict:

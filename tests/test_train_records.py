@@ -12,11 +12,10 @@ import logging
 import warnings
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 import l2lightning.train as train
 from l2lightning import _env
-from l2lightning._resources import config_dir
+from tests.train_helpers import run_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,12 +28,6 @@ TINY = [
     "trainer=cpu",
     "validate=false",
 ]
-
-
-def run_overrides(overrides: list[str], tmp_path) -> dict:
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
-    return train.run(cfg, output_dir=tmp_path / "run", overrides=overrides)
 
 
 def test_step_time_selection():
@@ -95,7 +88,7 @@ def test_summary_line_of_a_captured_run():
 
 def test_printed_summary_of_a_cpu_run(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="l2lightning.train")
-    result = run_overrides([*TINY, "trainer.max_steps=5", "l2=none"], tmp_path)
+    result = run_overrides([*TINY, "trainer.max_steps=5", "l2=none"], tmp_path / "run")
     lines = [r.getMessage() for r in caplog.records if r.name == "l2lightning.train"]
     assert lines[-2] == f"l2lightning: run directory: {tmp_path.resolve() / 'run'}"
     assert lines[-1] == train.summary_line(result)
@@ -109,7 +102,7 @@ def test_the_callback_path_records_what_ran_and_why(tmp_path, monkeypatch):
     monkeypatch.setattr(_env, "cuda_unavailable_reason", lambda: None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the callback's own "training eagerly" warning
-        result = run_overrides([*TINY, "trainer.max_steps=2", "eager_baseline_steps=3"], tmp_path)
+        result = run_overrides([*TINY, "trainer.max_steps=2", "eager_baseline_steps=3"], tmp_path / "run")
     assert result["callback"] is True and result["l2"] == "prefetch" and result["l2_requested"] == "prefetch"
     assert result["captured"] is False and result["reason"]  # the callback's reason
     assert result["eager_step_ms"] > 0 and result["eager_steps_timed"] == 1  # of the 3-step baseline

@@ -8,18 +8,14 @@ unreadable `ckpt_path` and a missing optional package stop the run with one line
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 import l2lightning.train as train
-from l2lightning._resources import config_dir
+from tests.train_helpers import compose_train, python_env, run_overrides
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = [
     "model.width=16",
     "model.depth=1",
@@ -31,24 +27,6 @@ TINY = [
 ]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def compose_train(overrides: list[str]):
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        return compose("train", overrides=overrides, return_hydra_config=True)
-
-
-def run_overrides(overrides: list[str], tmp_path: Path) -> dict:
-    return train.run(compose_train(overrides), output_dir=tmp_path / "run", overrides=overrides)
-
-
-def python_env(extra_path: Path | None = None) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    paths = [str(p) for p in (extra_path, REPO) if p is not None]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
 
 
 @pytest.mark.parametrize(
@@ -72,7 +50,7 @@ def python_env(extra_path: Path | None = None) -> dict[str, str]:
 )
 def test_bad_l2_fails_on_cpu_naming_the_argument(overrides, message, tmp_path):
     with pytest.raises(train.ConfigError, match=message):
-        run_overrides([*TINY, *overrides], tmp_path)
+        run_overrides([*TINY, *overrides], tmp_path / "run")
     assert not (tmp_path / "run" / "result.json").exists()  # refused before anything ran
 
 
@@ -85,19 +63,19 @@ def test_good_l2_options_pass_on_cpu(tmp_path):
 
 def test_unknown_top_level_key_is_refused(tmp_path):
     with pytest.raises(train.ConfigError) as info:
-        run_overrides([*TINY, "+trainr.max_steps=3"], tmp_path)
+        run_overrides([*TINY, "+trainr.max_steps=3"], tmp_path / "run")
     assert str(info.value) == ("unknown top-level key `trainr`; accepted: " + ", ".join(train.TOP_LEVEL_KEYS))
 
 
 def test_callbacks_l2_entry_is_configured_under_l2(tmp_path):
     with pytest.raises(train.ConfigError, match=r"^callbacks.l2 must stay `\$\{l2\}`"):
-        run_overrides([*TINY, "callbacks.l2={_target_:l2lightning.L2GraphCallback}"], tmp_path)
+        run_overrides([*TINY, "callbacks.l2={_target_:l2lightning.L2GraphCallback}"], tmp_path / "run")
 
 
 def test_missing_or_unreadable_ckpt_path(tmp_path, monkeypatch):
     missing = tmp_path / "nonexistent.ckpt"
     with pytest.raises(train.ConfigError) as info:
-        run_overrides([*TINY, f"ckpt_path={missing}"], tmp_path)
+        run_overrides([*TINY, f"ckpt_path={missing}"], tmp_path / "run")
     assert str(info.value) == f"ckpt_path: no such file: {missing}"
     with pytest.raises(train.ConfigError, match=r"^ckpt_path: not a file: "):
         train.check_ckpt_path(str(tmp_path))
