@@ -167,6 +167,18 @@ class DQNTargetSync(LightningModule):
         return torch.optim.Adam(self.q.parameters(), lr=self.hparams.lr)
 
 
+def mnist_mlp(hidden: int) -> nn.Sequential:
+    """The two-hidden-layer MNIST MLP of Lightning's docs examples (28x28 -> hidden -> hidden -> 10)."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(28 * 28, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )
+
+
 class DocsLRWarmup(LightningModule):
     """The learning-rate warm-up of Lightning's optimization guide ("manually warm up lr without a
     scheduler"): an ``optimizer_step`` override that steps with the closure, then sets each param
@@ -175,14 +187,7 @@ class DocsLRWarmup(LightningModule):
     def __init__(self, learning_rate: float = 1e-3, hidden: int = 256) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(28 * 28, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, 10),
-        )
+        self.net = mnist_mlp(hidden)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -523,14 +528,7 @@ class GradNormLogging(LightningModule):
 
     def __init__(self, hidden: int = 128) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(28 * 28, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, 10),
-        )
+        self.net = mnist_mlp(hidden)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
