@@ -666,3 +666,89 @@ def test_finding_the_prefetch_chain_leaves_no_trace(monkeypatch):
     run = fit(BatchNormAndMetric, [cb], steps=-1, n=96, trainer_kwargs={"max_epochs": 2})
     assert cb.summary()["captured"]
     assert_same(base, run)
+
+
+# --------------------------------------------------------------------------- more of the same kind
+class Planted(TinyMLP):
+    """Differs only inside a capture: what verify=True exists to catch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1.001 if emu.CAPTURING[0] else loss
+
+
+def test_a_verify_failure_raises_and_leaves_nothing_installed():
+    from l2lightning import EquivalenceError
+
+    seed_everything(0)
+    model = Planted(width=32, depth=3)
+    trainer = quiet_trainer(accelerator="cpu", max_steps=8, callbacks=[callback(verify=True)])
+    with pytest.raises(EquivalenceError, match="captured step vs eager step"):
+        trainer.fit(model, regression_loader(n=240, width=32))
+    assert not {"training_step", "backward", "optimizer_zero_grad", "log"} & set(vars(model))
+    group = trainer.optimizers[0].param_groups[0]
+    assert group["capturable"] is False and type(group["lr"]) is float
+    assert "step" not in vars(trainer.optimizers[0])
+
+
+def test_a_second_fit_on_the_same_trainer_and_callback_matches():
+    def two_fits(cls, callbacks):
+        seed_everything(0)
+        model = cls(width=32, depth=3)
+        trainer = quiet_trainer(accelerator="cpu", max_steps=10, callbacks=callbacks)
+        trainer.fit(model, regression_loader(n=240, width=32))
+        trainer.fit_loop.epoch_loop.max_steps = 25
+        trainer.fit(model, regression_loader(n=240, width=32))
+        return model, trainer
+
+    base, _ = two_fits(baseline_of(TinyMLP), [])
+    cb = callback()
+    run, trainer = two_fits(TinyMLP, [cb])
+    assert trainer.global_step == 25 and cb.summary()["captured"]
+    assert all(torch.equal(p, q) for p, q in zip(base.parameters(), run.parameters()))
+
+
+class ValidatedStepSchedule(StepSchedule):
+    def validation_step(self, batch, batch_idx):
+        self.log("val", super().training_step(batch, batch_idx))
+
+
+def test_partial_batches_with_a_step_schedule_and_validation_match():
+    kw = dict(
+        steps=40,
+        n=60,
+        trainer_kwargs={"val_check_interval": 3, "num_sanity_val_steps": 0},
+    )
+
+    def run(cls, callbacks):
+        seed_everything(0)
+        model = cls(width=32, depth=3)
+        trainer = quiet_trainer(
+            accelerator="cpu", max_steps=kw["steps"], callbacks=callbacks, **kw["trainer_kwargs"]
+        )
+        trainer.fit(model, regression_loader(n=kw["n"], width=32), regression_loader(n=16, width=32, seed=4))
+        return model, trainer
+
+    base, tb = run(baseline_of(ValidatedStepSchedule), [])
+    cb = callback()
+    model, tr = run(ValidatedStepSchedule, [cb])
+    assert cb.summary()["captured"] and cb.fallback_steps > 0  # the partial last batch of each epoch
+    assert all(torch.equal(p, q) for p, q in zip(base.parameters(), model.parameters()))
+    sb, sr = tb.lr_scheduler_configs[0].scheduler, tr.lr_scheduler_configs[0].scheduler
+    assert sb.last_epoch == sr.last_epoch and sb.get_last_lr() == sr.get_last_lr()
+    assert torch.equal(tb.callback_metrics["val"], tr.callback_metrics["val"])
+
+
+class InfAtLargeInputs(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x * torch.where(x.abs().max() > 2.9, torch.tensor(float("inf")), torch.tensor(1.0))
+        return super().training_step((x, y), batch_idx)
+
+
+def test_gradient_clipping_with_non_finite_gradients_matches_bit_for_bit():
+    from l2lightning.verify import compare
+
+    base, run, cb = captured_pair(InfAtLargeInputs, steps=20, trainer_kwargs={"gradient_clip_val": 0.5})
+    assert cb.summary()["captured"]
+    assert compare(dict(base[0].named_parameters()), dict(run[0].named_parameters()), "params").ok
