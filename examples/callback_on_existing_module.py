@@ -65,7 +65,7 @@ def main() -> None:
     if summary["captured"]:
         print(
             f"captured: yes; eager {summary['eager_step_ms']:.3f} ms/step, graph {summary['graph_step_ms']:.3f} "
-            f"ms/step, speedup {summary['speedup']:.2f}x; prefetching layers: "
+            f"ms/step, replay speedup {summary['replay_speedup']:.2f}x; prefetching layers: "
             f"{sum(1 for row in summary['plans'] if row.get('forward') or row.get('backward'))}"
         )
     else:

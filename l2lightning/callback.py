@@ -196,7 +196,8 @@ class L2GraphCallback(Callback):
         report: print the step report (per-layer plans, tuning table, timings) at capture.
         eager_optimizer_fallback: train eagerly (with a warning) when the optimizer cannot be
             captured, instead of raising.
-        log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/speedup``,
+        log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/replay_speedup`` (their ratio:
+            CUDA-event time of an eager step over one graph replay, Lightning's host work left out),
             ``l2/graph_pool_mib``, ``l2/prefetch_layers``, ``l2/prefetch_mib`` and
             ``l2/fallback_steps`` through the Trainer's loggers on rank zero, once the first
             replays have finished on the device (read without a host sync), and at each epoch end.
@@ -330,7 +331,7 @@ class L2GraphCallback(Callback):
             "captures": self.captures,
             "eager_step_ms": eager_ms,
             "graph_step_ms": graph_ms,
-            "speedup": (eager_ms / graph_ms) if eager_ms and graph_ms else None,
+            "replay_speedup": (eager_ms / graph_ms) if eager_ms and graph_ms else None,
             "plans": self.plans,
             "verify": str(self.verify_report) if self.verify_report is not None else None,
             "fallback_steps": self.fallback_steps,
@@ -1260,7 +1261,7 @@ class L2GraphCallback(Callback):
         summary = self.summary()
         metrics = {
             f"l2/{key}": float(summary[key])
-            for key in ("eager_step_ms", "graph_step_ms", "speedup", "graph_pool_mib")
+            for key in ("eager_step_ms", "graph_step_ms", "replay_speedup", "graph_pool_mib")
             if summary[key] is not None and math.isfinite(float(summary[key]))
         }
         prefetched = [row for row in self.plans if row.get("forward") or row.get("backward")]

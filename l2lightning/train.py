@@ -762,10 +762,10 @@ def run(
         "fit_step_speedup": fit_speedup,
         "speedup": fit_speedup,  # the same number as fit_step_speedup
         "timing": timing,
-        # the callback's CUDA-event times: eager warm-up step vs one graph replay (what l2/speedup logs)
+        # the callback's CUDA-event times: eager warm-up step vs one graph replay (l2/replay_speedup)
         "replay_eager_step_ms": summary.get("eager_step_ms"),
         "replay_graph_step_ms": summary.get("graph_step_ms"),
-        "replay_speedup": summary.get("speedup"),
+        "replay_speedup": summary.get("replay_speedup"),
         "plans": summary.get("plans") or [],
         "verify": summary.get("verify"),
         "capture_step": capture_step,
@@ -783,6 +783,7 @@ def run(
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     result = _jsonable(result)
+    log_headline(trainer.loggers, trainer.global_step, eager[0], graph[0], fit_speedup)
     (out / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
     log.info("l2lightning: run directory: %s", out)
     log.info(summary_line(result))
@@ -967,6 +968,26 @@ def main() -> None:
     hydra_main()
     if _FAILED:
         sys.exit(1)
+
+
+def log_headline(
+    loggers: list, step: int, eager_ms: float | None, fit_ms: float | None, speedup: float | None
+) -> None:
+    """Send the headline to the run's loggers: ``l2/speedup``, the wall-clock ``Trainer.fit`` step ratio.
+
+    ``l2/eager_fit_step_ms`` and ``l2/fit_step_ms`` are its two sides; nothing is logged without both.
+    (The callback logs its own CUDA-event ratio as ``l2/replay_speedup``.)
+    """
+    if speedup is None or eager_ms is None or fit_ms is None:
+        return
+    metrics = {
+        "l2/speedup": float(speedup),
+        "l2/eager_fit_step_ms": float(eager_ms),
+        "l2/fit_step_ms": float(fit_ms),
+    }
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)
+        logger.save()
 
 
 if __name__ == "__main__":

@@ -174,7 +174,15 @@ def _short(exc: BaseException, limit: int = 400) -> str:
 
 
 def _plain_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    keep = ("captured", "reason", "capture_step", "eager_step_ms", "graph_step_ms", "speedup", "verify")
+    keep = (
+        "captured",
+        "reason",
+        "capture_step",
+        "eager_step_ms",
+        "graph_step_ms",
+        "replay_speedup",
+        "verify",
+    )
     out = {k: summary.get(k) for k in keep}
     out["fallback_steps"] = summary.get("fallback_steps")
     out["fallback_causes"] = list(summary.get("fallback_causes") or [])

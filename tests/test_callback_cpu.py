@@ -290,7 +290,7 @@ def test_l2_metrics_are_logged_once_at_the_first_batch_end_after_timed_replays()
     assert metrics == {
         "l2/eager_step_ms": 6.5,  # the median of the timed eager steps
         "l2/graph_step_ms": 2.0,
-        "l2/speedup": 3.25,
+        "l2/replay_speedup": 3.25,
         "l2/graph_pool_mib": 12.5,
         "l2/prefetch_layers": 1.0,
         "l2/prefetch_mib": 1.5,

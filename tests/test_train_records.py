@@ -131,3 +131,22 @@ def test_warnings_and_lightning_lines_reach_the_log_file(tmp_path):
     text = (tmp_path / "train.log").read_text()
     assert "UserWarning: L2GraphCallback: a capture failed; training eagerly." in text
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in text
+
+
+def test_the_headline_goes_to_the_loggers_as_l2_speedup():
+    class Recording:
+        def __init__(self):
+            self.rows, self.saved = [], 0
+
+        def log_metrics(self, metrics, step):
+            self.rows.append((step, metrics))
+
+        def save(self):
+            self.saved += 1
+
+    logger = Recording()
+    train.log_headline([logger], 40, 6.0, 1.5, 4.0)
+    assert logger.rows == [(40, {"l2/speedup": 4.0, "l2/eager_fit_step_ms": 6.0, "l2/fit_step_ms": 1.5})]
+    assert logger.saved == 1
+    train.log_headline([logger], 41, 6.0, None, None)  # no capture timed: nothing to claim
+    assert len(logger.rows) == 1

@@ -331,4 +331,4 @@ def test_l2_metrics_reach_the_logger_before_the_epoch_ends():
     assert len(l2) >= 2, logger.calls  # once known, and at the epoch end
     first_step, first = l2[0]
     assert first_step < 29, f"first l2/* log at step {first_step}: only at the epoch end"
-    assert first["l2/graph_step_ms"] > 0 and first["l2/speedup"] > 0
+    assert first["l2/graph_step_ms"] > 0 and first["l2/replay_speedup"] > 0
