@@ -1,0 +1,76 @@
+"""CPU smoke test of benchmarks/bench_host_overhead.py: the plumbing, not the numbers."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host_overhead.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_host_overhead", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_writes_csv_json_profile_and_plot(tmp_path: Path) -> None:
+    bho = _load()
+    code = bho.main(
+        ["--out", str(tmp_path), "--smoke", "--families", "mlp_stack,rl_policy", "--batches", "4,16"]
+    )
+    assert code == 0
+
+    with (tmp_path / "host_overhead.csv").open() as fh:
+        rows = list(csv.reader(fh))
+    assert tuple(rows[0]) == (
+        "family",
+        "batch",
+        "lightning_eager_ms",
+        "callback_step_ms",
+        "replay_ms",
+        "floor_ms",
+        "raw_graph_loop_ms",
+        "compile_ro_ms",
+    )
+    body = [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert {(r["family"], r["batch"]) for r in body} == {
+        (f, b) for f in ("mlp_stack", "rl_policy") for b in ("4", "16")
+    }
+    for r in body:
+        assert float(r["lightning_eager_ms"]) > 0
+        assert float(r["callback_step_ms"]) > 0
+        assert float(r["floor_ms"]) > 0
+        # CUDA-only variants stay empty on the CPU
+        assert r["replay_ms"] == r["raw_graph_loop_ms"] == r["compile_ro_ms"] == ""
+
+    result = json.loads((tmp_path / "host_overhead.json").read_text())
+    assert result["machine"]["command"]
+    assert result["machine"]["torch"] and result["machine"]["lightning"]
+    assert {"replay_ms", "raw_graph_loop_ms", "compile_ro_ms"} <= set(result["empty_columns_why"])
+    assert not result["errors"]
+
+    profile = json.loads((tmp_path / "host_profile.json").read_text())
+    assert {(p["family"], p["batch"]) for p in profile["profiles"]} == {
+        (f, b) for f in ("mlp_stack", "rl_policy") for b in (4, 16)
+    }
+    for p in profile["profiles"]:
+        buckets = p["buckets_ms_per_step"]
+        assert set(buckets) == set(bho.BUCKETS)
+        assert sum(buckets.values()) > 0
+        assert buckets["lightning_loop"] > 0
+    assert (tmp_path / "host_overhead.png").stat().st_size > 0
+
+
+def test_classify_buckets() -> None:
+    bho = _load()
+    assert bho.classify(("~", 0, "<method 'item' of 'torch._C.TensorBase' objects>")) == "host_sync"
+    assert bho.classify(("/x/site-packages/torchmetrics/metric.py", 1, "update")) == "metric_updates"
+    assert bho.classify(("/x/site-packages/tqdm/std.py", 1, "update")) == "progress_bar"
+    assert bho.classify(("/w/l2lightning/callback.py", 1, "on_train_batch_start")) == "callback_replay"
+    assert bho.classify(("/w/l2lightning/models/rl_policy.py", 1, "training_step")) is None
+    assert bho.classify(("/x/site-packages/torch/nn/modules/linear.py", 1, "forward")) is None
