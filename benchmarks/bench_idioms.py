@@ -124,6 +124,11 @@ def _machine(rows: list[dict[str, Any]], accelerator: str) -> dict[str, Any]:
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    if commit and changed:
+        commit += " with uncommitted changes"  # the tree that ran is not that commit's
     return {
         "device": device or platform.processor() or platform.machine(),
         "accelerator": accelerator,
