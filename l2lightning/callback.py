@@ -914,7 +914,7 @@ class L2GraphCallback(Callback):
     # ------------------------------------------------------------------ replay
     def _replay_step(self, closure: Any) -> Any:
         graph = self._graph
-        graph.static.copy_in(self._pending[0])
+        graph.static.copy_in(self._pending[0], checked=True)  # _decide compared the signatures
         for param, grad in graph.grads:
             if param.grad is not grad:  # an eager step replaced them
                 param.grad = grad

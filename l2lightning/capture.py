@@ -130,16 +130,19 @@ class StaticBatch:
             return None
         return describe_mismatch(self.signature, signature)
 
-    def copy_in(self, batch: Any) -> None:
+    def copy_in(self, batch: Any, checked: bool = False) -> None:
         """Copy `batch`'s tensors into the buffers (asynchronously where the source allows).
+
+        `checked=True`: the caller already compared the batch's signature with these buffers'.
 
         Raises:
             BatchMismatchError: `batch` has another structure, value, shape, dtype or device.
         """
         tensors, spec = flatten_batch(batch)
-        signature = (_structure(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
-        if signature != self.signature:
-            raise BatchMismatchError(describe_mismatch(self.signature, signature))
+        if not checked:
+            signature = (_structure(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+            if signature != self.signature:
+                raise BatchMismatchError(describe_mismatch(self.signature, signature))
         for dst, src in zip(self.tensors, tensors):
             dst.copy_(src, non_blocking=True)
 
