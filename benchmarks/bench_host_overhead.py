@@ -101,19 +101,6 @@ BUCKETS = (
     "host_sync",
     "other",
 )
-# Shrinks each family to a CPU-sized model for --smoke (the same overrides as tests/test_bench_families.py).
-TINY = {
-    "mlp_stack": ["model.width=16", "model.depth=2"],
-    "rl_policy": ["model.hidden=16", "model.depth=1", "data.env_backend=numpy"],
-    "recommender": [
-        "model.num_tables=2",
-        "model.num_embeddings=50",
-        "model.embedding_dim=8",
-        "model.bottom_mlp=[16]",
-        "model.top_mlp=[16]",
-    ],
-    "conv_stack": ["model.channels=[4,8]", "data.image_size=16"],
-}
 SKIP = 8  # untimed Trainer.fit steps at the start of every fit (the harness's lightning_skip)
 
 
@@ -187,9 +174,9 @@ class _Profiler:
 # ---------------------------------------------------------------------- fits
 def _family_trainer(cfg: Any, accelerator: str, device: int, max_steps: int, callbacks: list[Any]) -> Any:
     """A Trainer with the family's packaged progress bar and loggers; no checkpoints or validation."""
-    import lightning.pytorch as pl
     from hydra.utils import instantiate
 
+    from l2lightning import bench
     from l2lightning.train import build_loggers
 
     tr = cfg.trainer
@@ -198,21 +185,15 @@ def _family_trainer(cfg: Any, accelerator: str, device: int, max_steps: int, cal
     if bar and cfg.get("callbacks") is not None and cfg.callbacks.get("progress_bar") is not None:
         callbacks.append(instantiate(cfg.callbacks.progress_bar))
     loggers = build_loggers(cfg, tr.get("logger"))
-    return pl.Trainer(
-        accelerator=accelerator,
-        devices=[device] if accelerator == "cuda" else 1,
-        max_steps=max_steps,
-        max_epochs=1,
+    return bench._trainer(
+        SimpleNamespace(device=device),
+        max_steps,
+        callbacks,
+        accelerator,
         precision=tr.get("precision", "32-true"),
         logger=loggers or False,
         log_every_n_steps=int(tr.get("log_every_n_steps", 50)),
         enable_progress_bar=bar,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
     )
 
 
@@ -730,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: list[dict[str, Any]] = []
     for fam in args.families:
         for b in args.batches:
-            overrides = TINY.get(fam, []) if args.smoke else []
+            overrides = bench.TINY_FAMILY_OVERRIDES.get(fam, []) if args.smoke else []
             try:
                 setups[fam, b] = FamilySetup(fam, b, overrides, log_dir)
             except Exception as exc:

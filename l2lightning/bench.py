@@ -958,24 +958,57 @@ def _loader(batches: list[tuple[Any, Any]], length: int) -> Any:
     return torch.utils.data.DataLoader(Batches(), batch_size=None, shuffle=False, num_workers=0)
 
 
-def _trainer(settings: BenchSettings, max_steps: int, callbacks: list[Any], accelerator: str = "cuda") -> Any:
-    """The Trainer every Lightning variant fits with (`accelerator="cpu"`: the CPU tests' stand-in)."""
+# Hydra overrides that shrink each family to a CPU-sized model (the configs allow them all): the
+# CPU tests and the benchmarks' --smoke modes.
+TINY_FAMILY_OVERRIDES: dict[str, list[str]] = {
+    "mlp_stack": ["model.width=16", "model.depth=2"],
+    "rl_policy": ["model.hidden=16", "model.depth=1", "data.env_backend=numpy"],
+    "recommender": [
+        "model.num_tables=2",
+        "model.num_embeddings=50",
+        "model.embedding_dim=8",
+        "model.bottom_mlp=[16]",
+        "model.top_mlp=[16]",
+    ],
+    "conv_stack": ["model.channels=[4,8]", "data.image_size=16"],
+    "vit": ["model.image_size=32", "model.dim=16", "model.depth=1", "model.heads=2"],
+    "text_encoder": [
+        "model.vocab_size=64",
+        "model.seq_len=8",
+        "model.d_model=16",
+        "model.nhead=2",
+        "model.num_layers=1",
+        "model.dim_feedforward=32",
+    ],
+}
+
+
+def _trainer(
+    settings: BenchSettings, max_steps: int, callbacks: list[Any], accelerator: str = "cuda", **overrides: Any
+) -> Any:
+    """The Trainer every Lightning variant fits with (`accelerator="cpu"`: the CPU tests' stand-in).
+
+    `overrides` replace its settings (a benchmark that keeps a family's logger and progress bar).
+    """
     import lightning.pytorch as pl
 
+    settings_ = dict(
+        precision="32-true",  # the model already is bf16; nothing to cast
+        logger=False,
+        enable_progress_bar=False,
+    )
     return pl.Trainer(
         accelerator=accelerator,
         devices=[settings.device] if accelerator == "cuda" else 1,
         max_steps=max_steps,
         max_epochs=1,
-        precision="32-true",  # the model already is bf16; nothing to cast
-        logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
         callbacks=callbacks,
+        **{**settings_, **overrides},
     )
 
 

@@ -29,28 +29,7 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 
-# Hydra overrides that shrink each family to a CPU-sized model (the configs allow them all).
-TINY = {
-    "mlp_stack": ["model.width=16", "model.depth=2"],
-    "rl_policy": ["model.hidden=16", "model.depth=1", "data.env_backend=numpy"],
-    "recommender": [
-        "model.num_tables=2",
-        "model.num_embeddings=50",
-        "model.embedding_dim=8",
-        "model.bottom_mlp=[16]",
-        "model.top_mlp=[16]",
-    ],
-    "conv_stack": ["model.channels=[4,8]", "data.image_size=16"],
-    "vit": ["model.image_size=32", "model.dim=16", "model.depth=1", "model.heads=2"],
-    "text_encoder": [
-        "model.vocab_size=64",
-        "model.seq_len=8",
-        "model.d_model=16",
-        "model.nhead=2",
-        "model.num_layers=1",
-        "model.dim_feedforward=32",
-    ],
-}
+TINY = bench.TINY_FAMILY_OVERRIDES
 
 
 def _settings(**kw):
