@@ -7,8 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from omegaconf import open_dict
 import l2lightning.train as train
 from l2lightning import _env
 from l2lightning.models import FAMILIES
-from tests.train_helpers import compose_train, python_env
+from tests.train_helpers import compose_train, run_entry_point
 
 CPU_LINE = "l2lightning: no CUDA device ("
 # sizes small enough for a 2-step CPU fit of each family, given as Hydra overrides
@@ -96,21 +94,7 @@ def read_result(directory: Path) -> dict:
 @pytest.mark.skipif(not NO_CUDA, reason="checks the CPU fallback; a CUDA machine trains with the callback")
 def test_module_entry_point_trains_eagerly_on_cpu(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "l2lightning.train",
-            *TINY["mlp_stack"],
-            "trainer.max_steps=2",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=tmp_path,
-        env=python_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_entry_point([*TINY["mlp_stack"], "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("l2lightning:")]
@@ -315,11 +299,8 @@ def test_write_sweep_summary(tmp_path):
 
 def test_multirun_writes_results_and_a_summary(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = subprocess.run(
+    proc = run_entry_point(
         [
-            sys.executable,
-            "-m",
-            "l2lightning.train",
             "-m",
             *TINY["mlp_stack"][:2],
             "data.batch_size=2,4",
@@ -329,11 +310,7 @@ def test_multirun_writes_results_and_a_summary(tmp_path):
             "trainer.max_steps=2",
             f"hydra.sweep.dir={sweep_dir}",
         ],
-        cwd=tmp_path,
-        env=python_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"l2lightning: sweep summary: {sweep_dir / 'summary.md'} (and summary.csv)" in proc.stdout
@@ -352,14 +329,7 @@ def test_multirun_writes_results_and_a_summary(tmp_path):
 
 
 def test_help_says_what_the_app_is(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "l2lightning.train", "--help"],
-        cwd=tmp_path,
-        env=python_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_entry_point(["--help"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("l2lightning-train: train a model family with PyTorch Lightning")
     assert "l2: autotune, default, graph, none, prefetch, verify" in proc.stdout

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from torch.utils.data import DataLoader
 
-import l2lightning.train as train
-from l2lightning._resources import config_dir
 from l2lightning.models import VectorData
+from tests.train_helpers import run_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -57,12 +55,6 @@ def resume_overrides(
     ]
 
 
-def run_entry_point(overrides: list[str], run_dir: Path) -> dict:
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
-    return train.run(cfg, output_dir=run_dir, overrides=overrides)
-
-
 def assert_same_checkpoint(a: Path, b: Path) -> None:
     """Model parameters and optimizer state of two checkpoints, bit for bit."""
     sa, sb = (torch.load(p, map_location="cpu", weights_only=False) for p in (a, b))
@@ -79,12 +71,12 @@ def assert_same_checkpoint(a: Path, b: Path) -> None:
 
 def test_resume_from_mid_run_checkpoint_equals_uninterrupted_run(tmp_path):
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    full = run_entry_point(resume_overrides(full_dir), full_dir)
+    full = run_overrides(resume_overrides(full_dir), full_dir)
     mid = full_dir / "checkpoints" / f"epoch0-step{MID}.ckpt"
     assert mid.is_file() and full["steps"] == STEPS
 
     overrides = [*resume_overrides(resumed_dir), f"ckpt_path={mid}"]
-    resumed = run_entry_point(overrides, resumed_dir)
+    resumed = run_overrides(overrides, resumed_dir)
 
     assert resumed["ckpt_path"] == str(mid) and resumed["steps"] == STEPS
     assert resumed["final_loss"] == full["final_loss"]

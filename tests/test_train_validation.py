@@ -8,13 +8,11 @@ unreadable `ckpt_path` and a missing optional package stop the run with one line
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 import l2lightning.train as train
-from tests.train_helpers import compose_train, python_env, run_overrides
+from tests.train_helpers import compose_train, run_entry_point, run_overrides
 
 TINY = [
     "model.width=16",
@@ -92,21 +90,8 @@ def test_missing_or_unreadable_ckpt_path(tmp_path, monkeypatch):
 def test_bad_l2_exits_1_with_one_line(tmp_path):
     # the repro: exit 0 before; now one line on stderr, no traceback, a failed result.json
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "l2lightning.train",
-            "trainer=cpu",
-            "trainer.max_steps=3",
-            "l2.prefetch=bogus",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=tmp_path,
-        env=python_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_entry_point(
+        ["trainer=cpu", "trainer.max_steps=3", "l2.prefetch=bogus", f"hydra.run.dir={run_dir}"], tmp_path
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = (
@@ -125,11 +110,8 @@ def test_missing_optional_package_prints_only_the_advice(tmp_path):
     blocked.mkdir()
     (blocked / "sklearn.py").write_text("raise ImportError(\"No module named 'sklearn'\")\n")
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
+    proc = run_entry_point(
         [
-            sys.executable,
-            "-m",
-            "l2lightning.train",
             "experiment=small_batch_mlp",
             "model.width=16",
             "model.depth=1",
@@ -137,11 +119,8 @@ def test_missing_optional_package_prints_only_the_advice(tmp_path):
             "trainer.max_steps=2",
             f"hydra.run.dir={run_dir}",
         ],
-        cwd=tmp_path,
-        env=python_env(blocked),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        tmp_path,
+        blocked,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     advice = (

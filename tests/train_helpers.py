@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -32,3 +34,17 @@ def python_env(extra_path: Path | None = None) -> dict[str, str]:
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
+
+
+def run_entry_point(
+    args: list[str], cwd: Path, extra_path: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m l2lightning.train ARGS` in a subprocess from `cwd`; output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "l2lightning.train", *args],
+        cwd=cwd,
+        env=python_env(extra_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
