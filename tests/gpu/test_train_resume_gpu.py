@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_train_resume import assert_same_checkpoint, resume_overrides, run_entry_point
+from tests.test_train_resume import assert_same_checkpoint, resume_overrides
+from tests.train_helpers import run_overrides
 
 pytestmark = pytest.mark.gpu
 
@@ -25,13 +26,13 @@ def test_resume_with_the_callback_equals_uninterrupted_run(tmp_path):
         ]
 
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    full = run_entry_point(overrides(full_dir), full_dir)
+    full = run_overrides(overrides(full_dir), full_dir)
     assert full["callback"] is True and full["captured"] is True, full["reason"]
     assert full["capture_step"] == 3 and full["steps"] == STEPS and full["fallback_steps"] == 0
     mid = full_dir / "checkpoints" / f"epoch0-step{EVERY}.ckpt"
     assert mid.is_file()
 
-    resumed = run_entry_point([*overrides(resumed_dir), f"ckpt_path={mid}"], resumed_dir)
+    resumed = run_overrides([*overrides(resumed_dir), f"ckpt_path={mid}"], resumed_dir)
     assert resumed["callback"] is True and resumed["captured"] is True, resumed["reason"]
     assert resumed["capture_step"] == EVERY + 3  # re-captured after three warm-up steps of its own
     assert resumed["steps"] == STEPS and resumed["final_loss"] == full["final_loss"]
@@ -46,7 +47,7 @@ def test_headline_is_the_wall_clock_fit_step_ratio(tmp_path):
         "l2=prefetch",
         "eager_baseline_steps=10",
     ]
-    result = run_entry_point(overrides, tmp_path)
+    result = run_overrides(overrides, tmp_path)
     assert result["captured"] is True, result["reason"]
     assert result["eager_steps_timed"] == 7  # the 10-step eager baseline fit after its first 3
     assert result["graph_steps_timed"] == 20 - 4  # the steps after the capture step 3
