@@ -275,9 +275,14 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: Any = N
     graph; cleared after, no later capture reuses it.
     """
     clear_cublas_workspaces()
-    # torch.cuda.graph collects garbage before the capture; the collector must not run *during* it
-    # either: freeing a CUDA event left in a reference cycle (an earlier fit's) is a CUDA call the
-    # capture forbids, and it aborts a capture that has nothing wrong with it.
+    # Collect garbage first. torch.cuda.graph stopped doing it (only with
+    # torch.compiler.config.force_cudagraph_gc), but a dead autograd graph kept by a reference cycle
+    # keeps the parameters' AccumulateGrad nodes, bound to the stream they were made on; the captured
+    # backward then accumulates through them across streams and the capture fails.
+    gc.collect()
+    # The collector must not run *during* the capture: freeing a CUDA event left in a reference
+    # cycle (an earlier fit's) is a CUDA call the capture forbids, and it aborts a capture that has
+    # nothing wrong with it.
     collecting = gc.isenabled()
     gc.disable()
     try:

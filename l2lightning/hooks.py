@@ -127,6 +127,9 @@ class _BackwardPass:
 
     layers: set[int] = field(default_factory=set)
     outputs: list[torch.Tensor] = field(default_factory=list)
+    # The backward join's handle. `register_multi_grad_hook` closes over the grad_fns it hooks, so
+    # its hook makes a reference cycle with the autograd graph; only removing the hook breaks it.
+    join: Any = None
 
 
 def _flatten_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -452,6 +455,7 @@ class PrefetchHooks:
         self._end()
 
     def _begin(self) -> None:
+        self._release_pass()
         self._active = True
         self._pass = _BackwardPass()
         if self.via == "ops":
@@ -467,10 +471,24 @@ class PrefetchHooks:
             # Registered after every per-layer grad hook, so on the tensor whose gradient comes last
             # the prefetch issue runs first and this join second. Tensors this backward will not
             # reach are ignored by mode="all", so the join always fires when backward runs.
-            torch.autograd.graph.register_multi_grad_hook(
-                backward_pass.outputs, self._make_backward_join(), mode="all"
+            backward_pass.join = torch.autograd.graph.register_multi_grad_hook(
+                backward_pass.outputs, self._make_backward_join(backward_pass), mode="all"
             )
             backward_pass.outputs = []  # the hook holds what it needs; do not keep activations alive
+
+    def _release_pass(self) -> None:
+        """Drop the last pass's join hook if its backward never ran (a forward-only dry run).
+
+        Left in place, its reference cycle keeps that pass's autograd graph alive until the garbage
+        collector runs, and with it the parameters' AccumulateGrad nodes, which remember the stream
+        they were made on: a graph captured on another stream then accumulates through them, and
+        the capture fails ("AccumulateGrad node's stream does not match"), seen on the H200 when a
+        dry run on the default stream preceded the capture and no collection ran in between.
+        """
+        backward_pass = self._pass
+        if backward_pass is not None and backward_pass.join is not None:
+            backward_pass.join.remove()
+            backward_pass.join = None
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -510,8 +528,16 @@ class PrefetchHooks:
 
         return post_hook
 
-    def _make_backward_join(self) -> Callable[[Any], None]:
+    def _make_backward_join(self, backward_pass: _BackwardPass) -> Callable[[Any], None]:
+        def release() -> None:
+            if backward_pass.join is not None:
+                backward_pass.join.remove()
+                backward_pass.join = None
+
         def join(grads: Any) -> None:
+            # It fires once per pass: break its cycle when this backward ends (not from inside the
+            # hook, whose own hook dictionary autograd is walking right now).
+            torch.autograd.Variable._execution_engine.queue_callback(release)
             if not self._removed:
                 self.issuer.join("backward")
 
@@ -617,6 +643,7 @@ class PrefetchHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._release_pass()
         self._removed = True
         if getattr(self, "_owner_id", None) is not None:
             from l2lightning import prefetch_ops

@@ -348,3 +348,36 @@ def test_compiled_forward_compiles_torch_containers_and_keeps_the_points():
     hooks.join()
     assert counters["stats"]["unique_graphs"] == 1 and dict(counters["graph_break"]) == {}
     assert rec.events == EXPECTED_STEP
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward_only", "with_backward"])
+def test_a_hooked_pass_leaves_no_autograd_graph_for_the_collector(backward):
+    # A graph kept alive by a reference cycle keeps the parameters' AccumulateGrad nodes, which are
+    # bound to the stream they were made on: a later capture on another stream fails through them.
+    import gc
+    import weakref
+
+    model = stack()
+    hooks, rec = make(model, scope="manual")
+    weight = model[0][1].weight
+    collecting = gc.isenabled()
+    gc.disable()  # only reference counting may free the graph
+    try:
+        x = torch.randn(2, 64, requires_grad=True)  # its AccumulateGrad node holds it
+        with hooks.scope():
+            out = model(x)
+        graph_input = weakref.ref(x)
+        del x
+        if backward:
+            out.sum().backward()
+        del out
+        if not backward:
+            with hooks.scope():  # the next pass drops the forward-only pass's join hook
+                model(torch.randn(2, 64))
+        assert graph_input() is None  # the pass's autograd graph is gone
+        assert weight.grad is not None if backward else weight.grad is None
+        if backward:
+            assert rec.events[-1] == ("join", "backward", -1)
+    finally:
+        if collecting:
+            gc.enable()
