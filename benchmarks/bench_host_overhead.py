@@ -259,28 +259,67 @@ def fit_family(
     return out
 
 
-def fit_floor(args: argparse.Namespace) -> float | None:
-    """The callback's ``Trainer.fit`` step on a 1->1 Linear, batch 1, no logging: the loop floor."""
+LOG_COST_LOGS = 4  # self.log calls per step in the log-cost fits
+
+
+def _logging_module(logs: int, device: Any, impl: str) -> Any:
+    """The floor's 1->1 Linear, logging the loss `logs` times per step (prog_bar=True, as in the issue)."""
+    import torch
+
+    from l2lightning import bench
+
+    torch.manual_seed(0)
+    module = bench._lightning_module(torch.nn.Linear(1, 1).to(device), 1e-3, impl)
+    if logs:
+        plain_step = module.training_step
+
+        def training_step(batch: Any, batch_idx: int) -> Any:
+            loss = plain_step(batch, batch_idx)
+            for i in range(logs):
+                module.log(f"loss_{i}", loss, prog_bar=True)
+            return loss
+
+        module.training_step = training_step
+    return module
+
+
+def fit_floor(args: argparse.Namespace, logs: int = 0, with_callback: bool = True) -> float | None:
+    """``Trainer.fit`` step on a 1->1 Linear, batch 1, no logger or progress bar: with the callback and
+    ``logs=0``, the loop floor; with ``logs`` self.log calls per step, the cost of logging."""
     import torch
 
     from l2lightning import L2GraphCallback, bench
 
     cuda = args.accelerator == "cuda"
     device = torch.device("cuda", args.device) if cuda else torch.device("cpu")
-    torch.manual_seed(0)
-    module = bench._lightning_module(torch.nn.Linear(1, 1).to(device), 1e-3, "fused" if cuda else "foreach")
+    module = _logging_module(logs, device, "fused" if cuda else "foreach")
     batches = bench.make_batches(1, 1, device, torch.float32)
     timer = _timer(cuda)
-    cb = L2GraphCallback(prefetch="off", log_timing=False)
+    cb = L2GraphCallback(prefetch="off", log_timing=False) if with_callback else None
     total = SKIP + args.steps + 1
     with bench._quiet_lightning():
-        trainer = bench._trainer(SimpleNamespace(device=args.device), total, [timer, cb], args.accelerator)
+        trainer = bench._trainer(
+            SimpleNamespace(device=args.device), total, [timer, *([cb] if cb else [])], args.accelerator
+        )
         trainer.fit(module, bench._loader(batches, total))
-    summary = bench.callback_summary(cb)
     start = SKIP
-    if summary.get("captured") and summary.get("capture_step") is not None:
-        start = max(SKIP, int(summary["capture_step"]) + 2)
+    if cb is not None:
+        summary = bench.callback_summary(cb)
+        if summary.get("captured") and summary.get("capture_step") is not None:
+            start = max(SKIP, int(summary["capture_step"]) + 2)
     return _median(_step_ms(timer, cuda, start, args.steps))
+
+
+def log_cost(args: argparse.Namespace) -> dict[str, float | None]:
+    """Per-``self.log`` cost per step, plain Lightning and with the callback: (t(k logs) - t(0)) / k."""
+    out: dict[str, float | None] = {}
+    for variant, with_callback in (("plain", False), ("callback", True)):
+        none = fit_floor(args, 0, with_callback)
+        some = fit_floor(args, LOG_COST_LOGS, with_callback)
+        out[f"{variant}_step_ms_0_logs"] = none
+        out[f"{variant}_step_ms_{LOG_COST_LOGS}_logs"] = some
+        out[f"{variant}_ms_per_log"] = (some - none) / LOG_COST_LOGS if none and some else None
+    return out
 
 
 @contextlib.contextmanager
@@ -738,7 +777,12 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return value
 
+    log_costs: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
+        cost = attempt("log_cost", 0, "log_cost", lambda: log_cost(args))
+        if cost:
+            log_costs.append({"round": rnd, **cost})
+            print({"round": rnd, **{k: v and round(v, 4) for k, v in cost.items()}}, flush=True)
         for fam in args.families:
             floor = attempt(fam, 0, "floor", lambda: fit_floor(args))
             for b in args.batches:
@@ -828,6 +872,16 @@ def main(argv: list[str] | None = None) -> int:
         "empty_columns_why": empty_why,
         "rows": rows,
         "runs": runs,
+        "log_cost": {
+            "method": f"fit_floor's module logging its loss {LOG_COST_LOGS} times per step (prog_bar=True), "
+            "no logger or progress bar; ms_per_log = (step with the logs - step without) / logs, per round",
+            "median": {
+                k: _median([c.get(k) for c in log_costs])
+                for k in (log_costs[0] if log_costs else {})
+                if k != "round"
+            },
+            "rounds": log_costs,
+        },
         "errors": errors,
         "plot": plot_note or "host_overhead.png",
         "elapsed_s": round(time.perf_counter() - t_start, 1),

@@ -55,6 +55,7 @@ from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason, prefetch_unavailable_reason
 from l2lightning.capture import StaticBatch, TrainingState, batch_signature, graph_capture, loss_of
+from l2lightning.log_replay import ReissuedLog
 from l2lightning.metric_binding import (
     MetricBinding,
     named_metrics,
@@ -114,13 +115,6 @@ def metric_update_reason(names: list[str], detail: str | None = None) -> str:
 
 
 @dataclass
-class _LogCall:
-    fx: str
-    args: tuple
-    kwargs: dict
-
-
-@dataclass
 class _Timing:
     """CUDA-event pairs of eager and replayed steps (the latest ``TIMING_WINDOW``); read without host syncs."""
 
@@ -160,7 +154,7 @@ class _Graph:
     key: tuple
     output: Any = None
     grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
-    log_calls: list[_LogCall] = field(default_factory=list)
+    log_calls: list[ReissuedLog] = field(default_factory=list)
     binding: MetricBinding | None = None
     constants: HostConstants | None = None
     flags: tuple = ()
@@ -283,7 +277,7 @@ class L2GraphCallback(Callback):
         self._traced_steps = 0
         self._tracer: StepTracer | None = None
         self._step_logs: dict[str, list[Any]] = {}  # Python-number log values per key, over the traced steps
-        self._capture_logs: list[_LogCall] = []
+        self._capture_logs: list[ReissuedLog] = []
         self._pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
         self._pending_key: tuple = ()
         self._in_step = False
@@ -1032,7 +1026,7 @@ class L2GraphCallback(Callback):
         mode = self._mode
         if mode == "capture":
             fx = self._module._current_fx_name or "training_step"
-            self._capture_logs.append(_LogCall(fx, (name, value, *args), kwargs))
+            self._capture_logs.append(ReissuedLog(fx, (name, value, *args), kwargs))
             return None
         if mode == "verify":
             return None  # the verify step logs nothing; the real step does
@@ -1052,21 +1046,19 @@ class L2GraphCallback(Callback):
             if call.fx == fx:
                 self._reissue_call(call)
 
-    def _reissue_call(self, call: _LogCall) -> None:
-        name, value, *rest = call.args
-        if isinstance(value, torch.Tensor):
-            value = value.detach().clone()
-        elif (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and name in self._live_log_values
+    def _reissue_call(self, call: ReissuedLog) -> None:
+        # A tensor value is the graph's static output: self.log clones it, so the logged value is
+        # this step's even after the next replay overwrites the output.
+        value = call.value
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and call.name in self._live_log_values
         ):
-            value = self._source.log_value(name, self._module, self._pending[1] if self._pending else 0)
-        kwargs = {
-            k: (v.detach().clone() if k == "value" and isinstance(v, torch.Tensor) else v)
-            for k, v in call.kwargs.items()
-        }
-        self._originals["log"](name, value, *rest, **kwargs)
+            value = self._source.log_value(call.name, self._module, self._pending[1] if self._pending else 0)
+        call.issue(self._module, self._originals["log"], value)
 
-    def _python_log_sources(self, calls: list[_LogCall]) -> set[str]:
+    def _python_log_sources(self, calls: list[ReissuedLog]) -> set[str]:
         """Keys of logged Python numbers to re-evaluate at each replay; warn about the ones that would freeze."""
         live = set()
         batch_idx = self._pending[1] if self._pending else 0

@@ -53,6 +53,10 @@ def test_smoke_writes_csv_json_profile_and_plot(tmp_path: Path) -> None:
     assert result["machine"]["torch"] and result["machine"]["lightning"]
     assert {"replay_ms", "raw_graph_loop_ms", "compile_ro_ms"} <= set(result["empty_columns_why"])
     assert not result["errors"]
+    cost = result["log_cost"]["median"]
+    for variant in ("plain", "callback"):
+        assert cost[f"{variant}_step_ms_0_logs"] > 0 and cost[f"{variant}_step_ms_4_logs"] > 0
+        assert cost[f"{variant}_ms_per_log"] is not None
 
     profile = json.loads((tmp_path / "host_profile.json").read_text())
     assert {(p["family"], p["batch"]) for p in profile["profiles"]} == {

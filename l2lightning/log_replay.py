@@ -1,0 +1,127 @@
+"""Re-issuing a captured step's ``self.log`` calls after each replay, at a fraction of their cost.
+
+A replay runs no Python, so the callback re-issues every ``self.log`` call that the captured hooks
+made, with this replay's values. Through ``LightningModule.log`` each one costs about as much as a
+small model's whole replay (``log_cost`` in ``benchmarks/bench_host_overhead.py`` measures it), almost
+all of it argument validation (``apply_to_collection`` twice, the hook's logging levels,
+``inspect.signature`` of ``training_step``), building and comparing the call's ``_Metadata``, and
+``_ResultMetric.to(device)``. Every replay repeats the very call the capture recorded, with the same
+arguments, hook and device, so all of that gives the same answer as the first time.
+
+``ReissuedLog`` therefore sends the first re-issue of a call through the real ``self.log`` (which
+validates it and registers its ``_ResultMetric``) and later ones straight to what ``self.log`` does
+with the value: the same ``clone().detach().squeeze()`` (or ``torch.tensor`` for a Python number),
+the same per-hook reset, batch size and ``_ResultCollection.update_metrics``. The tensors that reach
+the progress bar, ``callback_metrics`` and the loggers are computed by the same operations, so they
+are bitwise those of the slow path. Whenever anything the shortcut relies on is not as it was (another
+result collection, the key re-registered or reset away, another hook name, a dataloader index, a
+value of another kind), the call goes through ``self.log`` again.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+try:  # private in Lightning: what self.log itself uses for Python numbers
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _get_default_dtype
+except ImportError:  # pragma: no cover - an older or newer Lightning: every call takes the real path
+    _get_default_dtype = None
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        return "number"
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency of Lightning
+        return "other"
+    return "metric" if isinstance(value, Metric) else "other"
+
+
+class ReissuedLog:
+    """One ``self.log(name, value, *args, **kwargs)`` call a captured hook `fx` made, re-issued per replay."""
+
+    def __init__(self, fx: str, args: tuple, kwargs: dict) -> None:
+        self.fx = fx
+        self.args = args
+        self.kwargs = kwargs
+        try:
+            bound = _LOG_SIGNATURE.bind(None, *args, **kwargs)
+        except TypeError:  # the real self.log raises it, at the first re-issue as in an eager step
+            bound = None
+        else:
+            bound.apply_defaults()
+        self.name: str = bound.arguments["name"] if bound else args[0]
+        self.batch_size: int | None = bound.arguments["batch_size"] if bound else None
+        # a call the signature does not take never gets the shortcut (enable_graph's path is the real one)
+        self.enable_graph: bool = bool(bound.arguments["enable_graph"]) if bound else True
+        self.fast_issues = 0  # re-issues that took the shortcut (tests read it)
+        self._results: Any = None
+        self._metric: Any = None
+        self._key = ""
+        self._value_kind = ""
+
+    @property
+    def value(self) -> Any:
+        """The value the capture logged (a graph output tensor, a Python number or a metric)."""
+        return self.args[1]
+
+    def issue(self, module: LightningModule, log: Callable[..., Any], value: Any) -> None:
+        """Log `value` for this call as `log` (the module's real ``self.log``) would."""
+        trainer = module._trainer
+        results = getattr(trainer, "_results", None)
+        metric = self._metric
+        if (
+            metric is not None
+            and results is self._results
+            and results.get(self._key) is metric
+            and not metric.meta.enable_graph
+            and results.dataloader_idx is None
+            and module._current_fx_name == self.fx
+            and _kind(value) == self._value_kind
+        ):
+            self._shortcut(module, trainer, results, metric, value)
+            return
+        log(self.name, value, *self.args[2:], **self.kwargs)
+        self._remember(trainer, results, value)
+
+    def _remember(self, trainer: Any, results: Any, value: Any) -> None:
+        self._metric = None
+        kind = _kind(value)
+        if results is None or kind == "other" or self.enable_graph:
+            return
+        if kind == "number" and _get_default_dtype is None:
+            return
+        if results.dataloader_idx is not None or getattr(trainer, "barebones", False):
+            return
+        key = f"{self.fx}.{self.name}"
+        metric = results.get(key)
+        if metric is None or metric.meta.fx != self.fx:
+            return
+        self._results, self._metric, self._key, self._value_kind = results, metric, key, kind
+
+    def _shortcut(self, module: LightningModule, trainer: Any, results: Any, metric: Any, value: Any) -> None:
+        # LightningModule.log: the value as a fresh single-element tensor (`__to_tensor`); the capture's
+        # first re-issue checked its size, and replays keep shapes
+        if self._value_kind == "tensor":
+            value = value.clone().detach().squeeze()
+        elif self._value_kind == "number":
+            value = torch.tensor(value, device=module.device, dtype=_get_default_dtype()).squeeze()
+        connector = trainer._logger_connector
+        if connector.should_reset_tensors(self.fx):
+            results.reset(metrics=False, fx=self.fx)
+        # _ResultCollection.log: the metadata and device are those of the registered metric
+        batch_size = results._extract_batch_size(metric, self.batch_size, metric.meta)
+        results.update_metrics(self._key, value, batch_size)
+        connector._current_fx = self.fx
+        self.fast_issues += 1
