@@ -16,6 +16,9 @@
 #   harness-families[=FAMILY,...[@REPEATS]]  model families (default all) x batches 4, 8, 16, 64:
 #                 Lightning eager vs the callback without and with autotuned prefetch, 10 steps per
 #                 repeat (default 3 repeats)
+#   decode-reference  benchmarks/decode_reference.py (FP32 reference, step reports) -> decode_reference.tgz
+#   host-overhead[=ARGS]  benchmarks/bench_host_overhead.py with ARGS (commas for spaces)
+#                 -> host_overhead.tgz
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -69,6 +72,15 @@ for stage in "$@"; do
       timeout 540 python3 benchmarks/harness.py --models "$models" --batches 4,8,16,64 \
         --out "$OUT/harness" > "$OUT/harness.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/harness.log" | grep -v "^  " | tail -30 ;;
+    decode-reference)
+      timeout 240 python3 benchmarks/decode_reference.py --out /tmp/decode_reference > "$OUT/decode_reference.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/decode_reference.log" | tail -25
+      tar czf "$OUT/decode_reference.tgz" -C /tmp decode_reference ;;
+    host-overhead*)
+      extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
+      timeout 560 python3 benchmarks/bench_host_overhead.py --out /tmp/host_overhead ${extra//,/ } > "$OUT/host_overhead.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/host_overhead.log" | tail -40
+      tar czf "$OUT/host_overhead.tgz" -C /tmp host_overhead ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

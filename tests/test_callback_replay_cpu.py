@@ -24,6 +24,7 @@ from l2lightning import L2GraphCallback, make_capturable
 from l2lightning.callback import TIMING_WINDOW
 from tests import graph_emulator as emu
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
+from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike
 
 
 @pytest.fixture(autouse=True)
@@ -505,51 +506,6 @@ def test_logged_python_numbers_are_recomputed_per_replay_or_named():
     assert [s["twice_step"] for s in rec.logged] == [float(2 * i) for i in range(8)]
 
 
-class ManyLogs(TinyMLP):
-    """Every kind of self.log a step makes: reductions, levels, explicit batch size, log_dict, a metric
-    object, a recomputed Python number, a log in a gradient hook."""
-
-    def __init__(self, **kw):
-        super().__init__(scheduler="cosine", **kw)
-        self.train_mean = torchmetrics.MeanMetric()
-
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        x, _ = batch
-        self.train_mean(loss)
-        self.log("step_only", loss * 2, on_step=True, on_epoch=False, prog_bar=True)
-        self.log("epoch_mean", loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("both", x.abs().mean(), on_step=True, on_epoch=True, batch_size=3)
-        self.log("biggest", x.max(), on_epoch=True, reduce_fx="max")
-        self.log("summed", loss, on_step=False, on_epoch=True, reduce_fx="sum")
-        self.log_dict({"d/a": loss + 1, "d/b": x.min()}, prog_bar=True)
-        self.log("metric", self.train_mean, on_step=False, on_epoch=True)
-        self.log("lr", self.lr_schedulers().get_last_lr()[0], prog_bar=True)
-        return loss
-
-    def on_before_optimizer_step(self, optimizer):
-        self.log("head_grad", self.head.weight.grad.norm())
-
-
-class LoggedEverywhere(Callback):
-    """What each step's logs left where users read them: progress bar, callback_metrics, logger."""
-
-    def __init__(self, graph_of=None):
-        self.seen = []
-        self.graph_of, self.log_calls = graph_of, []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.graph_of is not None and self.graph_of._graph is not None:
-            self.log_calls = self.graph_of._graph.log_calls  # the callback drops its graph at teardown
-        self.seen.append(
-            {
-                "pbar": dict(trainer.progress_bar_metrics),
-                "callback": {k: v.clone() for k, v in trainer.callback_metrics.items()},
-                "logged": {k: v.clone() for k, v in trainer.logged_metrics.items()},
-            }
-        )
-
-
 def test_reissued_logs_take_the_shortcut_and_leave_what_eager_logging_leaves(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
@@ -571,12 +527,7 @@ def test_reissued_logs_take_the_shortcut_and_leave_what_eager_logging_leaves(tmp
     assert cb.summary()["captured"] and cb.fallback_steps == 0
     assert_same(base, got)
     assert len(base_seen.seen) == len(got_seen.seen) == 36
-    for step, (a, b) in enumerate(zip(base_seen.seen, got_seen.seen)):
-        assert a["pbar"] == b["pbar"], f"progress bar differs at step {step}"
-        for where in ("callback", "logged"):
-            assert a[where].keys() == b[where].keys(), (where, step)
-            for k in a[where]:
-                assert torch.equal(a[where][k], b[where][k]), f"{where} {k!r} differs at step {step}"
+    assert_logged_alike(base_seen, got_seen)
     assert got_csv == base_csv
     calls = got_seen.log_calls
     assert len(calls) == 12  # with TinyMLP's two
