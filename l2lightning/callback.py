@@ -39,9 +39,11 @@ RNG (the CUDA generator included) and process as a plain fit would have them.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import math
 import statistics
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +60,7 @@ from l2lightning.capture import StaticBatch, TrainingState, batch_signature, gra
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.metric_binding import (
     MetricBinding,
+    drop_autograd_graphs,
     named_metrics,
     needs_sync_free_nan_check,
     sync_free_nan_check,
@@ -112,6 +115,16 @@ def metric_update_reason(names: list[str], detail: str | None = None) -> str:
         + "; update them in `on_train_batch_end` from the outputs training_step returns "
         "(for example `return {'loss': loss, 'preds': preds.detach()}`)"
     )
+
+
+# PyTorch's warning when a gradient reaches a parameter through an AccumulateGrad node made in an
+# earlier step (kept alive by a tensor that still holds that step's autograd graph)
+STALE_GRAPH_WARNING = "AccumulateGrad node's stream does not match"
+STALE_GRAPH_HINT = (
+    "a tensor kept from an earlier step still holds that step's autograd graph (for example a loss "
+    "stored on the module, `self.last_loss = loss`), and its parameters' gradient accumulators are bound "
+    "to the stream that step ran on; keep `loss.detach()` instead"
+)
 
 
 @dataclass
@@ -814,6 +827,7 @@ class L2GraphCallback(Callback):
                 raise _Defer()
             return out
 
+        drop_autograd_graphs(module)  # a metric's step value can hold the last step's autograd graph
         validating = [m for m in bound.values() if getattr(m, "validate_args", False)]
         for m in validating:
             m.validate_args = False  # input checks sync with the host; the warm-up steps ran them
@@ -867,16 +881,32 @@ class L2GraphCallback(Callback):
 
     def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:
         module = self._module
-        reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+        reserved = 0
+        if torch.cuda.is_available():
+            # what torch.cuda.graph frees before capturing must not count against the graph's pool
+            gc.collect()
+            torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved()
         # grads are allocated inside the capture, in the graph's pool
         self._optimizer.optimizer.zero_grad(set_to_none=True)
         module.zero_grad(set_to_none=True)
-        with graph_capture(graph.graph):
-            self._phase_events.mark("start")
-            run(closure, **kwargs)
-            if graph.binding is not None:
-                graph.binding.bring_home()
-            self._phase_events.mark("end")
+        caught: list = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with graph_capture(graph.graph):
+                    self._phase_events.mark("start")
+                    run(closure, **kwargs)
+                    if graph.binding is not None:
+                        graph.binding.bring_home()
+                    self._phase_events.mark("end")
+        except Exception as exc:
+            if any(STALE_GRAPH_WARNING in str(w.message) for w in caught):
+                exc.add_note(STALE_GRAPH_HINT)
+            raise
+        finally:
+            for w in caught:  # the user's warning filters decide, as if nothing had recorded them
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         if torch.cuda.is_available():
             self._pool_mib = (torch.cuda.memory_reserved() - reserved) / (1 << 20)
 
@@ -899,6 +929,8 @@ class L2GraphCallback(Callback):
         where = user_frame_of_traceback(exc.__traceback__)
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
         located = f" at {describe_frame(where)}" if where else ""
+        if STALE_GRAPH_HINT in getattr(exc, "__notes__", ()):
+            return f"the step could not be captured ({type(exc).__name__}: {first}): {STALE_GRAPH_HINT}"
         return (
             f"the step could not be captured ({type(exc).__name__}: {first}){located}; if that line syncs with the "
             "host (`.item()`, `print(tensor)`, `if tensor:`), log the tensor with `self.log` or run such steps "

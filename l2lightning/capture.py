@@ -285,6 +285,14 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: Any = N
     # nothing wrong with it.
     collecting = gc.isenabled()
     gc.disable()
+    # A tensor the user keeps from an earlier step (`self.last_loss = loss`) keeps that step's
+    # AccumulateGrad nodes alive on the default stream; where PyTorch offers it, autograd then uses
+    # the capturing stream for them instead of failing the capture.
+    override = getattr(torch._C, "_set_override_stale_capture_stream", None)
+    overriding = getattr(torch._C, "_override_stale_capture_stream", None)
+    before = overriding() if override is not None and overriding is not None else None
+    if before is not None:
+        override(True)
     try:
         # thread_local: only this thread's unsafe CUDA calls end the capture. In the default "global"
         # mode any thread's does (the autograd engine's device thread freeing an unrelated graph, a
@@ -293,6 +301,8 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: Any = N
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             yield
     finally:
+        if before is not None:
+            override(before)
         if collecting:
             gc.enable()
         clear_cublas_workspaces()

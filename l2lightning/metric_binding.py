@@ -52,6 +52,35 @@ def named_metrics(module: nn.Module) -> Iterator[tuple[str, Any]]:
     )
 
 
+def drop_autograd_graphs(module: nn.Module) -> list[str]:
+    """Detach metric values that still hold an earlier step's autograd graph; the attribute paths detached.
+
+    ``Metric.forward`` computes the batch value with gradients enabled, so ``MeanMetric()(loss)``
+    (the lightning-hydra-template idiom) leaves ``_forward_cache`` holding the loss's whole autograd
+    graph until the next forward. That graph keeps the parameters' AccumulateGrad nodes alive, bound
+    to the stream of the step that made them; a capture on another stream then accumulates through
+    them and fails. Detaching changes no value: the graph was spent by that step's backward.
+    """
+    from torch.utils._pytree import tree_map
+
+    def detach(value: Any) -> Any:
+        return value.detach() if isinstance(value, torch.Tensor) and value.grad_fn is not None else value
+
+    def holds_graph(value: Any) -> bool:
+        from torch.utils._pytree import tree_leaves
+
+        return any(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in tree_leaves(value))
+
+    detached = []
+    for name, m in named_metrics(module):
+        for attr in ("_forward_cache", "_computed"):
+            value = getattr(m, attr, None)
+            if value is not None and holds_graph(value):
+                setattr(m, attr, tree_map(detach, value))
+                detached.append(f"{name}.{attr}")
+    return detached
+
+
 def update_counts(module: nn.Module) -> dict[str, int]:
     """``_update_count`` of every metric in `module`, by attribute path (``update`` and ``forward`` add one)."""
     return {name: int(getattr(m, "_update_count", 0)) for name, m in named_metrics(module)}
@@ -161,7 +190,8 @@ class MetricBinding:
         """Each metric's step value as a fresh tensor (the graph overwrites its own at the next replay)."""
         for m in self.metrics.values():
             if isinstance(m._forward_cache, torch.Tensor):
-                m._forward_cache = m._forward_cache.clone()
+                # detached: the capture's autograd graph must not outlive the capture (drop_autograd_graphs)
+                m._forward_cache = m._forward_cache.detach().clone()
 
     def after_replay(self) -> None:
         """Re-apply what the step's Python did to each metric: count, cache, the step's value."""
@@ -170,7 +200,7 @@ class MetricBinding:
             m._computed = None
             cache = self._forward_caches.get(name)
             # a fresh tensor per step: loggers and callback_metrics may keep it past the next replay
-            m._forward_cache = cache.clone() if isinstance(cache, torch.Tensor) else cache
+            m._forward_cache = cache.detach().clone() if isinstance(cache, torch.Tensor) else cache
 
     def python_state(self) -> dict[str, tuple[int, Any, Any]]:
         """The Python-side state of every bound metric (to put back after a step that must leave no trace)."""

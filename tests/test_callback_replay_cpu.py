@@ -171,6 +171,67 @@ def test_a_failed_capture_is_undone_and_the_fit_goes_on_eagerly():
     assert isinstance(group["lr"], float) and group["capturable"] is False
 
 
+class KeepsLastLoss(TinyMLP):
+    """Keeps the loss with its autograd graph; inside a capture, PyTorch then warns about the stale
+    AccumulateGrad node and the capture fails (stood in for here: the emulator has no streams)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if emu.CAPTURING[0] and self.last_loss is not None:
+            warnings.warn(
+                "The AccumulateGrad node's stream does not match the stream of the node ...", stacklevel=1
+            )
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        self.last_loss = loss
+        return loss
+
+    last_loss = None
+
+
+def test_a_capture_failing_on_a_kept_autograd_graph_names_the_cause():
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"a tensor kept from an earlier step still holds .*`self.last_loss = loss`"
+    ):
+        fit(KeepsLastLoss, [cb], steps=6)
+    assert not cb.summary()["captured"]
+
+
+def test_metric_values_holding_the_last_steps_autograd_graph_are_detached_before_capture(monkeypatch):
+    from l2lightning.metric_binding import drop_autograd_graphs
+
+    # torchmetrics computes a forward's batch value with gradients on: MeanMetric()(loss) holds the graph
+    model = MetricsInStep(width=32, depth=3)
+    x, y = torch.randn(8, 32), torch.randn(8)
+    loss = (model.head(model.net(x)).squeeze(-1) - y).square().mean()
+    model.train_loss(loss)
+    cache = model.train_loss._forward_cache
+    assert cache.grad_fn is not None
+    assert drop_autograd_graphs(model) == ["train_loss._forward_cache"]
+    assert model.train_loss._forward_cache.grad_fn is None and torch.equal(
+        model.train_loss._forward_cache, cache
+    )
+
+    seen = []
+    original = L2GraphCallback._capture_into
+
+    def capture_into(self, *a, **k):
+        seen.append(
+            [
+                n
+                for n, m in self._module.named_modules()
+                if getattr(m, "_forward_cache", None) is not None
+                and getattr(m._forward_cache, "grad_fn", None) is not None
+            ]
+        )
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(L2GraphCallback, "_capture_into", capture_into)
+    base, run, cb = captured_pair(MetricsInStep, steps=8)
+    assert cb.summary()["captured"] and seen == [[]]
+    assert_same(base, run)
+
+
 # --------------------------------------------------------------------------- 2. checked before each replay
 Pair = namedtuple("Pair", "x y")
 
