@@ -78,7 +78,7 @@ for stage in "$@"; do
       tar czf "$OUT/decode_reference.tgz" -C /tmp decode_reference ;;
     host-overhead*)
       extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
-      timeout 560 python3 benchmarks/bench_host_overhead.py --out /tmp/host_overhead ${extra//,/ } > "$OUT/host_overhead.log" 2>&1
+      timeout 330 python3 benchmarks/bench_host_overhead.py --out /tmp/host_overhead ${extra//,/ } > "$OUT/host_overhead.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/host_overhead.log" | tail -40
       tar czf "$OUT/host_overhead.tgz" -C /tmp host_overhead ;;
     *) echo "unknown stage $stage" ;;
