@@ -312,6 +312,8 @@ class L2GraphCallback(Callback):
         self._captured = False
         self._compiled_children: list[torch.nn.Module] = []
         self._static_for_prefetch: StaticBatch | None = None
+        # The stream every non-replayed step runs on, and the capture too (set at the first step)
+        self._step_stream: Any = None
         from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
 
         self._phase_events = PhaseEvents() if self.report and torch.cuda.is_available() else _NoPhaseEvents()
@@ -660,19 +662,45 @@ class L2GraphCallback(Callback):
         mode = self._decide()
         self._in_step = True
         try:
-            if mode == "trace":
-                return self._traced_step(run, closure, kwargs)
-            if mode == "time":
-                return self._timed_step(run, closure, kwargs)
-            if mode == "capture":
-                return self._capture_step(run, closure, kwargs)
             if mode == "replay":
                 return self._replay_step(closure)
-            self._mode = "eager"
-            return run(closure, **kwargs)
+            with self._on_step_stream():
+                if mode == "trace":
+                    return self._traced_step(run, closure, kwargs)
+                if mode == "time":
+                    return self._timed_step(run, closure, kwargs)
+                if mode == "capture":
+                    return self._capture_step(run, closure, kwargs)
+                self._mode = "eager"
+                return run(closure, **kwargs)
         finally:
             self._in_step = False
             self._pending = None
+
+    @contextlib.contextmanager
+    def _on_step_stream(self) -> Any:
+        """Run an eager step (or the capture) on the capture's own stream.
+
+        A step's autograd graph can outlive it: Lightning's result collection and torchmetrics keep a
+        metric's batch value with its graph (``MeanMetric()(loss)``), users keep ``self.last_loss``. Such
+        a graph keeps the parameters' AccumulateGrad nodes, bound to the stream of the step that made
+        them, and a capture on another stream then fails ("AccumulateGrad node's stream does not
+        match"; the lightning-hydra-template module on the H200). When every step the callback lets
+        run eagerly runs on the capture stream, every such node is bound to it. The stream waits for
+        the caller's work first and the caller waits for it after, so the order of work is unchanged.
+        """
+        if self._device_type() != "cuda" or not torch.cuda.is_available():
+            yield
+            return
+        if self._step_stream is None:
+            self._step_stream = torch.cuda.Stream(self._device())
+        caller = torch.cuda.current_stream()
+        self._step_stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self._step_stream):
+                yield
+        finally:
+            caller.wait_stream(self._step_stream)
 
     def _timed_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         self._groups[self._pending_key].timed += 1
@@ -894,7 +922,7 @@ class L2GraphCallback(Callback):
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with graph_capture(graph.graph):
+                with graph_capture(graph.graph, stream=self._step_stream):
                     self._phase_events.mark("start")
                     run(closure, **kwargs)
                     if graph.binding is not None:
@@ -1191,15 +1219,11 @@ class L2GraphCallback(Callback):
         self._mode = "verify"
         self._step_output = None
         try:
-            # On a side stream, not the default one: Lightning's closure keeps this step's loss, and
-            # with it each parameter's AccumulateGrad node, alive into the capture; a node bound to
-            # the default stream makes the captured backward sync with it, which aborts the capture
-            # (seen on the H200 when verify=True ran as the first capture of a process).
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                run(closure, **kwargs)
-            torch.cuda.current_stream().wait_stream(side)
+            # On the capture's stream (the caller's _on_step_stream): Lightning's closure keeps this
+            # step's loss, and with it each parameter's AccumulateGrad node, alive into the capture;
+            # a node bound to another stream aborts the capture (seen on the H200 when verify=True
+            # ran as the first capture of a process).
+            run(closure, **kwargs)
             if self._step_output is None:
                 return None  # training_step returned None: the capture defers, nothing to compare
             loss = loss_of(self._step_output, "training_step")
