@@ -844,3 +844,30 @@ def test_gradient_clipping_with_non_finite_gradients_matches_bit_for_bit():
     base, run, cb = captured_pair(InfAtLargeInputs, steps=20, trainer_kwargs={"gradient_clip_val": 0.5})
     assert cb.summary()["captured"]
     assert compare(dict(base[0].named_parameters()), dict(run[0].named_parameters()), "params").ok
+
+
+# --------------------------------------------------------------------------- the packaged families
+@pytest.mark.parametrize("family", ["mlp_stack", "rl_policy", "recommender", "conv_stack", "text_encoder"])
+def test_families_update_their_metrics_in_the_graph_and_log_like_eager(family):
+    from tests.logging_models import LoggedEverywhere, assert_logged_alike
+    from tests.test_models import tiny
+
+    def run(with_callback):
+        model, dm = tiny(family)
+        if not with_callback:
+            model.__class__ = baseline_of(type(model))  # the same seeded module, the baseline optimizer
+        cb = callback() if with_callback else None
+        seen = LoggedEverywhere(cb)
+        seed_everything(0)
+        trainer = quiet_trainer(accelerator="cpu", max_epochs=3, callbacks=[seen, *([cb] if cb else [])])
+        trainer.fit(model, datamodule=dm)
+        return model, seen, cb
+
+    base_model, base_seen, _ = run(False)
+    model, seen, cb = run(True)
+    summary = cb.summary()
+    assert summary["captured"] and summary["fallback_steps"] == 0, summary
+    assert any(call.name.startswith("train/") and call.fx == "training_step" for call in seen.log_calls)
+    assert_logged_alike(base_seen, seen)
+    for (name, p), q in zip(base_model.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), f"{family}: parameter {name} differs"

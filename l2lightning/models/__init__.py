@@ -9,8 +9,8 @@
 | vit           | `ViT`           | `ImageData`                   | small ViT, 224×224, 16-pixel patches         |
 | text_encoder  | `TextEncoder`   | `TokenData`                   | BERT-small-like nn.TransformerEncoder        |
 
-Every `training_step` is capture-safe: tensor math and `self.log` only; training metrics are
-updated in `on_train_batch_end` from the detached outputs the step returns.
+Every `training_step` is capture-safe: tensor math, `self.log`, and `update` of tensor-state
+torchmetrics (the training metric, logged per epoch; the RL family's episode return per step).
 """
 
 from __future__ import annotations

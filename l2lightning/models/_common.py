@@ -1,9 +1,9 @@
 """Shared pieces of the model families: the LightningModule base, the data-module base, capture-safe losses.
 
 Every family follows one rule that lets `L2GraphCallback` capture its training step in a CUDA graph:
-`training_step` does tensor math and `self.log(...)` of tensors only (no `.item()`, no Python
-branching on tensor values, no torchmetrics updates) and returns detached predictions; the training
-metric is updated in `on_train_batch_end` from those outputs. Losses here also avoid ops that have no
+`training_step` does tensor math, `self.log(...)` and torchmetrics updates of tensor-state metrics
+only (no `.item()`, no Python branching on tensor values, no per-step `compute`) and returns detached
+predictions. Losses here also avoid ops that have no
 deterministic CUDA kernel (`nll_loss`, adaptive pooling, `index_select`/`gather` backward), so
 `use_deterministic_algorithms(True)` holds and the callback's bitwise verify can pass.
 """
@@ -79,7 +79,8 @@ class FamilyModule(pl.LightningModule):
     """Base of every model family: AdamW from config, the training metric updated outside the step.
 
     Subclasses set ``self.train_metric`` / ``self.val_metric`` (torchmetrics) and ``self.metric_name``,
-    and return ``{"loss": loss, "preds": ..., "target": ...}`` (detached) from ``training_step``.
+    and return ``self.with_train_metric({"loss": loss, "preds": ..., "target": ...})`` (detached preds
+    and target) from ``training_step``.
     """
 
     metric_name = "metric"
@@ -110,18 +111,24 @@ class FamilyModule(pl.LightningModule):
         # foreach=True: a handful of multi-tensor kernels per step, and capturable by the callback.
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, foreach=True)
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # Runs after the (possibly replayed) step: the metric's state update stays out of the graph.
-        if not isinstance(outputs, dict) or "preds" not in outputs:
-            return
-        self.train_metric(outputs["preds"], outputs["target"])
+    def with_train_metric(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Update the training metric from the step's detached ``preds``/``target``; return `out`.
+
+        Called at the end of ``training_step``, the idiomatic place: the metric's tensor states update
+        inside the captured graph, and ``L2GraphCallback`` re-applies its Python-side state per replay.
+        Only ``update`` runs per step (no per-step ``compute``: some metrics, such as
+        ``ExplainedVariance``, compute with boolean indexing, a host sync); the value is logged per epoch.
+        """
+        preds = out["preds"]
+        self.train_metric.update(preds, out["target"])
         self.log(
             f"train/{self.metric_name}",
             self.train_metric,
-            on_step=True,
-            on_epoch=False,
-            batch_size=outputs["preds"].shape[0],
+            on_step=False,
+            on_epoch=True,
+            batch_size=preds.shape[0],
         )
+        return out
 
     def log_validation(self, loss: torch.Tensor, preds: torch.Tensor, target: torch.Tensor) -> None:
         """Validation loss and metric, accumulated over the epoch."""
@@ -146,7 +153,7 @@ class ClassifierFamily(FamilyModule):
         logits = self(inputs)
         loss = cross_entropy(logits, labels, self.class_ids)
         self.log("train/loss", loss, batch_size=inputs.shape[0])
-        return {"loss": loss, "preds": logits.detach().float(), "target": labels}
+        return self.with_train_metric({"loss": loss, "preds": logits.detach().float(), "target": labels})
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         inputs, labels = batch

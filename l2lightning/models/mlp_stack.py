@@ -108,7 +108,7 @@ class MLPStack(FamilyModule):
         out = self(x)
         loss = self._loss(out, target)
         self.log("train/loss", loss, batch_size=x.shape[0])
-        return {"loss": loss, "preds": out.detach().float(), "target": target}
+        return self.with_train_metric({"loss": loss, "preds": out.detach().float(), "target": target})
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, target = batch

@@ -117,7 +117,9 @@ class Recommender(FamilyModule):
         loss = F.binary_cross_entropy_with_logits(logits, clicks)
         self.log("train/loss", loss, batch_size=dense.shape[0])
         # hard predictions: a float input would make torchmetrics check its range on the host
-        return {"loss": loss, "preds": (logits.detach() > 0).long(), "target": clicks.long()}
+        return self.with_train_metric(
+            {"loss": loss, "preds": (logits.detach() > 0).long(), "target": clicks.long()}
+        )
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         dense, sparse, clicks = batch

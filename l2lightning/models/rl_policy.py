@@ -16,7 +16,6 @@ import collections
 import importlib.util
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -347,9 +346,6 @@ class RLPolicy(FamilyModule):
         loss = policy_loss + self.value_coef * value_loss - self.entropy_coef * entropy
         self.log("train/loss", loss, batch_size=n)
         self.log("train/entropy", entropy, batch_size=n)
-        return {"loss": loss, "preds": value.detach(), "target": target.detach()}
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_end(outputs, batch, batch_idx)
         self.episode_return(batch["recent_return"])
         self.log("train/episode_return", self.episode_return, on_step=True, on_epoch=False, batch_size=1)
+        return self.with_train_metric({"loss": loss, "preds": value.detach(), "target": target.detach()})
