@@ -10,7 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from l2lightning.autotune import (
+from l2lightning.prefetch.install import Issuer, Layer, PrefetchHooks, discover_chain
+from l2lightning.prefetch.plan import KINDS, MIB, PrefetchPlan
+from l2lightning.tune.cache import PlanCache
+from l2lightning.tune.search import (
     Autotuner,
     SkipShape,
     TuningReport,
@@ -24,9 +27,6 @@ from l2lightning.autotune import (
     prune_candidates,
     tune_hooks,
 )
-from l2lightning.hooks import Issuer, Layer, PrefetchHooks, discover_chain
-from l2lightning.plan_cache import PlanCache
-from l2lightning.prefetch import KINDS, MIB, PrefetchPlan
 
 L2 = 60 * MIB
 
@@ -310,7 +310,7 @@ def test_a_training_forward_plan_is_measured_in_its_own_context(tmp_path, monkey
         def __init__(self, layer, phase, device, **kw):
             made.append((phase, kw["training"]))
 
-    monkeypatch.setattr("l2lightning.autotune.CudaShapeBench", RecordingBench)
+    monkeypatch.setattr("l2lightning.tune.search.CudaShapeBench", RecordingBench)
     real = Autotuner(cache=None)
     real._factory("train")(fake_layer(), "forward", torch.device("cpu"))
     real._factory("")(fake_layer(), "forward", torch.device("cpu"))

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from l2lightning.tuning_stats import (
+from l2lightning.tune.stats import (
     T_975,
     Interval,
     dominated,

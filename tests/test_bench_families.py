@@ -19,8 +19,9 @@ import torch
 from hydra.utils import get_class
 from torch import nn
 
-from l2lightning import bench, cli, report
-from l2lightning.models import FAMILIES
+from l2lightning.app.models import FAMILIES
+from l2lightning.tools import cli, report
+from l2lightning.tools.bench import run as bench
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You are trying to .self.log"),
@@ -300,7 +301,7 @@ def test_family_rows_work_with_report_comparisons_csv_criteria_and_plots(tmp_pat
     eager = next(r for r in vit if r["variant"] == "lightning_eager")
     assert eager["captured"] is None
     assert row["params"] == _family_case("recommender", 8).facts.params
-    assert row["model_target"] == "l2lightning.models.Recommender" and row["kernel_count"] == 500
+    assert row["model_target"] == "l2lightning.app.models.Recommender" and row["kernel_count"] == 500
     assert row["width"] is None and row["depth"] is None and row["layer_mib"] > 0
 
     rows = vit + rec
@@ -352,7 +353,7 @@ def test_capture_fields_over_fits():
 
 # ---------------------------------------------------------------------- the pipeline with stand-ins
 def _recorded_h200_state() -> dict:
-    from l2lightning import doctor
+    from l2lightning.tools import doctor
 
     measured = json.loads((FIXTURES / "h200_measured.json").read_text())
     return doctor.state_from_nvidia_smi(
@@ -373,7 +374,7 @@ FAKE_US = {
 @pytest.fixture
 def fake_family_gpu(monkeypatch, tmp_path):
     """run_bench on CPU: a recorded H200 doctor state, stand-in runners and floors; real configs and rows."""
-    from l2lightning import doctor
+    from l2lightning.tools import doctor
 
     calls: list[tuple[str, str]] = []
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from l2lightning import bench, cli
+from l2lightning.tools import cli
+from l2lightning.tools.bench import run as bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -177,7 +178,7 @@ FAKE_TIMES = {
 
 
 def _recorded_state(kind: str) -> dict:
-    from l2lightning import doctor
+    from l2lightning.tools import doctor
 
     prefix = {"h200": "nvidia_smi_h200", "laptop": "nvidia_smi_laptop_powerd"}[kind]
     measured = json.loads(
@@ -191,7 +192,7 @@ def _recorded_state(kind: str) -> dict:
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """bench.run_bench on CPU: recorded doctor state, runners that return synthetic step times."""
-    from l2lightning import doctor, report
+    from l2lightning.tools import doctor, report
 
     calls: list[tuple[str, str]] = []
     out = tmp_path / "results"
@@ -314,7 +315,7 @@ def test_bench_refuses_a_throttled_gpu_unless_forced(fake_gpu, capsys):
 def test_bench_model_is_one_prefetch_chain_layer_per_block():
     import torch
 
-    from l2lightning.hooks import discover_chain
+    from l2lightning.prefetch.install import discover_chain
 
     model = bench.build_model(64, 3, "cpu", torch.float32)
     x = torch.randn(2, 64)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from l2lightning import doctor
+from l2lightning.tools import doctor
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torchmetrics
 
-from l2lightning.models import (
+from l2lightning.app.models import (
     FAMILIES,
     CartPole,
     CartPoleData,
@@ -28,9 +28,9 @@ from l2lightning.models import (
     ViT,
     family_of,
 )
-from l2lightning.models._common import cross_entropy
-from l2lightning.models.recommender import pair_selector
-from l2lightning.models.rl_policy import CartPoleRollouts
+from l2lightning.app.models._common import cross_entropy
+from l2lightning.app.models.recommender import pair_selector
+from l2lightning.app.models.rl_policy import CartPoleRollouts
 from tests.lightning_models import quiet_trainer
 
 pytestmark = [

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-import l2lightning.plan_cache as plan_cache
-from l2lightning.plan_cache import PlanCache, current_versions, default_cache_path
+import l2lightning.tune.cache as plan_cache
+from l2lightning.tune.cache import PlanCache, current_versions, default_cache_path
 
 V1 = {"torch": "2.11.0", "cupy": "14.2.0", "kernel": "abc", "l2lightning": "0.1.0"}
 V2 = {**V1, "cupy": "14.3.0"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from l2lightning import report
+from l2lightning.tools import report
 
 CRITERIA_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "criteria.yaml"
 

@@ -13,9 +13,9 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-import l2lightning.train as train
+import l2lightning.app.train as train
 from l2lightning import _env
-from l2lightning.models import FAMILIES
+from l2lightning.app.models import FAMILIES
 from tests.train_helpers import compose_train, run_entry_point
 
 CPU_LINE = "l2lightning: no CUDA device ("
@@ -145,7 +145,9 @@ def test_every_family_fits_two_steps_through_the_entry_point(family, tmp_path, c
     result = train.run(compose_train(overrides), output_dir=tmp_path, overrides=overrides)
     assert result == read_result(tmp_path)
     model_cls, _ = FAMILIES[family]
-    assert result["model"] == family and result["model_target"] == f"l2lightning.models.{model_cls.__name__}"
+    assert (
+        result["model"] == family and result["model_target"] == f"l2lightning.app.models.{model_cls.__name__}"
+    )
     assert result["steps"] == 2 and result["device"] == "cpu" and result["l2"] == "none (l2=none)"
     assert result["reason"].startswith("l2=none: no L2GraphCallback")
     assert math.isfinite(result["final_loss"]) and result["final_loss"] == result["metrics"]["train/loss"]
@@ -172,7 +174,7 @@ def test_experiment_run_records_its_choices(tmp_path):
     ]
     result = train.run(compose_train(overrides), output_dir=tmp_path, overrides=overrides)
     assert result["experiment"] == "small_batch_mlp" and result["model"] == "mlp_stack"
-    assert result["config"]["data"]["_target_"] == "l2lightning.models.DigitsData"
+    assert result["config"]["data"]["_target_"] == "l2lightning.app.models.DigitsData"
     assert "train/acc" in result["metrics"] and "val/acc" in result["val_metrics"]
 
 

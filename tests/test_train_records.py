@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-import l2lightning.train as train
+import l2lightning.app.train as train
 from l2lightning import _env
 from tests.train_helpers import run_overrides
 
@@ -87,9 +87,9 @@ def test_summary_line_of_a_captured_run():
 
 
 def test_printed_summary_of_a_cpu_run(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="l2lightning.train")
+    caplog.set_level(logging.INFO, logger="l2lightning.app.train")
     result = run_overrides([*TINY, "trainer.max_steps=5", "l2=none"], tmp_path / "run")
-    lines = [r.getMessage() for r in caplog.records if r.name == "l2lightning.train"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "l2lightning.app.train"]
     assert lines[-2] == f"l2lightning: run directory: {tmp_path.resolve() / 'run'}"
     assert lines[-1] == train.summary_line(result)
     assert lines[-1].startswith("l2lightning: 5 steps on cpu; eager ") and "(2 steps timed)" in lines[-1]

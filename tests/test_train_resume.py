@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from l2lightning.models import VectorData
+from l2lightning.app.models import VectorData
 from tests.train_helpers import run_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-import l2lightning.train as train
+import l2lightning.app.train as train
 from tests.train_helpers import compose_train, run_entry_point, run_overrides
 
 TINY = [

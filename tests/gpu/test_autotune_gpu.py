@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from l2lightning.autotune import Autotuner, CudaShapeBench, TuningRow, make_plan
-from l2lightning.chain_timing import capture_chain, interleaved_replay_us
-from l2lightning.hooks import PrefetchHooks, discover_chain
-from l2lightning.prefetch import MIB
+from l2lightning.prefetch.install import PrefetchHooks, discover_chain
+from l2lightning.prefetch.plan import MIB
+from l2lightning.tune.chain_timing import capture_chain, interleaved_replay_us
+from l2lightning.tune.search import Autotuner, CudaShapeBench, TuningRow, make_plan
 
 pytestmark = pytest.mark.gpu
 

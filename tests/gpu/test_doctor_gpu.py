@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from l2lightning import bench, cli, doctor
+from l2lightning.tools import cli, doctor
+from l2lightning.tools.bench import run as bench
 
 pytestmark = pytest.mark.gpu
 
@@ -100,8 +101,7 @@ def test_harness_quick_tiny_config_writes_a_complete_result_file(tmp_path):
 GRAPH_LIFETIME_SCRIPT = r"""
 import gc
 import torch
-from l2lightning import bench
-
+from l2lightning.tools.bench import run as bench
 settings = bench.BenchSettings(models=[(512, 4)], batches=[4], chains=["step"], repeats=1, steps=3)
 case = bench.BenchCase(512, 4, 4, "bfloat16", "step")
 live = bench.make_runner("graph", case, settings, {})

@@ -27,7 +27,7 @@ its parameters itself and runs ``F.layer_norm``/``F.linear``/``F.gelu`` (the sam
 compiled block function runs *inside* the block while the prefetch hooks stay outside it.
 
 Model families (``--families vit,recommender`` or ``all``; the names of
-``l2lightning.models.FAMILIES``): for each family and each ``--batches`` size, a case ``vit b8
+``l2lightning.app.models.FAMILIES``): for each family and each ``--batches`` size, a case ``vit b8
 [step]`` fits the family's LightningModule with the Lightning variants only: ``lightning_eager``,
 ``callback_off``, ``callback_auto``, and ``callback_decoy`` when ``--variants`` names it. The other
 variants time this harness's own MLP outside Lightning, so they are skipped for families (one note
@@ -44,8 +44,8 @@ with ``width``/``depth`` None and ``layer_mib`` the largest single parameter ten
 Timing: CUDA events recorded at each step boundary (start to start, so the loop's own CPU work is
 included, as a user sees it); Lightning steps are timed from ``on_train_batch_start`` to the
 next. Each (variant, repeat) gives the median of its steps; the reported median and its
-order-statistic 95% CI are over those per-repeat medians (see :func:`l2lightning.report.median_ci`).
-Floors per case: bytes from :func:`l2lightning.report.step_bytes` (AdamW states in the parameters'
+order-statistic 95% CI are over those per-repeat medians (see :func:`l2lightning.tools.report.median_ci`).
+Floors per case: bytes from :func:`l2lightning.tools.report.step_bytes` (AdamW states in the parameters'
 dtype, as PyTorch keeps them) over the doctor's copy bandwidth, and kernels counted on one eager
 pass with ``torch.profiler`` times the doctor's empty-kernel cost (compiled variants launch fewer
 kernels, so their launch floor is an upper estimate). For a family the eager pass is one
@@ -89,7 +89,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from l2lightning import report
+from l2lightning.tools import report
 
 STEP_VARIANTS = (
     "lightning_eager",
@@ -160,7 +160,7 @@ class BenchSettings:
     """What to time and how (the CLI fills it; see ``l2lightning bench --help``)."""
 
     models: list[tuple[int, int]] = field(default_factory=lambda: [(1536, 40)])
-    # model families (names of l2lightning.models.FAMILIES), each timed at every batch size
+    # model families (names of l2lightning.app.models.FAMILIES), each timed at every batch size
     families: list[str] = field(default_factory=list)
     batches: list[int] = field(default_factory=lambda: [4, 8, 16, 64])
     chains: list[str] = field(default_factory=lambda: ["step", "forward_backward", "forward"])
@@ -227,8 +227,8 @@ class BenchSettings:
 
 
 def family_names() -> tuple[str, ...]:
-    """The model families, in ``l2lightning.models.FAMILIES`` order (importing it imports Lightning)."""
-    from l2lightning.models import FAMILIES
+    """The model families, in ``l2lightning.app.models.FAMILIES`` order (importing it imports Lightning)."""
+    from l2lightning.app.models import FAMILIES
 
     return tuple(FAMILIES)
 
@@ -445,7 +445,7 @@ def compose_family(family: str, batch: int, overrides: Sequence[str] = ()) -> An
 
 
 def build_family(cfg: Any) -> tuple[Any, Any]:
-    """The LightningModule and data module `cfg` describes, as :func:`l2lightning.train.run` builds them.
+    """The LightningModule and data module `cfg` describes, as :func:`l2lightning.app.train.run` builds them.
 
     The module is initialised from ``cfg.seed`` (every variant starts from the same weights) and
     float32 matmuls run at the config's precision, as in the training entry point.
@@ -1300,7 +1300,7 @@ def run_bench(
     Exit codes: 0 done (failed criteria are results, not errors), 2 refused (GPU not ready without
     ``--force``, no GPU, unreadable criteria).
     """
-    from l2lightning import doctor
+    from l2lightning.tools import doctor
 
     t_start = time.perf_counter()
     criteria, sha = [], None
@@ -1521,7 +1521,7 @@ def _name_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def _family_list(text: str) -> list[str]:
-    """``vit,recommender`` or ``all`` -> family names, checked against ``l2lightning.models.FAMILIES``."""
+    """``vit,recommender`` or ``all`` -> family names, checked against ``l2lightning.app.models.FAMILIES``."""
     known = family_names()
     names = [v for v in text.replace(" ", "").split(",") if v]
     if "all" in names:
@@ -1553,7 +1553,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME[,NAME...]",
         help=(
-            "model families of l2lightning.models (conf/model/<NAME>.yaml), e.g. vit,recommender, or `all`: "
+            "model families of l2lightning.app.models (conf/model/<NAME>.yaml), e.g. vit,recommender, or `all`: "
             "each is fitted at every --batches size with the Lightning variants only (lightning_eager, "
             "callback_off, callback_auto; callback_decoy when --variants names it). Without --models, "
             "--widths or --depths, no MLP case runs"
@@ -1657,8 +1657,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m l2lightning.bench`` / ``benchmarks/harness.py``: the same as ``l2lightning bench``."""
-    from l2lightning.cli import main as cli_main
+    """``python -m l2lightning.tools.bench.run`` / ``benchmarks/harness.py``: the same as ``l2lightning bench``."""
+    from l2lightning.tools.cli import main as cli_main
 
     return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 

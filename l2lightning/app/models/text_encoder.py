@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from l2lightning.models._common import (
+from l2lightning.app.models._common import (
     ClassifierFamily,
     SyntheticDataModule,
     check_int,

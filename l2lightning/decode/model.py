@@ -8,10 +8,10 @@ downloaded). Q/K/V and gate/up are fused Linears; parameter counts equal the rea
 greedy argmax, and advancing the token and length buffers) into a single CUDA graph with static
 buffers. The cache length lives on the device, so a graph serves every length of its length
 bucket; each bucket gets its own graph, captured on first use, and with ``attention="auto"`` its
-own measured attention choice (:func:`l2lightning.decode_attention.choose_attention`). The small
+own measured attention choice (:func:`l2lightning.decode.attention.choose_attention`). The small
 elementwise parts (RMSNorm with the residual add, rotary, SiLU-gate) are ``torch.compile``d in
 default mode and warmed before capture; next-layer weights are prefetched into L2 by
-:class:`l2lightning.hooks.PrefetchHooks` (forward only) recorded into the graph.
+:class:`l2lightning.prefetch.install.PrefetchHooks` (forward only) recorded into the graph.
 :class:`TorchDecodeSession` is the plain-PyTorch baseline: same model, compiled elementwise ops,
 SDPA attention over the bucket's window, the whole step in one graph, no prefetch.
 
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from l2lightning.capture import graph_capture
-from l2lightning.decode_attention import (
+from l2lightning.decode.attention import (
     MAX_SPLITS,
     AttentionBackend,
     AttentionChoice,
@@ -54,7 +54,7 @@ from l2lightning.decode_attention import (
     make_backend,
     unavailable_reason,
 )
-from l2lightning.prefetch import PrefetchPlan
+from l2lightning.prefetch.plan import PrefetchPlan
 
 ATTENTION_MODES = ("auto", "kernel", "torch", "flashinfer")
 
@@ -633,7 +633,7 @@ class DecodeSession:
 
     # -------------------------------------------------------------- prefetch
     def _install_hooks(self) -> Any:
-        from l2lightning.hooks import PrefetchHooks
+        from l2lightning.prefetch.install import PrefetchHooks
 
         if self.state.attention is None:  # the hooks' dry run needs some attention: SDPA over the whole cache
             self.state.attention = (
@@ -981,7 +981,7 @@ def recorded_attention_reference(session: DecodeSession) -> torch.Tensor:
     given the inputs it actually got, apart from what the layers before it passed on. Needs
     ``record_layers=True`` and a step run since the cache was last changed. Syncs with the host.
     """
-    from l2lightning.decode_attention import reference_decode_attention
+    from l2lightning.decode.attention import reference_decode_attention
 
     rec = session.recorder
     if rec is None:
@@ -1441,8 +1441,8 @@ def step_report_from_kernels(
 ) -> dict[str, Any]:
     """The report :func:`decode_step_report` returns, from attributed kernel rows
     (:func:`attribute_kernels`): sums per part and per layer against :func:`decode_part_bytes`, and
-    the whole step as a :class:`l2lightning.report.StepReport` with the part groups as phases."""
-    from l2lightning.report import Floors, PhaseTime, StepReport
+    the whole step as a :class:`l2lightning.tools.report.StepReport` with the part groups as phases."""
+    from l2lightning.tools.report import Floors, PhaseTime, StepReport
 
     c = config
     graph_info = graph_info or {}
@@ -1534,7 +1534,7 @@ def decode_step_report(
     step's. Floors: bytes (:func:`decode_part_bytes`) over `copy_bw` (bytes read + written per
     second, as the decode benchmark's floor), launches times `empty_kernel_us`; both measured with
     the doctor's probes when not given. The whole step (`step_us`, timed here from graph replays
-    when not given) is reported through :class:`l2lightning.report.StepReport` with the part
+    when not given) is reported through :class:`l2lightning.tools.report.StepReport` with the part
     groups (linear, attention, elementwise, lm_head, other) as phases.
 
     Returns a JSON-ready dict; ``"text"`` holds the formatted report. Needs a CUDA graph session.

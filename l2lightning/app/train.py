@@ -1,10 +1,10 @@
-"""Training entry point: `python -m l2lightning.train` or `l2lightning-train`, configured by Hydra (conf/train.yaml).
+"""Training entry point: `python -m l2lightning.app.train` or `l2lightning-train`, configured by Hydra (conf/train.yaml).
 
-    python -m l2lightning.train                                    # the default experiment
-    python -m l2lightning.train experiment=vit                     # one row of the seed results
-    python -m l2lightning.train model=vit trainer=gpu l2=autotune data.batch_size=8
-    python -m l2lightning.train ckpt_path=outputs/DAY/TIME/checkpoints/last.ckpt
-    python -m l2lightning.train -m model=mlp_stack,rl_policy data.batch_size=4,16
+    python -m l2lightning.app.train                                    # the default experiment
+    python -m l2lightning.app.train experiment=vit                     # one row of the seed results
+    python -m l2lightning.app.train model=vit trainer=gpu l2=autotune data.batch_size=8
+    python -m l2lightning.app.train ckpt_path=outputs/DAY/TIME/checkpoints/last.ckpt
+    python -m l2lightning.app.train -m model=mlp_stack,rl_policy data.batch_size=4,16
 
 The config follows lightning-hydra-template: groups with `_target_` (model, data, trainer,
 callbacks, logger, l2) and experiments as `# @package _global_` deltas. Before anything is built the
@@ -57,7 +57,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from l2lightning import _env
 from l2lightning._resources import config_dir
 
-log = logging.getLogger("l2lightning.train")
+log = logging.getLogger("l2lightning.app.train")
 
 CPU_FALLBACK_MESSAGE = "l2lightning: no CUDA device ({reason}); training eagerly on CPU{without}"
 RESULT_FILE = "result.json"
@@ -640,7 +640,7 @@ def run(
     Raises:
         ConfigError: a bad config value, a missing or unreadable ``ckpt_path``, a missing package.
     """
-    from l2lightning.models import family_of
+    from l2lightning.app.models import family_of
 
     hydra_node = _hydra_node(cfg)
     if output_dir is None:

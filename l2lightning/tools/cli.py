@@ -39,7 +39,7 @@ def _non_negative_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with its ``doctor`` and ``bench`` subcommands."""
     from l2lightning import __version__
-    from l2lightning.bench import add_arguments as add_bench_arguments
+    from l2lightning.tools.bench.run import add_arguments as add_bench_arguments
 
     parser = argparse.ArgumentParser(
         prog="l2lightning",
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from l2lightning import doctor
+    from l2lightning.tools import doctor
 
     state = doctor.collect(args.device, load_seconds=args.load_seconds, load=not args.no_load)
     findings = doctor.diagnose(state)
@@ -96,7 +96,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
-    from l2lightning import bench
+    from l2lightning.tools.bench import run as bench
 
     try:
         settings = bench.settings_from_args(args)

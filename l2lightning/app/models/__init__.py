@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from l2lightning.models.conv_stack import ConvStack, ImageData
-from l2lightning.models.mlp_stack import DigitsData, MLPStack, VectorData
-from l2lightning.models.recommender import ClickData, Recommender
-from l2lightning.models.rl_policy import CartPole, CartPoleData, RLPolicy
-from l2lightning.models.text_encoder import TextEncoder, TokenData
-from l2lightning.models.vit import ViT
+from l2lightning.app.models.conv_stack import ConvStack, ImageData
+from l2lightning.app.models.mlp_stack import DigitsData, MLPStack, VectorData
+from l2lightning.app.models.recommender import ClickData, Recommender
+from l2lightning.app.models.rl_policy import CartPole, CartPoleData, RLPolicy
+from l2lightning.app.models.text_encoder import TextEncoder, TokenData
+from l2lightning.app.models.vit import ViT
 
 # family name (the conf/model/*.yaml name) -> (LightningModule class, default data module class)
 FAMILIES: dict[str, tuple[type[pl.LightningModule], type[pl.LightningDataModule]]] = {

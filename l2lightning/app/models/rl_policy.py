@@ -26,7 +26,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from l2lightning.models._common import FamilyModule, check_choice, check_int, mlp
+from l2lightning.app.models._common import FamilyModule, check_choice, check_int, mlp
 
 OBS_DIM = 4
 NUM_ACTIONS = 2

@@ -21,7 +21,7 @@ for all layers). Because the length lives on the device, a CUDA graph replays at
 
 :func:`choose_attention` times every available implementation inside CUDA graphs (CUDA-event
 medians, candidates interleaved) for one layout and length bucket and returns an
-:class:`AttentionChoice`; ``python -m l2lightning.decode_attention --sanitize`` runs a few small
+:class:`AttentionChoice`; ``python -m l2lightning.decode.attention --sanitize`` runs a few small
 launches for ``compute-sanitizer``.
 """
 
@@ -1270,7 +1270,7 @@ def _sanitize(verbose: bool = True) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m l2lightning.decode_attention", description=__doc__.splitlines()[0]
+        prog="python -m l2lightning.decode.attention", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
         "--sanitize",

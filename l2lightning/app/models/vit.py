@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from l2lightning.models._common import ClassifierFamily, check_int, parse_dtype
+from l2lightning.app.models._common import ClassifierFamily, check_int, parse_dtype
 
 
 class ViT(ClassifierFamily):

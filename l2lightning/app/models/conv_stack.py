@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from l2lightning.models._common import (
+from l2lightning.app.models._common import (
     ClassifierFamily,
     SyntheticDataModule,
     check_int,

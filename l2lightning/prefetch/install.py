@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from l2lightning._env import prefetch_unavailable_reason, warn_once
-from l2lightning.prefetch import PrefetchPlan, default_plan
+from l2lightning.prefetch.plan import PrefetchPlan, default_plan
 
 # Blocks PyTorch runs through fused kernels that bypass their submodules' forward: hook them whole.
 FUSED_BLOCK_TYPES: tuple[type[nn.Module], ...] = (
@@ -94,7 +94,7 @@ class CudaIssuer(Issuer):
     """Launches prefetches on a side stream forked from the current stream, and joins it back."""
 
     def __init__(self, device: torch.device) -> None:
-        from l2lightning.prefetch import load_prefetch_kernels
+        from l2lightning.prefetch.plan import load_prefetch_kernels
 
         self.device = device
         load_prefetch_kernels(device.index or 0)  # compile now: NVRTC must not run inside a capture
@@ -102,7 +102,7 @@ class CudaIssuer(Issuer):
         self._pending = False
 
     def issue(self, layer: Layer, plan: PrefetchPlan, phase: str) -> None:
-        from l2lightning.prefetch import prefetch
+        from l2lightning.prefetch.plan import prefetch
 
         main = torch.cuda.current_stream(self.device)
         self.side.wait_stream(main)  # start when the current op starts, never earlier
@@ -301,7 +301,7 @@ class PrefetchHooks:
         backward_plans: like ``plans`` for the backward pass; default: the same as forward.
         decoy: aim the same traffic at the wrong layer (half the chain away), as a control.
         via: ``"hooks"`` (default): Python hooks issue the prefetches. ``"ops"``: the hooks insert
-            identity autograd functions that call the custom ops of :mod:`l2lightning.prefetch_ops`,
+            identity autograd functions that call the custom ops of :mod:`l2lightning.prefetch.ops`,
             so ``torch.compile`` traces them into its graph instead of breaking it; the caller then
             joins the side stream after backward with :meth:`join`.
         scope: ``"forward"`` (default): the hooks act while ``model.forward`` runs. ``"manual"``: they
@@ -374,7 +374,7 @@ class PrefetchHooks:
             self.issuer = CudaIssuer(device)
         backward_arg = plans if backward_plans is None else backward_plans
         if plans == "auto" or backward_arg == "auto":
-            from l2lightning.autotune import tune_hooks
+            from l2lightning.tune.search import tune_hooks
 
             self.tuning_report = tune_hooks(
                 self, tune_forward=plans == "auto", tune_backward=backward and backward_arg == "auto"
@@ -563,7 +563,7 @@ class PrefetchHooks:
         forward: dict[int, list[tuple[int, PrefetchPlan]]],
         backward: dict[int, list[tuple[int, PrefetchPlan]]],
     ) -> None:
-        from l2lightning import prefetch_ops
+        from l2lightning.prefetch import ops as prefetch_ops
 
         self._ops_forward, self._ops_backward = forward, backward
         self._ops_layers: set[int] = set()
@@ -580,7 +580,7 @@ class PrefetchHooks:
                 self._handles.append(layer.module.register_forward_hook(self._make_point_out(layer.index)))
 
     def _make_point_in(self, index: int) -> Callable[..., Any]:
-        from l2lightning.prefetch_ops import point_in
+        from l2lightning.prefetch.ops import point_in
 
         def pre_hook(module: nn.Module, args: tuple) -> Any:
             if not args or not isinstance(args[0], torch.Tensor):
@@ -590,7 +590,7 @@ class PrefetchHooks:
         return pre_hook
 
     def _make_point_out(self, index: int) -> Callable[..., Any]:
-        from l2lightning.prefetch_ops import point_out
+        from l2lightning.prefetch.ops import point_out
 
         def post_hook(module: nn.Module, args: tuple, output: Any) -> Any:
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
@@ -646,7 +646,7 @@ class PrefetchHooks:
         self._release_pass()
         self._removed = True
         if getattr(self, "_owner_id", None) is not None:
-            from l2lightning import prefetch_ops
+            from l2lightning.prefetch import ops as prefetch_ops
 
             prefetch_ops.unregister(self._owner_id)
         self._active = False

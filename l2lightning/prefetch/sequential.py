@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from l2lightning.hooks import PlansArg, PrefetchHooks
+from l2lightning.prefetch.install import PlansArg, PrefetchHooks
 
 
 class PrefetchSequential(nn.Module):

@@ -7,7 +7,7 @@ layer's block (``Layer.block``: LayerNorm, Linear, GELU), or of the lone layer w
 no such block, with fresh random weights (the model's own tensors are only read once, by ``copy.deepcopy``), long
 enough that its weights exceed L2 twice over so each layer's weights are evicted between replays,
 captures it in CUDA graphs without and with each candidate plan installed through
-:class:`~l2lightning.hooks.PrefetchHooks`, and times graph replays with CUDA events.
+:class:`~l2lightning.prefetch.install.PrefetchHooks`, and times graph replays with CUDA events.
 
 Search, inside a wall-time budget (0.6 s per distinct shape by default):
 
@@ -20,10 +20,10 @@ Search, inside a wall-time budget (0.6 s per distinct shape by default):
    the best lower bound or below ``min_gain``; the better half survives every second round.
 3. Confirm the winner on *fresh* interleaved (plain, plan, decoy) rounds (the screening samples
    picked it, so reusing them would overstate its gain) and apply the gate of
-   :mod:`l2lightning.tuning_stats`: mean-gain CI above +1% and a win over the decoy. Otherwise the
+   :mod:`l2lightning.tune.stats`: mean-gain CI above +1% and a win over the decoy. Otherwise the
    shape runs plain.
 
-Decisions are cached on disk (:mod:`l2lightning.plan_cache`). The measuring step is injectable
+Decisions are cached on disk (:mod:`l2lightning.tune.cache`). The measuring step is injectable
 (``Autotuner(bench_factory=...)``), which is how the CPU tests drive the search with fake timings.
 """
 
@@ -43,10 +43,16 @@ import torch
 from torch import nn
 
 from l2lightning.capture import graph_capture
-from l2lightning.hooks import Layer, PrefetchHooks, _flatten_tensors, device_l2_bytes, discover_chain
-from l2lightning.plan_cache import PlanCache
-from l2lightning.prefetch import KINDS, MIB, PrefetchPlan
-from l2lightning.tuning_stats import GateResult, gate, mean_ci
+from l2lightning.prefetch.install import (
+    Layer,
+    PrefetchHooks,
+    _flatten_tensors,
+    device_l2_bytes,
+    discover_chain,
+)
+from l2lightning.prefetch.plan import KINDS, MIB, PrefetchPlan
+from l2lightning.tune.cache import PlanCache
+from l2lightning.tune.stats import GateResult, gate, mean_ci
 
 __all__ = [
     "Autotuner",
@@ -454,7 +460,7 @@ class Autotuner:
         min_repeats: confirmation rounds before the first check.
         confidence: two-sided confidence level of the intervals.
         clock: wall clock in seconds (tests inject a fake one).
-        cache: a :class:`~l2lightning.plan_cache.PlanCache`, ``"default"`` (``$L2L_CACHE_DIR``, honours
+        cache: a :class:`~l2lightning.tune.cache.PlanCache`, ``"default"`` (``$L2L_CACHE_DIR``, honours
             ``L2L_RETUNE``) or None (no cache).
         blocks, distances, kinds: the default grid; kinds default to what the device supports.
         block_rate, slack: the pruning rule's per-block prefetch rate (bytes/s) and tolerance.
@@ -565,7 +571,9 @@ class Autotuner:
         if bad or len(set(phases)) != len(phases):
             raise ValueError(f"`phases` must be distinct values from {PHASES}, got {phases!r}")
         if not all(isinstance(layer, Layer) for layer in chain):
-            raise TypeError("`chain` must be a list of l2lightning.hooks.Layer (PrefetchHooks.chain)")
+            raise TypeError(
+                "`chain` must be a list of l2lightning.prefetch.install.Layer (PrefetchHooks.chain)"
+            )
         device = torch.device(device)
         on_cuda = device.type == "cuda"
         if on_cuda and device.index is None:
@@ -588,7 +596,7 @@ class Autotuner:
             kinds = self._kinds(device)
         used_cuda = False
         if unavailable is None and self.bench_factory is None:
-            from l2lightning.prefetch import load_prefetch_kernels
+            from l2lightning.prefetch.plan import load_prefetch_kernels
 
             load_prefetch_kernels(device.index)  # a first NVRTC compile is not tuning time
         # Tuning both phases means a training step: its forward plan is measured in a forward +
@@ -623,7 +631,7 @@ class Autotuner:
         if self.kinds is not None:
             return self.kinds
         if device.type == "cuda" and torch.cuda.is_available():
-            from l2lightning.prefetch import supported_kinds
+            from l2lightning.prefetch.plan import supported_kinds
 
             return supported_kinds(device.index or 0)
         return ("hint", "hint_last")  # every device that runs the hint kernel supports these
@@ -1214,7 +1222,7 @@ class CudaShapeBench:
         training: bool = False,
         min_copies: int = 1,
     ) -> None:
-        from l2lightning.prefetch import load_prefetch_kernels
+        from l2lightning.prefetch.plan import load_prefetch_kernels
 
         self.device = torch.device(
             "cuda", device.index if device.index is not None else torch.cuda.current_device()

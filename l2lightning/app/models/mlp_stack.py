@@ -16,7 +16,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from l2lightning.models._common import (
+from l2lightning.app.models._common import (
     FamilyModule,
     SyntheticDataModule,
     check_choice,
