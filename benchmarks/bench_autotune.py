@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from l2lightning.prefetch.install import PrefetchHooks, device_l2_bytes, discover_chain
+from l2lightning.prefetch.chain import device_l2_bytes, discover_chain
+from l2lightning.prefetch.hooks import PrefetchHooks
 from l2lightning.prefetch.plan import MIB
 from l2lightning.tune.chain_timing import capture_chain, interleaved_replay_us
 from l2lightning.tune.search import Autotuner

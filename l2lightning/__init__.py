@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "PrefetchPlan": "l2lightning.prefetch.plan",
     "default_plan": "l2lightning.prefetch.plan",
-    "PrefetchHooks": "l2lightning.prefetch.install",
+    "PrefetchHooks": "l2lightning.prefetch.hooks",
     "PrefetchSequential": "l2lightning.prefetch.sequential",
     "CapturedStep": "l2lightning.capture",
     "capture_step": "l2lightning.capture",
@@ -31,7 +31,7 @@ _EXPORTS = {
     "TorchDecodeSession": "l2lightning.decode.model",
     "build_decoder": "l2lightning.decode.model",
     "choose_attention": "l2lightning.decode.attention",
-    "TuningReport": "l2lightning.tune.search",
+    "TuningReport": "l2lightning.tune.report",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1124,7 +1124,7 @@ class L2GraphCallback(Callback):
         if reason:
             self._warn_once("prefetch", f"prefetch off ({reason}); capturing the graph without it.")
             return None
-        from l2lightning.prefetch.install import PrefetchHooks
+        from l2lightning.prefetch.hooks import PrefetchHooks
 
         static_batch = self._static_for_prefetch.batch
         original_training_step = self._originals["training_step"]

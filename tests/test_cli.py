@@ -315,7 +315,7 @@ def test_bench_refuses_a_throttled_gpu_unless_forced(fake_gpu, capsys):
 def test_bench_model_is_one_prefetch_chain_layer_per_block():
     import torch
 
-    from l2lightning.prefetch.install import discover_chain
+    from l2lightning.prefetch.chain import discover_chain
 
     model = bench.build_model(64, 3, "cpu", torch.float32)
     x = torch.randn(2, 64)

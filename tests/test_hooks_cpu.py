@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from l2lightning.prefetch.install import Issuer, PrefetchHooks
+from l2lightning.prefetch.hooks import PrefetchHooks
+from l2lightning.prefetch.install import Issuer
 from l2lightning.prefetch.plan import PrefetchPlan
 
 
@@ -47,7 +48,7 @@ def test_chain_is_linear_layers_in_execution_order():
 
 
 def test_each_layer_knows_its_block_only_where_the_block_holds_just_that_layer():
-    from l2lightning.prefetch.install import discover_chain
+    from l2lightning.prefetch.chain import discover_chain
 
     class Residual(nn.Module):  # same shape in and out, one Linear inside
         def __init__(self, d):
@@ -72,7 +73,7 @@ def test_each_layer_knows_its_block_only_where_the_block_holds_just_that_layer()
 
 
 def test_a_block_called_twice_is_not_a_tuning_unit():
-    from l2lightning.prefetch.install import discover_chain
+    from l2lightning.prefetch.chain import discover_chain
 
     block = nn.Sequential(nn.Linear(64, 64), nn.GELU())
     model = nn.Sequential(block, block)  # shared: its two calls see different inputs

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from l2lightning._resources import kernel_source, kernels_dir
-from l2lightning.prefetch.plan import MIB, PrefetchPlan, default_plan, prefetch
+from l2lightning.prefetch.kernels import prefetch
+from l2lightning.prefetch.plan import MIB, PrefetchPlan, default_plan
 
 
 @pytest.mark.parametrize(

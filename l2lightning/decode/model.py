@@ -11,7 +11,7 @@ bucket; each bucket gets its own graph, captured on first use, and with ``attent
 own measured attention choice (:func:`l2lightning.decode.attention.choose_attention`). The small
 elementwise parts (RMSNorm with the residual add, rotary, SiLU-gate) are ``torch.compile``d in
 default mode and warmed before capture; next-layer weights are prefetched into L2 by
-:class:`l2lightning.prefetch.install.PrefetchHooks` (forward only) recorded into the graph.
+:class:`l2lightning.prefetch.hooks.PrefetchHooks` (forward only) recorded into the graph.
 :class:`TorchDecodeSession` is the plain-PyTorch baseline: same model, compiled elementwise ops,
 SDPA attention over the bucket's window, the whole step in one graph, no prefetch.
 
@@ -633,7 +633,7 @@ class DecodeSession:
 
     # -------------------------------------------------------------- prefetch
     def _install_hooks(self) -> Any:
-        from l2lightning.prefetch.install import PrefetchHooks
+        from l2lightning.prefetch.hooks import PrefetchHooks
 
         if self.state.attention is None:  # the hooks' dry run needs some attention: SDPA over the whole cache
             self.state.attention = (

@@ -1,4 +1,4 @@
-"""PrefetchHooks: cross-layer L2 weight prefetch on an unmodified model, through module and tensor hooks.
+"""PlanHooks: cross-layer L2 weight prefetch on an unmodified model, through module and tensor hooks.
 
 One dry run finds the chain of weight-reading layers in execution order. Then, while layer i runs
 forward, a side stream prefetches the weights of layer i+distance; in backward, just before layer
@@ -18,7 +18,7 @@ from the outside, so PyTorch's fused fast paths stay on.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,58 +26,8 @@ import torch
 from torch import nn
 
 from l2lightning._env import prefetch_unavailable_reason, warn_once
-from l2lightning.prefetch.plan import PrefetchPlan, default_plan
-
-# Blocks PyTorch runs through fused kernels that bypass their submodules' forward: hook them whole.
-FUSED_BLOCK_TYPES: tuple[type[nn.Module], ...] = (
-    nn.TransformerEncoderLayer,
-    nn.TransformerDecoderLayer,
-    nn.MultiheadAttention,
-)
-# Parameters smaller than this are not worth a launch (a Linear's bias, a norm's scale).
-MIN_TENSOR_BYTES = 4096
-# Chain layers below this size, and below an eighth of the layer's own size, may share its block (a
-# wide LayerNorm's scale and shift next to its Linear): the autotuner never plans for them (the same
-# floor as autotune.MIN_LAYER_BYTES), so they are context, not another layer to tune.
-BLOCK_COMPANION_BYTES = 256 * 1024
-
-
-@dataclass
-class Layer:
-    """One weight-reading layer of the chain, in execution order."""
-
-    index: int
-    name: str
-    module: nn.Module
-    weights: list[torch.Tensor]
-    nbytes: int
-    input_shape: tuple[int, ...] | None = None
-    # The largest module around this layer that holds no other chain layer and maps its input to a
-    # tensor of the same shape and dtype (a (LayerNorm, Linear, GELU) block), with that input's
-    # shape and dtype. The autotuner times copies of the block rather than of the lone layer: the
-    # norm and activation kernels between two layers change what a prefetch overlaps with, and a
-    # plan measured on lone layers did not transfer to the model (H200, d2560 b4: +3.0% measured,
-    # -3.4% in the model).
-    block: nn.Module | None = None
-    block_input: tuple[tuple[int, ...], torch.dtype] | None = None
-
-    @property
-    def context(self) -> str:
-        """The block's type and its leaf modules' types, e.g. ``Sequential(LayerNorm,Linear,GELU)``."""
-        if self.block is None:
-            return ""
-        leaves = [type(m).__name__ for m in self.block.modules() if next(m.children(), None) is None]
-        return f"{type(self.block).__name__}({','.join(leaves)})"
-
-    @property
-    def shape_key(self) -> str:
-        """Identifies layers that behave alike for prefetch tuning (type, weight shapes, dtype, input,
-        and the enclosing block when there is one)."""
-        shapes = ",".join("x".join(map(str, w.shape)) for w in self.weights)
-        dtype = str(self.weights[0].dtype).replace("torch.", "") if self.weights else "none"
-        inp = "x".join(map(str, self.input_shape)) if self.input_shape else "?"
-        key = f"{type(self.module).__name__}[{shapes}]:{dtype}:in{inp}"
-        return f"{key}@{self.context}" if self.block is not None else key
+from l2lightning.prefetch.chain import Layer, device_l2_bytes, discover_chain, iter_tensors
+from l2lightning.prefetch.plan import PlansArg, PrefetchPlan, check_plans_arg, layer_plans
 
 
 class Issuer:
@@ -94,7 +44,7 @@ class CudaIssuer(Issuer):
     """Launches prefetches on a side stream forked from the current stream, and joins it back."""
 
     def __init__(self, device: torch.device) -> None:
-        from l2lightning.prefetch.plan import load_prefetch_kernels
+        from l2lightning.prefetch.kernels import load_prefetch_kernels
 
         self.device = device
         load_prefetch_kernels(device.index or 0)  # compile now: NVRTC must not run inside a capture
@@ -102,7 +52,7 @@ class CudaIssuer(Issuer):
         self._pending = False
 
     def issue(self, layer: Layer, plan: PrefetchPlan, phase: str) -> None:
-        from l2lightning.prefetch.plan import prefetch
+        from l2lightning.prefetch.kernels import prefetch
 
         main = torch.cuda.current_stream(self.device)
         self.side.wait_stream(main)  # start when the current op starts, never earlier
@@ -118,9 +68,6 @@ class CudaIssuer(Issuer):
             self._pending = False
 
 
-PlansArg = None | str | PrefetchPlan | Mapping[str, PrefetchPlan | None]
-
-
 @dataclass
 class _BackwardPass:
     """Layers whose outputs got a gradient hook in one forward pass (backward follows it)."""
@@ -132,161 +79,10 @@ class _BackwardPass:
     join: Any = None
 
 
-def _flatten_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _flatten_tensors(item)
-    elif isinstance(obj, Mapping):
-        for item in obj.values():
-            yield from _flatten_tensors(item)
+class PlanHooks:
+    """Installs forward/backward L2 prefetch hooks with the plans it is given on an unmodified model.
 
-
-def call_model(model: nn.Module, example_input: Any) -> Any:
-    """model(x), model(*x) for a tuple/list, model(**x) for a dict."""
-    if isinstance(example_input, Mapping):
-        return model(**example_input)
-    if isinstance(example_input, (tuple, list)):
-        return model(*example_input)
-    return model(example_input)
-
-
-@contextlib.contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Run a dry pass without side effects: buffers (BatchNorm statistics) and RNG are restored."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted(
-        {b.device.index for b in model.buffers() if b.is_cuda}
-        | {p.device.index for p in model.parameters() if p.is_cuda}
-    )
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        try:
-            yield
-        finally:
-            for buf, saved in buffers:
-                buf.copy_(saved)
-
-
-def discover_chain(
-    model: nn.Module, example_input: Any, step: Callable[[nn.Module, Any], Any] | None = None
-) -> list[Layer]:
-    """Weight-reading layers of `model` in the order one forward pass calls them, each with its
-    enclosing block (see `Layer.block`) where the model has one."""
-    names = {m: n for n, m in model.named_modules()}
-    fused = [m for m in model.modules() if isinstance(m, FUSED_BLOCK_TYPES)]
-    inside_fused = {sub for m in fused for sub in m.modules() if sub is not m}
-    candidates = []
-    for module in model.modules():
-        if module in inside_fused:
-            continue
-        # A container that also holds parameters of its own (a ViT's position embedding) is not a
-        # chain step: its forward spans its children, so "the next layer" would be ill-defined.
-        is_leaf = next(module.children(), None) is None
-        if isinstance(module, FUSED_BLOCK_TYPES) or (
-            is_leaf and any(True for _ in module.parameters(recurse=False))
-        ):
-            candidates.append(module)
-    order: list[tuple[nn.Module, tuple[int, ...] | None]] = []
-    seen: set[int] = set()
-
-    def record(module: nn.Module, args: tuple) -> None:
-        if id(module) not in seen:
-            seen.add(id(module))
-            first = next(_flatten_tensors(args), None)
-            order.append((module, tuple(first.shape) if first is not None else None))
-
-    # Containers (blocks) record their calls' input and output signatures, to find `Layer.block`;
-    # the fused blocks with children are chain steps themselves (candidates), not containers.
-    containers = [
-        m
-        for m in model.modules()
-        if m is not model
-        and m not in inside_fused
-        and not isinstance(m, FUSED_BLOCK_TYPES)
-        and next(m.children(), None) is not None
-    ]
-    calls: dict[int, list] = {}
-
-    def count_call(module: nn.Module, args: tuple, output: Any) -> None:
-        only_arg = args[0] if len(args) == 1 else None
-        calls.setdefault(id(module), []).append((_tensor_signature(only_arg), _tensor_signature(output)))
-
-    handles = [m.register_forward_pre_hook(record) for m in candidates]
-    handles += [m.register_forward_hook(count_call) for m in containers]
-    try:
-        with preserved_state(model):
-            (step or call_model)(model, example_input)
-    finally:
-        for h in handles:
-            h.remove()
-    chain = []
-    for module, input_shape in order:
-        recurse = isinstance(module, FUSED_BLOCK_TYPES)
-        weights = [
-            p
-            for p in module.parameters(recurse=recurse)
-            if p.is_floating_point() and p.numel() * p.element_size() >= MIN_TENSOR_BYTES
-        ]
-        nbytes = sum(p.numel() * p.element_size() for p in weights)
-        if not weights:  # a norm's scale and shift: nothing worth fetching, and not a chain step
-            continue
-        chain.append(
-            Layer(len(chain), names.get(module, type(module).__name__), module, weights, nbytes, input_shape)
-        )
-    chain_modules = {id(layer.module): layer.nbytes for layer in chain}
-    by_name = dict(model.named_modules())
-    for layer in chain:
-        layer.block, layer.block_input = _enclosing_block(model, layer, by_name, chain_modules, calls)
-    return chain
-
-
-def _tensor_signature(value: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
-    """(shape, dtype) of `value` when it is one tensor, else None."""
-    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
-
-
-def _enclosing_block(
-    model: nn.Module,
-    layer: Layer,
-    modules: dict[str, nn.Module],
-    chain_modules: dict[int, int],
-    calls: dict[int, list],
-) -> tuple[nn.Module | None, tuple[tuple[int, ...], torch.dtype] | None]:
-    """The largest proper ancestor of `layer` (not the model) that contains no other chain layer
-    (`chain_modules`: id -> weight bytes) except small companions (see `BLOCK_COMPANION_BYTES`), was
-    called once on one tensor, and returned one tensor of the same shape and dtype; else (None, None)."""
-    companion = min(BLOCK_COMPANION_BYTES, layer.nbytes // 8)
-    parts = layer.name.split(".")
-    if layer.module is model or len(parts) < 2:
-        return None, None
-    for depth in range(1, len(parts)):  # outermost first
-        block = modules.get(".".join(parts[:depth]))
-        if block is None:
-            continue
-        if any(
-            m is not layer.module and chain_modules.get(id(m), 0) >= max(companion, 1)
-            for m in block.modules()
-        ):
-            continue
-        seen = calls.get(id(block), [])
-        if len(seen) != 1:
-            continue
-        args, out = seen[0]
-        if args is not None and args == out and args[1].is_floating_point:
-            return block, args
-    return None, None
-
-
-def device_l2_bytes(device: torch.device) -> int | None:
-    """The device's L2 size in bytes, or None where unknown (CPU)."""
-    if device.type != "cuda":
-        return None
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
-
-
-class PrefetchHooks:
-    """Installs forward/backward L2 prefetch hooks on an unmodified model.
+    The public :class:`l2lightning.PrefetchHooks` is this class plus the ``"auto"`` setting (the tuner).
 
     Args:
         model: the model; its own forward and backward get the prefetch, a submodule called alone does not.
@@ -345,8 +141,8 @@ class PrefetchHooks:
         if via not in ("hooks", "ops"):
             raise ValueError(f"`via` must be 'hooks' or 'ops', got {via!r}")
         self.via = via
-        _check_plans_arg("plans", plans)
-        _check_plans_arg("backward_plans", backward_plans)
+        check_plans_arg("plans", plans)
+        check_plans_arg("backward_plans", backward_plans)
         self.model = model
         self.backward = backward
         self.decoy = decoy
@@ -373,37 +169,25 @@ class PrefetchHooks:
                 return
             self.issuer = CudaIssuer(device)
         backward_arg = plans if backward_plans is None else backward_plans
-        if plans == "auto" or backward_arg == "auto":
-            from l2lightning.tune.search import tune_hooks
-
-            self.tuning_report = tune_hooks(
-                self, tune_forward=plans == "auto", tune_backward=backward and backward_arg == "auto"
-            )
-        self.forward_plans = (
-            self.tuning_report.plans_for(self.chain, "forward") if plans == "auto" else self._resolve(plans)
-        )
-        self.backward_plans = (
-            self.tuning_report.plans_for(self.chain, "backward")
-            if backward_arg == "auto"
-            else self._resolve(backward_arg)
-        )
+        self.forward_plans, self.backward_plans = self._plans_for(plans, backward_arg)
         self._install()
 
     # ---------------------------------------------------------------- plans
-    def _resolve(self, plans: PlansArg) -> list[PrefetchPlan | None]:
+    def _plans_for(
+        self, plans: PlansArg, backward_plans: PlansArg
+    ) -> tuple[list[PrefetchPlan | None], list[PrefetchPlan | None]]:
+        """Per-layer (forward, backward) plans of the given settings. These hooks only install plans:
+        ``"auto"`` is resolved by :class:`l2lightning.prefetch.hooks.PrefetchHooks`, which calls the
+        tuner (the tuner times its throwaway chains through this class, so it cannot be called from here)."""
         l2 = device_l2_bytes(self.device)
-        if plans is None:
-            return [default_plan(layer.nbytes, l2) for layer in self.chain]
-        if isinstance(plans, PrefetchPlan):
-            return [plans if default_plan(layer.nbytes, l2) is not None else None for layer in self.chain]
-        assert isinstance(plans, Mapping)
-        known = {layer.name for layer in self.chain}
-        unknown = sorted(set(plans) - known)
-        if unknown:
-            raise ValueError(
-                f"`plans` names layers that are not in the chain: {unknown}; chain layers: {sorted(known)}"
-            )
-        return [plans.get(layer.name) for layer in self.chain]
+        for name, value in (("plans", plans), ("backward_plans", backward_plans)):
+            if isinstance(value, str) and value == "auto":
+                raise ValueError(
+                    f"`{name}`='auto' needs the tuner: use l2lightning.PrefetchHooks, which resolves it"
+                )
+        return layer_plans(self.chain, plans, l2, "plans"), layer_plans(
+            self.chain, backward_plans, l2, "plans"
+        )
 
     def _forward_schedule(self) -> dict[int, list[tuple[int, PrefetchPlan]]]:
         """Issuing layer -> [(target layer, plan)]: target j is issued while layer j - distance runs."""
@@ -518,7 +302,7 @@ class PrefetchHooks:
         def post_hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not (self._active and torch.is_grad_enabled()):
                 return
-            tensor = next((t for t in _flatten_tensors(output) if t.requires_grad), None)
+            tensor = next((t for t in iter_tensors(output) if t.requires_grad), None)
             if tensor is None:
                 return
             backward_pass = self._pass
@@ -651,23 +435,8 @@ class PrefetchHooks:
             prefetch_ops.unregister(self._owner_id)
         self._active = False
 
-    def __enter__(self) -> PrefetchHooks:
+    def __enter__(self) -> PlanHooks:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def _check_plans_arg(name: str, value: Any) -> None:
-    if value is None or value == "auto" or isinstance(value, PrefetchPlan):
-        return
-    if isinstance(value, Mapping):
-        for key, plan in value.items():
-            if plan is not None and not isinstance(plan, PrefetchPlan):
-                raise TypeError(
-                    f"`{name}[{key!r}]` must be a PrefetchPlan or None, got {type(plan).__name__}"
-                )
-        return
-    raise ValueError(
-        f"`{name}` must be None, 'auto', a PrefetchPlan or a mapping of layer name to PrefetchPlan; got {value!r}"
-    )

@@ -1,4 +1,4 @@
-"""Prefetch plans and `prefetch(tensor, plan)`: one launch of an L2 prefetch kernel on the current stream.
+"""Prefetch plans: what one L2 prefetch does, and which plan each layer of a chain gets.
 
 A plan says how to warm L2 with a tensor's bytes: which kernel (`hint`: `prefetch.global.L2` per
 `stride` bytes; `bulk`: `cp.async.bulk.prefetch.L2` per `chunk` bytes, sm_90+), with or without
@@ -10,16 +10,11 @@ hooks aim it. The measurements on the H200 showed one block cannot keep up with 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("hint", "hint_last", "bulk", "bulk_last")
-_KERNEL_NAMES = {
-    "hint": "l2_prefetch_hint",
-    "hint_last": "l2_prefetch_hint_last",
-    "bulk": "l2_prefetch_bulk",
-    "bulk_last": "l2_prefetch_bulk_last",
-}
 MIB = 1 << 20
 
 
@@ -113,77 +108,49 @@ def default_plan(layer_bytes: int, l2_bytes: int | None = None) -> PrefetchPlan 
     return PrefetchPlan(kind="hint", blocks=16)
 
 
-def _launch_args(tensor: Any, plan: PrefetchPlan) -> tuple[str, tuple, int] | None:
-    """(kernel name, kernel args, bytes covered) for `tensor`, or None when there is nothing to do."""
-    import numpy as np
-
-    nbytes = tensor.untyped_storage().nbytes() if tensor.numel() else 0
-    nbytes = min(nbytes, tensor.numel() * tensor.element_size())
-    if nbytes == 0:
-        return None
-    ptr = tensor.data_ptr()
-    if plan.is_bulk:
-        # bulk prefetch: 16-byte aligned start, size a multiple of 16; trim the unaligned edges
-        # (at most 30 bytes of a multi-KiB layer go without a prefetch).
-        start = (ptr + 15) & ~15
-        nbytes = (nbytes - (start - ptr)) & ~15
-        if nbytes <= 0:
-            return None
-        return _KERNEL_NAMES[plan.kind], (np.uint64(start), np.uint64(nbytes), np.uint32(plan.chunk)), nbytes
-    return _KERNEL_NAMES[plan.kind], (np.uint64(ptr), np.uint64(nbytes), np.uint32(plan.stride)), nbytes
+# A setting for the hooks' plans: None or "default" (sized by layer bytes), "off" (no prefetch),
+# "auto" (tuned; resolved by l2lightning.prefetch.hooks), one plan for every layer large enough,
+# or layer name -> plan (None: that layer runs plain).
+PlansArg = None | str | PrefetchPlan | Mapping[str, PrefetchPlan | None]
+PLAN_SETTINGS = ("default", "off", "auto")
 
 
-def kernel_defines(device_index: int) -> tuple[str, ...]:
-    """Compile-time defines for kernels/l2_prefetch.cu on this device (bulk kernels on sm_90+)."""
-    import torch
-
-    major, _ = torch.cuda.get_device_capability(device_index)
-    return ("L2L_HAVE_BULK",) if major >= 9 else ()
-
-
-def supported_kinds(device_index: int) -> tuple[str, ...]:
-    """The plan kinds this device can run."""
-    return KINDS if kernel_defines(device_index) else ("hint", "hint_last")
-
-
-def load_prefetch_kernels(device_index: int) -> None:
-    """Compile kernels/l2_prefetch.cu for `device_index` now (must happen before a graph capture)."""
-    from l2lightning._kernels import get_function, require_gpu_kernels
-
-    require_gpu_kernels("L2 prefetch")
-    defines = kernel_defines(device_index)
-    for kind in supported_kinds(device_index):
-        get_function("l2_prefetch.cu", _KERNEL_NAMES[kind], device_index, defines)
-
-
-def prefetch(tensor: Any, plan: PrefetchPlan) -> None:
-    """Issue one L2 prefetch of `tensor`'s bytes on torch's current CUDA stream.
-
-    Never writes memory. Inside `torch.cuda.graph(...)` the launch is recorded into the graph.
-
-    Raises:
-        RuntimeError: no CUDA device or no CuPy (the message carries the install hint).
-        ValueError: `tensor` is not a CUDA tensor, or the plan's kind needs sm_90+.
-
-    Example:
-        >>> w = torch.randn(1536, 1536, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
-        >>> prefetch(w, PrefetchPlan(kind="hint", blocks=8))  # doctest: +SKIP
-    """
-    from l2lightning._kernels import get_function, launch, require_gpu_kernels
-
-    if not isinstance(plan, PrefetchPlan):
-        raise TypeError(f"`plan` must be a PrefetchPlan, got {type(plan).__name__}")
-    require_gpu_kernels("prefetch()")
-    if not getattr(tensor, "is_cuda", False):
-        raise ValueError(f"`tensor` must be a CUDA tensor, got a tensor on {getattr(tensor, 'device', '?')}")
-    device_index = tensor.device.index
-    if plan.kind not in supported_kinds(device_index):
-        raise ValueError(
-            f"plan kind {plan.kind!r} needs sm_90+; this device supports {supported_kinds(device_index)}"
-        )
-    args = _launch_args(tensor, plan)
-    if args is None:
+def check_plans_arg(name: str, value: Any) -> None:
+    """Raise unless `value` is a plans setting (see `PlansArg`); `name` is the argument's name."""
+    if value is None or isinstance(value, PrefetchPlan):
         return
-    name, kernel_args, _ = args
-    kernel = get_function("l2_prefetch.cu", name, device_index, kernel_defines(device_index))
-    launch(kernel, plan.blocks, plan.threads, kernel_args, device_index)
+    if isinstance(value, str) and value in PLAN_SETTINGS:
+        return
+    if isinstance(value, Mapping):
+        for key, plan in value.items():
+            if plan is not None and not isinstance(plan, PrefetchPlan):
+                raise TypeError(
+                    f"`{name}[{key!r}]` must be a PrefetchPlan or None, got {type(plan).__name__}"
+                )
+        return
+    raise ValueError(
+        f"`{name}` must be None, 'auto', 'default', 'off', a PrefetchPlan or a mapping of layer name to "
+        f"PrefetchPlan; got {value!r}"
+    )
+
+
+def layer_plans(
+    chain: Sequence[Any], plans: PlansArg, l2_bytes: int | None, name: str = "plans"
+) -> list[PrefetchPlan | None]:
+    """One plan (or None) per chain layer for an explicit setting: None/"default", "off", a plan or a
+    mapping. `chain` holds :class:`~l2lightning.prefetch.chain.Layer` objects (their name and bytes)."""
+    if plans is None or plans == "default":
+        return [default_plan(layer.nbytes, l2_bytes) for layer in chain]
+    if plans == "off":
+        return [None] * len(chain)
+    if isinstance(plans, PrefetchPlan):
+        return [plans if default_plan(layer.nbytes, l2_bytes) is not None else None for layer in chain]
+    if not isinstance(plans, Mapping):
+        raise ValueError(f"`{name}` must be resolved to plans before this point, got {plans!r}")
+    known = {layer.name for layer in chain}
+    unknown = sorted(set(plans) - known)
+    if unknown:
+        raise ValueError(
+            f"`{name}` names layers that are not in the chain: {unknown}; chain layers: {sorted(known)}"
+        )
+    return [plans.get(layer.name) for layer in chain]

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from l2lightning.prefetch.install import PlansArg, PrefetchHooks
+from l2lightning.prefetch.hooks import PrefetchHooks
+from l2lightning.prefetch.plan import PlansArg
 
 
 class PrefetchSequential(nn.Module):

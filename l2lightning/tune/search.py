@@ -7,7 +7,7 @@ layer's block (``Layer.block``: LayerNorm, Linear, GELU), or of the lone layer w
 no such block, with fresh random weights (the model's own tensors are only read once, by ``copy.deepcopy``), long
 enough that its weights exceed L2 twice over so each layer's weights are evicted between replays,
 captures it in CUDA graphs without and with each candidate plan installed through
-:class:`~l2lightning.prefetch.install.PrefetchHooks`, and times graph replays with CUDA events.
+:class:`~l2lightning.prefetch.install.PlanHooks`, and times graph replays with CUDA events.
 
 Search, inside a wall-time budget (0.6 s per distinct shape by default):
 
@@ -30,376 +30,42 @@ Decisions are cached on disk (:mod:`l2lightning.tune.cache`). The measuring step
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from torch import nn
 
-from l2lightning.capture import graph_capture
-from l2lightning.prefetch.install import (
-    Layer,
-    PrefetchHooks,
-    _flatten_tensors,
-    device_l2_bytes,
-    discover_chain,
-)
+from l2lightning.prefetch.chain import Layer, device_l2_bytes
 from l2lightning.prefetch.plan import KINDS, MIB, PrefetchPlan
 from l2lightning.tune.cache import PlanCache
+from l2lightning.tune.candidates import (
+    BACKWARD_OP_SHARE,
+    BLOCK_PREFETCH_RATE,
+    DEFAULT_BLOCKS,
+    DEFAULT_DISTANCES,
+    MIN_LAYER_BYTES,
+    PHASES,
+    RATE_SLACK,
+    ineligibility,
+    make_plan,
+    prune_candidates,
+)
+from l2lightning.tune.report import TuningReport, TuningRow
 from l2lightning.tune.stats import GateResult, gate, mean_ci
+from l2lightning.tune.throwaway import SkipShape
+from l2lightning.tune.timing import BenchFactory, CudaShapeBench, ShapeBench
 
-__all__ = [
-    "Autotuner",
-    "TuningReport",
-    "TuningRow",
-    "ShapeBench",
-    "SkipShape",
-    "CudaShapeBench",
-    "Throwaway",
-    "build_throwaway",
-    "copies_for",
-    "tune_hooks",
-    "log_table",
-    "make_plan",
-    "chain_step_plans",
-    "candidate_grid",
-    "ineligibility",
-    "prune_candidates",
-]
+__all__ = ["Autotuner"]
 
-PHASES = ("forward", "backward")
-DEFAULT_BLOCKS = (1, 2, 4, 8, 16, 32)
-DEFAULT_DISTANCES = (1, 2)
-# Layers smaller than this are not worth a launch (the same floor as prefetch.default_plan).
-MIN_LAYER_BYTES = 256 * 1024
-# Bytes per second one prefetch block can pull into L2, for pruning only. Derived from the H200
-# measurements rather than from DRAM bandwidth / SM count (~36 GB/s per SM, which would be the
-# fair share with every SM streaming): a prefetch block does not compete with 131 others for
-# issue slots. With the 2x slack below, 128 GB/s keeps every measured winner (hint8 on 4.5 MiB
-# layers in ~11.6 us ops needs >= 24 GB/s per block; hint4 on 12.5 MiB in ~15.5 us ops needs
-# >= 106 GB/s) and drops the measured disasters (hint1 on 4.5 MiB: >= 203 GB/s needed, lost
-# 60-412%). A lower constant such as 25 GB/s would prune hint8 at 12.5 MiB, a measured +3.8%.
-BLOCK_PREFETCH_RATE = 128e9
-RATE_SLACK = 2.0
-# A layer's backward (grad input + grad weight) is about two thirds of its forward+backward time.
-BACKWARD_OP_SHARE = 2.0 / 3.0
 # When both phases of a shape are tuned, forward may use this share of the shape's budget; backward
 # (graphs three times longer) gets the rest, including whatever forward left unused.
 FORWARD_BUDGET_SHARE = 0.4
 # Deadlines of the search stages as fractions of a row's budget; confirmation gets the rest.
 STAGE1_END, STAGE2_END = 0.45, 0.70
 MIN_PAIRS = 3  # paired samples before a candidate can be judged (t with 2 dof is already wide)
-
-
-class SkipShape(Exception):
-    """A shape cannot be tuned (cannot be copied or called on a random input, out of memory...)."""
-
-
-class ShapeBench(Protocol):
-    """Measures one layer shape in one phase. ``Autotuner(bench_factory=...)`` injects fakes.
-
-    Attributes:
-        copies: layers in the throwaway chain (the op time per layer is the replay time / copies).
-        mode: ``"block"`` (copies of the layer's block, each feeding the next), ``"chain"`` (copies of
-            the lone layer, each feeding the next) or ``"fan"`` (each copy reads its own input).
-    """
-
-    copies: int
-    mode: str
-
-    def sample(self, plan: PrefetchPlan | None, decoy: bool = False) -> float:
-        """One timing sample: seconds per replay of the chain with `plan` (None = plain)."""
-        ...
-
-    def close(self) -> None:
-        """Free graphs and throwaway weights."""
-        ...
-
-
-BenchFactory = Callable[[Layer, str, torch.device], ShapeBench]
-
-
-# ---------------------------------------------------------------------- candidates
-def make_plan(kind: str, blocks: int, distance: int = 1) -> PrefetchPlan:
-    """A candidate plan. Bulk kinds use one warp per block (one 32 KiB bulk prefetch per thread),
-    the measured ``bulkN`` shape; hint kinds use 256 threads, 128-byte stride."""
-    threads = 32 if kind.startswith("bulk") else 256
-    return PrefetchPlan(kind=kind, blocks=blocks, threads=threads, distance=distance)
-
-
-def chain_step_plans(
-    length: int, significant: Sequence[int], plans: dict[int, PrefetchPlan], phase: str
-) -> list[PrefetchPlan | None]:
-    """Per chain step, the plan with its distance counted in chain steps.
-
-    A tuned distance counts *significant* layers (those worth a prefetch); the chain also holds
-    small steps that hide almost no time (a LayerNorm's 5 KiB scale and shift in bf16 at d=2560).
-    Forward, the prefetch of significant layer j is issued when the ``distance``-th previous
-    significant layer starts; backward, when the ``distance``-th next one's backward starts. The
-    throwaway bench and the model's mapping (:meth:`TuningReport.plans_for`) both go through
-    here, so a measured plan is the plan the model runs. A layer with no such source, or one more
-    than 8 chain steps away, runs plain; so does a step that is not significant.
-    """
-    position = {i: k for k, i in enumerate(significant)}
-    out: list[PrefetchPlan | None] = [None] * length
-    for j, plan in plans.items():
-        if j not in position:
-            continue
-        k = position[j]
-        if phase == "forward":
-            source = k - plan.distance
-            gap = j - significant[source] if source >= 0 else None
-        else:
-            source = k + plan.distance
-            gap = significant[source] - j if source < len(significant) else None
-        if gap is not None and gap <= 8:
-            out[j] = dataclasses.replace(plan, distance=gap)
-    return out
-
-
-def candidate_grid(
-    kinds: Sequence[str], blocks: Sequence[int] = DEFAULT_BLOCKS, distances: Sequence[int] = DEFAULT_DISTANCES
-) -> list[PrefetchPlan]:
-    """Every (kind, blocks, distance) combination as a plan."""
-    return [make_plan(k, b, d) for k in kinds for d in distances for b in blocks]
-
-
-def ineligibility(
-    plan: PrefetchPlan,
-    layer_bytes: int,
-    l2_bytes: int | None,
-    op_seconds: float | None,
-    *,
-    block_rate: float = BLOCK_PREFETCH_RATE,
-    slack: float = RATE_SLACK,
-) -> str | None:
-    """Why `plan` cannot pay for a layer of `layer_bytes`, or None when it is worth measuring.
-
-    The rule from the measurements: the current layer and the ``distance`` layers ahead must fit
-    in L2 together ((distance + 1) x layer bytes <= L2; 32 MiB layers on a 60 MiB L2 always
-    lost), and the prefetch must finish before the target op starts: bytes / (blocks x
-    `block_rate`) may exceed ``distance`` op times by at most `slack` (one block on a 4.5 MiB
-    layer lost 60-412% because the final join waited for it).
-    """
-    if l2_bytes is not None and (plan.distance + 1) * layer_bytes > l2_bytes:
-        return (
-            f"{plan.label}: {plan.distance + 1} x {layer_bytes / MIB:.1f} MiB layers do not fit in "
-            f"{l2_bytes / MIB:.0f} MiB of L2"
-        )
-    if op_seconds is not None and op_seconds > 0:
-        fetch = layer_bytes / (plan.blocks * block_rate)
-        budget = slack * plan.distance * op_seconds
-        if fetch > budget:
-            return (
-                f"{plan.label}: ~{fetch * 1e6:.1f} us to fetch {layer_bytes / MIB:.1f} MiB with {plan.blocks} "
-                f"block(s) > {slack:g} x {plan.distance} op(s) of {op_seconds * 1e6:.1f} us"
-            )
-    return None
-
-
-def prune_candidates(
-    candidates: Sequence[PrefetchPlan],
-    layer_bytes: int,
-    l2_bytes: int | None,
-    op_seconds: float | None,
-    *,
-    block_rate: float = BLOCK_PREFETCH_RATE,
-    slack: float = RATE_SLACK,
-) -> list[PrefetchPlan]:
-    """The candidates that pass :func:`ineligibility`, in their order."""
-    return [
-        c
-        for c in candidates
-        if ineligibility(c, layer_bytes, l2_bytes, op_seconds, block_rate=block_rate, slack=slack) is None
-    ]
-
-
-# ---------------------------------------------------------------------- report
-@dataclass
-class TuningRow:
-    """The decision for one (layer shape, phase).
-
-    ``plain_us`` is the time of one layer op in the plain throwaway graph (replay time / copies);
-    ``plan`` is the best measured plan whether or not it was kept (``chosen``); ``gain``, ``ci_low``,
-    ``ci_high`` and ``decoy_gain`` come from the confirmation rounds (``1 - t/t_plain``).
-    """
-
-    shape: str
-    phase: str
-    layer_bytes: int
-    dtype: str = ""
-    layers: int = 1  # chain layers sharing this shape
-    copies: int = 0
-    mode: str = ""
-    # "train": a forward plan measured in a forward + backward graph (how a training step runs it);
-    # "" otherwise (a forward-only graph, or the backward phase, which always runs forward + backward)
-    context: str = ""
-    plain_us: float | None = None
-    plan: PrefetchPlan | None = None
-    gain: float | None = None
-    ci_low: float | None = None
-    ci_high: float | None = None
-    decoy_gain: float | None = None
-    advantage_low: float | None = None
-    chosen: bool = False
-    seconds: float = 0.0
-    tuned_seconds: float = 0.0  # the original tuning time of a cached row
-    from_cache: bool = False
-    measured: bool = False
-    candidates: int = 0
-    samples: int = 0
-    reason: str = ""
-
-    @property
-    def label(self) -> str:
-        return self.plan.label if self.plan is not None else "-"
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["plan"] = self.plan.to_dict() if self.plan is not None else None
-        data["plan_label"] = self.plan.label if self.plan is not None else None
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TuningRow:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in fields}
-        plan = kwargs.get("plan")
-        kwargs["plan"] = PrefetchPlan.from_dict(plan) if isinstance(plan, dict) else None
-        return cls(**kwargs)
-
-
-@dataclass
-class TuningReport:
-    """Per (layer shape, phase): what was measured and which plan, if any, was kept.
-
-    Example:
-        >>> report = Autotuner().tune(hooks.chain, hooks.device, ("forward",))  # doctest: +SKIP
-        >>> print(report.table())  # doctest: +SKIP
-        >>> plans = report.plans_for(hooks.chain, "forward")  # doctest: +SKIP
-    """
-
-    rows: list[TuningRow] = field(default_factory=list)
-    device: str = ""
-    min_layer_bytes: int = MIN_LAYER_BYTES
-    budget_s: float = 0.6
-    min_gain: float = 0.01
-    confidence: float = 0.95
-
-    def row(self, shape: str, phase: str) -> TuningRow | None:
-        """The row of `shape` in `phase`, or None."""
-        return next((r for r in self.rows if r.shape == shape and r.phase == phase), None)
-
-    def plans_for(self, chain: Sequence[Layer], phase: str) -> list[PrefetchPlan | None]:
-        """Each chain layer's plan: its shape's kept plan in `phase`, or None.
-
-        The tuned distance counts layers of the throwaway chain, where every layer is a real op.
-        In a model's chain, layers below ``min_layer_bytes`` (a LayerNorm's 5 KiB scale and shift
-        in bf16 at d=2560) are steps of the chain but hide almost no time, so the distance is
-        translated: forward, the prefetch of layer j is issued when the ``distance``-th previous
-        significant layer starts (backward: the ``distance``-th next one, whose backward runs
-        first). A layer with no such layer, or one more than 8 chain steps away, runs plain.
-        """
-        if phase not in PHASES:
-            raise ValueError(f"`phase` must be one of {PHASES}, got {phase!r}")
-        by_shape = {r.shape: r for r in self.rows if r.phase == phase}
-        significant = [i for i, layer in enumerate(chain) if layer.nbytes >= self.min_layer_bytes]
-        kept: dict[int, PrefetchPlan] = {}
-        for j, layer in enumerate(chain):
-            row = by_shape.get(layer.shape_key)
-            if row is not None and row.chosen and row.plan is not None:
-                kept[j] = row.plan
-        return chain_step_plans(len(chain), significant, kept, phase)
-
-    def seconds_per_shape(self) -> dict[str, float]:
-        """Tuning wall time of each shape in this run, summed over its phases."""
-        out: dict[str, float] = {}
-        for r in self.rows:
-            out[r.shape] = out.get(r.shape, 0.0) + r.seconds
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "min_layer_bytes": self.min_layer_bytes,
-            "budget_s": self.budget_s,
-            "min_gain": self.min_gain,
-            "confidence": self.confidence,
-            "rows": [r.to_dict() for r in self.rows],
-        }
-
-    def table(self) -> str:
-        """A printable text table, one line per (shape, phase)."""
-        pct = f"{int(round(self.confidence * 100))}% CI"
-        headers = [
-            "shape",
-            "phase",
-            "MiB",
-            "n",
-            "plain us",
-            "best",
-            "gain",
-            pct,
-            "decoy",
-            "kept",
-            "s",
-            "src",
-            "note",
-        ]
-
-        def fmt(x: float | None, spec: str) -> str:
-            return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-        lines = []
-        for r in self.rows:
-            ci = "-" if r.ci_low is None else f"[{fmt(r.ci_low, '+.1%')}, {fmt(r.ci_high, '+.1%')}]"
-            src = "cache" if r.from_cache else ("measured" if r.measured else "rule")
-            note = r.reason if len(r.reason) <= 70 else r.reason[:67] + "..."
-            lines.append(
-                [
-                    r.shape,
-                    f"{r.phase}@{r.context}" if r.context else r.phase,
-                    f"{r.layer_bytes / MIB:.2f}",
-                    str(r.layers),
-                    fmt(r.plain_us, ".1f"),
-                    r.label,
-                    fmt(r.gain, "+.1%"),
-                    ci,
-                    fmt(r.decoy_gain, "+.1%"),
-                    "yes" if r.chosen else "no",
-                    f"{r.seconds:.2f}",
-                    src,
-                    note,
-                ]
-            )
-        widths = [
-            max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(headers)
-        ]
-        title = f"l2lightning autotune on {self.device or '?'} (keep: {pct} of gain > {self.min_gain:+.0%} and beats decoy)"
-        out = [title, "  ".join(h.ljust(w) for h, w in zip(headers, widths))]
-        out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
-        return "\n".join(out)
-
-    def log_table(self) -> None:
-        """Print :meth:`table` once (rank zero under Lightning, plain print otherwise)."""
-        log_table(self)
-
-
-def log_table(report: TuningReport) -> None:
-    """Log `report`'s table with Lightning's ``rank_zero_info`` when Lightning is importable, else print it."""
-    text = report.table()
-    try:
-        from lightning.pytorch.utilities import rank_zero_info
-    except Exception:  # Lightning missing or broken: the table still reaches the user
-        print(text)
-        return
-    rank_zero_info(text)
 
 
 # ---------------------------------------------------------------------- measuring helper
@@ -572,7 +238,7 @@ class Autotuner:
             raise ValueError(f"`phases` must be distinct values from {PHASES}, got {phases!r}")
         if not all(isinstance(layer, Layer) for layer in chain):
             raise TypeError(
-                "`chain` must be a list of l2lightning.prefetch.install.Layer (PrefetchHooks.chain)"
+                "`chain` must be a list of l2lightning.prefetch.chain.Layer (PrefetchHooks.chain)"
             )
         device = torch.device(device)
         on_cuda = device.type == "cuda"
@@ -596,7 +262,7 @@ class Autotuner:
             kinds = self._kinds(device)
         used_cuda = False
         if unavailable is None and self.bench_factory is None:
-            from l2lightning.prefetch.plan import load_prefetch_kernels
+            from l2lightning.prefetch.kernels import load_prefetch_kernels
 
             load_prefetch_kernels(device.index)  # a first NVRTC compile is not tuning time
         # Tuning both phases means a training step: its forward plan is measured in a forward +
@@ -631,7 +297,7 @@ class Autotuner:
         if self.kinds is not None:
             return self.kinds
         if device.type == "cuda" and torch.cuda.is_available():
-            from l2lightning.prefetch.plan import supported_kinds
+            from l2lightning.prefetch.kernels import supported_kinds
 
             return supported_kinds(device.index or 0)
         return ("hint", "hint_last")  # every device that runs the hint kernel supports these
@@ -979,338 +645,3 @@ def _mean(values: Sequence[float]) -> float:
 def _check_count(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
-
-
-# ---------------------------------------------------------------------- the CUDA bench
-class _ThrowawayChain(nn.Module):
-    """Copies of one layer: run in sequence (``chain``: each copy's output feeds the next) or each on
-    its own input (``fan``: for layers whose output cannot feed a copy of themselves, Linear d->4d)."""
-
-    def __init__(self, layers: list[nn.Module], fan: bool) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.fan = fan
-
-    def forward(self, *xs: torch.Tensor) -> Any:
-        if self.fan:
-            return tuple(layer(x) for layer, x in zip(self.layers, xs))
-        x = xs[0]
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-
-
-def _fresh_copy(module: nn.Module, requires_grad: bool) -> nn.Module:
-    """A deep copy of `module` with new random weights and no hooks (the model's tensors stay untouched)."""
-    try:
-        clone = copy.deepcopy(module)
-    except Exception as exc:
-        raise SkipShape(f"cannot deep-copy {type(module).__name__} ({type(exc).__name__}: {exc})") from exc
-    for sub in clone.modules():
-        # deepcopy carries hook dicts over (hook functions are shared, not copied): another
-        # PrefetchHooks' hooks must not fire inside the throwaway chain.
-        for attr in _HOOK_DICTS:
-            hooks = getattr(sub, attr, None)
-            if isinstance(hooks, dict):
-                hooks.clear()
-    with torch.no_grad():
-        for name, p in clone.named_parameters():
-            if not p.is_floating_point():
-                continue
-            if p.dim() >= 2:
-                # fan-in scaling keeps activations O(1) through a chain of copies (no bf16 overflow)
-                p.normal_(0.0, 1.0 / math.sqrt(max(1, p[0].numel())))
-            else:
-                # norm scales near 1, biases near 0
-                p.normal_(1.0 if name.rsplit(".", 1)[-1] == "weight" else 0.0, 0.02)
-            p.requires_grad_(requires_grad)
-    return clone
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    terms = [
-        t.float().square().mean()
-        for t in _flatten_tensors(output)
-        if t.is_floating_point() and t.requires_grad
-    ]
-    if not terms:
-        raise SkipShape("no output of the layer needs a gradient: nothing to run backward on")
-    return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
-
-
-MAX_COPIES = 32
-
-
-def copies_for(layer_bytes: int, l2_bytes: int | None, low: int = 6, high: int = MAX_COPIES) -> int:
-    """Copies in a throwaway chain: twice L2 worth of weights so each layer is evicted between
-    replays, at least `low` (a steady state) and at most `high` (capture cost). Layers below
-    L2 / 16 get a chain that may partly stay in L2: a conservative setting, which is where the
-    measurements found no L2 effect anyway (d=768: the decoy gained as much as the plan)."""
-    if l2_bytes is None or layer_bytes <= 0:
-        return low
-    return max(low, min(high, math.ceil(2 * l2_bytes / layer_bytes)))
-
-
-@dataclass
-class Throwaway:
-    """A throwaway chain for one layer shape: the module, its inputs and how it is laid out."""
-
-    model: nn.Module
-    inputs: tuple[torch.Tensor, ...]
-    phase: str
-    mode: str  # "block", "chain" or "fan"
-    copies: int
-    names: list[str]  # the chain layers' names inside `model` (for a name -> plan mapping)
-    steps: list[str]  # every chain step of `model` (the layers and small steps such as a LayerNorm)
-
-    def plans(self, plan: PrefetchPlan, phase: str) -> dict[str, PrefetchPlan]:
-        """`plan` on every layer of `names` for the `phase` ("forward"/"backward") prefetch, its
-        distance counted in chain steps as the model's is (:func:`chain_step_plans`: block copies
-        may hold small steps between the layers). A training-context forward plan runs in a
-        backward-phase chain, hence `phase` apart from ``self.phase``."""
-        targets = set(self.names)
-        significant = [i for i, name in enumerate(self.steps) if name in targets]
-        per_step = chain_step_plans(len(self.steps), significant, dict.fromkeys(significant, plan), phase)
-        return {name: p for name, p in zip(self.steps, per_step) if p is not None}
-
-    def zero_grads(self) -> None:
-        """Grads to None (before each capture, so each graph allocates its .grad in its pool)."""
-        for p in self.model.parameters():
-            p.grad = None
-        for x in self.inputs:
-            if x.requires_grad:
-                x.grad = None
-
-    def run(self) -> Any:
-        """One pass: forward under no_grad, or forward + mean-square loss + backward."""
-        if self.phase == "forward":
-            with torch.no_grad():
-                return self.model(*self.inputs)
-        with torch.enable_grad():
-            loss = _loss_of(self.model(*self.inputs))
-            loss.backward()
-        return loss
-
-
-def _random_input(proto: nn.Module, layer: Layer) -> torch.Tensor:
-    device = layer.weights[0].device
-    if isinstance(proto, (nn.Embedding, nn.EmbeddingBag)):
-        return torch.randint(0, proto.num_embeddings, layer.input_shape, device=device)
-    return torch.randn(layer.input_shape, device=device, dtype=layer.weights[0].dtype)
-
-
-def build_throwaway(
-    layer: Layer, phase: str, l2_bytes: int | None, *, max_bytes: int | None = None, min_copies: int = 1
-) -> Throwaway:
-    """Copies of the layer's block (``layer.block``, mode ``block``) or of ``layer.module`` with fresh
-    random weights, on the layer's device, with random inputs.
-
-    ``block`` mode when the layer sits in a block that maps its input to the same shape and dtype
-    (LayerNorm, Linear, GELU): each block copy feeds the next, so the norm and activation kernels
-    run between the layers as they do in the model. Otherwise copies of the lone layer: ``chain``
-    mode when a copy maps its input to a tensor of the same shape and dtype (each copy feeds the
-    next); ``fan`` mode otherwise (Linear d->4d: each copy reads its own input, and in backward
-    each input is a leaf that needs grad, so every copy computes grad-input and reads its W as a
-    mid-model layer does). `min_copies` (the model's layers of this shape) lengthens the chain up
-    to 32 copies; `max_bytes` caps the copies' weight bytes (free GPU memory).
-
-    Raises:
-        SkipShape: the module cannot be copied or called on a random input of the recorded shape,
-            or too little memory is free.
-    """
-    if phase not in PHASES:
-        raise ValueError(f"`phase` must be one of {PHASES}, got {phase!r}")
-    if layer.input_shape is None or not layer.weights:
-        raise SkipShape("the layer's input shape is unknown (its first argument is not a tensor)")
-    backward = phase == "backward"
-    device = layer.weights[0].device
-    if layer.block is not None and layer.block_input is not None:
-        unit: nn.Module = layer.block
-        shape, dtype = layer.block_input
-        proto = _fresh_copy(unit, backward)
-        x = torch.randn(shape, device=device, dtype=dtype)
-    else:
-        unit = layer.module
-        proto = _fresh_copy(unit, backward)
-        x = _random_input(proto, layer)
-    try:
-        with torch.no_grad():
-            y = proto(x)
-    except Exception as exc:
-        raise SkipShape(
-            f"a copy of {type(unit).__name__} failed on a random {tuple(x.shape)} input "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
-    fan = not (isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype == x.dtype)
-    del y
-    n = max(copies_for(layer.nbytes, l2_bytes), min(min_copies, MAX_COPIES))
-    if max_bytes is not None:
-        n = min(n, max_bytes // max(1, layer.nbytes))
-    if n < 2:
-        raise SkipShape(
-            f"not enough free memory for a throwaway chain of {layer.nbytes / MIB:.1f} MiB layers"
-        )
-    model = _ThrowawayChain([proto] + [_fresh_copy(proto, backward) for _ in range(n - 1)], fan)
-    if fan and backward and x.is_floating_point():
-        inputs: tuple[torch.Tensor, ...] = tuple(torch.randn_like(x).requires_grad_(True) for _ in range(n))
-    elif fan:
-        inputs = (x,) * n
-    else:
-        inputs = (x,)
-    mode = "block" if unit is layer.block else ("fan" if fan else "chain")
-    steps = [c.name for c in discover_chain(model, inputs)]
-    if mode == "block":
-        # the layer's place inside each block copy (its LayerNorm companions get no plan)
-        inner = _module_name(layer.block, layer.module)
-        names = [f"layers.{i}.{inner}" for i in range(n)]
-    else:
-        names = steps
-    return Throwaway(model, inputs, phase, mode, n, names, steps)
-
-
-def _module_name(block: nn.Module, module: nn.Module) -> str:
-    """``module``'s dotted name inside ``block`` (a proper descendant)."""
-    for name, sub in block.named_modules():
-        if sub is module and name:
-            return name
-    raise SkipShape(f"{type(module).__name__} is not inside its recorded block {type(block).__name__}")
-
-
-class CudaShapeBench:
-    """Times one layer shape in one phase on the GPU, with CUDA graphs of a throwaway chain.
-
-    The chain (:func:`build_throwaway`) holds `copies_for` copies of ``layer.module`` with random
-    weights; one graph is captured per variant (plain, each plan, each decoy) on first use, all
-    sharing one memory pool (graphs replay one at a time and write every pool tensor before
-    reading it, so sharing is safe and memory stays at one graph's worth). Forward phase: a
-    forward-only graph under no_grad. Backward phase: forward + ``out.float().square().mean()``
-    + backward, grads set to None before each capture, the plan on the backward pass only.
-    ``training=True`` (forward phase only): forward + backward graphs with the plan on the forward
-    pass, as a training step runs it.
-    Random weights draw from the RNG: :class:`Autotuner` forks it around all of this.
-
-    Args:
-        layer: the chain layer whose shape is measured (its module is deep-copied, never run).
-        phase: ``"forward"`` or ``"backward"``.
-        device: the CUDA device.
-        replays: graph replays per sample (one sample = mean over them, timed by CUDA events).
-        l2_bytes: the L2 size (default: what the device reports).
-        training: measure a forward plan in forward + backward graphs.
-        min_copies: the model's layers of this shape: the throwaway is at least as long (up to
-            32), so what builds up along a chain (lines an evict_last prefetch keeps) shows.
-    """
-
-    def __init__(
-        self,
-        layer: Layer,
-        phase: str,
-        device: torch.device,
-        *,
-        replays: int = 5,
-        l2_bytes: int | None = None,
-        training: bool = False,
-        min_copies: int = 1,
-    ) -> None:
-        from l2lightning.prefetch.plan import load_prefetch_kernels
-
-        self.device = torch.device(
-            "cuda", device.index if device.index is not None else torch.cuda.current_device()
-        )
-        self.replays = replays
-        self.graphs: dict[tuple[PrefetchPlan | None, bool], tuple[Any, Any, PrefetchHooks | None]] = {}
-        load_prefetch_kernels(self.device.index)  # NVRTC and module loading must not happen inside a capture
-        l2 = l2_bytes if l2_bytes is not None else device_l2_bytes(self.device)
-        free, _ = torch.cuda.mem_get_info(self.device.index)
-        # A training-context forward phase runs forward + backward graphs (prefetch in forward only).
-        graph_phase = "backward" if training else phase
-        # weights (x3 in backward: grads and allocator slack) within 40% of the free memory
-        max_bytes = int(0.4 * free) // (3 if graph_phase == "backward" else 1)
-        self.chain = build_throwaway(layer, graph_phase, l2, max_bytes=max_bytes, min_copies=min_copies)
-        self.phase = phase
-        self.copies = self.chain.copies
-        self.mode = self.chain.mode
-        self.pool = torch.cuda.graph_pool_handle()
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
-        self._warm_up()
-
-    def _warm_up(self) -> None:
-        # Eager passes on a side stream before any capture (cuBLAS handles/workspaces, lazy init).
-        main = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.chain.zero_grads()
-                self.chain.run()
-        main.wait_stream(side)
-        torch.cuda.synchronize(self.device)
-
-    def _graph(self, plan: PrefetchPlan | None, decoy: bool) -> Any:
-        key = (plan, decoy)
-        if key in self.graphs:
-            return self.graphs[key][0]
-        hooks = None
-        chain = self.chain
-        if plan is not None:
-            plans = chain.plans(plan, self.phase)
-            if self.phase == "forward":
-                hooks = PrefetchHooks(chain.model, chain.inputs, backward=False, plans=plans, decoy=decoy)
-            else:
-                hooks = PrefetchHooks(
-                    chain.model, chain.inputs, backward=True, plans={}, backward_plans=plans, decoy=decoy
-                )
-        try:
-            chain.zero_grads()
-            graph = torch.cuda.CUDAGraph()
-            with graph_capture(graph, pool=self.pool):
-                out = chain.run()
-        finally:
-            if hooks is not None:
-                hooks.remove()  # the launches are recorded in the graph; the hooks are done
-        graph.replay()  # warm-up replay before any timing
-        torch.cuda.synchronize(self.device)
-        self.graphs[key] = (graph, out, hooks)
-        return graph
-
-    def sample(self, plan: PrefetchPlan | None, decoy: bool = False) -> float:
-        """Seconds per replay, averaged over `replays` back-to-back replays timed by CUDA events."""
-        graph = self._graph(plan, decoy)
-        stream = torch.cuda.current_stream(self.device)
-        self._start.record(stream)
-        for _ in range(self.replays):
-            graph.replay()
-        self._end.record(stream)
-        self._end.synchronize()
-        return self._start.elapsed_time(self._end) * 1e-3 / self.replays
-
-    def close(self) -> None:
-        """Drop graphs, throwaway weights and the pool (their memory returns to the allocator)."""
-        torch.cuda.synchronize(self.device)
-        self.graphs.clear()
-        self.chain = None
-        self.pool = None
-
-
-# ---------------------------------------------------------------------- PrefetchHooks(plans="auto")
-def tune_hooks(hooks: PrefetchHooks, tune_forward: bool, tune_backward: bool) -> TuningReport:
-    """Tune `hooks.chain` for ``PrefetchHooks(..., plans="auto")`` (called before the hooks are installed).
-
-    Uses the default :class:`Autotuner` (0.6 s per shape, the on-disk plan cache). The caller maps
-    the result with ``report.plans_for(hooks.chain, "forward" / "backward")``.
-    """
-    phases = tuple(p for p, on in (("forward", tune_forward), ("backward", tune_backward)) if on)
-    if not phases:
-        return TuningReport()
-    return Autotuner().tune(hooks.chain, hooks.device, phases)

@@ -12,10 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from l2lightning.prefetch.install import PrefetchHooks, discover_chain
+from l2lightning.prefetch.chain import discover_chain
+from l2lightning.prefetch.hooks import PrefetchHooks
 from l2lightning.prefetch.plan import MIB
+from l2lightning.tune.candidates import make_plan
 from l2lightning.tune.chain_timing import capture_chain, interleaved_replay_us
-from l2lightning.tune.search import Autotuner, CudaShapeBench, TuningRow, make_plan
+from l2lightning.tune.report import TuningRow
+from l2lightning.tune.search import Autotuner
+from l2lightning.tune.timing import CudaShapeBench
 
 pytestmark = pytest.mark.gpu
 
