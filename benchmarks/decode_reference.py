@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     reports: list[dict] = []
     if not args.smoke and not args.skip_step_report:
         try:
-            from l2lightning.tools.doctor import measure_empty_kernel
+            from l2lightning.probes import measure_empty_kernel
 
             empty_us = measure_empty_kernel(torch.cuda.current_device(), launches=500, replays=5, trials=3)
         except Exception as exc:  # the report still has the bytes floor

@@ -21,7 +21,9 @@ from torch import nn
 
 from l2lightning.app.models import FAMILIES
 from l2lightning.tools import cli, report
+from l2lightning.tools.bench import args as bench_args
 from l2lightning.tools.bench import run as bench
+from l2lightning.tools.bench import variants
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You are trying to .self.log"),
@@ -41,7 +43,7 @@ def _settings(**kw):
 # ---------------------------------------------------------------------- arguments and settings
 def test_families_option_parses_names_and_runs_no_mlp_case():
     parser = cli.build_parser()
-    s = bench.settings_from_args(
+    s = bench_args.settings_from_args(
         parser.parse_args(["bench", "--families", "vit,recommender", "--criteria", ""])
     )
     assert s.families == ["vit", "recommender"]
@@ -49,24 +51,24 @@ def test_families_option_parses_names_and_runs_no_mlp_case():
     assert s.batches == [4, 8, 16, 64]
     assert s.family_variants() == ["lightning_eager", "callback_off", "callback_auto"]
     # repeated names count once; spaces are tolerated
-    s = bench.settings_from_args(parser.parse_args(["bench", "--families", "vit, vit,rl_policy"]))
+    s = bench_args.settings_from_args(parser.parse_args(["bench", "--families", "vit, vit,rl_policy"]))
     assert s.families == ["vit", "rl_policy"]
 
 
 def test_families_all_is_every_family():
     args = cli.build_parser().parse_args(["bench", "--families", "all", "--batches", "4,8,16,64"])
-    s = bench.settings_from_args(args)
+    s = bench_args.settings_from_args(args)
     assert s.families == list(FAMILIES) and len(s.families) == 6
     assert s.batches == [4, 8, 16, 64] and s.models == []
 
 
 def test_families_with_mlp_options_run_both():
     parser = cli.build_parser()
-    s = bench.settings_from_args(parser.parse_args(["bench", "--families", "vit", "--models", "512x4"]))
+    s = bench_args.settings_from_args(parser.parse_args(["bench", "--families", "vit", "--models", "512x4"]))
     assert s.models == [(512, 4)] and s.families == ["vit"]
-    s = bench.settings_from_args(parser.parse_args(["bench", "--families", "vit", "--widths", "768"]))
+    s = bench_args.settings_from_args(parser.parse_args(["bench", "--families", "vit", "--widths", "768"]))
     assert s.models == [(768, 40)] and s.families == ["vit"]
-    s = bench.settings_from_args(parser.parse_args(["bench"]))
+    s = bench_args.settings_from_args(parser.parse_args(["bench"]))
     assert s.models == [(1536, 40)] and s.families == []
 
 
@@ -99,7 +101,7 @@ def test_help_describes_families(capsys):
 
 # ---------------------------------------------------------------------- variants of a family case
 def test_family_cases_run_lightning_variants_only():
-    assert bench.FamilyCase("vit", 8).variants(_settings()) == list(bench.FAMILY_DEFAULT_VARIANTS)
+    assert bench.FamilyCase("vit", 8).variants(_settings()) == list(variants.FAMILY_DEFAULT_VARIANTS)
     asked = _settings(variants=["eager", "graph", "callback_decoy", "lightning_eager", "compile_ro"])
     assert bench.FamilyCase("vit", 8).variants(asked) == ["lightning_eager", "callback_decoy"]
     with pytest.raises(ValueError, match="family cases run only the Lightning variants"):

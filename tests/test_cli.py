@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from l2lightning.tools import cli
+from l2lightning.tools.bench import args as bench_args
 from l2lightning.tools.bench import run as bench
+from l2lightning.tools.bench import variants
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,26 +102,26 @@ def test_version_and_help(capsys):
 def test_bench_settings_from_args_quick_defaults():
     parser = cli.build_parser()
     args = parser.parse_args(["bench", "--quick", "--criteria", ""])
-    s = bench.settings_from_args(args)
+    s = bench_args.settings_from_args(args)
     assert s.quick and s.batches == [16] and s.repeats == 6 and s.steps == 10
     assert s.models == [(1536, 40)] and s.criteria is None and s.optimizer == "fused"
     args = parser.parse_args(["bench", "--widths", "768,1536", "--depths", "40", "--batches", "4,8,16,64"])
-    s = bench.settings_from_args(args)
+    s = bench_args.settings_from_args(args)
     assert s.models == [(768, 40), (1536, 40)] and s.batches == [4, 8, 16, 64] and s.repeats == 10
     assert s.optimizer == "fused"
-    s = bench.settings_from_args(parser.parse_args(["bench", "--optimizer", "foreach"]))
+    s = bench_args.settings_from_args(parser.parse_args(["bench", "--optimizer", "foreach"]))
     assert s.optimizer == "foreach"
     with pytest.raises(ValueError, match="optimizer must be one of"):
         bench.BenchSettings(models=[(8, 2)], optimizer="sgd")
     args = parser.parse_args(["bench", "--models", "1536x40,1024x60", "--variants", "eager,graph"])
-    s = bench.settings_from_args(args)
+    s = bench_args.settings_from_args(args)
     assert s.models == [(1536, 40), (1024, 60)]
     assert s.variants_for("step") == ["eager", "graph"] and s.variants_for("forward") == ["eager", "graph"]
 
 
 def test_bench_default_criteria_is_the_repository_file(monkeypatch):
     monkeypatch.chdir(ROOT)
-    s = bench.settings_from_args(cli.build_parser().parse_args(["bench"]))
+    s = bench_args.settings_from_args(cli.build_parser().parse_args(["bench"]))
     assert s.criteria == Path("benchmarks/criteria.yaml")
 
 
@@ -192,7 +194,8 @@ def _recorded_state(kind: str) -> dict:
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """bench.run_bench on CPU: recorded doctor state, runners that return synthetic step times."""
-    from l2lightning.tools import doctor, report
+    from l2lightning import floors as floors_module
+    from l2lightning.tools import doctor
 
     calls: list[tuple[str, str]] = []
     out = tmp_path / "results"
@@ -210,7 +213,7 @@ def fake_gpu(monkeypatch, tmp_path):
             return [FAKE_TIMES[self.variant] * scale * (1 + 0.001 * i) for i in range(steps)]
 
     def fake_floors(case, gpu_state, settings):
-        f = report.floors(
+        f = floors_module.floors(
             {"bfloat16": case.width * case.width * 2 * case.depth},
             700,
             gpu_state["copy_bandwidth_bytes_per_s"],
@@ -248,7 +251,7 @@ def test_bench_pipeline_writes_complete_results(fake_gpu, capsys):
     assert doc["doctor"]["ready_for_timing"] is True
     rows = doc["results"]
     step = {r["variant"]: r for r in rows if r["chain"] == "step"}
-    assert set(step) == set(bench.STEP_VARIANTS)
+    assert set(step) == set(variants.STEP_VARIANTS)
     assert step["compile_ro"]["error"] == "setup: RuntimeError: no triton on this machine"
     assert step["compile_ro"]["median_us"] is None
     cb = step["callback_auto"]
@@ -261,7 +264,7 @@ def test_bench_pipeline_writes_complete_results(fake_gpu, capsys):
 
     # Interleaved: every repeat visits every variant before the next repeat starts, rotating the order.
     step_calls = [v for c, v in fake_gpu["calls"] if c == "step"]
-    n = len(bench.STEP_VARIANTS) - 1  # compile_ro failed in setup
+    n = len(variants.STEP_VARIANTS) - 1  # compile_ro failed in setup
     assert len(step_calls) == 3 * n
     assert set(step_calls[:n]) == set(step_calls[n : 2 * n]) and step_calls[0] != step_calls[n]
 

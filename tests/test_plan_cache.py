@@ -125,8 +125,21 @@ def test_cache_dir_moves_the_file(tmp_path, monkeypatch):
 
 def test_default_path_is_under_the_home_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("L2L_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert default_cache_path() == tmp_path / ".cache" / "l2lightning" / "plans.json"
+
+
+def test_default_path_honours_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("L2L_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_path() == tmp_path / "xdg" / "l2lightning" / "plans.json"
+    # The specification ignores a relative value; L2L_CACHE_DIR wins over both.
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert default_cache_path() == tmp_path / "home" / ".cache" / "l2lightning" / "plans.json"
+    monkeypatch.setenv("L2L_CACHE_DIR", str(tmp_path / "mine"))
+    assert default_cache_path() == tmp_path / "mine" / "plans.json"
 
 
 def test_current_versions_name_torch_cupy_kernel_and_package():

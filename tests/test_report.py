@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from l2lightning.tools import report
+from l2lightning import floors as floors_module
+from l2lightning.tools import plots, report
 
 CRITERIA_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "criteria.yaml"
 
@@ -17,27 +18,30 @@ CRITERIA_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "criteri
 # ---------------------------------------------------------------------- floors
 def test_step_bytes_hand_computed():
     # P = 1000 bytes of bf16 = 500 elements; fp32 states: S = 500 * 4 = 2000 bytes.
-    phases = report.step_bytes({"bfloat16": 1000}, "step", state_bytes_per_element=4)
+    phases = floors_module.step_bytes({"bfloat16": 1000}, "step", state_bytes_per_element=4)
     assert phases == {"forward": 1000, "backward": 2000, "optimizer": 3 * 1000 + 4 * 2000}
     assert sum(phases.values()) == 6 * 1000 + 4 * 2000 == 14000
-    assert report.step_bytes({"bfloat16": 1000}, "forward") == {"forward": 1000}
-    assert report.step_bytes({"bfloat16": 1000}, "forward_backward") == {"forward": 1000, "backward": 2000}
+    assert floors_module.step_bytes({"bfloat16": 1000}, "forward") == {"forward": 1000}
+    assert floors_module.step_bytes({"bfloat16": 1000}, "forward_backward") == {
+        "forward": 1000,
+        "backward": 2000,
+    }
 
 
 def test_step_bytes_mixed_dtypes_and_torch_dtype_keys():
     import torch
 
     # 1000 B bf16 (500 elements) + 400 B fp32 (100 elements): P = 1400, N = 600, S = 2400.
-    phases = report.step_bytes({torch.bfloat16: 1000, "float32": 400}, "step")
+    phases = floors_module.step_bytes({torch.bfloat16: 1000, "float32": 400}, "step")
     assert sum(phases.values()) == 6 * 1400 + 4 * 2400
     with pytest.raises(ValueError, match="unknown dtype"):
-        report.step_bytes({"bfloat17": 10})
+        floors_module.step_bytes({"bfloat17": 10})
     with pytest.raises(ValueError, match="`chain`"):
-        report.step_bytes({"bfloat16": 10}, "sideways")
+        floors_module.step_bytes({"bfloat16": 10}, "sideways")
 
 
 def test_floors_hand_computed():
-    f = report.floors({"bfloat16": 1000}, kernel_count=100, copy_bw=1e9, empty_kernel_us=0.5)
+    f = floors_module.floors({"bfloat16": 1000}, kernel_count=100, copy_bw=1e9, empty_kernel_us=0.5)
     assert f.bytes_moved == 14000
     assert f.bytes_us == pytest.approx(14.0)  # 14000 B / 1e9 B/s
     assert f.launch_us == pytest.approx(50.0)  # 100 x 0.5 us
@@ -49,21 +53,21 @@ def test_floors_hand_computed():
 def test_floors_bandwidth_bound_and_d1536x40_example():
     # d1536 x 40 bf16 on the H200 ceilings: weights 40*1536*1536*2 B, AdamW states in bf16 (2 B/element).
     p = 40 * 1536 * 1536 * 2
-    f = report.floors(
+    f = floors_module.floors(
         {"bfloat16": p}, kernel_count=None, copy_bw=4.28e12, empty_kernel_us=0.87, state_bytes_per_element=2
     )
     assert f.bytes_moved == 10 * p
     assert f.bytes_us == pytest.approx(10 * p / 4.28e12 * 1e6)
     assert f.launch_us is None and f.bound == "bandwidth" and f.larger == f.bytes_us
     with pytest.raises(ValueError, match="copy_bw"):
-        report.floors({"bfloat16": p}, 1, 0, 1.0)
+        floors_module.floors({"bfloat16": p}, 1, 0, 1.0)
 
 
 def test_param_bytes_by_dtype():
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2).to(torch.bfloat16))
-    assert report.param_bytes_by_dtype(model) == {"float32": (16 + 4) * 4, "bfloat16": (8 + 2) * 2}
+    assert floors_module.param_bytes_by_dtype(model) == {"float32": (16 + 4) * 4, "bfloat16": (8 + 2) * 2}
 
 
 # ---------------------------------------------------------------------- medians
@@ -276,7 +280,7 @@ def test_repository_criteria_file_loads():
 # ---------------------------------------------------------------------- plots and writers
 def test_make_plots_writes_pngs(tmp_path):
     rows = report.add_comparisons(synthetic_rows())
-    paths = report.make_plots(
+    paths = plots.make_plots(
         {"results": rows, "environment": {"gpu": {"l2_bytes": 60 << 20}}}, tmp_path / "plots"
     )
     names = sorted(p.name for p in paths)
@@ -289,7 +293,7 @@ def test_make_plots_writes_pngs(tmp_path):
 
 def test_make_plots_skips_plots_without_data(tmp_path):
     rows = report.add_comparisons([r for r in synthetic_rows() if r["variant"] in ("eager", "graph")])
-    names = {p.name for p in report.make_plots(rows, tmp_path)}
+    names = {p.name for p in plots.make_plots(rows, tmp_path)}
     assert "prefetch_gain_vs_layer.png" not in names and "speedup.png" in names
 
 
@@ -314,20 +318,20 @@ def test_environment_info_has_versions_and_command():
 
 # ---------------------------------------------------------------------- step report
 def test_classify_bound():
-    assert report.classify_bound(100, 40, 60) == "launch"
-    assert report.classify_bound(100, 60, 40) == "bandwidth"
-    assert report.classify_bound(500, 60, 40) == "compute"
-    assert report.classify_bound(100, None, None) == "unknown"
-    assert report.classify_bound(100, 80, None) == "bandwidth"
+    assert floors_module.classify_bound(100, 40, 60) == "launch"
+    assert floors_module.classify_bound(100, 60, 40) == "bandwidth"
+    assert floors_module.classify_bound(500, 60, 40) == "compute"
+    assert floors_module.classify_bound(100, None, None) == "unknown"
+    assert floors_module.classify_bound(100, 80, None) == "bandwidth"
 
 
 def test_step_report_launch_bound():
-    f = report.floors({"bfloat16": 2_000_000}, kernel_count=600, copy_bw=4e12, empty_kernel_us=1.0)
-    r = report.StepReport(
+    f = floors_module.floors({"bfloat16": 2_000_000}, kernel_count=600, copy_bw=4e12, empty_kernel_us=1.0)
+    r = floors_module.StepReport(
         [
-            report.PhaseTime("forward", 200, 150),
-            report.PhaseTime("backward", 400, 300),
-            report.PhaseTime("optimizer", 150, 150),
+            floors_module.PhaseTime("forward", 200, 150),
+            floors_module.PhaseTime("backward", 400, 300),
+            floors_module.PhaseTime("optimizer", 150, 150),
         ],
         f,
         prefetch_gains={"Linear[1536x1536]:bfloat16": 0.027, "Linear[4096x4096]:bfloat16": -0.031},
@@ -345,25 +349,25 @@ def test_step_report_launch_bound():
 
 
 def test_step_report_bandwidth_and_compute_bound():
-    f = report.floors({"bfloat16": 400_000_000}, kernel_count=100, copy_bw=4e12, empty_kernel_us=1.0)
+    f = floors_module.floors({"bfloat16": 400_000_000}, kernel_count=100, copy_bw=4e12, empty_kernel_us=1.0)
     # 6P + 4S = 2.4e9 + 1.6e9... with fp32 states: S = 2e8 * 4 = 8e8 -> 2.4e9 + 3.2e9 = 5.6e9 B -> 1400 us.
     assert f.bytes_us == pytest.approx(1400.0)
-    bw = report.StepReport(
+    bw = floors_module.StepReport(
         [
-            report.PhaseTime("forward", 300),
-            report.PhaseTime("backward", 600),
-            report.PhaseTime("optimizer", 1100),
+            floors_module.PhaseTime("forward", 300),
+            floors_module.PhaseTime("backward", 600),
+            floors_module.PhaseTime("optimizer", 1100),
         ],
         f,
     )
     assert bw.bound() == "bandwidth" and "bandwidth-bound" in bw.format()
-    slow = report.StepReport([], f, step_time_us=10_000)
+    slow = floors_module.StepReport([], f, step_time_us=10_000)
     assert slow.bound() == "compute" and "compute-bound" in slow.format()
-    assert report.StepReport([report.PhaseTime("forward", 10)]).bound() == "unknown"
+    assert floors_module.StepReport([floors_module.PhaseTime("forward", 10)]).bound() == "unknown"
     with pytest.raises(ValueError, match="nothing to report"):
-        report.StepReport([])
+        floors_module.StepReport([])
     with pytest.raises(ValueError, match="negative"):
-        report.StepReport([report.PhaseTime("forward", -1)])
+        floors_module.StepReport([floors_module.PhaseTime("forward", -1)])
 
 
 def test_config_label_names_the_mlp_shape_or_the_family():

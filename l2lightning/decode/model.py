@@ -1089,7 +1089,7 @@ def compare_with_reference(
 
 # ------------------------------------------------------------------------------------------ step report
 RANGE_PREFIX = "l2l::"
-# Host calls that put one kernel, copy or fill on a stream (report.LAUNCH_API_NAMES and relatives).
+# Host calls that put one kernel, copy or fill on a stream (floors.LAUNCH_API_NAMES and relatives).
 _LAUNCH_NAMES = frozenset(
     {
         "cudaLaunchKernel",
@@ -1441,8 +1441,8 @@ def step_report_from_kernels(
 ) -> dict[str, Any]:
     """The report :func:`decode_step_report` returns, from attributed kernel rows
     (:func:`attribute_kernels`): sums per part and per layer against :func:`decode_part_bytes`, and
-    the whole step as a :class:`l2lightning.tools.report.StepReport` with the part groups as phases."""
-    from l2lightning.tools.report import Floors, PhaseTime, StepReport
+    the whole step as a :class:`l2lightning.floors.StepReport` with the part groups as phases."""
+    from l2lightning.floors import Floors, PhaseTime, StepReport
 
     c = config
     graph_info = graph_info or {}
@@ -1534,7 +1534,7 @@ def decode_step_report(
     step's. Floors: bytes (:func:`decode_part_bytes`) over `copy_bw` (bytes read + written per
     second, as the decode benchmark's floor), launches times `empty_kernel_us`; both measured with
     the doctor's probes when not given. The whole step (`step_us`, timed here from graph replays
-    when not given) is reported through :class:`l2lightning.tools.report.StepReport` with the part
+    when not given) is reported through :class:`l2lightning.floors.StepReport` with the part
     groups (linear, attention, elementwise, lm_head, other) as phases.
 
     Returns a JSON-ready dict; ``"text"`` holds the formatted report. Needs a CUDA graph session.

@@ -15,31 +15,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+from l2lightning.tools.args import non_negative_int, positive_float
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with its ``doctor`` and ``bench`` subcommands."""
     from l2lightning import __version__
-    from l2lightning.tools.bench.run import add_arguments as add_bench_arguments
+    from l2lightning.tools.bench.args import add_arguments as add_bench_arguments
 
     parser = argparse.ArgumentParser(
         prog="l2lightning",
@@ -59,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     doctor.add_argument("--json", type=Path, metavar="PATH", help="also write the state and findings as JSON")
-    doctor.add_argument("--device", type=_non_negative_int, default=0, help="CUDA device index (default 0)")
+    doctor.add_argument("--device", type=non_negative_int, default=0, help="CUDA device index (default 0)")
     doctor.add_argument(
-        "--load-seconds", type=_positive_float, default=0.6, help="length of the copy load (default 0.6)"
+        "--load-seconds", type=positive_float, default=0.6, help="length of the copy load (default 0.6)"
     )
     doctor.add_argument(
         "--no-load",
@@ -97,9 +79,10 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
     from l2lightning.tools.bench import run as bench
+    from l2lightning.tools.bench.args import settings_from_args
 
     try:
-        settings = bench.settings_from_args(args)
+        settings = settings_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     return bench.run_bench(settings, argv=["l2lightning", *argv])

@@ -11,7 +11,9 @@ a crash mid-write leaves the previous file intact, and read-modify-write runs un
 `flock` where the OS has one, so ranks of one job writing at once do not drop each other's entries.
 
 Environment:
-    L2L_CACHE_DIR: directory of ``plans.json`` (default ``~/.cache/l2lightning``).
+    L2L_CACHE_DIR: directory of ``plans.json`` (default ``$XDG_CACHE_HOME/l2lightning``, and
+        ``~/.cache/l2lightning`` where XDG_CACHE_HOME is unset or empty, as the XDG base directory
+        specification says).
     L2L_RETUNE=1: ignore the cached entries (measure again); fresh results are still written.
 """
 
@@ -32,9 +34,13 @@ FORMAT_VERSION = 1
 
 
 def default_cache_path() -> Path:
-    """``$L2L_CACHE_DIR/plans.json``, or ``~/.cache/l2lightning/plans.json``."""
+    """``$L2L_CACHE_DIR/plans.json``, else ``$XDG_CACHE_HOME/l2lightning/plans.json``, else
+    ``~/.cache/l2lightning/plans.json``."""
     root = os.environ.get("L2L_CACHE_DIR", "").strip()
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "l2lightning"
+    # The XDG base directory specification: an unset, empty or relative XDG_CACHE_HOME is ignored.
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    xdg_root = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    base = Path(root).expanduser() if root else xdg_root / "l2lightning"
     return base / CACHE_FILE
 
 
@@ -103,7 +109,7 @@ class PlanCache:
     """Tuned plans on disk, keyed by device, shape, phase, dtype and software versions.
 
     Args:
-        path: the JSON file; default ``$L2L_CACHE_DIR/plans.json`` or ``~/.cache/l2lightning/plans.json``.
+        path: the JSON file; default :func:`default_cache_path` (``$L2L_CACHE_DIR``, ``$XDG_CACHE_HOME``, ``~/.cache``).
         retune: ignore cached entries (still write new ones); default: the ``L2L_RETUNE`` variable.
         versions: the version fields of the key; default :func:`current_versions` (tests pass their own).
 

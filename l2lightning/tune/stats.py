@@ -15,6 +15,9 @@ and the interval of the mean advantage over the decoy lies above zero. Anything 
 The t quantile is computed exactly (to ~1e-10) by inverting the Student-t CDF, written with the
 regularized incomplete beta function (continued fraction, Numerical Recipes' ``betacf`` / Lentz)
 and bisection. `T_975` below holds textbook values that the tests check it against.
+It is written here because none of the dependencies offers it: scipy (``scipy.stats.t.ppf``) is
+not one, ``torch.distributions.StudentT.icdf`` raises NotImplementedError (torch 2.13), torch has no
+regularized incomplete beta function to invert, and numpy has neither.
 """
 
 from __future__ import annotations

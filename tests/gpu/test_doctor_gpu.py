@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from l2lightning.tools import cli, doctor
-from l2lightning.tools.bench import run as bench
+from l2lightning.tools.bench import variants as bench_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +81,7 @@ def test_harness_quick_tiny_config_writes_a_complete_result_file(tmp_path):
     prereg = json.loads((out / "preregistration.json").read_text())
     assert prereg["sha256"] == doc["preregistration"]["sha256"]
     rows = doc["results"]
-    expected = {(chain, v) for chain, variants in bench.CHAIN_VARIANTS.items() for v in variants}
+    expected = {(chain, v) for chain, variants in bench_variants.CHAIN_VARIANTS.items() for v in variants}
     assert {(r["chain"], r["variant"]) for r in rows} == expected
     failed = {(r["chain"], r["variant"]): r["error"] for r in rows if r["error"] or r["median_us"] is None}
     assert not failed, f"variants without a timing: {failed}"

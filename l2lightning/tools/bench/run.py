@@ -45,7 +45,7 @@ Timing: CUDA events recorded at each step boundary (start to start, so the loop'
 included, as a user sees it); Lightning steps are timed from ``on_train_batch_start`` to the
 next. Each (variant, repeat) gives the median of its steps; the reported median and its
 order-statistic 95% CI are over those per-repeat medians (see :func:`l2lightning.tools.report.median_ci`).
-Floors per case: bytes from :func:`l2lightning.tools.report.step_bytes` (AdamW states in the parameters'
+Floors per case: bytes from :func:`l2lightning.tools.floors_module.step_bytes` (AdamW states in the parameters'
 dtype, as PyTorch keeps them) over the doctor's copy bandwidth, and kernels counted on one eager
 pass with ``torch.profiler`` times the doctor's empty-kernel cost (compiled variants launch fewer
 kernels, so their launch floor is an upper estimate). For a family the eager pass is one
@@ -69,7 +69,6 @@ in the output directory, each family's in ``families/<family>/``). A case that f
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import gc
@@ -80,7 +79,6 @@ import math
 import re
 import shutil
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -89,34 +87,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from l2lightning import floors as floors_module
 from l2lightning.tools import report
-
-STEP_VARIANTS = (
-    "lightning_eager",
-    "callback_off",
-    "callback_auto",
-    "callback_decoy",
-    "eager",
-    "graph",
-    "graph_prefetch",
-    "graph_decoy",
-    "compile_ro",
-    "compile_graph",
-    "compile_graph_prefetch",
+from l2lightning.tools.bench.variants import (
+    ALL_VARIANTS,
+    CHAIN_VARIANTS,
+    FAMILY_DEFAULT_VARIANTS,
+    LIGHTNING_VARIANTS,
+    OPTIMIZER_IMPLS,
 )
-OPTIMIZER_IMPLS = ("fused", "foreach")
-CHAIN_VARIANTS = {
-    "step": STEP_VARIANTS,
-    "forward_backward": ("eager", "graph", "graph_prefetch", "graph_decoy"),
-    "forward": ("eager", "graph", "graph_prefetch", "graph_decoy"),
-}
-ALL_VARIANTS = STEP_VARIANTS
-LIGHTNING_VARIANTS = ("lightning_eager", "callback_off", "callback_auto", "callback_decoy")
-# What a family case runs unless --variants says otherwise (the decoy is a control, asked for by name).
-FAMILY_DEFAULT_VARIANTS = ("lightning_eager", "callback_off", "callback_auto")
+
 # Distinct batches drawn from a family's data module and cycled through every fit (as make_batches).
 FAMILY_BATCHES = 4
-COMPILE_VARIANTS = ("compile_ro", "compile_graph", "compile_graph_prefetch")
 CSV_COLUMNS = (
     "config",
     "chain",
@@ -210,7 +192,7 @@ class BenchSettings:
             raise ValueError(f"optimizer must be one of {OPTIMIZER_IMPLS}, got {self.optimizer!r}")
         if self.prefetch not in ("auto", "default"):
             raise ValueError(f"prefetch must be 'auto' or 'default', got {self.prefetch!r}")
-        report.dtype_bytes(self.dtype)  # raises on an unknown dtype
+        floors_module.dtype_bytes(self.dtype)  # raises on an unknown dtype
 
     def variants_for(self, chain: str) -> list[str]:
         return [v for v in CHAIN_VARIANTS[chain] if self.variants is None or v in self.variants]
@@ -380,7 +362,7 @@ class BenchCase:
         """Nothing to build before the runners (see :meth:`FamilyCase.prepare`)."""
 
     def row_fields(self) -> dict[str, Any]:
-        return {"layer_mib": self.width * self.width * report.dtype_bytes(self.dtype) / (1 << 20)}
+        return {"layer_mib": self.width * self.width * floors_module.dtype_bytes(self.dtype) / (1 << 20)}
 
     def variant_fields(self, variant: str, runner: Runner | None) -> dict[str, Any]:
         return {}
@@ -404,7 +386,7 @@ def model_facts(module: Any) -> ModelFacts:
     params = list(module.parameters())
     if not params:
         raise ValueError(f"{type(module).__name__} has no parameters: nothing to train or time")
-    param_bytes = report.param_bytes_by_dtype(module)
+    param_bytes = floors_module.param_bytes_by_dtype(module)
     return ModelFacts(
         params=sum(p.numel() for p in params),
         param_bytes=param_bytes,
@@ -514,16 +496,16 @@ def eager_family_step(module: Any, optimizer: Any, batches: Sequence[Any]) -> Ca
 
 def family_step_floors(
     facts: ModelFacts, kernel_count: int | None, copy_bw: float, empty_kernel_us: float | None
-) -> report.Floors:
+) -> floors_module.Floors:
     """Floors of one training step: weights, grads and both AdamW states (6P + 4S bytes, see step_bytes)."""
-    return report.floors(
+    return floors_module.floors(
         facts.param_bytes,
         kernel_count,
         copy_bw,
         empty_kernel_us,
         chain="step",
         # PyTorch's AdamW keeps exp_avg / exp_avg_sq in the parameters' dtype.
-        state_bytes_per_element=report.dtype_bytes(facts.dtype),
+        state_bytes_per_element=floors_module.dtype_bytes(facts.dtype),
     )
 
 
@@ -1061,7 +1043,7 @@ def count_kernels(fn: Callable[[], Any]) -> int | None:
     # GPU-side records first (one per kernel, memcpy, memset); else the host-side launch calls.
     cuda = torch.autograd.DeviceType.CUDA
     on_gpu = sum(1 for e in events if getattr(e, "device_type", None) == cuda)
-    launches = sum(1 for e in events if getattr(e, "name", "") in report.LAUNCH_API_NAMES)
+    launches = sum(1 for e in events if getattr(e, "name", "") in floors_module.LAUNCH_API_NAMES)
     return on_gpu or launches or None
 
 
@@ -1082,20 +1064,20 @@ def case_floors(
         step = runner.step
         kernels = count_kernels(lambda: step(1))
         model = runner._keep[0]
-        param_bytes = report.param_bytes_by_dtype(model)
+        param_bytes = floors_module.param_bytes_by_dtype(model)
     finally:
         runner.close()
         torch.cuda.empty_cache()
     if not bw:
         return None, kernels
-    f = report.floors(
+    f = floors_module.floors(
         param_bytes,
         kernels,
         bw,
         empty,
         chain=case.chain,
         # PyTorch's AdamW keeps exp_avg / exp_avg_sq in the parameters' dtype.
-        state_bytes_per_element=report.dtype_bytes(case.dtype),
+        state_bytes_per_element=floors_module.dtype_bytes(case.dtype),
     )
     return f, kernels
 
@@ -1435,9 +1417,11 @@ def bench_cases(settings: BenchSettings, log: Callable[[str], None]) -> Iterator
 def write_plots(document: dict[str, Any], out: Path, log: Callable[[str], None]) -> list[Path]:
     """The MLP cases' plots in `out`, each family's in ``out/families/<family>/``; failures logged, not raised.
 
-    Separate figures because report's plot labels and ordering come from width x depth, which
+    Separate figures because the plots' labels and ordering come from width x depth, which
     family rows do not have (None): in one figure two families at one batch would share a label.
     """
+    from l2lightning.tools.plots import make_plots
+
     rows = document.get("results", [])
     groups: dict[str | None, list[dict[str, Any]]] = {}
     for row in rows:
@@ -1446,7 +1430,7 @@ def write_plots(document: dict[str, Any], out: Path, log: Callable[[str], None])
     for family, group in groups.items():
         where = out if family is None else out / "families" / family
         try:
-            plots += report.make_plots({**document, "results": group}, where)
+            plots += make_plots({**document, "results": group}, where)
         except Exception as exc:  # matplotlib missing or a plotting bug must not lose the timings
             log(
                 f"plots skipped for {family or 'the MLP cases'}: {_error_text(exc)} (`pip install matplotlib`)"
@@ -1464,204 +1448,3 @@ def _raise_compile_limits() -> None:
                 setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
     except Exception:
         pass
-
-
-# ---------------------------------------------------------------------- CLI glue
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _model_list(text: str) -> list[tuple[int, int]]:
-    out = []
-    for part in text.replace(" ", "").split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)", part)
-        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-            raise argparse.ArgumentTypeError(
-                f"expected WIDTHxDEPTH[,WIDTHxDEPTH...] (e.g. 1536x40), got {text!r}"
-            )
-        out.append((int(m.group(1)), int(m.group(2))))
-    return out
-
-
-def _name_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [v for v in text.replace(" ", "").split(",") if v]
-        bad = [n for n in names if n not in choices]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {', '.join(choices)}")
-        return names
-
-    return parse
-
-
-def _family_list(text: str) -> list[str]:
-    """``vit,recommender`` or ``all`` -> family names, checked against ``l2lightning.app.models.FAMILIES``."""
-    known = family_names()
-    names = [v for v in text.replace(" ", "").split(",") if v]
-    if "all" in names:
-        return list(known)
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown model families {bad or text!r}; choose from all, {', '.join(known)}"
-        )
-    return list(dict.fromkeys(names))  # each family once, in the order given
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``l2lightning bench`` options."""
-    # --widths/--depths default to None so that giving only --families runs no MLP case.
-    parser.add_argument("--widths", type=_int_list, default=None, help="layer widths d (default 1536)")
-    parser.add_argument(
-        "--depths", type=_int_list, default=None, help="block counts (default 40); crossed with --widths"
-    )
-    parser.add_argument(
-        "--models",
-        type=_model_list,
-        default=None,
-        help="WIDTHxDEPTH pairs, e.g. 1536x40,1024x60 (overrides --widths/--depths)",
-    )
-    parser.add_argument(
-        "--families",
-        type=_family_list,
-        default=None,
-        metavar="NAME[,NAME...]",
-        help=(
-            "model families of l2lightning.app.models (conf/model/<NAME>.yaml), e.g. vit,recommender, or `all`: "
-            "each is fitted at every --batches size with the Lightning variants only (lightning_eager, "
-            "callback_off, callback_auto; callback_decoy when --variants names it). Without --models, "
-            "--widths or --depths, no MLP case runs"
-        ),
-    )
-    parser.add_argument(
-        "--batches", type=_int_list, default=None, help="batch sizes (default 4,8,16,64; --quick: 16)"
-    )
-    parser.add_argument(
-        "--chains",
-        type=_name_list(tuple(CHAIN_VARIANTS)),
-        default=None,
-        help="step,forward_backward,forward (default all)",
-    )
-    parser.add_argument(
-        "--variants",
-        type=_name_list(ALL_VARIANTS),
-        default=None,
-        help=f"subset of: {', '.join(ALL_VARIANTS)}",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float16", "float32"),
-        help="MLP parameter dtype (default bfloat16); families keep their configs' dtype",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=_positive_int,
-        default=None,
-        help="interleaved repeats per variant (default 10; --quick: 6)",
-    )
-    parser.add_argument(
-        "--steps", type=_positive_int, default=None, help="timed steps per repeat (default 30; --quick: 10)"
-    )
-    parser.add_argument(
-        "--prefetch", choices=("auto", "default"), default="auto", help="plans for graph_prefetch variants"
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=OPTIMIZER_IMPLS,
-        default="fused",
-        help="AdamW implementation of every MLP variant; families use their configure_optimizers()",
-    )
-    parser.add_argument(
-        "--criteria",
-        type=Path,
-        default=None,
-        help=f"pre-registered criteria YAML (default {DEFAULT_CRITERIA} when it exists; '' for none)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output directory (default benchmarks/results/<gpu-name-slug>/)",
-    )
-    parser.add_argument("--device", type=_non_negative_int, default=0, help="CUDA device index")
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="time even when the doctor says the GPU is not ready (results marked forced)",
-    )
-    parser.add_argument("--quick", action="store_true", help="a short run (< 3 minutes on an H200)")
-
-
-def settings_from_args(args: argparse.Namespace) -> BenchSettings:
-    """BenchSettings from parsed ``bench`` arguments (``--quick`` shortens the defaults only).
-
-    ``--families`` alone runs family cases only; with ``--models``, ``--widths`` or ``--depths``
-    the MLP cases run too.
-    """
-    families = args.families or []
-    if args.models:
-        models = args.models
-    elif families and args.widths is None and args.depths is None:
-        models = []
-    else:
-        models = [(w, d) for w in args.widths or [1536] for d in args.depths or [40]]
-    if args.criteria is None:
-        criteria = DEFAULT_CRITERIA if DEFAULT_CRITERIA.is_file() else None
-    else:
-        criteria = args.criteria if str(args.criteria) not in ("", ".") else None
-    return BenchSettings(
-        models=models,
-        families=families,
-        batches=args.batches or ([16] if args.quick else [4, 8, 16, 64]),
-        chains=args.chains or ["step", "forward_backward", "forward"],
-        variants=args.variants,
-        dtype=args.dtype,
-        repeats=args.repeats or (6 if args.quick else 10),
-        steps=args.steps or (10 if args.quick else 30),
-        lightning_skip=6 if args.quick else 8,
-        prefetch=args.prefetch,
-        optimizer=args.optimizer,
-        device=args.device,
-        criteria=criteria,
-        out=args.out,
-        force=args.force,
-        quick=args.quick,
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m l2lightning.tools.bench.run`` / ``benchmarks/harness.py``: the same as ``l2lightning bench``."""
-    from l2lightning.tools.cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
