@@ -75,7 +75,7 @@ def test_config_dir_is_the_checkout_conf():
     assert CONF == Path(__file__).resolve().parent.parent / "conf"
     assert options("trainer") == ["cpu", "default", "gpu"]
     # `none` (no callback) is not `prefetch: "off"` (l2=graph): no option name collides with a prefetch mode
-    assert options("l2") == ["autotune", "default", "graph", "none", "prefetch", "verify"]
+    assert options("l2") == ["autotune", "default", "graph", "none", "sized", "verify"]
     assert options("callbacks") == [
         "default",
         "l2",
@@ -96,7 +96,7 @@ def test_default_config():
         "mlp_stack",
         "mlp_stack",
         "gpu",
-        "prefetch",
+        "sized",
         "default",
         "csv",
     )
@@ -211,7 +211,7 @@ def test_l2_none_gives_no_callback():
     [
         ("default", "auto", False),
         ("graph", "off", False),
-        ("prefetch", "default", False),
+        ("sized", "default", False),
         ("autotune", "auto", False),
         ("verify", "default", True),
     ],
@@ -245,7 +245,7 @@ def test_l2_default_is_the_callbacks_own_defaults_every_argument_commented():
         )
 
 
-@pytest.mark.parametrize("option", ["graph", "prefetch", "autotune", "verify"])
+@pytest.mark.parametrize("option", ["graph", "sized", "autotune", "verify"])
 def test_l2_options_are_deltas_over_default(option):
     cls = callback_class()
     arguments = set(inspect.signature(cls.__init__).parameters) - {"self"}

@@ -114,9 +114,9 @@ def test_module_entry_point_trains_eagerly_on_cpu(tmp_path):
         2,
     )
     # what ran, and why: the callback was asked for (and validated) but not used
-    assert result["l2"].startswith("none (no CUDA: ") and result["l2_requested"] == "prefetch"
+    assert result["l2"].startswith("none (no CUDA: ") and result["l2_requested"] == "sized"
     assert result["callback"] is False and result["captured"] is False
-    assert result["reason"].startswith("no CUDA (") and "l2=prefetch was validated" in result["reason"]
+    assert result["reason"].startswith("no CUDA (") and "l2=sized was validated" in result["reason"]
     assert result["eager_step_ms"] > 0 and result["eager_steps_timed"] == 1
     assert result["graph_step_ms"] is None and result["fit_step_speedup"] is None
     assert result["replay_speedup"] is None and result["speedup"] is None
@@ -274,7 +274,7 @@ def test_write_sweep_summary(tmp_path):
             "model": "mlp_stack",
             "batch_size": 4,
             "captured": False,
-            "reason": "no CUDA (x): l2=prefetch was validated (L2GraphCallback built) but not used",
+            "reason": "no CUDA (x): l2=sized was validated (L2GraphCallback built) but not used",
             "overrides": [],
         },
         {"status": "failed", "job_num": 2, "error": "boom", "overrides": ["model=x"]},
@@ -334,6 +334,6 @@ def test_help_says_what_the_app_is(tmp_path):
     proc = run_entry_point(["--help"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("l2lightning-train: train a model family with PyTorch Lightning")
-    assert "l2: autotune, default, graph, none, prefetch, verify" in proc.stdout
+    assert "l2: autotune, default, graph, none, sized, verify" in proc.stdout
     assert "callbacks: default, l2, lr_monitor, model_checkpoint" in proc.stdout
     assert "logger: csv, tensorboard" in proc.stdout

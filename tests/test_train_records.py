@@ -64,7 +64,7 @@ def test_summary_line_of_a_captured_run():
         "status": "ok",
         "steps": 200,
         "device": "NVIDIA H200",
-        "l2": "prefetch",
+        "l2": "sized",
         "callback": True,
         "captured": True,
         "capture_step": 3,
@@ -76,13 +76,13 @@ def test_summary_line_of_a_captured_run():
     }
     assert train.summary_line(result) == (
         "l2lightning: 200 steps on NVIDIA H200; eager fit 12.2 ms/step, with L2GraphCallback 1.82 ms/step, "
-        "speedup 6.70x (graph replay vs eager step, CUDA events: 10.67x); l2=prefetch, captured at step 3; "
+        "speedup 6.70x (graph replay vs eager step, CUDA events: 10.67x); l2=sized, captured at step 3; "
         "final loss 0.01234"
     )
     result.update(captured=False, reason="no CUDA (x)", graph_step_ms=None, fit_step_speedup=None)
     line = train.summary_line(result)
     assert "with L2GraphCallback n/a/step, speedup n/a" in line
-    assert "l2=prefetch, not captured: no CUDA (x)" in line
+    assert "l2=sized, not captured: no CUDA (x)" in line
     assert train.summary_line({"status": "failed", "error": "boom"}) == "failed: boom"
 
 
@@ -103,7 +103,7 @@ def test_the_callback_path_records_what_ran_and_why(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the callback's own "training eagerly" warning
         result = run_overrides([*TINY, "trainer.max_steps=2", "eager_baseline_steps=3"], tmp_path / "run")
-    assert result["callback"] is True and result["l2"] == "prefetch" and result["l2_requested"] == "prefetch"
+    assert result["callback"] is True and result["l2"] == "sized" and result["l2_requested"] == "sized"
     assert result["captured"] is False and result["reason"]  # the callback's reason
     assert result["eager_step_ms"] > 0 and result["eager_steps_timed"] == 1  # of the 3-step baseline
     assert result["graph_step_ms"] is None and result["fit_step_speedup"] is None

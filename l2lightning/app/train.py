@@ -344,7 +344,7 @@ def _l2_class(cfg: DictConfig) -> type | None:
     target = node.get("_target_")
     if target is None:
         raise ConfigError(
-            "l2 has no `_target_`; expected l2lightning.L2GraphCallback (pick an option: l2=prefetch)"
+            "l2 has no `_target_`; expected l2lightning.L2GraphCallback (pick an option: l2=sized)"
         )
     try:
         cls = hydra.utils.get_class(str(target))
@@ -578,7 +578,7 @@ def summary_line(result: Mapping[str, Any]) -> str:
 
 
 def _l2_name(cfg: DictConfig, choices: Mapping[str, Any]) -> str:
-    """The l2 option asked for: its group choice (l2=prefetch), else a description of `cfg.l2`."""
+    """The l2 option asked for: its group choice (l2=sized), else a description of `cfg.l2`."""
     if choices.get("l2"):
         return str(choices["l2"])
     node = cfg.get("l2")

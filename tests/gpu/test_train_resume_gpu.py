@@ -21,7 +21,7 @@ def test_resume_with_the_callback_equals_uninterrupted_run(tmp_path):
     def overrides(run_dir):
         return [
             *resume_overrides(run_dir, steps=STEPS, every=EVERY, device="gpu", width=512),
-            "l2=prefetch",
+            "l2=sized",
             "trainer.deterministic=true",
         ]
 
@@ -44,7 +44,7 @@ def test_resume_with_the_callback_equals_uninterrupted_run(tmp_path):
 def test_headline_is_the_wall_clock_fit_step_ratio(tmp_path):
     overrides = [
         *resume_overrides(tmp_path, steps=20, every=10, device="gpu", width=512),
-        "l2=prefetch",
+        "l2=sized",
         "eager_baseline_steps=10",
     ]
     result = run_overrides(overrides, tmp_path)
