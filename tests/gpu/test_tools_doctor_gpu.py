@@ -1,6 +1,6 @@
 """GPU tests of the doctor and the benchmark harness: a complete live state, and a complete result file.
 
-Marked `gpu`: skipped with a reason on machines without CUDA. Run with `pytest -q -s tests/gpu/test_doctor_gpu.py`
+Marked `gpu`: skipped with a reason on machines without CUDA. Run with `pytest -q -s tests/gpu/test_tools_doctor_gpu.py`
 to see the doctor's report and the harness output.
 """
 
