@@ -21,7 +21,7 @@ from tests.train_helpers import run_overrides
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # `data._target_` of the runs: the class below, found by Hydra from the repository root
-ORDERED_DATA = "tests.test_train_resume.OrderedVectorData"
+ORDERED_DATA = "tests.test_app_train_resume.OrderedVectorData"
 STEPS, MID = 6, 2  # checkpoints every 2 steps, one epoch each
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_train_resume import assert_same_checkpoint, resume_overrides
+from tests.test_app_train_resume import assert_same_checkpoint, resume_overrides
 from tests.train_helpers import run_overrides
 
 pytestmark = pytest.mark.gpu
