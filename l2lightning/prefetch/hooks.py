@@ -107,30 +107,14 @@ def resolve_plans(
 
 
 class PrefetchHooks(PlanHooks):
-    """Installs forward/backward L2 prefetch hooks on an unmodified model.
+    """Installs forward/backward L2 prefetch hooks on an unmodified model, for any prefetch setting.
+
+    The arguments are :class:`~l2lightning.prefetch.install.PlanHooks`' (model, example_input,
+    backward, step, backward_plans, decoy, scope, via, issuer), with two additions:
 
     Args:
-        model: the model; its own forward and backward get the prefetch, a submodule called alone does not.
-        example_input: one input for the dry run that finds the chain (tensor, tuple for ``*args``,
-            dict for ``**kwargs``). The dry run restores buffers and RNG, and runs under no_grad.
-        backward: also prefetch W_{i-1} in backward.
-        step: ``step(model, example_input)`` to run the dry forward pass when calling the model
-            needs more than ``model(example_input)``.
-        plans: ``None`` or ``"default"`` (default plans sized by layer bytes), ``"off"``, a
-            :class:`PrefetchPlan` for every layer large enough, a mapping from layer name to plan
-            (``None`` = no prefetch for that layer), or ``"auto"`` to let the autotuner measure
-            plans per layer shape.
-        backward_plans: like ``plans`` for the backward pass; default: the same as forward.
-        decoy: aim the same traffic at the wrong layer (half the chain away), as a control.
-        via: ``"hooks"`` (default): Python hooks issue the prefetches. ``"ops"``: the hooks insert
-            identity autograd functions that call the custom ops of :mod:`l2lightning.prefetch.ops`,
-            so ``torch.compile`` traces them into its graph instead of breaking it; the caller then
-            joins the side stream after backward with :meth:`join`.
-        scope: ``"forward"`` (default): the hooks act while ``model.forward`` runs. ``"manual"``: they
-            act only inside ``with hooks.scope():``, for callers whose step reaches the layers
-            without calling ``model(...)`` (a LightningModule's ``training_step`` calling ``self.net``).
-        issuer: where prefetches go (advanced; tests pass a recorder). Default: CUDA kernels on a
-            side stream of the model's device.
+        plans: as in ``PlanHooks``, and ``"auto"``: the autotuner measures plans per layer shape
+            (``backward_plans`` may be ``"auto"`` too).
         autotune: the tuner for ``"auto"``: None (its defaults), an :class:`~l2lightning.Autotuner`,
             or a mapping of its settings (see :func:`make_autotuner`).
 

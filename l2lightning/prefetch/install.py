@@ -91,9 +91,9 @@ class PlanHooks:
         backward: also prefetch W_{i-1} in backward.
         step: ``step(model, example_input)`` to run the dry forward pass when calling the model
             needs more than ``model(example_input)``.
-        plans: ``None`` (default plans sized by layer bytes), a :class:`PrefetchPlan` for every layer
-            large enough, a mapping from layer name to plan (``None`` = no prefetch for that layer),
-            or ``"auto"`` to let the autotuner measure plans per layer shape.
+        plans: ``None`` or ``"default"`` (default plans sized by layer bytes), ``"off"``, a
+            :class:`PrefetchPlan` for every layer large enough, or a mapping from layer name to plan
+            (``None`` = no prefetch for that layer). ``"auto"`` is :class:`l2lightning.PrefetchHooks`'.
         backward_plans: like ``plans`` for the backward pass; default: the same as forward.
         decoy: aim the same traffic at the wrong layer (half the chain away), as a control.
         via: ``"hooks"`` (default): Python hooks issue the prefetches. ``"ops"``: the hooks insert
@@ -108,7 +108,7 @@ class PlanHooks:
 
     Example:
         >>> model = nn.Sequential(*[nn.Linear(1536, 1536) for _ in range(8)]).cuda()  # doctest: +SKIP
-        >>> hooks = PrefetchHooks(model, torch.randn(16, 1536, device="cuda"))  # doctest: +SKIP
+        >>> hooks = PlanHooks(model, torch.randn(16, 1536, device="cuda"))  # doctest: +SKIP
         >>> y = model(x)  # forward and backward now prefetch the next layer's weights  # doctest: +SKIP
         >>> hooks.remove()  # doctest: +SKIP
     """
