@@ -25,6 +25,10 @@ Search, inside a wall-time budget (0.6 s per distinct shape by default):
 
 Decisions are cached on disk (:mod:`l2lightning.tune.cache`). The measuring step is injectable
 (``Autotuner(bench_factory=...)``), which is how the CPU tests drive the search with fake timings.
+
+This module is the search alone (the grid, the throwaway chains, the timing, the report and the
+statistics live beside it in this package); it stays near 650 lines because the staged race is one
+state machine over shared deadlines and samples, which reads best in one class.
 """
 
 from __future__ import annotations
