@@ -36,11 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from l2lightning.autotune import Autotuner
-from l2lightning.chain_timing import capture_chain, interleaved_replay_us
-from l2lightning.hooks import PrefetchHooks, device_l2_bytes, discover_chain
-from l2lightning.prefetch import MIB
-from l2lightning.tuning_stats import mean_ci
+from l2lightning.prefetch.chain import device_l2_bytes, discover_chain
+from l2lightning.prefetch.hooks import PrefetchHooks
+from l2lightning.prefetch.plan import MIB
+from l2lightning.tune.chain_timing import capture_chain, interleaved_replay_us
+from l2lightning.tune.search import Autotuner
+from l2lightning.tune.stats import mean_ci
 
 DEV_WIDTHS = (256, 768, 1024, 1536, 2560, 3072, 4096)  # seen while developing (notes, GPU tests)
 HELD_OUT_WIDTHS = (1280, 1792, 2304, 2816, 3584)
@@ -98,7 +99,7 @@ def state_warnings(state: dict[str, Any]) -> list[str]:
 
 
 def versions() -> dict[str, str]:
-    from l2lightning.plan_cache import current_versions
+    from l2lightning.tune.cache import current_versions
 
     out = current_versions()
     out["python"] = platform.python_version()

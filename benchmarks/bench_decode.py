@@ -37,7 +37,13 @@ from pathlib import Path
 
 import torch
 
-from l2lightning.decode import (
+from l2lightning.decode.attention import (
+    AttentionChoice,
+    _queue_ahead,
+    choose_attention,
+    flashinfer_unavailable_reason,
+)
+from l2lightning.decode.model import (
     QWEN25_05B,
     SMOLLM2_135M,
     DecodeSession,
@@ -45,12 +51,6 @@ from l2lightning.decode import (
     build_decoder,
     decode_step_bytes,
     length_bucket,
-)
-from l2lightning.decode_attention import (
-    AttentionChoice,
-    _queue_ahead,
-    choose_attention,
-    flashinfer_unavailable_reason,
 )
 
 MODELS = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_05B}

@@ -20,7 +20,7 @@ variants interleaved over ``--rounds`` rounds (medians of per-step times, then o
         module.compile(mode="reduce-overhead", dynamic=False)`` in a plain PyTorch
   loop with fused AdamW, per-step CUDA-event time.
 
-How: modules, data and optimizers come from the harness's builders (``l2lightning.bench``:
+How: modules, data and optimizers come from the harness's builders (``l2lightning.tools.bench.run``:
 ``compose_family``, ``build_family``, ``family_batches``, ``module_optimizer``, ``_loader``,
 ``time_steps``, ``_step_timer``, ``_lightning_module``, ``make_batches``, ``_trainer``). As in the
 harness, ``FAMILY_BATCHES`` batches are drawn from the family's data module once and cycled, so the
@@ -43,7 +43,7 @@ GPU name, doctor state, torch/Lightning versions, the command line), ``host_prof
 ``host_overhead.png``. Results must name the machine and the command that made them (both are in
 the JSON; copy the command into results/<gpu>/COMMANDS.md).
 
-The GPU state is checked with the doctor (``l2lightning.doctor``) before timing, as the harness
+The GPU state is checked with the doctor (``l2lightning.tools.doctor``) before timing, as the harness
 does; timing is refused when it is not ready unless ``--force`` (the JSON then says forced).
 ``--smoke`` runs on a CPU-only machine (accelerator cpu, tiny models, a few steps, no doctor load,
 no CUDA-only variants: their columns stay empty and the JSON says why); it checks the plumbing, its
@@ -120,7 +120,7 @@ def _wall_timer() -> Any:
 
 
 def _timer(cuda: bool) -> Any:
-    from l2lightning import bench
+    from l2lightning.tools.bench import run as bench
 
     return bench._step_timer() if cuda else _wall_timer()
 
@@ -176,8 +176,8 @@ def _family_trainer(cfg: Any, accelerator: str, device: int, max_steps: int, cal
     """A Trainer with the family's packaged progress bar and loggers; no checkpoints or validation."""
     from hydra.utils import instantiate
 
-    from l2lightning import bench
-    from l2lightning.train import build_loggers
+    from l2lightning.app.train import build_loggers
+    from l2lightning.tools.bench import run as bench
 
     tr = cfg.trainer
     callbacks = list(callbacks)
@@ -204,7 +204,7 @@ class FamilySetup:
         import torch
         from omegaconf import open_dict
 
-        from l2lightning import bench
+        from l2lightning.tools.bench import run as bench
 
         self.family, self.batch = family, batch
         self.cfg = bench.compose_family(family, batch, overrides)
@@ -214,7 +214,7 @@ class FamilySetup:
         self.host_batches = bench.family_batches(datamodule, torch.device("cpu"))
 
     def module(self) -> Any:
-        from l2lightning import bench
+        from l2lightning.tools.bench import run as bench
 
         module, _ = bench.build_family(self.cfg)
         return module
@@ -224,7 +224,8 @@ def fit_family(
     setup: FamilySetup, args: argparse.Namespace, with_callback: bool, profile_steps: int = 0
 ) -> dict[str, Any]:
     """One ``Trainer.fit``; per-step ms (after capture with the callback), the callback's summary."""
-    from l2lightning import L2GraphCallback, bench
+    from l2lightning import L2GraphCallback
+    from l2lightning.tools.bench import run as bench
 
     cuda = args.accelerator == "cuda"
     timer = _timer(cuda)
@@ -266,7 +267,7 @@ def _logging_module(logs: int, device: Any, impl: str) -> Any:
     """The floor's 1->1 Linear, logging the loss `logs` times per step (prog_bar=True, as in the issue)."""
     import torch
 
-    from l2lightning import bench
+    from l2lightning.tools.bench import run as bench
 
     torch.manual_seed(0)
     module = bench._lightning_module(torch.nn.Linear(1, 1).to(device), 1e-3, impl)
@@ -288,7 +289,8 @@ def fit_floor(args: argparse.Namespace, logs: int = 0, with_callback: bool = Tru
     ``logs=0``, the loop floor; with ``logs`` self.log calls per step, the cost of logging."""
     import torch
 
-    from l2lightning import L2GraphCallback, bench
+    from l2lightning import L2GraphCallback
+    from l2lightning.tools.bench import run as bench
 
     cuda = args.accelerator == "cuda"
     device = torch.device("cuda", args.device) if cuda else torch.device("cpu")
@@ -337,7 +339,7 @@ def _adamw(module: Any, impl: str, capturable: bool) -> Any:
     """AdamW with the family optimizer's hyperparameters, `impl` (fused/foreach), capturable or not."""
     import torch
 
-    from l2lightning import bench
+    from l2lightning.tools.bench import run as bench
 
     group = bench.module_optimizer(module).param_groups[0]
     return torch.optim.AdamW(
@@ -368,8 +370,8 @@ def raw_graph_loop(setup: FamilySetup, args: argparse.Namespace) -> float:
     """LeanRL's whole-update graph of the family's training step in a plain loop; median ms per step."""
     import torch
 
-    from l2lightning import bench
     from l2lightning.capture import loss_of
+    from l2lightning.tools.bench import run as bench
 
     device = torch.device("cuda", args.device)
     module = setup.module().to(device).train()
@@ -426,8 +428,8 @@ def compile_ro_loop(setup: FamilySetup, args: argparse.Namespace, cache: dict[st
     import torch
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
-    from l2lightning import bench
     from l2lightning.capture import loss_of
+    from l2lightning.tools.bench import run as bench
 
     key = f"{setup.family}_b{setup.batch}"
     if key not in cache:
@@ -467,7 +469,7 @@ def classify(func: tuple[str, int, str]) -> str | None:
         if "synchronize" in name or "'__bool__'" in name or "'__float__'" in name:
             return "host_sync"
         return None
-    if "/l2lightning/models/" in p:
+    if "/l2lightning/app/models/" in p or "/l2lightning/models/" in p:
         return None  # the family's own hooks: their time goes where they were called from
     if "/l2lightning/" in p:
         return "callback_replay"
@@ -676,7 +678,7 @@ def check_gpu(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[int
     """(exit code or None to go on, machine facts) from the doctor, as ``l2lightning bench`` checks."""
     import torch
 
-    from l2lightning import doctor
+    from l2lightning.tools import doctor
 
     if args.smoke:
         args.accelerator = "cpu"
@@ -705,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     import lightning
     import torch
 
-    from l2lightning import bench
+    from l2lightning.tools.bench import run as bench
 
     t_start = time.perf_counter()
     args = parse_args(argv)

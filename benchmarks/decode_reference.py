@@ -5,7 +5,7 @@ cache lengths (SmolLM2 96, 320, 1000; Qwen 150, 700, 1800) and every context of 
 (``--contexts issue`` for the issue's six only):
 
 1. Numerics. The FP32 reference is the same model with its bf16 weights upcast, eager PyTorch
-   (SDPA math backend, no TF32), every layer recorded (``l2lightning.decode.Fp32Reference``).
+   (SDPA math backend, no TF32), every layer recorded (``l2lightning.decode.model.Fp32Reference``).
    "ours" is ``DecodeSession`` (auto attention, compiled elementwise ops, CUDA graph) and
    "baseline" the compiled-SDPA whole-step graph (``TorchDecodeSession``), both recording their
    layers (``record_layers=True``). Each of `--samples` independent draws of a random KV cache and
@@ -18,7 +18,7 @@ cache lengths (SmolLM2 96, 320, 1000; Qwen 150, 700, 1800) and every context of 
 2. Times: the timed sessions (ours with autotuned prefetch, the baseline, and DecodeSession with
    FlashInfer attention where ``import flashinfer`` works), interleaved rounds of 8 graph replays,
    medians, as bench_decode.py times them.
-3. Step reports (``l2lightning.decode.decode_step_report``), after all timing: for ours and the
+3. Step reports (``l2lightning.decode.model.decode_step_report``), after all timing: for ours and the
    baseline at SmolLM2 320 and Qwen 700, kernels per step and per layer and each part's kernel
    time against the bytes it must move.
 
@@ -58,7 +58,8 @@ from bench_decode import (  # noqa: E402
     write_csv,
 )
 
-from l2lightning.decode import (  # noqa: E402
+from l2lightning.decode.attention import AttentionChoice, flashinfer_unavailable_reason  # noqa: E402
+from l2lightning.decode.model import (  # noqa: E402
     DecodeSession,
     Fp32Reference,
     TorchDecodeSession,
@@ -68,7 +69,6 @@ from l2lightning.decode import (  # noqa: E402
     decode_step_report,
     length_bucket,
 )
-from l2lightning.decode_attention import AttentionChoice, flashinfer_unavailable_reason  # noqa: E402
 
 ISSUE_CONTEXTS = {"smollm2-135m": (96, 320, 1000), "qwen2.5-0.5b": (150, 700, 1800)}
 REPORT_CONTEXTS = {"smollm2-135m": 320, "qwen2.5-0.5b": 700}
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     reports: list[dict] = []
     if not args.smoke and not args.skip_step_report:
         try:
-            from l2lightning.doctor import measure_empty_kernel
+            from l2lightning.probes import measure_empty_kernel
 
             empty_us = measure_empty_kernel(torch.cuda.current_device(), launches=500, replays=5, trials=3)
         except Exception as exc:  # the report still has the bytes floor

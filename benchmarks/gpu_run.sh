@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# One device call: the named stages in order, each with its own time limit so a slow one cannot
-# starve the rest. Logs and results under $OUT (the device tool returns at most 8 files).
-# Usage on the device machine: bash benchmarks/gpu_run.sh STAGE [STAGE ...]
+# The GPU driver: run the named stages in order, each with its own time limit so a slow one cannot
+# starve the rest; logs and results go to OUTDIR.
+# Usage: bash benchmarks/gpu_run.sh OUTDIR STAGE [STAGE ...]   (from the repository root)
 #   verify_first  the verify test as the first capture of a fresh process (it once failed that way)
 #   tests[=PATH,...]  the GPU suite (default all of tests/gpu)
 #   autotune      the autotuner benchmark over the held-out grid
 #   examples      the decode examples (generation, Lightning predict_step)
 #   callback      Trainer.fit per-step time, fused AdamW, the issue's three MLP stacks
+#   callback-compile  Trainer.fit per-step time at 1536x40 batch 16 with and without torch.compile
 #   harness[=WxD,...]  the comparison harness over MLP stacks (default the issue's three) and
 #                 batches 4, 8, 16, 64, every variant and chain
+#   harness-quick the harness's --quick grid
 #   harness-sweep the issue's three MLP stacks x batches 4, 8, 16, 64, whole training step only,
 #                 without the torch.compile and decoy variants, 4 repeats of 10 steps
 #   idioms[=NAME,...]  the LightningModule idioms (tests/idiom_modules.py): plain vs the callback per
@@ -19,11 +21,23 @@
 #   decode-reference  benchmarks/decode_reference.py (FP32 reference, step reports) -> decode_reference.tgz
 #   host-overhead[=ARGS]  benchmarks/bench_host_overhead.py with ARGS (commas for spaces)
 #                 -> host_overhead.tgz
+#   decode        the decode benchmark with the automatic attention choice (no attention sweep)
+# Wheels in .whl/ (an offline machine's dependencies) are installed to /tmp/site first when present.
 set -u
-OUT=${OUT:-/tmp/out}
+if [ $# -lt 1 ]; then
+  echo "usage: bash benchmarks/gpu_run.sh OUTDIR STAGE [STAGE ...]" >&2
+  exit 2
+fi
+OUT=$1
+shift
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active,power.draw,power.limit --format=csv | tee "$OUT/gpu_state.txt"
 python3 -c "import torch, cupy, lightning; print('torch', torch.__version__, 'cupy', cupy.__version__, 'lightning', lightning.__version__)" | tee -a "$OUT/gpu_state.txt"
 PYTEST=(python3 -m pytest -m gpu -q --timeout 150 --no-header -p no:cacheprovider)
@@ -42,31 +56,36 @@ for stage in "$@"; do
       timeout 540 "${PYTEST[@]}" ${paths//,/ } > "$OUT/pytest_gpu.log" 2>&1
       echo "rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_gpu.log" | grep -v DEBUG | tail -15 ;;
     autotune)
-      timeout 200 python3 benchmarks/bench_autotune.py --out "$OUT/autotune" > /tmp/autotune.log 2>&1
-      echo "rc=$?"; tail -8 /tmp/autotune.log ;;
+      timeout 200 python3 benchmarks/bench_autotune.py --out "$OUT/autotune" > "$OUT/autotune.log" 2>&1
+      echo "rc=$?"; tail -8 "$OUT/autotune.log" ;;
     examples)
       for ex in decode_generate decode_predict_step; do
         echo "=== python3 examples/$ex.py"; timeout 60 python3 "examples/$ex.py"; echo "rc=$?"
       done > "$OUT/examples.log" 2>&1
       grep -v DEBUG "$OUT/examples.log" | tail -20 ;;
+    callback-compile)
+      timeout 150 python3 benchmarks/bench_callback.py --out "$OUT" --json-name callback_compile.json --rounds 1 --steps 40 \
+        --cases 1536x40x16 --variants lightning,callback,callback+compile,callback+compile+prefetch > "$OUT/callback_compile.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/callback_compile.log" | tail -6 ;;
     callback)
       timeout 300 python3 benchmarks/bench_callback.py --out "$OUT" --json-name callback_fit_fused.json \
         --optimizer fused --rounds 1 --steps 40 \
         --variants lightning,callback,callback+compile,compile-reduce-overhead > "$OUT/callback.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/callback.log" | tail -14 ;;
+    harness-quick)
+      timeout 150 python3 benchmarks/harness.py --quick --out "$OUT/harness_quick" > "$OUT/harness_quick.log" 2>&1
+      echo "rc=$?"; echo "illegal: $(grep -c 'illegal memory' "$OUT/harness_quick.log")"
+      grep -v DEBUG "$OUT/harness_quick.log" | tail -25 ;;
     harness-sweep)
       timeout 380 python3 benchmarks/harness.py --models 1536x40,1024x60,768x96 --batches 4,8,16,64 \
         --chains step --variants lightning_eager,callback_off,callback_auto,eager,graph,graph_prefetch \
-        --repeats 4 --steps 10 --out /tmp/harness > "$OUT/harness.log" 2>&1
-      echo "rc=$?"; grep -v DEBUG "$OUT/harness.log" | grep -v "^  " | tail -30
-      # results.json and .csv only (the device returns 8 files): the plots are redrawn from the JSON
-      mkdir -p "$OUT/harness"; cp /tmp/harness/results.json /tmp/harness/results.csv "$OUT/harness/" ;;
+        --repeats 4 --steps 10 --out "$OUT/harness" > "$OUT/harness.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/harness.log" | grep -v "^  " | tail -30 ;;
     harness-families*)
       spec=all@3; [[ "$stage" == *=* ]] && spec=${stage#*=}; [[ "$spec" == *@* ]] || spec="$spec@3"
       timeout 280 python3 benchmarks/harness.py --families "${spec%@*}" --batches 4,8,16,64 --repeats "${spec#*@}" --steps 10 \
-        --out /tmp/harness_families > "$OUT/harness_families.log" 2>&1
-      echo "rc=$?"; grep -v DEBUG "$OUT/harness_families.log" | grep -E "^\[|^[a-z_]+ b[0-9]+|criteria|PASSED|FAILED|NO DATA|total|NOT captured|error" | tail -40
-      mkdir -p "$OUT/harness_families"; cp /tmp/harness_families/results.json /tmp/harness_families/results.csv "$OUT/harness_families/" ;;
+        --out "$OUT/harness_families" > "$OUT/harness_families.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/harness_families.log" | grep -E "^\[|^[a-z_]+ b[0-9]+|criteria|PASSED|FAILED|NO DATA|total|NOT captured|error" | tail -40 ;;
     harness*)
       models=1536x40,1024x60,768x96; [[ "$stage" == *=* ]] && models=${stage#*=}
       timeout 540 python3 benchmarks/harness.py --models "$models" --batches 4,8,16,64 \
@@ -81,6 +100,9 @@ for stage in "$@"; do
       timeout 330 python3 benchmarks/bench_host_overhead.py --out /tmp/host_overhead ${extra//,/ } > "$OUT/host_overhead.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/host_overhead.log" | tail -40
       tar czf "$OUT/host_overhead.tgz" -C /tmp host_overhead ;;
+    decode)
+      timeout 90 python3 benchmarks/bench_decode.py --skip-attention --out "$OUT/decode_auto" > "$OUT/decode_auto.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/decode_auto.log" | tail -18 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -19,6 +19,6 @@ if __name__ == "__main__":
     root = Path(__file__).resolve().parent.parent
     if (root / "l2lightning").is_dir() and str(root) not in sys.path:
         sys.path.insert(0, str(root))  # run from a checkout without installing
-    from l2lightning.cli import main
+    from l2lightning.tools.cli import main
 
     sys.exit(main(["bench", *sys.argv[1:]]))

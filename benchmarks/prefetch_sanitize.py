@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from l2lightning import PrefetchHooks, PrefetchPlan
-from l2lightning.prefetch import prefetch, supported_kinds
+from l2lightning.prefetch.kernels import prefetch, supported_kinds
 
 
 def main() -> None:

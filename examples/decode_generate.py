@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from l2lightning.decode import CONFIGS, DecodeSession, TorchDecodeSession, build_decoder
+from l2lightning.decode.model import CONFIGS, DecodeSession, TorchDecodeSession, build_decoder
 
 
 def timed_generate(session: DecodeSession, prompt: torch.Tensor, tokens: int) -> tuple[torch.Tensor, float]:

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from l2lightning.decode import DecodeSession, build_decoder
+from l2lightning.decode.model import DecodeSession, build_decoder
 
 
 class GreedyGenerator(L.LightningModule):

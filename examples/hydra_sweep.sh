@@ -15,7 +15,7 @@ shift || true
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
 
-python -m l2lightning.train -m \
+python -m l2lightning.app.train -m \
     model=mlp_stack,rl_policy \
     data.batch_size=4,16 \
     "hydra.sweep.dir=${sweep_dir}" \

@@ -13,10 +13,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "PrefetchPlan": "l2lightning.prefetch",
-    "default_plan": "l2lightning.prefetch",
-    "PrefetchHooks": "l2lightning.hooks",
-    "PrefetchSequential": "l2lightning.sequential",
+    "PrefetchPlan": "l2lightning.prefetch.plan",
+    "default_plan": "l2lightning.prefetch.plan",
+    "PrefetchHooks": "l2lightning.prefetch.hooks",
+    "PrefetchSequential": "l2lightning.prefetch.sequential",
     "CapturedStep": "l2lightning.capture",
     "capture_step": "l2lightning.capture",
     "BatchMismatchError": "l2lightning.capture",
@@ -26,12 +26,12 @@ _EXPORTS = {
     "assert_same_gradients": "l2lightning.verify",
     "equivalence_chain": "l2lightning.verify",
     "L2GraphCallback": "l2lightning.callback",
-    "Autotuner": "l2lightning.autotune",
-    "DecodeSession": "l2lightning.decode",
-    "TorchDecodeSession": "l2lightning.decode",
-    "build_decoder": "l2lightning.decode",
-    "choose_attention": "l2lightning.decode_attention",
-    "TuningReport": "l2lightning.autotune",
+    "Autotuner": "l2lightning.tune.search",
+    "DecodeSession": "l2lightning.decode.model",
+    "TorchDecodeSession": "l2lightning.decode.model",
+    "build_decoder": "l2lightning.decode.model",
+    "choose_attention": "l2lightning.decode.attention",
+    "TuningReport": "l2lightning.tune.report",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from l2lightning.cli import main
+from l2lightning.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -74,7 +74,7 @@ from l2lightning.optim import (
     installed_capturable,
     make_capturable,
 )
-from l2lightning.prefetch import PrefetchPlan
+from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.step_source import StepSource, analyse
 from l2lightning.step_trace import (
     CaptureRefused,
@@ -199,7 +199,7 @@ class L2GraphCallback(Callback):
             differs in any bit. Meant for users' GPU CI.
         compile: compile the LightningModule's child modules with ``torch.compile`` (default mode,
             no CUDA graphs of its own) at the first step, so inductor's fusion runs inside the
-            whole-step graph (prefetch through :mod:`l2lightning.prefetch_ops`).
+            whole-step graph (prefetch through :mod:`l2lightning.prefetch.ops`).
         report: print the step report (per-layer plans, tuning table, timings) at capture.
         eager_optimizer_fallback: train eagerly (with a warning) when the optimizer cannot be
             captured, instead of raising.
@@ -1149,7 +1149,7 @@ class L2GraphCallback(Callback):
 
         Dynamo guards on a module's hooks, so hooks added after the first compiled call would force
         a recompile inside the capture, where compiling cannot run. The points are custom ops
-        (l2lightning.prefetch_ops) that dynamo traces into the compiled graph; they act only inside
+        (l2lightning.prefetch.ops) that dynamo traces into the compiled graph; they act only inside
         the capture's scope, checked at run time, so the warm-up steps run the same compiled code.
         """
         self._static_for_prefetch = StaticBatch(batch)
@@ -1176,7 +1176,7 @@ class L2GraphCallback(Callback):
         if reason:
             self._warn_once("prefetch", f"prefetch off ({reason}); capturing the graph without it.")
             return None
-        from l2lightning.hooks import PrefetchHooks
+        from l2lightning.prefetch.hooks import PrefetchHooks
 
         static_batch = self._static_for_prefetch.batch
         original_training_step = self._originals["training_step"]

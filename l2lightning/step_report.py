@@ -9,7 +9,7 @@ Used by ``L2GraphCallback(report=True)``:
   host-side launch calls that fall inside ``record_function`` ranges around forward and backward;
   the rest of the step is the optimizer phase (zero-grad, clipping and the update);
 * floors (bytes over the measured copy bandwidth, kernels over the measured empty-kernel cost) and
-  the formatting come from :mod:`l2lightning.report`.
+  the formatting come from :mod:`l2lightning.floors`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from l2lightning.report import LAUNCH_API_NAMES, PhaseTime, StepReport, floors, param_bytes_by_dtype
+from l2lightning.floors import LAUNCH_API_NAMES, PhaseTime, StepReport, floors, param_bytes_by_dtype
 
 PHASES = ("forward", "backward", "optimizer")
 _MARKS = ("start", "forward", "backward", "end")
@@ -124,12 +124,12 @@ def prefetch_gains(tuning: Any) -> dict[str, float]:
 
 
 def measure_ceilings(device_index: int) -> tuple[float | None, float | None]:
-    """(copy bandwidth in bytes/s, empty-kernel µs) measured now with the doctor's probes (short)."""
-    from l2lightning import doctor
+    """(copy bandwidth in bytes/s, empty-kernel µs) measured now with the GPU probes the doctor uses (short)."""
+    from l2lightning import probes
 
     try:
-        copy = doctor.measure_copy_load(device_index, buffer_bytes=256 << 20, seconds=0.15)
-        empty = doctor.measure_empty_kernel(device_index, launches=500, replays=5, trials=3)
+        copy = probes.measure_copy_load(device_index, buffer_bytes=256 << 20, seconds=0.15)
+        empty = probes.measure_empty_kernel(device_index, launches=500, replays=5, trials=3)
     except Exception:  # the report is informational; a failed probe leaves the floors unknown
         return None, None
     return copy.get("copy_bandwidth_bytes_per_s"), empty
@@ -144,7 +144,7 @@ def build_report(
     tuning: Any = None,
     label: str = "",
 ) -> StepReport:
-    """A :class:`~l2lightning.report.StepReport` of one captured training step."""
+    """A :class:`~l2lightning.floors.StepReport` of one captured training step."""
     phases = [
         PhaseTime(name, times_us[name], kernel_counts.get(name) if kernel_counts else None) for name in PHASES
     ]

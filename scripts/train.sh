@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_venv.sh
-exec .venv/bin/python -m l2lightning.train "$@"
+exec .venv/bin/python -m l2lightning.app.train "$@"

@@ -850,7 +850,7 @@ def test_gradient_clipping_with_non_finite_gradients_matches_bit_for_bit():
 @pytest.mark.parametrize("family", ["mlp_stack", "rl_policy", "recommender", "conv_stack", "text_encoder"])
 def test_families_update_their_metrics_in_the_graph_and_log_like_eager(family):
     from tests.logging_models import LoggedEverywhere, assert_logged_alike
-    from tests.test_models import tiny
+    from tests.test_app_models import tiny
 
     def run(with_callback):
         model, dm = tiny(family)

@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 
 from l2lightning import _env
 from l2lightning._resources import config_dir
-from l2lightning.models import FAMILIES
-from l2lightning.train import (
+from l2lightning.app.models import FAMILIES
+from l2lightning.app.train import (
     ConfigError,
     build_callback,
     build_callbacks,
@@ -75,7 +75,7 @@ def test_config_dir_is_the_checkout_conf():
     assert CONF == Path(__file__).resolve().parent.parent / "conf"
     assert options("trainer") == ["cpu", "default", "gpu"]
     # `none` (no callback) is not `prefetch: "off"` (l2=graph): no option name collides with a prefetch mode
-    assert options("l2") == ["autotune", "default", "graph", "none", "prefetch", "verify"]
+    assert options("l2") == ["autotune", "default", "graph", "none", "sized", "verify"]
     assert options("callbacks") == [
         "default",
         "l2",
@@ -96,7 +96,7 @@ def test_default_config():
         "mlp_stack",
         "mlp_stack",
         "gpu",
-        "prefetch",
+        "sized",
         "default",
         "csv",
     )
@@ -104,7 +104,7 @@ def test_default_config():
     assert cfg.l2._target_ == "l2lightning.L2GraphCallback"
     assert cfg.trainer.accelerator == "gpu"
     assert cfg.ckpt_path is None
-    assert [c._target_ for c in cfg.hydra.callbacks.values()] == ["l2lightning.train.SweepSummary"]
+    assert [c._target_ for c in cfg.hydra.callbacks.values()] == ["l2lightning.app.train.SweepSummary"]
     assert cfg.hydra.job.name == "train"  # the log file is train.log
     assert cfg.hydra.help.app_name == "l2lightning-train"
     assert "L2GraphCallback" in cfg.hydra.help.header and "$APP_CONFIG_GROUPS" in cfg.hydra.help.template
@@ -115,7 +115,7 @@ def test_default_config():
 
 
 def test_top_level_keys_are_the_accepted_ones():
-    from l2lightning.train import TOP_LEVEL_KEYS
+    from l2lightning.app.train import TOP_LEVEL_KEYS
 
     assert set(compose_train()) == set(TOP_LEVEL_KEYS)
 
@@ -211,7 +211,7 @@ def test_l2_none_gives_no_callback():
     [
         ("default", "auto", False),
         ("graph", "off", False),
-        ("prefetch", "default", False),
+        ("sized", "default", False),
         ("autotune", "auto", False),
         ("verify", "default", True),
     ],
@@ -245,7 +245,7 @@ def test_l2_default_is_the_callbacks_own_defaults_every_argument_commented():
         )
 
 
-@pytest.mark.parametrize("option", ["graph", "prefetch", "autotune", "verify"])
+@pytest.mark.parametrize("option", ["graph", "sized", "autotune", "verify"])
 def test_l2_options_are_deltas_over_default(option):
     cls = callback_class()
     arguments = set(inspect.signature(cls.__init__).parameters) - {"self"}
@@ -347,7 +347,7 @@ def test_experiment_shapes():
     cfg = compose_train(["experiment=small_batch_mlp"], hydra=True)
     assert cfg.hydra.runtime.choices.data == "digits" and cfg.model.task == "classification"
     cfg = compose_train(["experiment=rl_policy"])
-    assert cfg.model.hidden == 1024 and cfg.data._target_ == "l2lightning.models.CartPoleData"
+    assert cfg.model.hidden == 1024 and cfg.data._target_ == "l2lightning.app.models.CartPoleData"
 
 
 def _targets(node):
@@ -368,14 +368,14 @@ def test_targets_are_public_names():
         targets.update(_targets(yaml.safe_load(path.read_text()) or {}))
     assert "l2lightning.L2GraphCallback" in targets and "lightning.pytorch.Trainer" in targets
     import l2lightning
-    import l2lightning.models
+    import l2lightning.app.models
 
     for target in targets:
         module_name, _, name = target.rpartition(".")
         assert not any(part.startswith("_") for part in target.split(".")), target
         if module_name == "l2lightning":
             assert name in l2lightning.__all__, target
-        elif module_name == "l2lightning.models":
-            assert name in l2lightning.models.__all__, target
+        elif module_name == "l2lightning.app.models":
+            assert name in l2lightning.app.models.__all__, target
         if target != "l2lightning.L2GraphCallback":  # that one is checked with the callback tests
             assert hasattr(importlib.import_module(module_name), name), target

@@ -14,7 +14,19 @@ import pytest
 import torch
 
 from l2lightning._resources import kernels_dir
-from l2lightning.decode import (
+from l2lightning.decode.attention import (
+    LOG2E,
+    AttentionChoice,
+    AttentionSpec,
+    KernelConfig,
+    candidate_specs,
+    decode_attention,
+    default_heads_per_block,
+    default_splits,
+    reference_decode_attention,
+    torch_decode_attention,
+)
+from l2lightning.decode.model import (
     QWEN25_05B,
     RANGE_PREFIX,
     ROLE_GROUPS,
@@ -41,18 +53,6 @@ from l2lightning.decode import (
     rope_tables,
     step_report_from_kernels,
     upcast_decoder,
-)
-from l2lightning.decode_attention import (
-    LOG2E,
-    AttentionChoice,
-    AttentionSpec,
-    KernelConfig,
-    candidate_specs,
-    decode_attention,
-    default_heads_per_block,
-    default_splits,
-    reference_decode_attention,
-    torch_decode_attention,
 )
 
 KERNEL = kernels_dir() / "decode_attention.cu"

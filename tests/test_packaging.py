@@ -67,7 +67,7 @@ def test_installed_entry_point_trains_with_shipped_configs(installed, tmp_path):
         installed,
         tmp_path,
         "-m",
-        "l2lightning.train",
+        "l2lightning.app.train",
         "trainer.max_steps=1",
         f"hydra.run.dir={tmp_path / 'run'}",
     )

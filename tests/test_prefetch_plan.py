@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from l2lightning._resources import kernel_source, kernels_dir
-from l2lightning.prefetch import MIB, PrefetchPlan, default_plan, prefetch
+from l2lightning.prefetch.kernels import prefetch
+from l2lightning.prefetch.plan import MIB, PrefetchPlan, default_plan
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_prefetch_without_cuda_raises_with_reason():
 
 
 def test_import_touches_neither_cuda_nor_cupy():
-    code = "import sys, l2lightning; import l2lightning.hooks, l2lightning.capture; print('cupy' in sys.modules, __import__('torch').cuda.is_initialized())"
+    code = "import sys, l2lightning; import l2lightning.prefetch.install, l2lightning.capture; print('cupy' in sys.modules, __import__('torch').cuda.is_initialized())"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()

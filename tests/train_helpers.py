@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-import l2lightning.train as train
+import l2lightning.app.train as train
 from l2lightning._resources import config_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ def compose_train(overrides: list[str]):
 
 
 def run_overrides(overrides: list[str], run_dir: Path) -> dict:
-    """`l2lightning.train.run` in this process, writing to `run_dir`; returns its result record."""
+    """`l2lightning.app.train.run` in this process, writing to `run_dir`; returns its result record."""
     return train.run(compose_train(overrides), output_dir=run_dir, overrides=overrides)
 
 
@@ -39,9 +39,9 @@ def python_env(extra_path: Path | None = None) -> dict[str, str]:
 def run_entry_point(
     args: list[str], cwd: Path, extra_path: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m l2lightning.train ARGS` in a subprocess from `cwd`; output captured as text."""
+    """`python -m l2lightning.app.train ARGS` in a subprocess from `cwd`; output captured as text."""
     return subprocess.run(
-        [sys.executable, "-m", "l2lightning.train", *args],
+        [sys.executable, "-m", "l2lightning.app.train", *args],
         cwd=cwd,
         env=python_env(extra_path),
         capture_output=True,

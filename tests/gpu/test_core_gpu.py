@@ -14,7 +14,7 @@ from l2lightning import (
     make_capturable,
 )
 from l2lightning.capture import run_step
-from l2lightning.prefetch import prefetch, supported_kinds
+from l2lightning.prefetch.kernels import prefetch, supported_kinds
 from l2lightning.verify import assert_same_gradients, compare
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from l2lightning.decode_attention import (
+from l2lightning.decode.attention import (
     AttentionSpec,
     DecodeWorkspace,
     KernelConfig,

@@ -13,7 +13,7 @@ import statistics
 import pytest
 
 from l2lightning._env import cupy_unavailable_reason
-from l2lightning.decode import (
+from l2lightning.decode.model import (
     QWEN25_05B,
     SMOLLM2_135M,
     DecodeSession,

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from l2lightning._env import cupy_unavailable_reason
-from l2lightning.decode import QWEN25_05B, SMOLLM2_135M, DecodeSession, TorchDecodeSession, build_decoder
-from l2lightning.prefetch import PrefetchPlan
+from l2lightning.decode.model import (
+    QWEN25_05B,
+    SMOLLM2_135M,
+    DecodeSession,
+    TorchDecodeSession,
+    build_decoder,
+)
+from l2lightning.prefetch.plan import PrefetchPlan
 
 pytestmark = pytest.mark.gpu
 needs_cupy = pytest.mark.skipif(

@@ -9,10 +9,10 @@ import math
 import pytest
 from hydra import compose, initialize_config_dir
 
-import l2lightning.train as train
+import l2lightning.app.train as train
 from l2lightning import _env
 from l2lightning._resources import config_dir
-from l2lightning.models import FAMILIES
+from l2lightning.app.models import FAMILIES
 
 pytestmark = pytest.mark.gpu
 

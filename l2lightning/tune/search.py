@@ -1,0 +1,651 @@
+"""The measured autotuner: time candidate prefetch plans per layer shape and keep one only where it provably pays.
+
+For each distinct layer shape of a chain (``Layer.shape_key``: type, weight shapes and dtype, input
+shape, enclosing block) and each phase (``"forward"``: a forward-only graph; ``"backward"``: forward
++ backward with prefetch only in backward), the tuner builds a throwaway chain of copies of that
+layer's block (``Layer.block``: LayerNorm, Linear, GELU), or of the lone layer where the model has
+no such block, with fresh random weights (the model's own tensors are only read once, by ``copy.deepcopy``), long
+enough that its weights exceed L2 twice over so each layer's weights are evicted between replays,
+captures it in CUDA graphs without and with each candidate plan installed through
+:class:`~l2lightning.prefetch.install.PlanHooks`, and times graph replays with CUDA events.
+
+Search, inside a wall-time budget (0.6 s per distinct shape by default):
+
+1. Prune by the rule the H200 measurements support: the current and the next ``distance`` layers
+   must fit in L2 together, and the prefetch must be able to finish in time. The op time comes
+   from the measured plain chain; the prefetch time from `BLOCK_PREFETCH_RATE` per block.
+2. Screen (a race of paired (plain, candidate) samples, order alternating): first block counts of
+   the ``hint`` kind at distance 1, then the other kinds and distance 2 at the best block count.
+   After three pairs a candidate is dropped when its confidence interval's upper bound falls below
+   the best lower bound or below ``min_gain``; the better half survives every second round.
+3. Confirm the winner on *fresh* interleaved (plain, plan, decoy) rounds (the screening samples
+   picked it, so reusing them would overstate its gain) and apply the gate of
+   :mod:`l2lightning.tune.stats`: mean-gain CI above +1% and a win over the decoy. Otherwise the
+   shape runs plain.
+
+Decisions are cached on disk (:mod:`l2lightning.tune.cache`). The measuring step is injectable
+(``Autotuner(bench_factory=...)``), which is how the CPU tests drive the search with fake timings.
+
+This module is the search alone (the grid, the throwaway chains, the timing, the report and the
+statistics live beside it in this package); it stays near 650 lines because the staged race is one
+state machine over shared deadlines and samples, which reads best in one class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from l2lightning.prefetch.chain import Layer, device_l2_bytes
+from l2lightning.prefetch.plan import KINDS, MIB, PrefetchPlan
+from l2lightning.tune.cache import PlanCache
+from l2lightning.tune.candidates import (
+    BACKWARD_OP_SHARE,
+    BLOCK_PREFETCH_RATE,
+    DEFAULT_BLOCKS,
+    DEFAULT_DISTANCES,
+    MIN_LAYER_BYTES,
+    PHASES,
+    RATE_SLACK,
+    ineligibility,
+    make_plan,
+    prune_candidates,
+)
+from l2lightning.tune.report import TuningReport, TuningRow
+from l2lightning.tune.stats import GateResult, gate, mean_ci
+from l2lightning.tune.throwaway import SkipShape
+from l2lightning.tune.timing import BenchFactory, CudaShapeBench, ShapeBench
+
+__all__ = ["Autotuner"]
+
+# When both phases of a shape are tuned, forward may use this share of the shape's budget; backward
+# (graphs three times longer) gets the rest, including whatever forward left unused.
+FORWARD_BUDGET_SHARE = 0.4
+# Deadlines of the search stages as fractions of a row's budget; confirmation gets the rest.
+STAGE1_END, STAGE2_END = 0.45, 0.70
+MIN_PAIRS = 3  # paired samples before a candidate can be judged (t with 2 dof is already wide)
+
+
+# ---------------------------------------------------------------------- measuring helper
+class _Sampler:
+    """Takes samples from a bench and remembers what each variant costs in wall time (captures included)."""
+
+    def __init__(self, bench: ShapeBench, clock: Callable[[], float]) -> None:
+        self.bench = bench
+        self.clock = clock
+        self.cost: dict[tuple[PrefetchPlan | None, bool], float] = {}
+        self.first_cost = 0.0  # the largest first-sample wall time seen: a new variant is captured first
+        self.repeat_cost = 0.0  # the latest wall time of a sample of an already captured variant
+        self.samples = 0
+
+    def take(self, plan: PrefetchPlan | None, decoy: bool = False) -> float:
+        key = (plan, decoy)
+        start = self.clock()
+        value = float(self.bench.sample(plan, decoy))
+        spent = self.clock() - start
+        if key not in self.cost:
+            self.first_cost = max(self.first_cost, spent)
+        else:
+            self.repeat_cost = spent
+        self.cost[key] = spent
+        self.samples += 1
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"bench returned an invalid time {value!r} for {plan.label if plan else 'plain'}"
+            )
+        return value
+
+    def affordable(self, keys: Sequence[tuple[PrefetchPlan | None, bool]], deadline: float) -> bool:
+        need = sum(self.cost.get(k, self.first_cost) for k in keys)
+        return self.clock() + need <= deadline
+
+    def pair(self, plan: PrefetchPlan, plain_first: bool) -> float:
+        """One paired gain 1 - t_plan / t_plain; the order alternates so drift cancels."""
+        if plain_first:
+            p = self.take(None)
+            c = self.take(plan)
+        else:
+            c = self.take(plan)
+            p = self.take(None)
+        return 1.0 - c / p
+
+
+# ---------------------------------------------------------------------- the tuner
+class Autotuner:
+    """Measures prefetch plans per layer shape on throwaway weights; keeps a plan only where it pays.
+
+    Args:
+        budget_s: wall seconds of tuning per distinct layer shape (all its phases together).
+        candidates: plans to race (pruned by the L2/issue-rate rule first); default: a staged
+            search over `blocks` x kinds x `distances` (block counts first, then flavours).
+        min_gain: the gain's lower confidence bound must exceed this (0.01 = +1%).
+        repeats: most confirmation rounds (plain, plan, decoy) for the winner; the gate is checked
+            after ``min_repeats`` rounds and every 3 rounds after, stopping once it has decided.
+        min_repeats: confirmation rounds before the first check.
+        confidence: two-sided confidence level of the intervals.
+        clock: wall clock in seconds (tests inject a fake one).
+        cache: a :class:`~l2lightning.tune.cache.PlanCache`, ``"default"`` (``$L2L_CACHE_DIR``, honours
+            ``L2L_RETUNE``) or None (no cache).
+        blocks, distances, kinds: the default grid; kinds default to what the device supports.
+        block_rate, slack: the pruning rule's per-block prefetch rate (bytes/s) and tolerance.
+        min_layer_bytes: smaller layers run plain without measuring (not worth a launch).
+        replays: graph replays per timing sample (CUDA bench).
+        screen_rounds: most screening pairs per candidate.
+        bench_factory: ``factory(layer, phase, device) -> ShapeBench``; default: :class:`CudaShapeBench`.
+        l2_bytes, device_name: overrides of what the device reports (tests, fake benches).
+
+    Example:
+        >>> tuner = Autotuner(budget_s=0.6)  # doctest: +SKIP
+        >>> report = tuner.tune(hooks.chain, torch.device("cuda", 0), ("forward", "backward"))  # doctest: +SKIP
+        >>> print(report.table())  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        budget_s: float = 0.6,
+        candidates: Sequence[PrefetchPlan] | None = None,
+        min_gain: float = 0.01,
+        repeats: int = 12,
+        clock: Callable[[], float] = time.perf_counter,
+        cache: PlanCache | str | None = "default",
+        *,
+        min_repeats: int = 6,
+        confidence: float = 0.95,
+        blocks: Sequence[int] = DEFAULT_BLOCKS,
+        distances: Sequence[int] = DEFAULT_DISTANCES,
+        kinds: Sequence[str] | None = None,
+        block_rate: float = BLOCK_PREFETCH_RATE,
+        slack: float = RATE_SLACK,
+        min_layer_bytes: int = MIN_LAYER_BYTES,
+        replays: int = 5,
+        screen_rounds: int = 8,
+        bench_factory: BenchFactory | None = None,
+        l2_bytes: int | None = None,
+        device_name: str | None = None,
+    ) -> None:
+        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
+            raise ValueError(f"`budget_s` must be a positive number of seconds, got {budget_s!r}")
+        if candidates is not None:
+            candidates = list(candidates)
+            if not candidates or not all(isinstance(c, PrefetchPlan) for c in candidates):
+                raise ValueError("`candidates` must be None or a non-empty sequence of PrefetchPlan")
+        if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 0.5:
+            raise ValueError(f"`min_gain` must be a fraction in [0, 0.5), got {min_gain!r}")
+        _check_count("repeats", repeats, 3)
+        _check_count("min_repeats", min_repeats, 2)
+        if min_repeats > repeats:
+            raise ValueError(f"`min_repeats` ({min_repeats}) must not exceed `repeats` ({repeats})")
+        if not isinstance(confidence, float) or not 0.5 < confidence < 1:
+            raise ValueError(f"`confidence` must be a float in (0.5, 1), got {confidence!r}")
+        if not callable(clock):
+            raise TypeError("`clock` must be a callable returning seconds")
+        if cache == "default":
+            cache = PlanCache()
+        elif cache is not None and not isinstance(cache, PlanCache):
+            raise TypeError(f"`cache` must be a PlanCache, 'default' or None, got {cache!r}")
+        if not blocks or not all(isinstance(b, int) and 1 <= b <= 1024 for b in blocks):
+            raise ValueError(f"`blocks` must be block counts in [1, 1024], got {blocks!r}")
+        if not distances or not all(isinstance(d, int) and 1 <= d <= 8 for d in distances):
+            raise ValueError(f"`distances` must be layer distances in [1, 8], got {distances!r}")
+        if kinds is not None and (not kinds or any(k not in KINDS for k in kinds)):
+            raise ValueError(f"`kinds` must be a non-empty subset of {KINDS}, got {kinds!r}")
+        if not block_rate > 0:
+            raise ValueError(f"`block_rate` must be > 0 bytes/s, got {block_rate!r}")
+        if not slack > 0:
+            raise ValueError(f"`slack` must be > 0, got {slack!r}")
+        _check_count("min_layer_bytes", min_layer_bytes, 0)
+        _check_count("replays", replays, 1)
+        _check_count("screen_rounds", screen_rounds, MIN_PAIRS)
+        if bench_factory is not None and not callable(bench_factory):
+            raise TypeError("`bench_factory` must be a callable factory(layer, phase, device) -> ShapeBench")
+        if l2_bytes is not None:
+            _check_count("l2_bytes", l2_bytes, 1)
+        self.budget_s = float(budget_s)
+        self.candidates = candidates
+        self.min_gain = float(min_gain)
+        self.repeats = repeats
+        self.min_repeats = min_repeats
+        self.confidence = confidence
+        self.clock = clock
+        self.cache: PlanCache | None = cache
+        self.blocks = tuple(blocks)
+        self.distances = tuple(distances)
+        self.kinds = tuple(kinds) if kinds is not None else None
+        self.block_rate = float(block_rate)
+        self.slack = float(slack)
+        self.min_layer_bytes = min_layer_bytes
+        self.replays = replays
+        self.screen_rounds = screen_rounds
+        self.bench_factory = bench_factory
+        self.l2_bytes = l2_bytes
+        self.device_name = device_name
+
+    # ------------------------------------------------------------ public
+    def tune(
+        self, chain: Sequence[Layer], device: torch.device | str, phases: Sequence[str] = ("forward",)
+    ) -> TuningReport:
+        """Tune every distinct layer shape of `chain` in each of `phases` ("forward", "backward").
+
+        Never touches the model's tensors (copies are made and re-initialised) nor, visibly, its RNG.
+        """
+        if isinstance(phases, str):
+            phases = (phases,)
+        phases = tuple(phases)
+        bad = [p for p in phases if p not in PHASES]
+        if bad or len(set(phases)) != len(phases):
+            raise ValueError(f"`phases` must be distinct values from {PHASES}, got {phases!r}")
+        if not all(isinstance(layer, Layer) for layer in chain):
+            raise TypeError(
+                "`chain` must be a list of l2lightning.prefetch.chain.Layer (PrefetchHooks.chain)"
+            )
+        device = torch.device(device)
+        on_cuda = device.type == "cuda"
+        if on_cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        report = TuningReport(
+            device=self._device_name(device),
+            min_layer_bytes=self.min_layer_bytes,
+            budget_s=self.budget_s,
+            min_gain=self.min_gain,
+            confidence=self.confidence,
+        )
+        shapes: dict[str, tuple[Layer, int]] = {}
+        for layer in chain:
+            first, count = shapes.get(layer.shape_key, (layer, 0))
+            shapes[layer.shape_key] = (first, count + 1)
+        unavailable = self._unavailable_reason(device) if phases and shapes else None
+        l2 = kinds = None
+        if unavailable is None:
+            l2 = self.l2_bytes if self.l2_bytes is not None else device_l2_bytes(device)
+            kinds = self._kinds(device)
+        used_cuda = False
+        if unavailable is None and self.bench_factory is None:
+            from l2lightning.prefetch.kernels import load_prefetch_kernels
+
+            load_prefetch_kernels(device.index)  # a first NVRTC compile is not tuning time
+        # Tuning both phases means a training step: its forward plan is measured in a forward +
+        # backward graph. A plan measured in a forward-only graph did not transfer there (H200:
+        # +4-6% forward-only, -20% and -46% once backward ran in the same graph).
+        training = "backward" in phases
+        with self._context(device, active=unavailable is None):
+            for layer, count in shapes.values():
+                shape_start = self.clock()
+                for k, phase in enumerate(phases):
+                    share = FORWARD_BUDGET_SHARE if (len(phases) == 2 and k == 0) else 1.0
+                    deadline = shape_start + self.budget_s * share
+                    context = "train" if (training and phase == "forward") else ""
+                    row = self._row(layer, count, phase, context, device, deadline, l2, kinds, unavailable)
+                    used_cuda |= row.measured and not row.from_cache and self.bench_factory is None
+                    report.rows.append(row)
+        if used_cuda:
+            torch.cuda.empty_cache()  # hand the throwaway chains' memory back (their graphs are gone)
+        return report
+
+    # ------------------------------------------------------------ internals
+    def _device_name(self, device: torch.device) -> str:
+        if self.device_name:
+            return self.device_name
+        if device.type == "cuda" and torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(device)
+            l2 = getattr(props, "L2_cache_size", 0) or 0
+            return f"{props.name} ({props.multi_processor_count} SMs, {l2 / MIB:.0f} MiB L2)"
+        return str(device)
+
+    def _kinds(self, device: torch.device) -> tuple[str, ...]:
+        if self.kinds is not None:
+            return self.kinds
+        if device.type == "cuda" and torch.cuda.is_available():
+            from l2lightning.prefetch.kernels import supported_kinds
+
+            return supported_kinds(device.index or 0)
+        return ("hint", "hint_last")  # every device that runs the hint kernel supports these
+
+    def _unavailable_reason(self, device: torch.device) -> str | None:
+        if self.bench_factory is not None:  # an injected bench measures wherever it likes
+            return None
+        if device.type != "cuda":
+            return f"the layers are on {device}, not a CUDA GPU: nothing to measure"
+        from l2lightning._env import prefetch_unavailable_reason
+
+        reason = prefetch_unavailable_reason()
+        if reason:
+            return reason
+        if torch.cuda.is_current_stream_capturing():
+            return "called inside a CUDA graph capture (tuning needs its own captures and host syncs)"
+        return None
+
+    @contextlib.contextmanager
+    def _context(self, device: torch.device, active: bool) -> Iterator[None]:
+        """Around all measurements: the layer's device current, the RNG forked (random weights and
+        graph replays must not move the model's RNG), inference mode off (backward graphs need grad)."""
+        if not active or device.type != "cuda":
+            with torch.random.fork_rng(devices=[]):
+                yield
+            return
+        with (
+            torch.cuda.device(device),
+            torch.random.fork_rng(devices=[device.index]),
+            torch.inference_mode(False),
+        ):
+            yield
+
+    def _tuner_tag(self, kinds: Sequence[str]) -> str:
+        """Short hash of the settings that shape a decision, so other settings do not reuse it."""
+        space = (
+            [c.to_dict() for c in self.candidates]
+            if self.candidates is not None
+            else ("staged", self.blocks, self.distances, tuple(kinds))
+        )
+        settings = (
+            space,
+            self.min_gain,
+            self.confidence,
+            self.block_rate,
+            self.slack,
+            self.budget_s,
+            self.repeats,
+        )
+        return hashlib.sha1(repr(settings).encode()).hexdigest()[:10]
+
+    def _row(
+        self,
+        layer: Layer,
+        count: int,
+        phase: str,
+        context: str,
+        device: torch.device,
+        deadline: float,
+        l2: int | None,
+        kinds: tuple[str, ...],
+        unavailable: str | None,
+    ) -> TuningRow:
+        start = self.clock()
+        dtype = str(layer.weights[0].dtype).replace("torch.", "") if layer.weights else "none"
+        row = TuningRow(
+            shape=layer.shape_key,
+            phase=phase,
+            layer_bytes=layer.nbytes,
+            dtype=dtype,
+            layers=count,
+            context=context,
+        )
+        if unavailable:
+            row.reason = unavailable
+            return row
+        if layer.nbytes < self.min_layer_bytes:
+            row.reason = f"layer of {layer.nbytes / 1024:.0f} KiB < {self.min_layer_bytes / 1024:.0f} KiB: not worth a launch"
+            return row
+        if l2 is not None and 2 * layer.nbytes > l2:
+            row.reason = f"2 x {layer.nbytes / MIB:.1f} MiB does not fit in {l2 / MIB:.0f} MiB of L2"
+            return row
+        key = None
+        if self.cache is not None:
+            key = self.cache.key(
+                device=self._device_name(device),
+                shape=layer.shape_key,
+                phase=f"{phase}@{context}" if context else phase,
+                dtype=dtype,
+                tuner=self._tuner_tag(kinds),
+            )
+            cached = self.cache.get(key)
+            if cached is not None:
+                try:
+                    hit = TuningRow.from_dict(cached)
+                except (TypeError, ValueError):
+                    hit = None  # an entry from an incompatible layout: measure again and overwrite it
+                if hit is not None:
+                    hit.layers, hit.from_cache = count, True
+                    hit.tuned_seconds, hit.seconds = hit.seconds or hit.tuned_seconds, self.clock() - start
+                    return hit
+        self._measure(row, layer, count, phase, context, device, start, deadline, l2, kinds)
+        row.seconds = row.tuned_seconds = self.clock() - start
+        if key is not None and row.measured:
+            try:
+                self.cache.put(key, row.to_dict())
+            except OSError as exc:
+                from l2lightning._env import warn_once
+
+                warn_once(
+                    "plan-cache-write", f"l2lightning: cannot write the plan cache {self.cache.path}: {exc}"
+                )
+        return row
+
+    def _factory(self, context: str, count: int = 1) -> BenchFactory:
+        if self.bench_factory is not None:
+            return self.bench_factory  # a fake bench models whatever context it likes
+        replays = self.replays
+        l2 = self.l2_bytes
+
+        def cuda_factory(layer: Layer, phase: str, device: torch.device) -> ShapeBench:
+            return CudaShapeBench(
+                layer,
+                phase,
+                device,
+                replays=replays,
+                l2_bytes=l2,
+                training=context == "train",
+                min_copies=count,
+            )
+
+        return cuda_factory
+
+    def _measure(
+        self,
+        row: TuningRow,
+        layer: Layer,
+        count: int,
+        phase: str,
+        context: str,
+        device: torch.device,
+        start: float,
+        deadline: float,
+        l2: int | None,
+        kinds: tuple[str, ...],
+    ) -> None:
+        try:
+            bench = self._factory(context, count)(layer, phase, device)
+        except SkipShape as exc:
+            row.reason = str(exc)
+            return
+        except Exception as exc:  # a layer we cannot rebuild runs plain rather than failing the run
+            row.reason = f"could not build a throwaway chain ({type(exc).__name__}: {exc})"
+            return
+        try:
+            self._search(row, bench, layer, phase, start, deadline, l2, kinds)
+        finally:
+            bench.close()
+
+    def _search(
+        self,
+        row: TuningRow,
+        bench: ShapeBench,
+        layer: Layer,
+        phase: str,
+        start: float,
+        deadline: float,
+        l2: int | None,
+        kinds: tuple[str, ...],
+    ) -> None:
+        s = _Sampler(bench, self.clock)
+        row.copies = max(1, int(getattr(bench, "copies", 1)))
+        row.mode = str(getattr(bench, "mode", ""))
+        try:
+            # Two plain samples: the first includes the capture and a cold start; the faster one
+            # gives the op time that the issue-rate rule needs.
+            t_plain = min(s.take(None), s.take(None))
+        except Exception as exc:
+            row.reason = f"the plain throwaway chain failed ({type(exc).__name__}: {exc})"
+            return
+        row.measured = True
+        row.plain_us = t_plain / row.copies * 1e6
+        # the op a prefetch overlaps: backward's share of a forward + backward replay in the backward
+        # phase, forward's share of it in a training-context forward phase
+        share = {"backward": BACKWARD_OP_SHARE, "forward": 1.0 - BACKWARD_OP_SHARE if row.context else 1.0}
+        op_seconds = t_plain / row.copies * share[phase]
+        rule = dict(block_rate=self.block_rate, slack=self.slack)
+        span = max(deadline - start, 0.0)
+        # Screening must leave room to confirm: the decoy's capture and MIN_PAIRS (plain, plan,
+        # decoy) rounds, at the costs just seen on the plain chain.
+        reserve = s.first_cost + 3 * MIN_PAIRS * s.repeat_cost
+        stage_end = [min(start + f * span, deadline - reserve) for f in (STAGE1_END, STAGE2_END)]
+        gains: dict[PrefetchPlan, list[float]] = {}
+        failed: dict[PrefetchPlan, str] = {}
+
+        if self.candidates is not None:
+            first = prune_candidates(self.candidates, layer.nbytes, l2, op_seconds, **rule)
+            pool = self.candidates
+        else:
+            base_kind = "hint" if "hint" in kinds else kinds[0]
+            pool = [make_plan(base_kind, b, min(self.distances)) for b in self.blocks]
+            first = prune_candidates(pool, layer.nbytes, l2, op_seconds, **rule)
+        if not first:
+            why = next(r for c in pool if (r := ineligibility(c, layer.nbytes, l2, op_seconds, **rule)))
+            row.reason = f"no candidate passes the L2 / issue-rate rule (e.g. {why})"
+            row.samples = s.samples
+            return
+        alive = self._screen(s, first, gains, failed, stage_end[0])
+        if self.candidates is None:
+            measured = [c for c in first if gains.get(c)]
+            base = max(measured, key=lambda c: _mean(gains[c]), default=None)
+            # Flavours at the best block count, unless every block count clearly lost (the
+            # 32 MiB case: every plan lost 3-400%; other kinds will not rescue it).
+            if base is not None and mean_ci(gains[base], self.confidence).high >= 0:
+                flavours = [make_plan(k, base.blocks, base.distance) for k in kinds if k != base.kind]
+                flavours += [
+                    make_plan(base.kind, base.blocks, d) for d in self.distances if d != base.distance
+                ]
+                second = prune_candidates(flavours, layer.nbytes, l2, op_seconds, **rule)
+                if second:
+                    carried = [c for c in alive if c == base]
+                    alive = self._screen(s, carried + second, gains, failed, stage_end[1])
+        row.candidates = sum(1 for g in gains.values() if g) + len(failed)
+        best = max(alive, key=lambda c: _mean(gains[c]), default=None)
+        if best is None:
+            tried = [c for c in gains if gains[c]]
+            top = max(tried, key=lambda c: _mean(gains[c]), default=None)
+            row.plan = top
+            row.gain = _mean(gains[top]) if top is not None else None
+            if top is not None:
+                row.reason = f"no candidate stays above {self.min_gain:+.0%} in screening"
+            elif failed:
+                row.reason = f"every candidate failed ({next(iter(failed.values()))})"
+            else:
+                row.reason = (
+                    "budget spent before screening could start (captures and samples too slow for it)"
+                )
+            row.samples = s.samples
+            return
+        row.plan = best
+        result, note = self._confirm(s, best, deadline)
+        row.samples = s.samples
+        if result is None:
+            row.gain = _mean(gains[best])
+            row.reason = note
+            return
+        row.gain, row.ci_low, row.ci_high = result.gain.mean, result.gain.low, result.gain.high
+        row.decoy_gain = result.decoy_gain.mean
+        row.advantage_low = result.advantage.low
+        row.chosen = result.keep
+        row.reason = result.reason + (f" ({note})" if note else "")
+
+    def _screen(
+        self,
+        s: _Sampler,
+        candidates: list[PrefetchPlan],
+        gains: dict[PrefetchPlan, list[float]],
+        failed: dict[PrefetchPlan, str],
+        deadline: float,
+    ) -> list[PrefetchPlan]:
+        """Race `candidates` in rounds of one pair each; return the survivors."""
+        alive = [c for c in candidates if c not in failed]
+        for c in alive:
+            gains.setdefault(c, [])
+        for rnd in range(self.screen_rounds):
+            for i, c in enumerate(list(alive)):
+                if len(gains[c]) > rnd:  # carried over from an earlier stage with enough pairs
+                    continue
+                if not s.affordable([(None, False), (c, False)], deadline):
+                    return self._survivors(alive, gains)
+                try:
+                    gains[c].append(s.pair(c, plain_first=(rnd + i) % 2 == 0))
+                except Exception as exc:  # a candidate that cannot be captured or run is out
+                    failed[c] = f"{c.label} failed: {type(exc).__name__}: {exc}"
+                    alive.remove(c)
+            if rnd + 1 >= MIN_PAIRS:
+                alive = self._eliminate(alive, gains, rnd)
+            # one candidate left with enough pairs (or none left): nothing to race any more
+            if len(alive) <= 1 and all(len(gains[c]) >= MIN_PAIRS for c in alive):
+                break
+        return self._survivors(alive, gains)
+
+    def _eliminate(
+        self, alive: list[PrefetchPlan], gains: dict[PrefetchPlan, list[float]], rnd: int
+    ) -> list[PrefetchPlan]:
+        judged = {c: mean_ci(gains[c], self.confidence) for c in alive if len(gains[c]) >= MIN_PAIRS}
+        if not judged:
+            return alive
+        best_low = max(ci.low for ci in judged.values())
+        # Out: a candidate that cannot be the best, or cannot pass the gate's +min_gain bar.
+        keep = [
+            c
+            for c in alive
+            if c not in judged or (judged[c].high >= best_low and judged[c].high > self.min_gain)
+        ]
+        # Successive halving: every second round from the first judgement, the better half goes on.
+        if len(keep) > 2 and (rnd + 1 - MIN_PAIRS) % 2 == 0:
+            keep = sorted(keep, key=lambda c: _mean(gains[c]), reverse=True)[: math.ceil(len(keep) / 2)]
+        return keep
+
+    def _survivors(
+        self, alive: list[PrefetchPlan], gains: dict[PrefetchPlan, list[float]]
+    ) -> list[PrefetchPlan]:
+        # A candidate needs at least one pair to be compared; an unmeasured one did not run in time.
+        return [c for c in alive if gains.get(c)]
+
+    def _confirm(self, s: _Sampler, plan: PrefetchPlan, deadline: float) -> tuple[GateResult | None, str]:
+        """Fresh interleaved (plain, plan, decoy) rounds, order rotated each round, then the gate."""
+        plain: list[float] = []
+        cand: list[float] = []
+        decoy: list[float] = []
+        variants = [(None, False), (plan, False), (plan, True)]
+        result: GateResult | None = None
+        note = ""
+        checkpoints = set(range(self.min_repeats, self.repeats + 1, 3)) | {self.repeats}
+        for k in range(self.repeats):
+            if not s.affordable(variants, deadline):
+                note = f"budget spent after {k} confirmation round(s)"
+                break
+            times: dict[tuple[PrefetchPlan | None, bool], float] = {}
+            try:
+                for v in variants[k % 3 :] + variants[: k % 3]:
+                    times[v] = s.take(*v)
+            except Exception as exc:
+                return None, f"{plan.label} failed in confirmation: {type(exc).__name__}: {exc}"
+            plain.append(times[variants[0]])
+            cand.append(times[variants[1]])
+            decoy.append(times[variants[2]])
+            if k + 1 in checkpoints:
+                result = gate(plain, cand, decoy, self.min_gain, self.confidence)
+                decided_no = result.gain.high < self.min_gain or result.advantage.high < 0
+                if result.keep or decided_no:
+                    break
+        if len(plain) >= 2 and (result is None or result.gain.n != len(plain)):
+            result = gate(plain, cand, decoy, self.min_gain, self.confidence)
+        if result is None:
+            return None, note or "no confirmation round fit in the budget"
+        return result, note
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else -math.inf
+
+
+def _check_count(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")

@@ -1,0 +1,50 @@
+"""l2lightning.optim on the CPU: which optimizers capture, and what make_capturable changes and undoes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from l2lightning import optim
+from l2lightning.optim import (
+    OptimizerNotCapturableError,
+    capture_support,
+    installed_capturable,
+    make_capturable,
+)
+
+
+def params() -> list[torch.nn.Parameter]:
+    return list(torch.nn.Linear(4, 4).parameters())
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD])
+def test_known_optimizers_capture(kind):
+    assert capture_support(kind(params(), lr=0.1)) is None
+
+
+def test_an_optimizer_without_a_capturable_mode_is_named():
+    reason = capture_support(torch.optim.LBFGS(params()))
+    assert reason is not None and "LBFGS" in reason
+    with pytest.raises(OptimizerNotCapturableError, match="LBFGS"):
+        make_capturable(torch.optim.LBFGS(params()))
+
+
+def test_cpu_parameters_are_refused_with_the_device():
+    with pytest.raises(ValueError, match="on cpu"):
+        make_capturable(torch.optim.AdamW(params(), lr=0.1))
+
+
+def test_make_capturable_sets_the_flag_once_and_release_restores_it(monkeypatch):
+    # The CPU tests' graph emulator widens the device types the same way.
+    monkeypatch.setattr(optim, "CAPTURABLE_DEVICE_TYPES", ("cuda", "cpu"))
+    opt = torch.optim.AdamW(params(), lr=0.1)
+    assert installed_capturable(opt) is None
+    wrapped = make_capturable(opt)
+    assert all(group["capturable"] is True for group in opt.param_groups)
+    assert installed_capturable(opt) is wrapped
+    assert make_capturable(opt) is wrapped  # a second call must not wrap the wrapper
+    assert wrapped.release() is opt
+    assert all(group["capturable"] is False for group in opt.param_groups)
+    assert installed_capturable(opt) is None
+    assert isinstance(opt.param_groups[0]["lr"], float)
