@@ -38,23 +38,25 @@ def flatten_batch(batch: Any) -> tuple[list[torch.Tensor], Any]:
     ``apply_to_collection``; any other leaf is kept as a value in the spec.
     """
     tensors: list[torch.Tensor] = []
+    return tensors, _walk(batch, tensors)
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-            return ("T", len(tensors) - 1)
-        if isinstance(obj, Mapping):
-            return ("M", type(obj), tuple((k, walk(v)) for k, v in obj.items()))
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-            return ("N", type(obj), tuple(walk(v) for v in obj))
-        if isinstance(obj, (list, tuple)):
-            return ("S", type(obj), tuple(walk(v) for v in obj))
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            names = tuple(f.name for f in dataclasses.fields(obj))
-            return ("D", obj, names, tuple(walk(getattr(obj, n)) for n in names))
-        return ("C", obj)
 
-    return tensors, walk(batch)
+def _walk(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    # A module-level function, not a closure: a recursive closure is a reference cycle, which would
+    # keep every batch tensor it saw alive until the garbage collector runs.
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return ("T", len(tensors) - 1)
+    if isinstance(obj, Mapping):
+        return ("M", type(obj), tuple((k, _walk(v, tensors)) for k, v in obj.items()))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return ("N", type(obj), tuple(_walk(v, tensors) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return ("S", type(obj), tuple(_walk(v, tensors) for v in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = tuple(f.name for f in dataclasses.fields(obj))
+        return ("D", obj, names, tuple(_walk(getattr(obj, n), tensors) for n in names))
+    return ("C", obj)
 
 
 def unflatten_batch(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:

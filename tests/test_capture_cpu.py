@@ -187,3 +187,24 @@ def test_graph_capture_clears_cublas_workspaces_around_the_capture(monkeypatch):
     with capture.graph_capture(object()):
         events.append("body")
     assert events == ["clear", "enter", "body", "exit", "clear"]
+
+
+def test_flattening_a_batch_leaves_no_reference_cycle():
+    # a cycle would keep the batch's tensors alive until the garbage collector runs
+    import gc
+    import weakref
+
+    from l2lightning.capture import batch_signature, flatten_batch
+
+    x = torch.randn(3)
+    ref = weakref.ref(x)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        flatten_batch({"x": [x, (x, 1)]})
+        batch_signature((x, {"y": x}))
+        del x
+        assert ref() is None
+    finally:
+        if collecting:
+            gc.enable()
