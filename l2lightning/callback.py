@@ -232,6 +232,7 @@ class L2GraphCallback(Callback):
         eager_optimizer_fallback: bool = False,
         log_timing: bool = True,
         eager_steps: Callable[[Trainer, int], bool] | None = None,
+        autotune: Any = None,
     ) -> None:
         super().__init__()
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
@@ -254,6 +255,10 @@ class L2GraphCallback(Callback):
             raise TypeError(
                 f"`eager_steps` must be None or a callable (trainer, batch_idx) -> bool, got {eager_steps!r}"
             )
+        from l2lightning.prefetch.hooks import make_autotuner
+
+        make_autotuner(autotune)  # a wrong `autotune` fails here, naming the argument, not at capture
+        self.autotune = autotune
         self.warmup_steps = warmup_steps
         self.prefetch = prefetch
         self.backward_prefetch = backward_prefetch
@@ -1199,6 +1204,7 @@ class L2GraphCallback(Callback):
             decoy=self.prefetch == "decoy",
             scope="manual",
             via="ops" if self.compile else "hooks",
+            autotune=self.autotune,
         )
 
     def _prefetch_scope(self) -> Any:

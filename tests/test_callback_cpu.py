@@ -338,3 +338,25 @@ def test_l2_metrics_are_logged_again_at_epoch_end(monkeypatch):
     assert step == callback_module.TIMED_REPLAYS_BEFORE_LOG + 4
     assert metrics["l2/fallback_steps"] == 1.0 and metrics["l2/graph_step_ms"] == 2.0
     assert set(metrics) == set(logger.rows[0][1])  # one consistent set of keys
+
+
+def test_autotune_argument_is_checked_up_front_and_reaches_the_tuner(monkeypatch):
+    from l2lightning.prefetch import hooks as prefetch_hooks
+
+    with pytest.raises(ValueError, match=r"`autotune` has unknown settings \['budget'\]"):
+        L2GraphCallback(autotune={"budget": 1.0})
+    with pytest.raises(TypeError, match="`autotune` must be None, an l2lightning.Autotuner"):
+        L2GraphCallback(autotune=3)
+    seen = {}
+
+    class Hooks:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(prefetch_hooks, "PrefetchHooks", Hooks)
+    monkeypatch.setattr("l2lightning.callback.prefetch_unavailable_reason", lambda: None)
+    cb = L2GraphCallback(autotune={"budget_s": 0.2, "cache": None})
+    cb._static_for_prefetch = type("S", (), {"batch": None})()
+    cb._originals = {"training_step": None, "log": None}
+    cb._prefetch_hooks(torch.nn.Linear(1, 1))
+    assert seen["autotune"] == {"budget_s": 0.2, "cache": None} and seen["plans"] == "auto"

@@ -379,3 +379,14 @@ def test_targets_are_public_names():
             assert name in l2lightning.app.models.__all__, target
         if target != "l2lightning.L2GraphCallback":  # that one is checked with the callback tests
             assert hasattr(importlib.import_module(module_name), name), target
+
+
+def test_the_autotuner_is_configured_from_hydra():
+    cfg = compose_train(["l2.autotune={budget_s: 1.5, cache: null}"])
+    callback = build_callback(cfg)
+    from l2lightning.prefetch.hooks import make_autotuner
+
+    tuner = make_autotuner(callback.autotune)
+    assert tuner.budget_s == 1.5 and tuner.cache is None
+    with pytest.raises(ValueError, match="`autotune` has unknown settings"):
+        build_callback(compose_train(["l2.autotune={budget: 1.5}"]))
