@@ -58,7 +58,11 @@ from bench_decode import (  # noqa: E402
     write_csv,
 )
 
-from l2lightning.decode.attention import AttentionChoice, flashinfer_unavailable_reason  # noqa: E402
+from l2lightning.decode.attention import (  # noqa: E402
+    AttentionChoice,
+    flashinfer_layout_reason,
+    flashinfer_unavailable_reason,
+)
 from l2lightning.decode.model import (  # noqa: E402
     DecodeSession,
     Fp32Reference,
@@ -137,6 +141,7 @@ def run_model(name: str, contexts: tuple[int, ...], args: argparse.Namespace, fi
     t0 = time.time()
     model = build_decoder(config, layers=2 if smoke else None, device=device, seed=0)
     config = model.config
+    fi_layout = flashinfer_layout_reason(config.heads, config.kv_heads)
     max_len = length_bucket(max(contexts) + STEPS_PER_SAMPLE + 1, 1 << 30) + 64
     if smoke:
         eager = {"attention": "torch", "compile_elementwise": False, "prefetch": None, "graph": False}
@@ -157,7 +162,9 @@ def run_model(name: str, contexts: tuple[int, ...], args: argparse.Namespace, fi
             "ours": DecodeSession(model, 1, max_len, attention="auto", prefetch=args.prefetch),
             "baseline": TorchDecodeSession(model, 1, max_len),
         }
-        if fi_ok:
+        if fi_ok and fi_layout:
+            print(f"FlashInfer skipped for {model.config.name}: {fi_layout}", flush=True)
+        if fi_ok and not fi_layout:
             recording["flashinfer"] = DecodeSession(
                 model, 1, max_len, attention="flashinfer", prefetch=None, record_layers=True
             )
@@ -227,7 +234,14 @@ def run_model(name: str, contexts: tuple[int, ...], args: argparse.Namespace, fi
     if not smoke:
         torch.cuda.empty_cache()
     print(f"{config.name}: numerics in {time.time() - t0:.0f} s", flush=True)
-    return {"config": config, "model": model, "timed": timed, "rows": rows, "layer_rows": layer_rows}
+    return {
+        "config": config,
+        "model": model,
+        "timed": timed,
+        "rows": rows,
+        "layer_rows": layer_rows,
+        "flashinfer_layout": fi_layout,
+    }
 
 
 def time_model(entry: dict, contexts: tuple[int, ...], rounds: int, bandwidth: float) -> None:
@@ -388,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "flashinfer": "importable" if fi_ok else (fi_reason or "not used in --smoke"),
         "flashinfer_not_installed": None if fi_ok else FLASHINFER_NOT_INSTALLED,
+        # why FlashInfer has no numbers for a model it cannot run (its decode kernels' group sizes)
+        "flashinfer_layouts": {
+            entry["config"].name: entry["flashinfer_layout"] or "supported" for entry in entries.values()
+        },
         "gpu_state": state,
         "gpu_state_after": {} if args.smoke else gpu_state(),
         "copy_bandwidth_tbps": bandwidth / 1e12 if bandwidth else None,

@@ -908,3 +908,12 @@ def test_decode_reference_script_smoke_on_cpu(tmp_path):
     assert doc["all_pass"] and len(doc["layers"]) == 2 * 2 * 2  # 2 models x 2 variants x 2 layers
     assert (tmp_path / "decode_reference_layers.csv").exists() and (tmp_path / "decode_reference.md").exists()
     assert "verdict" in proc.stdout and "wrote" in proc.stdout
+
+
+def test_flashinfer_layout_reason_names_unsupported_group_sizes():
+    from l2lightning.decode.attention import FLASHINFER_DECODE_GROUP_SIZES, flashinfer_layout_reason
+
+    assert flashinfer_layout_reason(9, 3) is None  # SmolLM2-135M: group 3
+    assert 7 not in FLASHINFER_DECODE_GROUP_SIZES
+    assert "group of 7" in flashinfer_layout_reason(14, 2)  # Qwen2.5-0.5B
+    assert "do not group evenly" in flashinfer_layout_reason(10, 3)

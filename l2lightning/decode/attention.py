@@ -536,6 +536,26 @@ def flashinfer_unavailable_reason() -> str | None:
     return None
 
 
+# The query-per-KV-head group sizes FlashInfer 0.7.2's decode kernels (CUDA cores, the path
+# BatchDecodeWithPagedKVCacheWrapper takes by default) are compiled for: DISPATCH_GQA_GROUP_SIZE in
+# its include/flashinfer/utils.cuh. Any other raises "Unsupported group_size" at plan time (seen on
+# the H200 for Qwen2.5-0.5B: 14 query heads over 2 KV heads, group 7).
+FLASHINFER_DECODE_GROUP_SIZES = (1, 2, 3, 4, 6, 8, 16)
+
+
+def flashinfer_layout_reason(heads: int, kv_heads: int) -> str | None:
+    """Why FlashInfer's decode kernels cannot take `heads` query heads over `kv_heads`, or None."""
+    if kv_heads <= 0 or heads % kv_heads:
+        return f"{heads} query heads do not group evenly over {kv_heads} KV heads"
+    group = heads // kv_heads
+    if group not in FLASHINFER_DECODE_GROUP_SIZES:
+        return (
+            f"FlashInfer's decode kernels support query/KV head group sizes {FLASHINFER_DECODE_GROUP_SIZES}; "
+            f"{heads} query heads over {kv_heads} KV heads is a group of {group}"
+        )
+    return None
+
+
 class _FlashInferDecode:
     """FlashInfer's BatchDecodeWithPagedKVCacheWrapper over our cache: one page of max_len per sequence.
 
@@ -555,7 +575,7 @@ class _FlashInferDecode:
         device: torch.device,
         scale: float,
     ) -> None:
-        reason = flashinfer_unavailable_reason()
+        reason = flashinfer_unavailable_reason() or flashinfer_layout_reason(heads, kv_heads)
         if reason:
             raise RuntimeError(reason)
         import flashinfer
