@@ -43,6 +43,7 @@ import gc
 import io
 import math
 import statistics
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -205,8 +206,9 @@ class L2GraphCallback(Callback):
             captured, instead of raising.
         log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/replay_speedup`` (their ratio:
             CUDA-event time of an eager step over one graph replay, Lightning's host work left out),
-            ``l2/graph_pool_mib``, ``l2/prefetch_layers``, ``l2/prefetch_mib`` and
-            ``l2/fallback_steps`` through the Trainer's loggers on rank zero, once the first
+            ``l2/graph_pool_mib``, ``l2/tuning_s``, ``l2/capture_s``, ``l2/compile_s`` (wall seconds
+            of prefetch tuning, of the captures, of the first compiled step), ``l2/prefetch_layers``,
+            ``l2/prefetch_mib`` and ``l2/fallback_steps`` through the Trainer's loggers on rank zero, once the first
             replays have finished on the device (read without a host sync), and at each epoch end.
         eager_steps: ``(trainer, batch_idx) -> bool``; steps for which it returns True run eagerly
             (a periodic target-network sync, image logging, a print), and their effects flow into
@@ -319,6 +321,11 @@ class L2GraphCallback(Callback):
         self._static_for_prefetch: StaticBatch | None = None
         # The stream every non-replayed step runs on, and the capture too (set at the first step)
         self._step_stream: Any = None
+        # What capturing cost: wall seconds of prefetch tuning (chain discovery and the tuner), of
+        # the captures (verify included) and of torch.compile's first compiled step
+        self._cost_s: dict[str, float] = {"tuning_s": 0.0, "capture_s": 0.0, "compile_s": 0.0}
+        self._compile_pending = False  # compile=True: the next step compiles (and is timed as compile_s)
+        self._prefetch_failed = False  # tuning ran out of memory: this fit captures without prefetch
         from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
 
         self._phase_events = PhaseEvents() if self.report and torch.cuda.is_available() else _NoPhaseEvents()
@@ -351,6 +358,7 @@ class L2GraphCallback(Callback):
             "fallback_steps": self.fallback_steps,
             "fallback_causes": sorted(self._fallback_causes),
             "graph_pool_mib": self._pool_mib,
+            **{key: round(value, 3) for key, value in self._cost_s.items()},
             "tuning": self._tuning_report.to_dict() if self._tuning_report is not None else None,
             "step_report": self.step_report.to_dict() if self.step_report is not None else None,
         }
@@ -669,18 +677,37 @@ class L2GraphCallback(Callback):
         try:
             if mode == "replay":
                 return self._replay_step(closure)
+            if self._compile_pending:
+                # torch.compile compiles at the first call of each compiled child: this step
+                self._compile_pending = False
+                started = time.perf_counter()
+                try:
+                    with self._on_step_stream():
+                        return self._eager_modes(mode, run, closure, kwargs)
+                finally:
+                    self._cost_s["compile_s"] += time.perf_counter() - started
             with self._on_step_stream():
-                if mode == "trace":
-                    return self._traced_step(run, closure, kwargs)
-                if mode == "time":
-                    return self._timed_step(run, closure, kwargs)
-                if mode == "capture":
-                    return self._capture_step(run, closure, kwargs)
-                self._mode = "eager"
-                return run(closure, **kwargs)
+                return self._eager_modes(mode, run, closure, kwargs)
         finally:
             self._in_step = False
             self._pending = None
+
+    def _eager_modes(self, mode: str, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """Every step that runs the step's own code: warm-up (traced or timed), the capture, eager."""
+        if mode == "trace":
+            return self._traced_step(run, closure, kwargs)
+        if mode == "time":
+            return self._timed_step(run, closure, kwargs)
+        if mode == "capture":
+            started, tuned = time.perf_counter(), self._cost_s["tuning_s"]
+            try:
+                return self._capture_step(run, closure, kwargs)
+            finally:  # the tuning inside it is counted apart
+                self._cost_s["capture_s"] += (
+                    time.perf_counter() - started - (self._cost_s["tuning_s"] - tuned)
+                )
+        self._mode = "eager"
+        return run(closure, **kwargs)
 
     @contextlib.contextmanager
     def _on_step_stream(self) -> Any:
@@ -877,7 +904,15 @@ class L2GraphCallback(Callback):
             return run(closure, **kwargs)  # training_step returned None: nothing to capture this step
         except Exception as exc:  # a host sync or an op that cannot be captured
             self._undo_capture(saved, binding, saved_metrics)
-            self._disable(self._capture_failure_reason(exc))
+            if isinstance(exc, torch.OutOfMemoryError):
+                graph = None  # the partial graph's pool goes with it
+                gc.collect()
+                torch.cuda.empty_cache()
+                self._disable(
+                    f"the step could not be captured: out of memory ({_memory_state()}; {_first_line(exc)})"
+                )
+            else:
+                self._disable(self._capture_failure_reason(exc))
             return run(closure, **kwargs)
         graph.output = self._step_output
         graph.log_calls = self._capture_logs
@@ -1162,14 +1197,31 @@ class L2GraphCallback(Callback):
         for child in pl_module.children():
             self._compiled_children.append(child)
             child.forward = _compiled_forward(child)  # type: ignore[method-assign]
+        self._compile_pending = True
 
     def _install_prefetch(self, pl_module: LightningModule) -> None:
-        if self.prefetch == "off":
+        if self.prefetch == "off" or self._prefetch_failed:
             return
         # Finding the layer chain runs training_step on the static batch, and the tuner times
         # copies of layers: neither may leave a trace (BatchNorm statistics, metric states, RNG).
-        with _leaves_no_trace(pl_module, self._optimizer.optimizer if self._optimizer else None):
-            self._hooks = self._prefetch_hooks(pl_module)
+        started = time.perf_counter()
+        try:
+            with _leaves_no_trace(pl_module, self._optimizer.optimizer if self._optimizer else None):
+                self._hooks = self._prefetch_hooks(pl_module)
+        except torch.OutOfMemoryError as exc:
+            # The tuner's throwaway copies and timing graphs did not fit: free them and capture
+            # the step without prefetch (the graph alone is most of the gain).
+            self._hooks = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            self._warn_once(
+                "prefetch-oom",
+                f"prefetch off: out of memory while tuning it ({_memory_state()}; {_first_line(exc)}); "
+                "capturing the step without prefetch.",
+            )
+            self._prefetch_failed = True
+        finally:
+            self._cost_s["tuning_s"] += time.perf_counter() - started
         if self._hooks is not None:
             self._tuning_report = self._hooks.tuning_report
             self.plans = self._hooks.plan_summary()
@@ -1315,7 +1367,15 @@ class L2GraphCallback(Callback):
         summary = self.summary()
         metrics = {
             f"l2/{key}": float(summary[key])
-            for key in ("eager_step_ms", "graph_step_ms", "replay_speedup", "graph_pool_mib")
+            for key in (
+                "eager_step_ms",
+                "graph_step_ms",
+                "replay_speedup",
+                "graph_pool_mib",
+                "tuning_s",
+                "capture_s",
+                "compile_s",
+            )
             if summary[key] is not None and math.isfinite(float(summary[key]))
         }
         prefetched = [row for row in self.plans if row.get("forward") or row.get("backward")]
@@ -1429,3 +1489,20 @@ def _compiled_forward(module: torch.nn.Module) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return torch.compile(forward)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:240] if text else type(exc).__name__
+
+
+def _memory_state() -> str:
+    """The device's free and total memory and what PyTorch holds, for an out-of-memory warning."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    free, total = torch.cuda.mem_get_info()
+    gib = 1 << 30
+    return (
+        f"{free / gib:.2f} of {total / gib:.2f} GiB free, PyTorch holding "
+        f"{torch.cuda.memory_allocated() / gib:.2f} GiB allocated, {torch.cuda.memory_reserved() / gib:.2f} reserved"
+    )

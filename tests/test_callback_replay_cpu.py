@@ -871,3 +871,38 @@ def test_families_update_their_metrics_in_the_graph_and_log_like_eager(family):
     assert_logged_alike(base_seen, seen)
     for (name, p), q in zip(base_model.named_parameters(), model.parameters()):
         assert torch.equal(p, q), f"{family}: parameter {name} differs"
+
+
+# --------------------------------------------------------------------------- what capturing costs, OOM
+class OOMInCapture(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        if emu.CAPTURING[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().training_step(batch, batch_idx)
+
+
+def test_out_of_memory_in_the_capture_falls_back_to_eager_naming_it():
+    plain = fit(OOMInCapture, fused=True)
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"could not be captured: out of memory \(.*Tried to allocate 2.00 GiB"
+    ):
+        run = fit(OOMInCapture, [cb], fused=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+
+
+def test_out_of_memory_while_tuning_captures_without_prefetch(monkeypatch):
+    def tuner_runs_out(self, pl_module):
+        torch.zeros(3)  # the tuner allocates, then the device is full
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+
+    monkeypatch.setattr(L2GraphCallback, "_prefetch_hooks", tuner_runs_out)
+    base = fit(baseline_of(TinyMLP))
+    cb = L2GraphCallback(prefetch="default", log_timing=False)
+    with pytest.warns(UserWarning, match=r"prefetch off: out of memory while tuning it .*512.00 MiB"):
+        run = fit(TinyMLP, [cb])
+    summary = cb.summary()
+    assert summary["captured"] and summary["plans"] == [] and cb.prefetch == "default"
+    assert summary["tuning_s"] > 0 and summary["capture_s"] > 0 and summary["compile_s"] == 0
+    assert_same(base, run)
