@@ -56,6 +56,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from l2lightning import python_state
 from l2lightning._env import cuda_unavailable_reason, prefetch_unavailable_reason
 from l2lightning.capture import StaticBatch, TrainingState, batch_signature, graph_capture, loss_of
 from l2lightning.log_replay import ReissuedLog
@@ -755,10 +756,15 @@ class L2GraphCallback(Callback):
         before = update_counts(self._module)
         self._mode = "trace"
         self._traced_steps += 1
+        holders = self._python_holders()
+        python_before = python_state.snapshot(holders)
 
         def traced() -> Any:
             out = self._run_traced(tracer, closure)
-            self._judge_trace(group, tracer.trace, updated_between(before, update_counts(self._module)))
+            python_changed = python_state.changed(python_before, python_state.snapshot(holders))
+            self._judge_trace(
+                group, tracer.trace, updated_between(before, update_counts(self._module)), python_changed
+            )
             return out
 
         return run(traced, **kwargs)
@@ -772,7 +778,22 @@ class L2GraphCallback(Callback):
         finally:
             self._tracer = None
 
-    def _judge_trace(self, group: _Group, trace: StepTrace, updated: list[str]) -> None:
+    def _python_holders(self) -> list[tuple[str, Any]]:
+        """The objects whose Python state a captured step could change: the module, its submodules and
+        the Trainer's other callbacks (their hooks inside the step are captured with it)."""
+        callbacks = [cb for cb in getattr(self._trainer, "callbacks", []) if cb is not self]
+        return python_state.owners(self._module, callbacks)
+
+    def _python_problem(self, changed: list[str]) -> str:
+        return (
+            f"the step changes Python state ({', '.join(changed)}) at every step, "
+            "which a replay (it runs no Python) would freeze; keep it in a tensor, change it in "
+            "`on_train_batch_end`, or run such steps eagerly with `eager_steps=lambda trainer, batch_idx: ...`"
+        )
+
+    def _judge_trace(
+        self, group: _Group, trace: StepTrace, updated: list[str], python_changed: list[str]
+    ) -> None:
         """Compare a traced step with its group; refuse (before the update) what can never be replayed."""
         metrics = dict(named_metrics(self._module))
         for name in updated:
@@ -804,6 +825,9 @@ class L2GraphCallback(Callback):
             )
         elif trace.problems:
             problem = trace.problems[0]
+        elif python_changed and self._traced_steps > 1:
+            # the first traced step may build something once (a lazy cache, an `initialized` flag)
+            problem = self._python_problem(python_changed)
         elif group.traces:
             difference = first_difference(group.traces[-1], trace, skip_hooks=self._eager_hooks)
             if difference and len(group.traces) == 1 and not group.dropped_first:
@@ -870,6 +894,10 @@ class L2GraphCallback(Callback):
         eager_record = self._verify_eager(run, closure, kwargs, binding) if self.verify else None
         saved = TrainingState.save(module, wrapped.optimizer, binding.state_tensors() if binding else ())
         saved_metrics = binding.python_state() if binding else {}
+        holders = self._python_holders()
+        # validate_args is switched off for the capture below, by the callback, not by the step
+        ours = frozenset((id(m), "validate_args") for m in bound.values())
+        python_before = python_state.snapshot(holders, ours)
         graph = _Graph(torch.cuda.CUDAGraph(), static, key, binding=binding, constants=constants)
         self._capture_logs = []
         self._step_output = None
@@ -885,6 +913,9 @@ class L2GraphCallback(Callback):
             out = self._run_traced(tracer, closure)
             if self._step_output is None:
                 raise _Defer()
+            python_changed = python_state.changed(python_before, python_state.snapshot(holders, ours))
+            if python_changed and self._traced_steps >= 1:
+                raise CaptureRefused(self._python_problem(python_changed))
             return out
 
         drop_autograd_graphs(module)  # a metric's step value can hold the last step's autograd graph
@@ -900,10 +931,12 @@ class L2GraphCallback(Callback):
                     m.validate_args = True
         except _Defer:
             self._undo_capture(saved, binding, saved_metrics)
+            python_state.restore(python_before)
             self._mode = "eager"
             return run(closure, **kwargs)  # training_step returned None: nothing to capture this step
         except Exception as exc:  # a host sync or an op that cannot be captured
             self._undo_capture(saved, binding, saved_metrics)
+            python_state.restore(python_before)  # the eager step below changes them once
             if isinstance(exc, torch.OutOfMemoryError):
                 graph = None  # the partial graph's pool goes with it
                 gc.collect()

@@ -4,7 +4,8 @@ A graph replays one path through ``training_step``. Two kinds of Python in the s
 step to step in a way the graph cannot see:
 
 * conditions on the step counters (``if self.global_step % 10 == 0:`` for a target-network sync,
-  ``if batch_idx % 50 == 0: print(...)``): :func:`analyse` finds every ``if``/``while``/ternary test
+  ``if batch_idx % 50 == 0: print(...)``), in the step hooks and in the module's own methods they
+  call (``self.sync_target(batch_idx)``, ``self(x)``): :func:`analyse` finds every ``if``/``while``/ternary test
   that reads ``global_step``, ``current_epoch`` or the ``batch_idx`` argument and, where the test
   only needs ``self`` and ``batch_idx`` (locals assigned once from such expressions are inlined),
   compiles it. :meth:`StepSource.branch_key` evaluates them each step; a step whose key differs
@@ -71,18 +72,44 @@ class StepSource:
         return self.log_values[key][1](module, batch_idx)
 
 
+# How deep calls from a step hook into the module's own methods are followed (`self.sync_target()`
+# calling `self._copy_weights()`...): a condition in a helper freezes in a replay like one in the hook.
+HELPER_DEPTH = 3
+
+
 def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> StepSource:
-    """Conditions on step counters and logged Python expressions in `module`'s own step hooks."""
+    """Conditions on step counters and logged Python expressions in `module`'s own step hooks and in
+    the module's own methods they call (``self.helper(...)``, ``self(...)`` for ``forward``)."""
     found = StepSource()
-    for hook in hook_names:
-        method = getattr(type(module), hook, None)
-        if method is None or _defined_by_library(method):
+    seen: set[str] = set()
+    # (method, depth, position of the batch_idx argument among its parameters after self)
+    pending: list[tuple[str, int, int | None]] = [
+        (hook, 0, 1 if hook == "training_step" else None) for hook in hook_names
+    ]
+    while pending:
+        name, depth, batch_position = pending.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        method = getattr(type(module), name, None)
+        if method is None or not callable(method) or _defined_by_library(method):
             continue
         tree, filename, first_line, params = _parse(method)
         if tree is None:
             continue
-        batch_idx = params[2] if hook == "training_step" and len(params) > 2 else None
-        _Visitor(found, filename, first_line, params[0] if params else "self", batch_idx).run(tree)
+        batch_idx = (
+            params[batch_position + 1]
+            if batch_position is not None and len(params) > batch_position + 1
+            else None
+        )
+        visitor = _Visitor(found, filename, first_line, params[0] if params else "self", batch_idx)
+        visitor.run(tree)
+        if depth < HELPER_DEPTH:
+            pending += [
+                (helper, depth + 1, position)
+                for helper, position in sorted(visitor.helpers.items())
+                if helper not in seen
+            ]
     return found
 
 
@@ -124,6 +151,9 @@ class _Visitor:
         self.assigned: dict[
             str, ast.expr | None
         ] = {}  # local -> its only assigned value (None: assigned twice)
+        # the module's methods this one calls (self.name(...), self(...) for forward), with the position
+        # among their parameters of the batch_idx argument passed on, if it is
+        self.helpers: dict[str, int | None] = {}
 
     def run(self, func: ast.AST) -> None:
         for node in ast.walk(func):
@@ -144,6 +174,7 @@ class _Visitor:
                     self._condition(test)
             elif isinstance(node, ast.Call):
                 self._log_call(node)
+                self._helper_call(node)
 
     # ------------------------------------------------------------------ helpers
     def _line(self, node: ast.AST) -> str:
@@ -222,6 +253,26 @@ class _Visitor:
         if not self._reads_step_counter(test):
             return
         self.found.conditions.append(Condition(self._line(test), self._compile(test, allow_methods=False)))
+
+    def _helper_call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == self.self_name:
+            name = "forward"
+        elif (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == self.self_name
+            and not func.attr.startswith("__")
+        ):
+            name = func.attr
+        else:
+            return
+        position = next(
+            (i for i, arg in enumerate(node.args) if isinstance(arg, ast.Name) and arg.id == self.batch_idx),
+            None,
+        )
+        if self.helpers.get(name) is None:
+            self.helpers[name] = position
 
     def _log_call(self, node: ast.Call) -> None:
         func = node.func

@@ -7,6 +7,7 @@ Every test compares a fit with the callback against the eager fit it must equal:
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections import namedtuple
 from dataclasses import dataclass
@@ -905,4 +906,108 @@ def test_out_of_memory_while_tuning_captures_without_prefetch(monkeypatch):
     summary = cb.summary()
     assert summary["captured"] and summary["plans"] == [] and cb.prefetch == "default"
     assert summary["tuning_s"] > 0 and summary["capture_s"] > 0 and summary["compile_s"] == 0
+    assert_same(base, run)
+
+
+# --------------------------------------------------------------------------- Python state a replay would freeze
+class HelperTargetSync(TargetSync):
+    """The target-network sync in a helper method, with the step counter or batch_idx passed on."""
+
+    def sync_every(self, i):
+        if i % 10 == 0:
+            self.target.load_state_dict(self.head.state_dict())
+
+    def maybe_sync(self):
+        if self.global_step % 10 == 5:
+            self.target.load_state_dict(self.head.state_dict())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.sync_every(batch_idx)
+        self.maybe_sync()
+        h = self.net(x)
+        return (self.head(h).squeeze(-1) - self.target(h).squeeze(-1) - y).square().mean()
+
+
+def test_step_counter_branches_in_helper_methods_run_their_steps_eagerly():
+    base, run, cb = captured_pair(HelperTargetSync, n=400)  # one epoch: batch_idx == global_step
+    s = cb.summary()
+    assert s["captured"] and s["fallback_steps"] == 5, s  # steps 5, 10, 15, 20, 25
+    assert_same(base, run)
+
+
+class OwnCounterSync(TargetSync):
+    """A sync every 10 of the module's own Python-counted steps: no step counter to read."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls % 10 == 1:
+            self.target.load_state_dict(self.head.state_dict())
+        h = self.net(x)
+        return (self.head(h).squeeze(-1) - self.target(h).squeeze(-1) - y).square().mean()
+
+
+class KeepsOutputs(TinyMLP):
+    """Lightning 2.0's migration advice: training_step appends to a list that on_train_epoch_end reads."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.training_step_outputs = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.training_step_outputs.append(loss.detach())
+        return loss
+
+    def on_train_epoch_end(self):
+        self.training_step_outputs.clear()
+
+
+class PythonRandomBranch(TinyMLP):
+    """An epsilon-greedy style branch on Python's global random generator."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        import random
+
+        return loss * 2 if random.random() < 0.5 else loss
+
+
+@pytest.mark.parametrize(
+    ("cls", "named"),
+    [
+        (OwnCounterSync, "`self.calls`"),
+        (KeepsOutputs, "`self.training_step_outputs`"),
+        (PythonRandomBranch, "Python's global `random` generator"),
+    ],
+    ids=["own-counter", "outputs-list", "python-random"],
+)
+def test_python_state_the_step_changes_is_refused_by_name_and_trains_like_plain(cls, named):
+    import random
+
+    random.seed(0)
+    plain = fit(cls, fused=True)  # fused AdamW: the warm-up steps' capturable updates equal plain ones
+    random.seed(0)
+    cb = callback()
+    with pytest.warns(UserWarning, match=rf"the step changes Python state \({re.escape(named)}\)"):
+        run = fit(cls, [cb], fused=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+
+
+class LazyFlag(TinyMLP):
+    """Builds something once at the first step (an `initialized` flag): allowed."""
+
+    initialized = False
+
+    def training_step(self, batch, batch_idx):
+        if not self.initialized:
+            self.initialized = True
+        return super().training_step(batch, batch_idx)
+
+
+def test_python_state_set_once_at_the_first_step_is_allowed():
+    base, run, cb = captured_pair(LazyFlag)
+    assert cb.summary()["captured"] and cb.fallback_steps == 0
     assert_same(base, run)

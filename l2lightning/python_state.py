@@ -1,0 +1,116 @@
+"""Python values a training step changes on the module and its callbacks: what a replay would freeze.
+
+A replayed graph runs no Python. A step that counts in a Python attribute (``self.n += 1``, an
+epsilon decayed per step, a step counter of its own), appends to a list (``self.outputs.append(preds)``,
+Lightning's own migration advice for ``training_step_outputs``) or flips a flag would, replayed, stop
+doing so: the counter freezes, a branch on it never fires again (a target-network sync every N of its
+own steps), the list keeps one entry. None of that is visible to the op trace, whose work is the same
+on most steps, so the callback snapshots the public scalar attributes (int, float, bool, str) and list
+lengths of the module, its submodules and the Trainer's other callbacks around each traced step and
+refuses, naming the attribute, a step that changes one after the first warm-up step (a first step may
+build something once: a lazy cache, an ``initialized`` flag). A capture that does not complete puts
+the scalars back and truncates the lists, so the eager step that replaces it changes them once.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+_SCALARS = (int, float, bool, str)
+# public attributes that are not the step's own state: nn.Module's train/eval flag (the callback
+# checks it per step, and a change captures again)
+_IGNORED = frozenset({"training"})
+
+
+@dataclass(frozen=True)
+class _Value:
+    label: str  # "`self.n`", "`self.head.calls`", "`MyCallback.count`", "Python's global `random` generator"
+    owner: Any
+    name: str
+    kind: str  # "value" or "len"
+    value: Any
+
+
+Snapshot = dict[tuple[int, str], _Value]
+
+
+def owners(module: Any, callbacks: Iterable[Any] = ()) -> list[tuple[str, Any]]:
+    """(label prefix, object) for the module, its submodules and `callbacks`."""
+    found = [("self", module)]
+    found += [(f"self.{name}", sub) for name, sub in module.named_modules() if name]
+    found += [(type(cb).__name__, cb) for cb in callbacks]
+    return found
+
+
+def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]] = frozenset()) -> Snapshot:
+    """The public scalar attributes and list lengths of `objects`, and the state of Python's and NumPy's
+    global random generators (a step that draws from them, an epsilon-greedy branch on
+    ``random.random()``, would draw once and then replay that one branch). `skip`: (id(object), name)
+    pairs left out (attributes the callback itself sets around a capture)."""
+    out: Snapshot = {
+        (0, "random"): _Value("Python's global `random` generator", None, "random", "rng", random.getstate())
+    }
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state = numpy.random.get_state()
+        out[0, "numpy"] = _Value(
+            "NumPy's global `np.random` generator", None, "numpy", "rng", _numpy_key(state)
+        )
+    for prefix, obj in objects:
+        attributes = getattr(obj, "__dict__", None)
+        if not attributes:
+            continue
+        for name, value in list(attributes.items()):
+            if name.startswith("_") or name in _IGNORED or (id(obj), name) in skip:
+                continue
+            if isinstance(value, _SCALARS):
+                out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "value", value)
+            elif isinstance(value, list):
+                out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "len", len(value))
+    return out
+
+
+def changed(before: Snapshot, after: Snapshot) -> list[str]:
+    """Labels of the attributes that differ (set, changed, grown or shrunk, or removed) between snapshots."""
+    labels = []
+    for key, now in after.items():
+        then = before.get(key)
+        if then is None or then.kind != now.kind or _differs(then.value, now.value):
+            labels.append(now.label)
+    labels += [then.label for key, then in before.items() if key not in after]
+    return sorted(set(labels))
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return True
+    if isinstance(a, tuple) and len(a) == 6 and len(b) == 6 and isinstance(a[1], bytes):  # NumPy's state
+        return a[:5] != b[:5]
+    if isinstance(a, float) and a != a:  # NaN: unchanged if it is still NaN
+        return not b != b
+    return a != b
+
+
+def _numpy_key(state: tuple) -> tuple:
+    kind, keys, position, has_gauss, cached = state[:5]
+    return (kind, keys.tobytes(), position, has_gauss, cached, state)
+
+
+def restore(before: Snapshot) -> None:
+    """Put the scalars and random states of `before` back and cut its lists back to their lengths."""
+    for entry in before.values():
+        if entry.kind == "rng":
+            if entry.name == "random":
+                random.setstate(entry.value)
+            elif "numpy" in sys.modules:
+                sys.modules["numpy"].random.set_state(entry.value[-1])
+            continue
+        attributes = getattr(entry.owner, "__dict__", {})
+        if entry.kind == "value":
+            attributes[entry.name] = entry.value
+        elif isinstance(attributes.get(entry.name), list):
+            del attributes[entry.name][entry.value :]
