@@ -158,6 +158,7 @@ class _Group:
     problem: str | None = None  # why this group can never be captured
     dropped_first: bool = False  # its first traced step differed from the next and was set aside
     timed: int = 0  # untraced, timed eager steps of this group
+    appended: list[frozenset[str]] = field(default_factory=list)  # lists each traced step appended to
 
 
 @dataclass
@@ -173,6 +174,8 @@ class _Graph:
     binding: MetricBinding | None = None
     constants: HostConstants | None = None
     flags: tuple = ()
+    # lists the step appends to, with the element the capture appended (graph tensors: copied per replay)
+    appends: list[tuple[python_state.Append, Any]] = field(default_factory=list)
 
 
 class _Defer(Exception):
@@ -761,7 +764,11 @@ class L2GraphCallback(Callback):
 
         def traced() -> Any:
             out = self._run_traced(tracer, closure)
-            python_changed = python_state.changed(python_before, python_state.snapshot(holders))
+            # lists that grow by one element per step can be re-appended after each replay
+            appended, python_changed = python_state.split_appends(
+                python_before, python_state.snapshot(holders)
+            )
+            group.appended.append(frozenset(a.label for a in appended))
             self._judge_trace(
                 group, tracer.trace, updated_between(before, update_counts(self._module)), python_changed
             )
@@ -828,6 +835,11 @@ class L2GraphCallback(Callback):
         elif python_changed and self._traced_steps > 1:
             # the first traced step may build something once (a lazy cache, an `initialized` flag)
             problem = self._python_problem(python_changed)
+        elif len(set(group.appended[-2:])) > 1 and self._traced_steps > 1:
+            changing = sorted(
+                set.union(*map(set, group.appended[-2:])) - set.intersection(*map(set, group.appended[-2:]))
+            )
+            problem = self._python_problem(changing)
         elif group.traces:
             difference = first_difference(group.traces[-1], trace, skip_hooks=self._eager_hooks)
             if difference and len(group.traces) == 1 and not group.dropped_first:
@@ -913,9 +925,12 @@ class L2GraphCallback(Callback):
             out = self._run_traced(tracer, closure)
             if self._step_output is None:
                 raise _Defer()
-            python_changed = python_state.changed(python_before, python_state.snapshot(holders, ours))
+            appended, python_changed = python_state.split_appends(
+                python_before, python_state.snapshot(holders, ours)
+            )
             if python_changed and self._traced_steps >= 1:
                 raise CaptureRefused(self._python_problem(python_changed))
+            graph.appends = [(a, a.current()[-1]) for a in appended]
             return out
 
         drop_autograd_graphs(module)  # a metric's step value can hold the last step's autograd graph
@@ -962,6 +977,10 @@ class L2GraphCallback(Callback):
         # The capture recorded but did not run the step: this replay is the step's real update. Then
         # the closure again, in replay mode, so Lightning keeps fresh outputs and the logs are issued.
         graph.graph.replay()
+        for where, element in graph.appends:  # the capture appended graph tensors: now they hold values
+            current = where.current()
+            if current:
+                current[-1] = _copied(element)
         if binding is not None:
             binding.fresh_forward_caches()
         self._live_log_values = self._python_log_sources(graph.log_calls)
@@ -1052,6 +1071,10 @@ class L2GraphCallback(Callback):
         start.record()
         graph.graph.replay()
         end.record()
+        for where, element in graph.appends:  # what the step's Python appended, as in an eager step
+            current = where.current()
+            if current is not None:
+                current.append(_copied(element))
         self._timing.graph.append((start, end))
         self._timing.graph_count += 1
         if graph.binding is not None:
@@ -1496,6 +1519,13 @@ def _fresh_extras(output: Any) -> Any:
             for k, v in output.items()
         }
     return output
+
+
+def _copied(element: Any) -> Any:
+    """`element` with every tensor in it copied (a graph's tensors are overwritten by its next replay)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, element)
 
 
 class _NoPhaseEvents:

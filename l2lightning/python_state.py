@@ -8,8 +8,11 @@ own steps), the list keeps one entry. None of that is visible to the op trace, w
 on most steps, so the callback snapshots the public scalar attributes (int, float, bool, str) and list
 lengths of the module, its submodules and the Trainer's other callbacks around each traced step and
 refuses, naming the attribute, a step that changes one after the first warm-up step (a first step may
-build something once: a lazy cache, an ``initialized`` flag). A capture that does not complete puts
-the scalars back and truncates the lists, so the eager step that replaces it changes them once.
+build something once: a lazy cache, an ``initialized`` flag). The one change a replay can redo is a
+list that grows by one element per step: the callback appends a fresh copy of the element the capture
+appended (its tensors are the graph's, overwritten by each replay) after every replay. A capture that
+does not complete puts the scalars back and truncates the lists, so the eager step that replaces it
+changes them once.
 """
 
 from __future__ import annotations
@@ -93,6 +96,38 @@ def _differs(a: Any, b: Any) -> bool:
     if isinstance(a, float) and a != a:  # NaN: unchanged if it is still NaN
         return not b != b
     return a != b
+
+
+@dataclass(frozen=True)
+class Append:
+    """A list attribute the step appends one element to (``self.training_step_outputs.append(x)``)."""
+
+    label: str
+    owner: Any
+    name: str
+
+    def current(self) -> list | None:
+        """The list the attribute holds now (an epoch-end hook may have put a new one there)."""
+        value = getattr(self.owner, "__dict__", {}).get(self.name)
+        return value if isinstance(value, list) else None
+
+
+def split_appends(before: Snapshot, after: Snapshot) -> tuple[list[Append], list[str]]:
+    """The changes between snapshots, as lists that grew by exactly one element, and the other changes."""
+    appends, other = [], []
+    for label in changed(before, after):
+        entry = next((v for v in after.values() if v.label == label), None)
+        then = None if entry is None else before.get((id(entry.owner), entry.name))
+        if (
+            entry is not None
+            and then is not None
+            and entry.kind == then.kind == "len"
+            and entry.value == then.value + 1
+        ):
+            appends.append(Append(label, entry.owner, entry.name))
+        else:
+            other.append(label)
+    return appends, other
 
 
 def _numpy_key(state: tuple) -> tuple:

@@ -957,11 +957,28 @@ class KeepsOutputs(TinyMLP):
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        self.training_step_outputs.append(loss.detach())
+        self.training_step_outputs.append({"loss": loss.detach(), "n": batch_idx})
         return loss
 
     def on_train_epoch_end(self):
-        self.training_step_outputs.clear()
+        losses = torch.stack([o["loss"] for o in self.training_step_outputs])
+        self.log("epoch_mean", losses.mean())
+        self.log("epoch_count", float(len(self.training_step_outputs)))
+        self.training_step_outputs = []  # a new list: the callback must follow the attribute
+
+
+class KeepsTwoOutputs(KeepsOutputs):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.training_step_outputs.append({"loss": loss.detach() * 2, "n": -1})
+        return loss
+
+
+def test_a_list_the_step_appends_to_gets_a_fresh_element_per_replay():
+    base, run, cb = captured_pair(KeepsOutputs, steps=-1, n=96, trainer_kwargs={"max_epochs": 3})
+    assert cb.summary()["captured"] and cb.fallback_steps == 0
+    assert_same(base, run)  # epoch_mean and epoch_count at every step after each epoch end
+    assert run[1].logged[-1]["epoch_count"] == 12.0
 
 
 class PythonRandomBranch(TinyMLP):
@@ -978,10 +995,10 @@ class PythonRandomBranch(TinyMLP):
     ("cls", "named"),
     [
         (OwnCounterSync, "`self.calls`"),
-        (KeepsOutputs, "`self.training_step_outputs`"),
+        (KeepsTwoOutputs, "`self.training_step_outputs`"),
         (PythonRandomBranch, "Python's global `random` generator"),
     ],
-    ids=["own-counter", "outputs-list", "python-random"],
+    ids=["own-counter", "two-appends-per-step", "python-random"],
 )
 def test_python_state_the_step_changes_is_refused_by_name_and_trains_like_plain(cls, named):
     import random
