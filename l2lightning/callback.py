@@ -1003,7 +1003,9 @@ class L2GraphCallback(Callback):
         module = self._module
         reserved = 0
         if torch.cuda.is_available():
-            # what torch.cuda.graph frees before capturing must not count against the graph's pool
+            # Collected first: a dead autograd graph in a reference cycle keeps AccumulateGrad nodes
+            # bound to another stream, which would break the capture; and what torch.cuda.graph frees
+            # before capturing must not count against the graph's pool.
             gc.collect()
             torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved()

@@ -277,11 +277,10 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: Any = N
     graph; cleared after, no later capture reuses it.
     """
     clear_cublas_workspaces()
-    # Collect garbage first. torch.cuda.graph stopped doing it (only with
-    # torch.compiler.config.force_cudagraph_gc), but a dead autograd graph kept by a reference cycle
-    # keeps the parameters' AccumulateGrad nodes, bound to the stream they were made on; the captured
-    # backward then accumulates through them across streams and the capture fails.
-    gc.collect()
+    # No garbage collection here (torch.cuda.graph dropped it too: it costs tens of ms in a large
+    # process, and the tuner captures a graph per candidate plan). A caller whose capture a dead
+    # autograd graph in a reference cycle could break (its AccumulateGrad nodes bound to another
+    # stream) collects first, as L2GraphCallback does.
     # The collector must not run *during* the capture: freeing a CUDA event left in a reference
     # cycle (an earlier fit's) is a CUDA call the capture forbids, and it aborts a capture that has
     # nothing wrong with it.
