@@ -900,13 +900,17 @@ class L2GraphCallback(Callback):
         self._graph = None  # a re-capture replaces the graph; a failed one leaves none
         binding = MetricBinding(bound) if bound else None
         static = StaticBatch(batch)
+        holders = self._python_holders()
+        # The chain discovery's dry run and the verify step run training_step's Python too: what they
+        # do to Python state (an appended output, a drawn random number) is undone like their tensors.
+        python_start = python_state.snapshot(holders)
         if self._hooks is None and not self.compile:
             self._static_for_prefetch = static
             self._install_prefetch(module)
         eager_record = self._verify_eager(run, closure, kwargs, binding) if self.verify else None
+        python_state.restore(python_start)
         saved = TrainingState.save(module, wrapped.optimizer, binding.state_tensors() if binding else ())
         saved_metrics = binding.python_state() if binding else {}
-        holders = self._python_holders()
         # validate_args is switched off for the capture below, by the callback, not by the step
         ours = frozenset((id(m), "validate_args") for m in bound.values())
         python_before = python_state.snapshot(holders, ours)
