@@ -443,7 +443,11 @@ class L2GraphCallback(Callback):
         self._module = pl_module
         self._trainer = trainer
         user_hooks = tuple(h for h in CAPTURED_HOOKS if is_overridden(h, pl_module))
-        self._source = analyse(pl_module, ("training_step", *user_hooks))
+        # every hook of the module that runs inside the captured step (analyse skips Lightning's own)
+        self._source = analyse(
+            pl_module,
+            ("training_step", *user_hooks, "configure_gradient_clipping", "optimizer_zero_grad", "backward"),
+        )
         overrides: dict[str, Any] = {
             "training_step": self._training_step,
             "optimizer_zero_grad": self._optimizer_zero_grad,

@@ -29,7 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-STEP_COUNTERS = ("global_step", "current_epoch")
+# What changes from step to step on the module and its Trainer: the step counters, and the fit
+# loop's flag for an epoch's last batch (``if self.trainer.is_last_batch:``)
+STEP_COUNTERS = ("global_step", "current_epoch", "is_last_batch")
 _SAFE_BUILTINS = {"min", "max", "abs", "int", "float", "bool", "len", "round", "divmod", "pow"}
 _SAFE_METHODS = {"lr_schedulers", "optimizers", "get_last_lr"}
 _BRANCH_ERROR = object()

@@ -936,6 +936,35 @@ def test_step_counter_branches_in_helper_methods_run_their_steps_eagerly():
     assert_same(base, run)
 
 
+class LastBatchSync(TargetSync):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.trainer.is_last_batch:
+            self.target.load_state_dict(self.head.state_dict())
+        h = self.net(x)
+        return (self.head(h).squeeze(-1) - self.target(h).squeeze(-1) - y).square().mean()
+
+
+class ClipFromStepTen(TinyMLP):
+    """Gradient clipping switched on by a step-counter branch in configure_gradient_clipping."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.global_step >= 10:
+            self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.parametrize(
+    ("cls", "eager"), [(LastBatchSync, 3), (ClipFromStepTen, 26)], ids=["is_last_batch", "clipping-hook"]
+)
+def test_branches_on_the_last_batch_and_in_the_clipping_hook_run_their_steps_eagerly(cls, eager):
+    base, run, cb = captured_pair(cls, steps=-1, n=96, trainer_kwargs={"max_epochs": 3})
+    s = cb.summary()
+    # the last batch of each epoch; every step from 10 on (a branch that changes for good is not
+    # captured again: those steps stay eager)
+    assert s["captured"] and s["fallback_steps"] == eager, s
+    assert_same(base, run)
+
+
 class OwnCounterSync(TargetSync):
     """A sync every 10 of the module's own Python-counted steps: no step counter to read."""
 
