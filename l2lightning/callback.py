@@ -858,8 +858,9 @@ class L2GraphCallback(Callback):
                 )
         group.traces.append(trace)
         group.metrics.update(updated)
-        if problem and not any(c.evaluate is not None for c in self._source.conditions):
-            self._disable(problem)  # one branch only: this step's branch is the one every step takes
+        if problem and not any(c.evaluate is not None and c.on_counters for c in self._source.conditions):
+            # no branch on the step counters: this step's branch is, as far as can be told, every step's
+            self._disable(problem)
         elif problem:
             group.problem = group.problem or problem
 
@@ -1002,7 +1003,8 @@ class L2GraphCallback(Callback):
             rank_zero_info(self._report_text())
         if self.captures == 1 and self._source.conditions and not self._source.opaque_conditions:
             rank_zero_info(
-                "L2GraphCallback: steps whose branch on the step counters differs from the captured step's "
+                "L2GraphCallback: steps whose branch (on the step counters or the module's attributes) differs "
+                "from the captured step's "
                 f"({[c.line for c in self._source.conditions]}) run eagerly."
             )
         return result

@@ -3,7 +3,8 @@
 A graph replays one path through ``training_step``. Two kinds of Python in the source change from
 step to step in a way the graph cannot see:
 
-* conditions on the step counters (``if self.global_step % 10 == 0:`` for a target-network sync,
+* conditions on the step counters or on other attributes of the module (``if self.global_step % 10 == 0:``
+  for a target-network sync, ``if self.use_aux_loss:`` for a flag an epoch hook sets,
   ``if batch_idx % 50 == 0: print(...)``), in the step hooks and in the module's own methods they
   call (``self.sync_target(batch_idx)``, ``self(x)``): :func:`analyse` finds every ``if``/``while``/ternary test
   that reads ``global_step``, ``current_epoch`` or the ``batch_idx`` argument and, where the test
@@ -43,6 +44,8 @@ class Condition:
 
     line: str  # "file:line (`source`)"
     evaluate: Callable[[Any, int], Any] | None  # (module, batch_idx) -> value, or None if not evaluable
+    # True: reads the step counters (its value moves as training goes); False: only other attributes
+    on_counters: bool = True
 
 
 @dataclass
@@ -252,9 +255,22 @@ class _Visitor:
             return None
 
     def _condition(self, test: ast.expr) -> None:
-        if not self._reads_step_counter(test):
+        if self._reads_step_counter(test):
+            self.found.conditions.append(
+                Condition(self._line(test), self._compile(test, allow_methods=False))
+            )
             return
-        self.found.conditions.append(Condition(self._line(test), self._compile(test, allow_methods=False)))
+        # Any other test that reads only the module's attributes (a flag an epoch-start hook sets:
+        # `if self.use_aux_loss:`) can change between steps too; evaluated per step like the above.
+        # Tests that cannot be evaluated without running the step (on locals, tensors) are left to
+        # the warm-up trace comparison.
+        if self._reads_self(test):
+            evaluate = self._compile(test, allow_methods=False)
+            if evaluate is not None:
+                self.found.conditions.append(Condition(self._line(test), evaluate, on_counters=False))
+
+    def _reads_self(self, expr: ast.AST) -> bool:
+        return any(isinstance(node, ast.Name) and node.id == self.self_name for node in ast.walk(expr))
 
     def _helper_call(self, node: ast.Call) -> None:
         func = node.func

@@ -965,6 +965,28 @@ def test_branches_on_the_last_batch_and_in_the_clipping_hook_run_their_steps_eag
     assert_same(base, run)
 
 
+class AuxLossFromEpochOne(TinyMLP):
+    """A flag an epoch-start hook sets, read by a branch in training_step."""
+
+    use_aux = False
+
+    def on_train_epoch_start(self):
+        self.use_aux = self.current_epoch >= 1
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.use_aux:
+            loss = loss + 0.1 * self.head.weight.square().sum()
+        return loss
+
+
+def test_a_branch_on_a_flag_set_outside_the_step_follows_the_flag():
+    base, run, cb = captured_pair(AuxLossFromEpochOne, steps=-1, n=96, trainer_kwargs={"max_epochs": 3})
+    s = cb.summary()
+    assert s["captured"] and s["fallback_steps"] == 24, s  # epochs 1 and 2 take the other branch
+    assert_same(base, run)
+
+
 class OwnCounterSync(TargetSync):
     """A sync every 10 of the module's own Python-counted steps: no step counter to read."""
 
