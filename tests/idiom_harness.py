@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from tests.idiom_modules import IDIOMS
+from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
 
 # Lightning's deterministic=True sets this too, but only once a Trainer exists; cuBLAS reads it when
 # its first handle is created.
@@ -221,7 +221,7 @@ def _restore_global_flags(flags: tuple[bool, bool, bool, bool]) -> None:
 
 
 def _run_idiom(name: str, variant: str, steps: int, accelerator: str) -> IdiomRun:
-    idiom = IDIOMS[name]
+    idiom = IDIOMS[name] if name in IDIOMS else IDIOM_VARIANTS[name]
     seed_everything(0, verbose=False)
     # Trainer(deterministic=True) below turns this into warn_only=False: a nondeterministic op raises.
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -415,7 +415,7 @@ def judge(name: str, steps: int = 60, accelerator: str = "gpu", recheck_plain: b
         "callback_ms": cb.step_ms,
         "detail": detail,
         "extra": {
-            "expect": IDIOMS[name].expect,
+            "expect": (IDIOMS[name] if name in IDIOMS else IDIOM_VARIANTS[name]).expect,
             "baseline_ms": baseline.step_ms if baseline is not None else None,
             "plain_again_ms": again.step_ms if again is not None else None,
             "baseline_error": baseline_error,

@@ -1005,3 +1005,120 @@ _IDIOM_LIST = [
 ]
 
 IDIOMS: dict[str, Idiom] = {idiom.name: idiom for idiom in _IDIOM_LIST}
+
+
+# -------------------------------------------------------------------------------------- variants
+# Variations of the idioms above that the callback once replayed silently wrong on the CPU stand-in
+# (a branch in a helper method, Python state the step changes, a flag an epoch hook flips). They are
+# judged like the idioms (tests/gpu/test_idioms_gpu.py) but kept apart from the sixteen of the
+# benchmark.
+class _Regressor(LightningModule):
+    def __init__(self, dim: int = 64, hidden: int = 128) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.target = copy.deepcopy(self.net).requires_grad_(False)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.mse_loss(self.net(x).squeeze(-1) + 0.1 * self.target(x).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class DQNHelperSync(_Regressor):
+    """The DQN target sync in a helper method the step calls, every `target_every` optimizer steps."""
+
+    target_every = 10
+
+    def sync_target(self):
+        if self.global_step % self.target_every == 0:
+            self.target.load_state_dict(self.net.state_dict())
+
+    def training_step(self, batch, batch_idx):
+        self.sync_target()
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+
+class TrainingStepOutputs(_Regressor):
+    """Lightning 2.0's migration guide: outputs appended in training_step, reduced in on_train_epoch_end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.training_step_outputs = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.training_step_outputs.append(loss.detach())
+        return loss
+
+    def on_train_epoch_end(self):
+        self.log("epoch_loss", torch.stack(self.training_step_outputs).mean())
+        self.training_step_outputs.clear()
+
+
+class AuxLossFlag(_Regressor):
+    """An auxiliary loss switched on by on_train_epoch_start, read by a branch in training_step."""
+
+    use_aux = False
+
+    def on_train_epoch_start(self):
+        self.use_aux = self.current_epoch >= 1
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self.use_aux:
+            loss = loss + 1e-3 * sum(p.square().sum() for p in self.net.parameters())
+        return loss
+
+
+class OwnStepCounter(_Regressor):
+    """A target sync every 10 steps of the module's own Python counter: no step counter to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.updates = 0
+
+    def configure_optimizers(self):
+        # fused: found at the second warm-up step, the refusal leaves the first step's update with the
+        # capturable configuration, which equals the plain one bit for bit only for fused AdamW
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    def training_step(self, batch, batch_idx):
+        if self.updates % 10 == 0:
+            self.target.load_state_dict(self.net.state_dict())
+        self.updates += 1
+        return self.loss(batch)
+
+
+_reg_loader = functools.partial(_regression_loader, n=640, dim=64, batch_size=32, seed=21)
+
+IDIOM_VARIANTS: dict[str, Idiom] = {
+    v.name: v
+    for v in [
+        Idiom(
+            "dqn_helper_sync",
+            DQNHelperSync,
+            _reg_loader,
+            "capture",
+            "the helper's step-counter branch is read",
+        ),
+        Idiom(
+            "training_step_outputs",
+            TrainingStepOutputs,
+            _reg_loader,
+            "capture",
+            "the list grows by one per step: a fresh copy of the element per replay",
+        ),
+        Idiom(
+            "aux_loss_flag",
+            AuxLossFlag,
+            _reg_loader,
+            "capture",
+            "a branch on a module attribute is read per step",
+        ),
+        Idiom("own_step_counter", OwnStepCounter, _reg_loader, "refuse", "`self.updates` changes every step"),
+    ]
+}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.idiom_harness import judge
-from tests.idiom_modules import IDIOMS
+from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
 
 pytestmark = pytest.mark.gpu
 
@@ -20,12 +20,13 @@ pytestmark = pytest.mark.gpu
 REFUSAL_NAMES = {
     "sgd_onecycle_clip": "['lr', 'momentum'] changed at every warm-up step",
     "manual_gan": "supports automatic optimization only",
+    "own_step_counter": "the step changes Python state (`self.updates`)",
 }
 
 
-@pytest.mark.parametrize("name", list(IDIOMS))
+@pytest.mark.parametrize("name", [*IDIOMS, *IDIOM_VARIANTS])
 def test_idiom_captured_and_equal_or_refused_by_name_and_equal(name):
-    idiom = IDIOMS[name]
+    idiom = IDIOMS[name] if name in IDIOMS else IDIOM_VARIANTS[name]
     result = judge(name, steps=60, accelerator="gpu")
     context = f"{name} (expect {idiom.expect}: {idiom.why}); reason: {result['reason']!r}"
     assert result["equal"] is True, f"{context}; {result['detail']}"
