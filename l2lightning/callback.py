@@ -107,6 +107,8 @@ TIMING_WINDOW = 256
 MAX_TRACED_STEPS = 24
 # Re-captures on consecutive steps after which a schedule is taken to change the graph every step.
 RECAPTURE_STREAK_LIMIT = 3
+# Steps on one other branch in a row after which that branch is captured in place of the current one
+BRANCH_SWITCH_STEPS = 3
 
 
 def metric_update_reason(names: list[str], detail: str | None = None) -> str:
@@ -308,6 +310,7 @@ class L2GraphCallback(Callback):
         self._reissued: set[str] = set()
         self._recapture_streak = 0
         self._recapture_next = False
+        self._other_branch: tuple[Any, int] = (None, 0)  # a branch key other than the graph's, and its run
         self._live_log_values: set[str] = set()
         self._eager_hooks: set[str] = set()
         self._memo: list[tuple[str, Any]] = []
@@ -580,8 +583,17 @@ class L2GraphCallback(Callback):
         if graph is None:
             return self._warmup_decision(key)
         if key[0] != graph.key[0]:
+            # A branch that stays switched (clipping on from step 10, an auxiliary loss from epoch 1)
+            # gets a graph of its own after a few steps; a periodic one (a target sync every N
+            # steps) keeps running eagerly on its steps.
+            run = self._other_branch[1] + 1 if self._other_branch[0] == key[0] else 1
+            self._other_branch = (key[0], run)
+            if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
+                self._other_branch = (None, 0)
+                return self._recapture("the step's branch changed and stayed changed")
             self._fall_back("the step takes another branch on the step counters than the captured one")
             return "eager"
+        self._other_branch = (None, 0)
         if key[1] != graph.static.signature:
             self._fall_back(f"batch {batch_idx}: {graph.static.mismatch(batch)}")
             return "eager"

@@ -954,14 +954,16 @@ class ClipFromStepTen(TinyMLP):
 
 
 @pytest.mark.parametrize(
-    ("cls", "eager"), [(LastBatchSync, 3), (ClipFromStepTen, 26)], ids=["is_last_batch", "clipping-hook"]
+    ("cls", "eager", "captures"),
+    [(LastBatchSync, 3, 1), (ClipFromStepTen, 3, 2)],
+    ids=["is_last_batch", "clipping-hook"],
 )
-def test_branches_on_the_last_batch_and_in_the_clipping_hook_run_their_steps_eagerly(cls, eager):
+def test_branches_on_the_last_batch_and_in_the_clipping_hook_run_their_steps_eagerly(cls, eager, captures):
     base, run, cb = captured_pair(cls, steps=-1, n=96, trainer_kwargs={"max_epochs": 3})
     s = cb.summary()
-    # the last batch of each epoch; every step from 10 on (a branch that changes for good is not
-    # captured again: those steps stay eager)
-    assert s["captured"] and s["fallback_steps"] == eager, s
+    # the last batch of each epoch (periodic: one graph); steps 10-12, after which the branch that
+    # stayed switched is captured in place of the first
+    assert s["captured"] and s["fallback_steps"] == eager and s["captures"] == captures, s
     assert_same(base, run)
 
 
@@ -983,7 +985,8 @@ class AuxLossFromEpochOne(TinyMLP):
 def test_a_branch_on_a_flag_set_outside_the_step_follows_the_flag():
     base, run, cb = captured_pair(AuxLossFromEpochOne, steps=-1, n=96, trainer_kwargs={"max_epochs": 3})
     s = cb.summary()
-    assert s["captured"] and s["fallback_steps"] == 24, s  # epochs 1 and 2 take the other branch
+    # epochs 1 and 2 take the other branch: its first three steps eagerly, then a graph of its own
+    assert s["captured"] and s["fallback_steps"] == 3 and s["captures"] == 2, s
     assert_same(base, run)
 
 
