@@ -810,7 +810,8 @@ class L2GraphCallback(Callback):
     def _python_problem(self, changed: list[str]) -> str:
         return (
             f"the step changes Python state ({', '.join(changed)}) at every step, "
-            "which a replay (it runs no Python) would freeze; keep it in a tensor, change it in "
+            "which a replay (it runs no Python) would freeze; keep it in a tensor updated in place "
+            "(`self.running.mul_(0.9).add_(x)`, not `self.running = 0.9 * self.running + x`), change it in "
             "`on_train_batch_end`, or run such steps eagerly with `eager_steps=lambda trainer, batch_idx: ...`"
         )
 

@@ -6,7 +6,9 @@ Lightning's own migration advice for ``training_step_outputs``) or flips a flag 
 doing so: the counter freezes, a branch on it never fires again (a target-network sync every N of its
 own steps), the list keeps one entry. None of that is visible to the op trace, whose work is the same
 on most steps, so the callback snapshots the public scalar attributes (int, float, bool, str) and list
-lengths of the module, its submodules and the Trainer's other callbacks around each traced step and
+lengths of the module, its submodules and the Trainer's other callbacks, and which tensor each of
+their tensor attributes, buffers and parameters is (``self.running = 0.9 * self.running + x`` binds a
+new one each step, which a graph that keeps reading the old one cannot follow), around each traced step and
 refuses, naming the attribute, a step that changes one after the first warm-up step (a first step may
 build something once: a lazy cache, an ``initialized`` flag). The one change a replay can redo is a
 list that grows by one element per step: the callback appends a fresh copy of the element the capture
@@ -22,6 +24,8 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 _SCALARS = (int, float, bool, str)
 # public attributes that are not the step's own state: nn.Module's train/eval flag (the callback
@@ -67,6 +71,7 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
         attributes = getattr(obj, "__dict__", None)
         if not attributes:
             continue
+        tracks_tensors = not _is_metric(obj)  # metric states are the metric binding's, rebound by design
         for name, value in list(attributes.items()):
             if name.startswith("_") or name in _IGNORED or (id(obj), name) in skip:
                 continue
@@ -74,7 +79,21 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "value", value)
             elif isinstance(value, list):
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "len", len(value))
+            elif tracks_tensors and isinstance(value, torch.Tensor):
+                out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "tensor", value)
+        if tracks_tensors:
+            # `self.running = 0.9 * self.running + ...`: a new tensor bound each step. The graph keeps
+            # reading the tensor it was captured with, so the value would stop moving.
+            for store in ("_buffers", "_parameters"):
+                for name, value in (attributes.get(store) or {}).items():
+                    if isinstance(value, torch.Tensor) and (id(obj), name) not in skip:
+                        out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "tensor", value)
     return out
+
+
+def _is_metric(obj: Any) -> bool:
+    metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    return metric is not None and isinstance(obj, metric)
 
 
 def changed(before: Snapshot, after: Snapshot) -> list[str]:
@@ -82,6 +101,10 @@ def changed(before: Snapshot, after: Snapshot) -> list[str]:
     labels = []
     for key, now in after.items():
         then = before.get(key)
+        if now.kind == "tensor" and now.value.requires_grad:
+            # recomputed from the parameters in every forward (weight_norm's `weight`): the graph
+            # recomputes it too; a running value that a replay would freeze is detached
+            continue
         if then is None or then.kind != now.kind or _differs(then.value, now.value):
             labels.append(now.label)
     labels += [then.label for key, then in before.items() if key not in after]
@@ -89,6 +112,8 @@ def changed(before: Snapshot, after: Snapshot) -> list[str]:
 
 
 def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is not b  # rebound, not changed in place
     if type(a) is not type(b):
         return True
     if isinstance(a, tuple) and len(a) == 6 and len(b) == 6 and isinstance(a[1], bytes):  # NumPy's state
@@ -145,7 +170,14 @@ def restore(before: Snapshot) -> None:
                 sys.modules["numpy"].random.set_state(entry.value[-1])
             continue
         attributes = getattr(entry.owner, "__dict__", {})
-        if entry.kind == "value":
+        if entry.kind == "tensor":
+            for store in (attributes.get("_buffers"), attributes.get("_parameters")):
+                if store is not None and entry.name in store:
+                    store[entry.name] = entry.value
+                    break
+            else:
+                attributes[entry.name] = entry.value
+        elif entry.kind == "value":
             attributes[entry.name] = entry.value
         elif isinstance(attributes.get(entry.name), list):
             del attributes[entry.name][entry.value :]

@@ -1061,14 +1061,50 @@ class PythonRandomBranch(TinyMLP):
         return loss * 2 if random.random() < 0.5 else loss
 
 
+class RebindsRunningMean(TinyMLP):
+    """A running baseline bound anew each step (REINFORCE style): a graph keeps reading the old tensor."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.running = torch.zeros(())
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.running = 0.9 * self.running + 0.1 * loss.detach()
+        return loss + 0.01 * self.running
+
+
+class RebindsRunningBuffer(RebindsRunningMean):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        del self.running
+        self.register_buffer("running", torch.zeros(()))
+
+
+class WeightNormHead(TinyMLP):
+    """weight_norm recomputes `head.weight` (a new tensor) in every forward: captured, not refused."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.head = torch.nn.utils.weight_norm(nn.Linear(32, 1))
+
+
+def test_a_weight_recomputed_every_forward_is_captured():
+    base, run, cb = captured_pair(WeightNormHead)
+    assert cb.summary()["captured"] and cb.fallback_steps == 0
+    assert_same(base, run)
+
+
 @pytest.mark.parametrize(
     ("cls", "named"),
     [
         (OwnCounterSync, "`self.calls`"),
         (KeepsTwoOutputs, "`self.training_step_outputs`"),
         (PythonRandomBranch, "Python's global `random` generator"),
+        (RebindsRunningMean, "`self.running`"),
+        (RebindsRunningBuffer, "`self.running`"),
     ],
-    ids=["own-counter", "two-appends-per-step", "python-random"],
+    ids=["own-counter", "two-appends-per-step", "python-random", "rebound-tensor", "rebound-buffer"],
 )
 def test_python_state_the_step_changes_is_refused_by_name_and_trains_like_plain(cls, named):
     import random
