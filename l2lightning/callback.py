@@ -178,6 +178,8 @@ class _Graph:
     flags: tuple = ()
     # lists the step appends to, with the element the capture appended (graph tensors: copied per replay)
     appends: list[tuple[python_state.Append, Any]] = field(default_factory=list)
+    # Python numbers the capture may have baked in (python_state.baked_scalars), checked before each replay
+    scalars: list[tuple[dict, str, Any]] = field(default_factory=list)
 
 
 class _Defer(Exception):
@@ -613,6 +615,9 @@ class L2GraphCallback(Callback):
         changes = self._optimizer.baked_changes()
         if changes:
             return self._recapture(f"the optimizer's {', '.join(changes)} (baked into the graph)")
+        scalars = python_state.changed_scalars(graph.scalars)
+        if scalars:
+            return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
         self._recapture_streak = 0
         return "replay"
 
@@ -959,10 +964,20 @@ class L2GraphCallback(Callback):
         validating = [m for m in bound.values() if getattr(m, "validate_args", False)]
         for m in validating:
             m.validate_args = False  # input checks sync with the host; the warm-up steps ran them
+        # Which submodules the step calls: their Python numbers (nn.Dropout.p) are baked into the graph.
+        # Not with compile=True: a global hook would make dynamo recompile inside the capture.
+        ran: set[int] | None = None if self.compile else set()
+        hook = (
+            torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: ran.add(id(m)))
+            if ran is not None
+            else None
+        )
         try:
             try:
                 self._capture_into(graph, run, captured, kwargs)
             finally:
+                if hook is not None:
+                    hook.remove()
                 wrapped.freeze(False)
                 for m in validating:
                     m.validate_args = True
@@ -988,6 +1003,7 @@ class L2GraphCallback(Callback):
         graph.log_calls = self._capture_logs
         graph.grads = [(p, p.grad) for p in module.parameters()]
         graph.flags = self._module_flags()
+        graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
         if binding is not None:
             binding.finish_capture()
         wrapped.mark_captured()

@@ -181,3 +181,37 @@ def restore(before: Snapshot) -> None:
             attributes[entry.name] = entry.value
         elif isinstance(attributes.get(entry.name), list):
             del attributes[entry.name][entry.value :]
+
+
+def baked_scalars(
+    module: Any, reads: Iterable[str], ran: set[int] | None = None
+) -> list[tuple[dict, str, Any]]:
+    """The Python numbers a captured step may have baked into its graph, to compare before each replay:
+    the module's public scalar attributes that its step source reads (`reads`: ``loss * self.beta``),
+    and every public scalar of its submodules but metrics (``nn.Dropout.p``) that the step called
+    (`ran`: their ids; None for all). A submodule the step does not call (an EMA copy updated in
+    ``on_train_batch_end``, with a counter of its own) is not checked. (attribute dict, name, value)."""
+    checks = []
+    attributes = getattr(module, "__dict__", {})
+    for name in sorted(set(reads)):
+        value = attributes.get(name)
+        if not name.startswith("_") and name not in _IGNORED and isinstance(value, _SCALARS):
+            checks.append((attributes, name, value))
+    for _, sub in module.named_modules():
+        if sub is module or _is_metric(sub) or (ran is not None and id(sub) not in ran):
+            continue
+        for name, value in vars(sub).items():
+            if not name.startswith("_") and name not in _IGNORED and isinstance(value, _SCALARS):
+                checks.append((vars(sub), name, value))
+    return checks
+
+
+def changed_scalars(checks: list[tuple[dict, str, Any]]) -> list[str]:
+    """Names of the scalars in `checks` whose value is not the one recorded."""
+    missing = object()
+    return [
+        name
+        for attributes, name, value in checks
+        if (now := attributes.get(name, missing)) is not value
+        and (type(now) is not type(value) or now != value)
+    ]

@@ -54,6 +54,9 @@ class StepSource:
 
     conditions: list[Condition] = field(default_factory=list)
     log_values: dict[str, tuple[str, Callable[[Any, int], Any]]] = field(default_factory=dict)
+    # names X of every `self.X` the step hooks and their helpers read: a Python number among them
+    # (`loss * self.beta`) is baked into the graph, so a change between steps must capture again
+    reads: set[str] = field(default_factory=set)
 
     @property
     def opaque_conditions(self) -> list[str]:
@@ -180,6 +183,12 @@ class _Visitor:
             elif isinstance(node, ast.Call):
                 self._log_call(node)
                 self._helper_call(node)
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == self.self_name
+            ):
+                self.found.reads.add(node.attr)
 
     # ------------------------------------------------------------------ helpers
     def _line(self, node: ast.AST) -> str:

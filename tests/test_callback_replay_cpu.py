@@ -1171,3 +1171,66 @@ def test_idiom_variants_are_captured_and_equal_or_refused_and_plain(name):
     for (name, p), q in zip(reference[0].named_parameters(), got[0].parameters()):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), f"parameter {name} differs"
     assert torch.allclose(torch.stack(reference[1].losses), torch.stack(got[1].losses), rtol=1e-4, atol=0)
+
+
+class BetaAnnealing(TinyMLP):
+    """A VAE-style KL weight (a Python float) raised by on_train_epoch_start and read in the step."""
+
+    beta = 0.0
+
+    def on_train_epoch_start(self):
+        self.beta = min(1.0, 0.5 * self.current_epoch)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + self.beta * self.head.weight.square().sum()
+
+
+class DropoutAnnealing(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net.insert(0, nn.Dropout(0.5))
+
+    def on_train_epoch_start(self):
+        self.net[0].p = 0.5 / (1 + self.current_epoch)
+
+
+@pytest.mark.parametrize(
+    "cls", [BetaAnnealing, DropoutAnnealing], ids=["module-attribute", "submodule-attribute"]
+)
+def test_python_numbers_the_graph_baked_are_checked_before_each_replay(cls):
+    base, run, cb = captured_pair(cls, steps=-1, n=96, trainer_kwargs={"max_epochs": 3})
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 3, s  # captured again at each epoch's new value
+    assert_same(base, run)
+
+
+class CountingEMA(nn.Module):
+    """An EMA copy with a counter of its own, updated after the step (never called in it)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.module = copy.deepcopy(model).requires_grad_(False)
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self, model):
+        self.updates += 1
+        for e, m in zip(self.module.parameters(), model.parameters()):
+            e.lerp_(m, 0.01)
+
+
+class EMAWithCounter(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.ema = CountingEMA(self.net)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.ema.update(self.net)
+
+
+def test_a_submodule_the_step_does_not_call_may_count_outside_it():
+    base, run, cb = captured_pair(EMAWithCounter)
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 1 and cb.fallback_steps == 0, s
+    assert_same(base, run)
