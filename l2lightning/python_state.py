@@ -201,9 +201,23 @@ def baked_scalars(
         if sub is module or _is_metric(sub) or (ran is not None and id(sub) not in ran):
             continue
         for name, value in vars(sub).items():
-            if not name.startswith("_") and name not in _IGNORED and isinstance(value, _SCALARS):
+            if name.startswith("_") or name in _IGNORED or name in _STRUCTURAL:
+                continue
+            if isinstance(value, _SCALARS):
                 checks.append((vars(sub), name, value))
     return checks
+
+
+# Sizes and switches of torch.nn layers that cannot change without changing their parameters' shapes
+# or the layer's wiring: not worth a comparison before every replay (this check runs per step)
+_STRUCTURAL = frozenset(
+    {
+        "in_features", "out_features", "in_channels", "out_channels", "num_embeddings", "embedding_dim",
+        "padding_idx", "num_features", "affine", "track_running_stats", "inplace", "elementwise_affine",
+        "groups", "padding_mode", "batch_first", "num_layers", "hidden_size", "input_size", "bidirectional",
+        "proj_size", "embed_dim", "num_heads", "kdim", "vdim", "head_dim", "sparse", "scale_grad_by_freq",
+    }
+)  # fmt: skip
 
 
 def changed_scalars(checks: list[tuple[dict, str, Any]]) -> list[str]:
