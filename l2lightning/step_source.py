@@ -174,6 +174,18 @@ class _Visitor:
                 self.assigned[name] = None if name in self.assigned else node.value
             elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name):
                 self.assigned[node.target.id] = None
+        # what only self.log/self.log_dict arguments read is re-evaluated per replay, not baked
+        logged = {
+            id(inner)
+            for node in ast.walk(func)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("log", "log_dict")
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == self.self_name
+            for arg in [*node.args, *(k.value for k in node.keywords)]
+            for inner in ast.walk(arg)
+        }
         for node in ast.walk(func):
             if isinstance(node, (ast.If, ast.While, ast.IfExp)):
                 self._condition(node.test)
@@ -187,6 +199,7 @@ class _Visitor:
                 isinstance(node, ast.Attribute)
                 and isinstance(node.value, ast.Name)
                 and node.value.id == self.self_name
+                and id(node) not in logged
             ):
                 self.found.reads.add(node.attr)
 

@@ -59,3 +59,26 @@ def test_library_hooks_and_missing_sources_give_nothing():
 
     assert analyse(LightningModule(), ("on_before_backward",)).conditions == []
     assert analyse(SimpleNamespace(), ("training_step",)).conditions == []
+
+
+def test_reads_are_the_attributes_the_step_computes_with_not_those_it_only_logs():
+    from lightning.pytorch import LightningModule
+
+    from l2lightning.step_source import analyse
+
+    class Module(LightningModule):
+        beta = 0.5
+        samples_seen = 0
+
+        def training_step(self, batch, batch_idx):
+            loss = self.helper(batch) * self.beta
+            self.log("samples_seen", self.samples_seen)
+            self.log_dict({"beta": self.beta})
+            return loss
+
+        def helper(self, batch):
+            return batch.sum() * self.scale
+
+    reads = analyse(Module()).reads
+    assert {"beta", "helper", "scale"} <= reads
+    assert "samples_seen" not in reads and "log" in reads
