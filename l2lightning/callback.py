@@ -702,17 +702,15 @@ class L2GraphCallback(Callback):
         try:
             if mode == "replay":
                 return self._replay_step(closure)
-            if self._compile_pending:
-                # torch.compile compiles at the first call of each compiled child: this step
-                self._compile_pending = False
-                started = time.perf_counter()
-                try:
-                    with self._on_step_stream():
-                        return self._eager_modes(mode, run, closure, kwargs)
-                finally:
+            # torch.compile compiles at the first call of each compiled child: the step after set-up
+            compiling, self._compile_pending = self._compile_pending, False
+            started = time.perf_counter()
+            try:
+                with self._on_step_stream():
+                    return self._eager_modes(mode, run, closure, kwargs)
+            finally:
+                if compiling:
                     self._cost_s["compile_s"] += time.perf_counter() - started
-            with self._on_step_stream():
-                return self._eager_modes(mode, run, closure, kwargs)
         finally:
             self._in_step = False
             self._pending = None
@@ -857,11 +855,9 @@ class L2GraphCallback(Callback):
         elif python_changed and self._traced_steps > 1:
             # the first traced step may build something once (a lazy cache, an `initialized` flag)
             problem = self._python_problem(python_changed)
-        elif len(set(group.appended[-2:])) > 1 and self._traced_steps > 1:
-            changing = sorted(
-                set.union(*map(set, group.appended[-2:])) - set.intersection(*map(set, group.appended[-2:]))
-            )
-            problem = self._python_problem(changing)
+        elif len(group.appended) > 1 and group.appended[-1] != group.appended[-2] and self._traced_steps > 1:
+            # a list appended to at one step and not the next: no one element per replay to redo
+            problem = self._python_problem(sorted(group.appended[-1] ^ group.appended[-2]))
         elif group.traces:
             difference = first_difference(group.traces[-1], trace, skip_hooks=self._eager_hooks)
             if difference and len(group.traces) == 1 and not group.dropped_first:
@@ -990,9 +986,8 @@ class L2GraphCallback(Callback):
             self._undo_capture(saved, binding, saved_metrics)
             python_state.restore(python_before)  # the eager step below changes them once
             if isinstance(exc, torch.OutOfMemoryError):
-                graph = None  # the partial graph's pool goes with it
-                gc.collect()
-                torch.cuda.empty_cache()
+                graph = self._capture_graph = None  # the partial graph's pool goes with them
+                _free_cached_memory()
                 self._disable(
                     f"the step could not be captured: out of memory ({_memory_state()}; {_first_line(exc)})"
                 )
@@ -1045,8 +1040,7 @@ class L2GraphCallback(Callback):
             # Collected first: a dead autograd graph in a reference cycle keeps AccumulateGrad nodes
             # bound to another stream, which would break the capture; and what torch.cuda.graph frees
             # before capturing must not count against the graph's pool.
-            gc.collect()
-            torch.cuda.empty_cache()
+            _free_cached_memory()
             reserved = torch.cuda.memory_reserved()
         # grads are allocated inside the capture, in the graph's pool
         self._optimizer.optimizer.zero_grad(set_to_none=True)
@@ -1309,8 +1303,7 @@ class L2GraphCallback(Callback):
             # The tuner's throwaway copies and timing graphs did not fit: free them and capture
             # the step without prefetch (the graph alone is most of the gain).
             self._hooks = None
-            gc.collect()
-            torch.cuda.empty_cache()
+            _free_cached_memory()
             self._warn_once(
                 "prefetch-oom",
                 f"prefetch off: out of memory while tuning it ({_memory_state()}; {_first_line(exc)}); "
@@ -1593,6 +1586,12 @@ def _compiled_forward(module: torch.nn.Module) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return torch.compile(forward)
+
+
+def _free_cached_memory() -> None:
+    """Collect garbage (reference cycles holding tensors), then give PyTorch's cached blocks back."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _first_line(exc: BaseException) -> str:

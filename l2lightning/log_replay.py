@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
+from l2lightning.metric_binding import metric_type
+
 try:  # private in Lightning: what self.log itself uses for Python numbers
     from lightning.pytorch.trainer.connectors.logger_connector.result import _get_default_dtype
 except ImportError:  # pragma: no cover - an older or newer Lightning: every call takes the real path
@@ -41,11 +43,8 @@ def _kind(value: Any) -> str:
         return "tensor"
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         return "number"
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a dependency of Lightning
-        return "other"
-    return "metric" if isinstance(value, Metric) else "other"
+    metric = metric_type()
+    return "metric" if metric is not None and isinstance(value, metric) else "other"
 
 
 class ReissuedLog:

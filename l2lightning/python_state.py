@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from l2lightning.metric_binding import metric_type
+
 _SCALARS = (int, float, bool, str)
 # public attributes that are not the step's own state: nn.Module's train/eval flag (the callback
 # checks it per step, and a change captures again)
@@ -38,7 +40,7 @@ class _Value:
     label: str  # "`self.n`", "`self.head.calls`", "`MyCallback.count`", "Python's global `random` generator"
     owner: Any
     name: str
-    kind: str  # "value" or "len"
+    kind: str  # "value", "len", "tensor" (which object) or "rng" ((what to compare, what to restore))
     value: Any
 
 
@@ -58,14 +60,18 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
     global random generators (a step that draws from them, an epsilon-greedy branch on
     ``random.random()``, would draw once and then replay that one branch). `skip`: (id(object), name)
     pairs left out (attributes the callback itself sets around a capture)."""
+    # a generator's value: (what to compare, what to restore)
+    state = random.getstate()
     out: Snapshot = {
-        (0, "random"): _Value("Python's global `random` generator", None, "random", "rng", random.getstate())
+        (0, "random"): _Value("Python's global `random` generator", None, "random", "rng", (state, state))
     }
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         state = numpy.random.get_state()
+        kind, keys, position, has_gauss, cached = state[:5]
+        comparable = (kind, keys.tobytes(), position, has_gauss, cached)
         out[0, "numpy"] = _Value(
-            "NumPy's global `np.random` generator", None, "numpy", "rng", _numpy_key(state)
+            "NumPy's global `np.random` generator", None, "numpy", "rng", (comparable, state)
         )
     for prefix, obj in objects:
         attributes = getattr(obj, "__dict__", None)
@@ -92,32 +98,38 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
 
 
 def _is_metric(obj: Any) -> bool:
-    metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    metric = metric_type()
     return metric is not None and isinstance(obj, metric)
 
 
-def changed(before: Snapshot, after: Snapshot) -> list[str]:
-    """Labels of the attributes that differ (set, changed, grown or shrunk, or removed) between snapshots."""
-    labels = []
+def _changes(before: Snapshot, after: Snapshot) -> list[tuple[_Value | None, _Value]]:
+    """(before, after) of every entry that differs: set, changed, grown or shrunk, rebound, or removed
+    (then `after` is the entry as it was)."""
+    found = []
     for key, now in after.items():
         then = before.get(key)
         if now.kind == "tensor" and now.value.requires_grad:
             # recomputed from the parameters in every forward (weight_norm's `weight`): the graph
             # recomputes it too; a running value that a replay would freeze is detached
             continue
-        if then is None or then.kind != now.kind or _differs(then.value, now.value):
-            labels.append(now.label)
-    labels += [then.label for key, then in before.items() if key not in after]
-    return sorted(set(labels))
+        if then is None or then.kind != now.kind or _differs(then.value, now.value, now.kind):
+            found.append((then, now))
+    found += [(None, then) for key, then in before.items() if key not in after]
+    return found
 
 
-def _differs(a: Any, b: Any) -> bool:
+def changed(before: Snapshot, after: Snapshot) -> list[str]:
+    """Labels of the attributes that differ between snapshots (see :func:`_changes`)."""
+    return sorted({now.label for _, now in _changes(before, after)})
+
+
+def _differs(a: Any, b: Any, kind: str = "value") -> bool:
+    if kind == "rng":
+        return a[0] != b[0]
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is not b  # rebound, not changed in place
     if type(a) is not type(b):
         return True
-    if isinstance(a, tuple) and len(a) == 6 and len(b) == 6 and isinstance(a[1], bytes):  # NumPy's state
-        return a[:5] != b[:5]
     if isinstance(a, float) and a != a:  # NaN: unchanged if it is still NaN
         return not b != b
     return a != b
@@ -139,25 +151,13 @@ class Append:
 
 def split_appends(before: Snapshot, after: Snapshot) -> tuple[list[Append], list[str]]:
     """The changes between snapshots, as lists that grew by exactly one element, and the other changes."""
-    appends, other = [], []
-    for label in changed(before, after):
-        entry = next((v for v in after.values() if v.label == label), None)
-        then = None if entry is None else before.get((id(entry.owner), entry.name))
-        if (
-            entry is not None
-            and then is not None
-            and entry.kind == then.kind == "len"
-            and entry.value == then.value + 1
-        ):
-            appends.append(Append(label, entry.owner, entry.name))
+    appends, other = [], set()
+    for then, now in _changes(before, after):
+        if then is not None and then.kind == now.kind == "len" and now.value == then.value + 1:
+            appends.append(Append(now.label, now.owner, now.name))
         else:
-            other.append(label)
-    return appends, other
-
-
-def _numpy_key(state: tuple) -> tuple:
-    kind, keys, position, has_gauss, cached = state[:5]
-    return (kind, keys.tobytes(), position, has_gauss, cached, state)
+            other.add(now.label)
+    return appends, sorted(other)
 
 
 def restore(before: Snapshot) -> None:
@@ -165,9 +165,9 @@ def restore(before: Snapshot) -> None:
     for entry in before.values():
         if entry.kind == "rng":
             if entry.name == "random":
-                random.setstate(entry.value)
+                random.setstate(entry.value[1])
             elif "numpy" in sys.modules:
-                sys.modules["numpy"].random.set_state(entry.value[-1])
+                sys.modules["numpy"].random.set_state(entry.value[1])
             continue
         attributes = getattr(entry.owner, "__dict__", {})
         if entry.kind == "tensor":
@@ -226,6 +226,5 @@ def changed_scalars(checks: list[tuple[dict, str, Any]]) -> list[str]:
     return [
         name
         for attributes, name, value in checks
-        if (now := attributes.get(name, missing)) is not value
-        and (type(now) is not type(value) or now != value)
+        if (now := attributes.get(name, missing)) is not value and _differs(value, now)
     ]

@@ -78,6 +78,12 @@ class _BackwardPass:
     # its hook makes a reference cycle with the autograd graph; only removing the hook breaks it.
     join: Any = None
 
+    def release(self) -> None:
+        """Remove the join hook (once): its reference cycle no longer holds this pass's graph."""
+        if self.join is not None:
+            self.join.remove()
+            self.join = None
+
 
 class PlanHooks:
     """Installs forward/backward L2 prefetch hooks with the plans it is given on an unmodified model.
@@ -269,10 +275,8 @@ class PlanHooks:
         the capture fails ("AccumulateGrad node's stream does not match"), seen on the H200 when a
         dry run on the default stream preceded the capture and no collection ran in between.
         """
-        backward_pass = self._pass
-        if backward_pass is not None and backward_pass.join is not None:
-            backward_pass.join.remove()
-            backward_pass.join = None
+        if self._pass is not None:
+            self._pass.release()
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -313,15 +317,10 @@ class PlanHooks:
         return post_hook
 
     def _make_backward_join(self, backward_pass: _BackwardPass) -> Callable[[Any], None]:
-        def release() -> None:
-            if backward_pass.join is not None:
-                backward_pass.join.remove()
-                backward_pass.join = None
-
         def join(grads: Any) -> None:
             # It fires once per pass: break its cycle when this backward ends (not from inside the
             # hook, whose own hook dictionary autograd is walking right now).
-            torch.autograd.Variable._execution_engine.queue_callback(release)
+            torch.autograd.Variable._execution_engine.queue_callback(backward_pass.release)
             if not self._removed:
                 self.issuer.join("backward")
 
