@@ -61,22 +61,17 @@ def drop_autograd_graphs(module: nn.Module) -> list[str]:
     to the stream of the step that made them; a capture on another stream then accumulates through
     them and fails. Detaching changes no value: the graph was spent by that step's backward.
     """
-    from torch.utils._pytree import tree_map
+    from torch.utils._pytree import tree_leaves, tree_map
 
-    def detach(value: Any) -> Any:
-        return value.detach() if isinstance(value, torch.Tensor) and value.grad_fn is not None else value
-
-    def holds_graph(value: Any) -> bool:
-        from torch.utils._pytree import tree_leaves
-
-        return any(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in tree_leaves(value))
+    def has_graph(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and value.grad_fn is not None
 
     detached = []
     for name, m in named_metrics(module):
         for attr in ("_forward_cache", "_computed"):
             value = getattr(m, attr, None)
-            if value is not None and holds_graph(value):
-                setattr(m, attr, tree_map(detach, value))
+            if value is not None and any(has_graph(v) for v in tree_leaves(value)):
+                setattr(m, attr, tree_map(lambda v: v.detach() if has_graph(v) else v, value))
                 detached.append(f"{name}.{attr}")
     return detached
 
