@@ -2,8 +2,9 @@
 
 A captured optimizer step bakes every Python number it reads into the graph. So:
 
-* Adam and AdamW run with ``capturable=True`` and read their learning rate from a 0-dim device
-  tensor during each step. The param groups keep the float LR, as without capture, so schedulers,
+* Adam, AdamW, Adadelta and RMSprop run with ``capturable=True`` and read their learning rate from a
+  0-dim device tensor during each step (Adadelta and RMSprop on their foreach path only, see
+  :func:`reads_tensor_lr`). The param groups keep the float LR, as without capture, so schedulers,
   the user's own code (``pg["lr"] = ...``), ``_last_lr`` and checkpoints all see exact Python
   floats; the step copies the float into the tensor when it changed (a device fill, no host sync)
   and swaps the tensor into the group only for the duration of the step. A replayed graph reads
@@ -26,7 +27,13 @@ from typing import Any
 import torch
 
 # Optimizers whose step is known to capture, and whether they can read a tensor LR inside the graph.
+# Adam/AdamW read a tensor LR on every path (single-tensor, foreach, fused) under capturable=True.
 TENSOR_LR_TYPES: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
+# Adadelta and RMSprop read it only on their foreach path: their single-tensor path passes the LR as
+# `alpha=-lr`, which turns a tensor into a host number (torch/optim/adadelta.py: "If LR is a tensor,
+# the else branch will internally call item()"). PyTorch takes the foreach path for CUDA parameters
+# unless the user asks for foreach=False or differentiable=True.
+FOREACH_TENSOR_LR_TYPES: tuple[type, ...] = (torch.optim.Adadelta, torch.optim.RMSprop)
 FLOAT_LR_TYPES: tuple[type, ...] = (torch.optim.SGD,)
 # Device types capturable optimizer states may live on (CPU tests widen this with the graph emulator).
 CAPTURABLE_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
@@ -38,6 +45,16 @@ _INSTALLED = "_l2lightning_capturable"
 
 class OptimizerNotCapturableError(TypeError):
     """The optimizer cannot run inside a CUDA graph."""
+
+
+def reads_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer`'s capturable step reads its LR from a device tensor (so a scheduler's LR
+    change reaches a replayed graph without a new capture)."""
+    if isinstance(optimizer, TENSOR_LR_TYPES):
+        return True
+    if isinstance(optimizer, FOREACH_TENSOR_LR_TYPES):
+        return all(g.get("foreach") is not False and not g.get("differentiable") for g in optimizer.param_groups)
+    return False
 
 
 def capture_support(optimizer: torch.optim.Optimizer) -> str | None:
@@ -58,7 +75,7 @@ class CapturableOptimizer:
 
     Attributes:
         optimizer: the torch optimizer (its ``step`` is wrapped while this object is installed).
-        tensor_lr: whether the step reads its LR from device tensors (Adam, AdamW).
+        tensor_lr: whether the step reads its LR from device tensors (see :func:`reads_tensor_lr`).
         lr_tensors: per param group, the device tensor the step reads, or None (a float LR).
     """
 
@@ -283,9 +300,9 @@ def make_capturable(
     """Switch `optimizer` to capturable mode before its first captured step.
 
     Sets ``capturable=True`` where the optimizer has the option, moves existing ``step`` state to
-    the parameters' device (capturable steps live there), and for Adam/AdamW makes each step read
-    its learning rate from a 0-dim float32 tensor on `device` that follows the param group's float
-    (see the module docstring). Apply it in ``configure_optimizers`` to get the eager baseline the
+    the parameters' device (capturable steps live there), and where :func:`reads_tensor_lr` holds
+    makes each step read its learning rate from a 0-dim float32 tensor on `device` that follows the
+    param group's float (see the module docstring). Apply it in ``configure_optimizers`` to get the eager baseline the
     callback is bit-identical to.
 
     Raises:
@@ -305,7 +322,7 @@ def make_capturable(
             f"capturable optimizers need CUDA parameters; `optimizer`'s parameters are on {device}"
         )
     original = [g.get("capturable") for g in optimizer.param_groups]
-    tensor_lr = isinstance(optimizer, TENSOR_LR_TYPES)
+    tensor_lr = reads_tensor_lr(optimizer)
     lr_tensors: list[torch.Tensor | None] = []
     for group in optimizer.param_groups:
         if "capturable" in group:

@@ -298,6 +298,32 @@ def test_sgd_with_a_per_epoch_schedule_is_captured_again_each_epoch():
     assert_same(plain, run)
 
 
+class TensorLREpochSchedule(TinyMLP):
+    """An epoch StepLR over Adadelta (the PyTorch MNIST example) or RMSprop. foreach=True is the
+    path PyTorch takes for CUDA parameters (a CPU run would take the single-tensor one)."""
+
+    kind = torch.optim.Adadelta
+
+    def configure_optimizers(self):
+        opt = self.kind(self.parameters(), lr=0.5, foreach=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+
+class RMSpropEpochSchedule(TensorLREpochSchedule):
+    kind = torch.optim.RMSprop
+
+
+@pytest.mark.parametrize("cls", [TensorLREpochSchedule, RMSpropEpochSchedule])
+def test_adadelta_and_rmsprop_read_a_tensor_lr_so_an_epoch_schedule_needs_one_capture(cls):
+    kwargs = {"steps": -1, "n": 64, "trainer_kwargs": {"max_epochs": 4}}
+    base, run, cb = captured_pair(cls, **kwargs)
+    assert cb.summary()["captured"] and cb.captures == 1 and cb.fallback_steps == 0, cb.summary()
+    assert_same(base, run)
+    opt = run[2].optimizers[0]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 0.7**4) and isinstance(opt.param_groups[0]["lr"], float)
+
+
 class OneCycleSGD(TinyMLP):
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)

@@ -23,6 +23,34 @@ def test_known_optimizers_capture(kind):
     assert capture_support(kind(params(), lr=0.1)) is None
 
 
+@pytest.mark.parametrize(
+    ("make", "tensor_lr"),
+    [
+        (lambda: torch.optim.Adam(params(), lr=0.1), True),
+        (lambda: torch.optim.AdamW(params(), lr=0.1, fused=True), True),
+        (lambda: torch.optim.Adadelta(params()), True),
+        (lambda: torch.optim.RMSprop(params(), foreach=True), True),
+        (lambda: torch.optim.Adadelta(params(), foreach=False), False),  # alpha=-lr would read the host
+        (lambda: torch.optim.RMSprop(params(), differentiable=True), False),
+        (lambda: torch.optim.SGD(params(), lr=0.1), False),
+        (lambda: torch.optim.Adagrad(params()), False),
+    ],
+)
+def test_which_optimizers_read_their_lr_from_a_tensor(make, tensor_lr):
+    assert optim.reads_tensor_lr(make()) is tensor_lr
+
+
+def test_an_lr_change_fills_the_tensor_and_is_not_a_baked_change(monkeypatch):
+    monkeypatch.setattr(optim, "CAPTURABLE_DEVICE_TYPES", ("cuda", "cpu"))
+    opt = torch.optim.Adadelta(params(), lr=1.0)
+    wrapped = make_capturable(opt)
+    opt.param_groups[0]["lr"] = 0.7
+    wrapped.sync_tensors()
+    assert wrapped.lr_tensors[0].item() == pytest.approx(0.7) and wrapped.baked_changes() == []
+    opt.param_groups[0]["rho"] = 0.8  # still baked: named
+    assert wrapped.baked_changes() == ["group 0 `rho` 0.9 -> 0.8"]
+
+
 def test_an_optimizer_without_a_capturable_mode_is_named():
     reason = capture_support(torch.optim.LBFGS(params()))
     assert reason is not None and "LBFGS" in reason
