@@ -77,6 +77,7 @@ from l2lightning.optim import (
     make_capturable,
 )
 from l2lightning.prefetch.plan import PrefetchPlan
+from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
 from l2lightning.step_source import StepSource, analyse
 from l2lightning.step_trace import (
     CaptureRefused,
@@ -222,6 +223,12 @@ class L2GraphCallback(Callback):
             (a periodic target-network sync, image logging, a print), and their effects flow into
             the next replay. Branches on ``self.global_step``/``current_epoch``/``batch_idx`` that
             the callback can read in ``training_step`` are handled without it.
+        autotune: the autotuner behind ``prefetch="auto"``: None (its defaults) or a mapping of
+            :class:`~l2lightning.Autotuner`'s arguments.
+        gate_pairs: with ``prefetch="auto"``, the whole-step gate (:mod:`l2lightning.step_gate`):
+            the step is captured a second time without prefetch, the next ``2 * gate_pairs`` steps
+            replay the two graphs in turn, and the plans stay only if the 95% confidence interval
+            of the whole step's gain is above zero. 0 keeps the tuner's plans without the gate.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -230,6 +237,10 @@ class L2GraphCallback(Callback):
         >>> trainer = Trainer(accelerator="gpu", devices=1, max_steps=1000, callbacks=[cb])
         >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
     """
+
+    # Prefetch settings the whole-step gate judges: the tuner's plans. "default" and explicit plans are
+    # what the user asked for, "decoy" is a control that benchmarks must see as it is.
+    _GATED_MODES: tuple[str, ...] = ("auto",)
 
     def __init__(
         self,
@@ -243,6 +254,7 @@ class L2GraphCallback(Callback):
         log_timing: bool = True,
         eager_steps: Callable[[Trainer, int], bool] | None = None,
         autotune: Any = None,
+        gate_pairs: int = GATE_PAIRS,
     ) -> None:
         super().__init__()
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
@@ -261,6 +273,8 @@ class L2GraphCallback(Callback):
         ]:
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool (True or False), got {value!r}")
+        if isinstance(gate_pairs, bool) or not isinstance(gate_pairs, int) or gate_pairs < 0 or gate_pairs == 1:
+            raise ValueError(f"`gate_pairs` must be 0 (no whole-step gate) or an int >= 2, got {gate_pairs!r}")
         if eager_steps is not None and not callable(eager_steps):
             raise TypeError(
                 f"`eager_steps` must be None or a callable (trainer, batch_idx) -> bool, got {eager_steps!r}"
@@ -278,6 +292,7 @@ class L2GraphCallback(Callback):
         self.eager_optimizer_fallback = eager_optimizer_fallback
         self.log_timing = log_timing
         self.eager_steps = eager_steps
+        self.gate_pairs = gate_pairs
         self._reset_run_state()
         # Persisted through state_dict (chosen plans and capture step of the last run).
         self.capture_step: int | None = None
@@ -334,7 +349,14 @@ class L2GraphCallback(Callback):
         # the captures (verify included) and of torch.compile's first compiled step
         self._cost_s: dict[str, float] = {"tuning_s": 0.0, "capture_s": 0.0, "compile_s": 0.0}
         self._compile_pending = False  # compile=True: the next step compiles (and is timed as compile_s)
-        self._prefetch_failed = False  # tuning ran out of memory: this fit captures without prefetch
+        # no prefetch for the rest of this fit: tuning ran out of memory, or the whole-step gate said no
+        self._prefetch_failed = False
+        # The whole-step gate's trial (both graphs and their replay times), whose turn this replay is,
+        # whether the capture under way is the trial's step without prefetch, and the verdict.
+        self._gate: StepGate | None = None
+        self._gate_turn: str | None = None
+        self._gate_capturing = False
+        self._gate_result: StepGateResult | None = None
         from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
 
         self._phase_events = PhaseEvents() if self.report and torch.cuda.is_available() else _NoPhaseEvents()
@@ -367,6 +389,7 @@ class L2GraphCallback(Callback):
             "fallback_steps": self.fallback_steps,
             "fallback_causes": sorted(self._fallback_causes),
             "graph_pool_mib": self._pool_mib,
+            "prefetch_gate": self._gate_result.to_dict() if self._gate_result is not None else None,
             **{key: round(value, 3) for key, value in self._cost_s.items()},
             "tuning": self._tuning_report.to_dict() if self._tuning_report is not None else None,
             "step_report": self.step_report.to_dict() if self.step_report is not None else None,
@@ -385,6 +408,8 @@ class L2GraphCallback(Callback):
             rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.")
         self._mode = "eager"
         self._graph = None
+        self._gate = None
+        self._gate_turn = None
         self._release_optimizer()
 
     def _release_optimizer(self) -> None:
@@ -495,6 +520,8 @@ class L2GraphCallback(Callback):
             self._hooks = None
         self._release_optimizer()
         self._graph = None
+        self._gate = None
+        self._gate_turn = None
         self._capture_graph = None
         self._groups = {}
         self._tracer = None
@@ -619,6 +646,16 @@ class L2GraphCallback(Callback):
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
         self._recapture_streak = 0
+        gate = self._gate
+        if gate is not None:
+            if gate.needs_off_graph:
+                self._gate_capturing = True
+                return "capture"
+            if gate.complete:
+                self._finish_gate()
+            else:
+                self._gate_turn = gate.next_variant()
+                self._graph = gate.graphs[self._gate_turn]
         return "replay"
 
     def _warmup_decision(self, key: tuple) -> str:
@@ -895,6 +932,17 @@ class L2GraphCallback(Callback):
 
     # ------------------------------------------------------------------ capture
     def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        gate_capture, self._gate_capturing = self._gate_capturing, False
+        if self._gate is not None and not gate_capture:
+            self._abandon_gate("the step was captured again (see the warning) before the gate's trial finished")
+        try:
+            result = self._capture_graph_step(run, closure, kwargs, gate_capture)
+        finally:
+            self._capture_graph = None
+        return result
+
+    def _capture_graph_step(self, run: Callable[..., Any], closure: Any, kwargs: dict, gate_capture: bool) -> Any:
+        """Capture the step (`gate_capture`: the gate's second capture, without prefetch), then replay it once."""
         module, wrapped = self._module, self._optimizer
         key = self._pending_key
         group = self._groups.get(key)
@@ -981,10 +1029,22 @@ class L2GraphCallback(Callback):
             self._undo_capture(saved, binding, saved_metrics)
             python_state.restore(python_before)
             self._mode = "eager"
+            if gate_capture:
+                self._graph = self._gate.graphs["prefetch"]  # the gate captures at a later step
             return run(closure, **kwargs)  # training_step returned None: nothing to capture this step
         except Exception as exc:  # a host sync or an op that cannot be captured
             self._undo_capture(saved, binding, saved_metrics)
             python_state.restore(python_before)  # the eager step below changes them once
+            if gate_capture:
+                # the step with prefetch was captured; only the comparison failed: keep that graph
+                self._graph = self._gate.graphs["prefetch"]
+                self._capture_graph = graph = None
+                self._gate = None
+                self._gate_result = StepGateResult(
+                    "prefetch", None, None, None, f"the step without prefetch could not be captured: {_first_line(exc)}"
+                )
+                _free_cached_memory()
+                return run(closure, **kwargs)
             if isinstance(exc, torch.OutOfMemoryError):
                 graph = self._capture_graph = None  # the partial graph's pool goes with them
                 _free_cached_memory()
@@ -1004,7 +1064,11 @@ class L2GraphCallback(Callback):
         wrapped.mark_captured()
         self._graph = graph
         self.captures += 1
-        self.capture_step = int(self._trainer.global_step)
+        if gate_capture:
+            self._gate.graphs["off"] = graph
+        else:
+            self.capture_step = int(self._trainer.global_step)
+            self._start_gate(graph)
         self._captured = True
         self._groups = {}  # the traces and their host copies are not needed any more
         # The capture recorded but did not run the step: this replay is the step's real update. Then
@@ -1022,7 +1086,7 @@ class L2GraphCallback(Callback):
         result = closure() if closure is not None else None
         if self.verify:
             self._finish_verify(eager_record)
-        if self.report:
+        if self.report and not gate_capture:
             self._build_step_report()
             rank_zero_info(self._report_text())
         if self.captures == 1 and self._source.conditions and not self._source.opaque_conditions:
@@ -1112,6 +1176,9 @@ class L2GraphCallback(Callback):
                 current.append(_copied(element))
         self._timing.graph.append((start, end))
         self._timing.graph_count += 1
+        if self._gate_turn is not None:
+            self._gate.record(self._gate_turn, start, end)
+            self._gate_turn = None
         if graph.binding is not None:
             graph.binding.after_replay()
         self._mode = "replay"
@@ -1350,7 +1417,63 @@ class L2GraphCallback(Callback):
         )
 
     def _prefetch_scope(self) -> Any:
-        return self._hooks.scope() if self._hooks is not None else contextlib.nullcontext()
+        if self._hooks is None or self._gate_capture_running():
+            return contextlib.nullcontext()  # no scope: the hooks issue nothing, forward or backward
+        return self._hooks.scope()
+
+    def _gate_capture_running(self) -> bool:
+        gate = self._gate
+        return gate is not None and gate.needs_off_graph and self._mode == "capture"
+
+    # ------------------------------------------------------------------ the whole-step gate
+    def _start_gate(self, graph: _Graph) -> None:
+        """After the first capture with tuned plans: the next step captures the step without prefetch."""
+        hooks = self._hooks
+        if (
+            self.gate_pairs == 0
+            or self.prefetch not in self._GATED_MODES
+            or self._gate_result is not None  # one trial per fit
+            or hooks is None
+            or not hooks.enabled
+            or getattr(hooks, "via", "hooks") != "hooks"  # compile=True: custom-op points, no scope
+            or not any(row.get("forward") or row.get("backward") for row in self.plans)
+        ):
+            return
+        self._gate = StepGate(graph, self.gate_pairs)
+
+    def _finish_gate(self) -> None:
+        """Judge the trial (one wait for its last replay), keep the faster graph, free the other."""
+        gate, self._gate = self._gate, None
+        result = gate.decide()
+        kept, dropped = gate.winner_and_loser(result)
+        self._gate_result = result
+        self._graph = kept
+        for param, grad in kept.grads:  # the dropped graph's gradients must not keep its pool alive
+            param.grad = grad
+        if result.kept == "off":
+            self._reject_prefetch()
+        self._timing.graph.clear()  # graph_step_ms: the kept graph's replays from here on
+        del gate, dropped
+        _free_cached_memory()
+        rank_zero_info(
+            f"L2GraphCallback: whole-step gate: {result.reason}; the step runs "
+            f"{'with its prefetch plans' if result.kept == 'prefetch' else 'without prefetch'}."
+        )
+
+    def _abandon_gate(self, reason: str) -> None:
+        """A trial that cannot finish proves nothing: the fit goes on without prefetch."""
+        self._gate = None
+        self._gate_turn = None
+        self._gate_result = StepGateResult("off", None, None, None, reason)
+        self._reject_prefetch()
+
+    def _reject_prefetch(self) -> None:
+        """No prefetch for the rest of the fit (a later capture captures the step without it)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        self._prefetch_failed = True
+        self.plans = []
 
     # ------------------------------------------------------------------ verify
     def _verify_eager(
@@ -1472,6 +1595,9 @@ class L2GraphCallback(Callback):
         metrics["l2/prefetch_layers"] = float(len(prefetched))
         metrics["l2/prefetch_mib"] = float(sum(float(row.get("mib") or 0.0) for row in prefetched))
         metrics["l2/fallback_steps"] = float(self.fallback_steps)
+        gate = self._gate_result
+        if gate is not None and gate.gain is not None and math.isfinite(gate.gain.mean):
+            metrics["l2/prefetch_gate_gain"] = float(gate.gain.mean)
         return metrics
 
     def _emit_timing(self, trainer: Trainer) -> None:

@@ -1,0 +1,154 @@
+"""The whole-step gate inside L2GraphCallback, on the CPU through the graph emulator.
+
+The prefetch hooks are a stand-in (the real ones need CUDA and CuPy): it counts the captures that
+enter its scope, and the replay times the gate reads are synthetic, per variant. What is checked is
+the callback's side: the second capture runs without the prefetch scope, the two graphs take turns,
+training stays bit-identical to the eager baseline whichever graph replays, the loser is dropped,
+and a rejected prefetch is removed for the rest of the fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+from l2lightning import L2GraphCallback, step_gate
+from l2lightning.step_gate import VARIANTS
+from tests import graph_emulator as emu
+from tests.lightning_models import TinyMLP
+from tests.test_callback_replay_cpu import SGDEpochSchedule, assert_same, baseline_of, fit
+
+
+class StandInHooks:
+    """What the callback uses of PrefetchHooks, with counters instead of kernels."""
+
+    via = "hooks"
+    tuning_report = None
+
+    def __init__(self, callback):
+        self.callback = callback
+        self.scoped_captures = 0
+        self.removed = False
+        self.removed_at: int | None = None  # the global step of remove() (teardown removes them too)
+
+    @property
+    def enabled(self):
+        return not self.removed
+
+    @contextlib.contextmanager
+    def scope(self):
+        if self.callback._mode == "capture":
+            self.scoped_captures += 1
+        yield
+
+    def plan_summary(self):
+        return [{"layer": "net.0.1", "mib": 0.004, "forward": "b4", "backward": None}]
+
+    def remove(self):
+        self.removed = True
+        self.removed_at = int(self.callback._trainer.global_step)
+
+
+@pytest.fixture(autouse=True)
+def emulated_cuda_graphs(monkeypatch, one_torch_thread):
+    emu.install(monkeypatch.setattr)
+    yield
+
+
+def gated(monkeypatch, prefetch_ms, off_ms, **kwargs):
+    """A callback with stand-in hooks whose gate reads `prefetch_ms`/`off_ms` (plus a little noise)."""
+    cb = L2GraphCallback(prefetch="auto", log_timing=False, **kwargs)
+    made = []
+
+    def hooks(self, module):
+        made.append(StandInHooks(self))
+        return made[-1]
+
+    monkeypatch.setattr(L2GraphCallback, "_prefetch_hooks", hooks)
+    decide = step_gate.StepGate.decide
+    noise = itertools.cycle([0.0, 0.004, -0.003, 0.002])
+
+    def synthetic(self, elapsed_ms=None):
+        variant_of = {id(end): v for v in VARIANTS for _, end in self.events[v]}
+        base = {"prefetch": prefetch_ms, "off": off_ms}
+        return decide(self, lambda start, end: base[variant_of[id(end)]] + next(noise))
+
+    monkeypatch.setattr(step_gate.StepGate, "decide", synthetic)
+    return cb, made
+
+
+def test_a_faster_prefetched_step_keeps_its_plans_and_trains_like_the_baseline(monkeypatch):
+    base = fit(baseline_of(TinyMLP), steps=40)
+    cb, hooks = gated(monkeypatch, prefetch_ms=0.9, off_ms=1.0, gate_pairs=8)
+    run = fit(TinyMLP, [cb], steps=40)
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 2 and s["capture_step"] == 3 and s["fallback_steps"] == 0, s
+    gate = s["prefetch_gate"]
+    assert gate["kept"] == "prefetch" and gate["pairs"] == 8 and gate["gain"] > 0.05, gate
+    assert len(hooks) == 1 and hooks[0].scoped_captures == 1  # the gate's capture ran without the scope
+    assert hooks[0].removed_at == 40 and s["plans"] and cb._graph is None  # only teardown removed them
+    assert_same(base, run)
+
+
+def test_a_slower_prefetched_step_is_dropped_for_the_rest_of_the_fit(monkeypatch):
+    base = fit(baseline_of(TinyMLP), steps=40)
+    cb, hooks = gated(monkeypatch, prefetch_ms=1.05, off_ms=1.0, gate_pairs=8)
+    seen = []
+    original = L2GraphCallback._replay_step
+
+    def replay(self, closure):
+        seen.append(self._graph)
+        return original(self, closure)
+
+    monkeypatch.setattr(L2GraphCallback, "_replay_step", replay)
+    run = fit(TinyMLP, [cb], steps=40)
+    s = cb.summary()
+    assert s["prefetch_gate"]["kept"] == "off" and "not above" in s["prefetch_gate"]["reason"], s
+    assert hooks[0].removed_at < 40 and s["plans"] == []
+    # two graphs in turn during the trial, then only the one without prefetch
+    trial, after = seen[: 2 * 8], seen[2 * 8 :]
+    assert len({id(g) for g in trial}) == 2 and len({id(g) for g in after}) == 1
+    assert after[0] is not seen[0]  # the first replay after the capture was the prefetched graph's
+    assert_same(base, run)
+
+
+def test_a_capture_during_the_trial_ends_it_without_prefetch(monkeypatch):
+    kwargs = {"steps": -1, "n": 64, "trainer_kwargs": {"max_epochs": 3}}  # 8 steps an epoch, SGD's LR per epoch
+    plain = fit(SGDEpochSchedule, **kwargs)
+    cb, hooks = gated(monkeypatch, prefetch_ms=0.5, off_ms=1.0, gate_pairs=8)
+    run = fit(SGDEpochSchedule, [cb], **kwargs)
+    s = cb.summary()
+    assert s["prefetch_gate"]["kept"] == "off" and "captured again" in s["prefetch_gate"]["reason"], s
+    assert hooks[0].removed_at < 24 and hooks[0].scoped_captures == 1
+    assert_same(plain, run)
+
+
+def test_gate_pairs_zero_keeps_the_tuned_plans_without_a_trial(monkeypatch):
+    cb, hooks = gated(monkeypatch, prefetch_ms=2.0, off_ms=1.0, gate_pairs=0)
+    fit(TinyMLP, [cb], steps=20)
+    s = cb.summary()
+    assert s["captures"] == 1 and s["prefetch_gate"] is None and hooks[0].removed_at == 20
+
+
+def test_the_gate_is_for_auto_only(monkeypatch):
+    cb, hooks = gated(monkeypatch, prefetch_ms=2.0, off_ms=1.0)
+    cb.prefetch = "default"
+    fit(TinyMLP, [cb], steps=20)
+    assert cb.summary()["captures"] == 1 and cb.summary()["prefetch_gate"] is None
+
+
+def test_the_gate_gain_is_logged_with_the_l2_metrics(monkeypatch):
+    cb, _ = gated(monkeypatch, prefetch_ms=0.9, off_ms=1.0, gate_pairs=4)
+    fit(TinyMLP, [cb], steps=20)
+    assert cb._timing_metrics()["l2/prefetch_gate_gain"] == pytest.approx(0.1, abs=0.02)
+
+
+@pytest.mark.parametrize("bad", [1, -1, 2.0, True, "8"])
+def test_gate_pairs_is_checked_by_name(bad):
+    with pytest.raises(ValueError, match="`gate_pairs` must be 0"):
+        L2GraphCallback(gate_pairs=bad)
+
+
