@@ -76,6 +76,7 @@ from l2lightning.optim import (
     installed_capturable,
     make_capturable,
 )
+from l2lightning.module_flags import ModuleFlags
 from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
 from l2lightning.step_source import StepSource, analyse
@@ -300,6 +301,8 @@ class L2GraphCallback(Callback):
 
     # ------------------------------------------------------------------ state
     def _reset_run_state(self) -> None:
+        if getattr(self, "_flags", None) is not None:
+            self._flags.close()  # its global registration hooks, should a fit have ended without clean-up
         self.disabled_reason: str | None = None
         self.verify_report: Any = None
         self.fallback_steps = 0
@@ -315,6 +318,7 @@ class L2GraphCallback(Callback):
         self._owns_optimizer = False
         self._nan_patched: list[Any] = []
         self._graph: _Graph | None = None
+        self._flags: ModuleFlags | None = None  # the module's train()/requires_grad flags, read per replay
         self._groups: dict[tuple, _Group] = {}
         self._baked_history: list[Any] = []  # the optimizer's baked hyperparameters at each warm-up step
         self._traced_steps = 0
@@ -522,6 +526,9 @@ class L2GraphCallback(Callback):
         self._graph = None
         self._gate = None
         self._gate_turn = None
+        if self._flags is not None:
+            self._flags.close()
+            self._flags = None
         self._capture_graph = None
         self._groups = {}
         self._tracer = None
@@ -713,11 +720,9 @@ class L2GraphCallback(Callback):
         return "capture"
 
     def _module_flags(self) -> tuple:
-        module = self._module
-        return (
-            tuple(m.training for m in module.modules()),
-            tuple(p.requires_grad for p in module.parameters()),
-        )
+        if self._flags is None:
+            self._flags = ModuleFlags(self._module)
+        return self._flags.read()
 
     def _count_fallback(self, cause: str) -> None:
         self.fallback_steps += 1

@@ -1,0 +1,45 @@
+"""ModuleFlags: the per-replay flags come from cached lists that a registration makes stale."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from l2lightning.module_flags import ModuleFlags
+
+
+def model():
+    return nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Linear(4, 1))
+
+
+def test_flags_follow_train_eval_and_requires_grad():
+    m = model()
+    flags = ModuleFlags(m)
+    first = flags.read()
+    assert first == ((True,) * 4, (True,) * 4)
+    m[1].eval()
+    m[2].weight.requires_grad_(False)
+    assert flags.read() == ((True, True, False, True), (True, True, False, True))
+    flags.close()
+
+
+def test_a_module_registered_later_is_seen():
+    m = model()
+    flags = ModuleFlags(m)
+    before = flags.read()
+    m.append(nn.Linear(1, 1))  # Sequential.append registers the new module
+    after = flags.read()
+    assert len(after[0]) == len(before[0]) + 1 and len(after[1]) == len(before[1]) + 2
+    m[3].bias = nn.Parameter(m[3].bias.detach().clone())  # a parameter registered again: still seen
+    assert flags.read() == after
+    flags.close()
+
+
+def test_close_removes_the_global_hooks():
+    modules_before = len(torch_module._global_module_registration_hooks)
+    params_before = len(torch_module._global_parameter_registration_hooks)
+    flags = ModuleFlags(model())
+    assert len(torch_module._global_module_registration_hooks) == modules_before + 1
+    flags.close()
+    assert len(torch_module._global_module_registration_hooks) == modules_before
+    assert len(torch_module._global_parameter_registration_hooks) == params_before
