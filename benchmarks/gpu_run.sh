@@ -22,6 +22,9 @@
 #   host-overhead[=ARGS]  benchmarks/bench_host_overhead.py with ARGS (commas for spaces)
 #                 -> host_overhead.tgz
 #   decode        the decode benchmark with the automatic attention choice (no attention sweep)
+#   default-cost[=ARGS]  benchmarks/bench_default_cost.py with ARGS (commas for spaces): step time,
+#                 fit wall time and peak memory of plain, prefetch off, the defaults and auto without
+#                 the whole-step gate -> default_cost.csv / default_cost.json
 # Wheels in .whl/ (an offline machine's dependencies) are installed to /tmp/site first when present.
 set -u
 if [ $# -lt 1 ]; then
@@ -100,6 +103,10 @@ for stage in "$@"; do
       timeout 330 python3 benchmarks/bench_host_overhead.py --out /tmp/host_overhead ${extra//,/ } > "$OUT/host_overhead.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/host_overhead.log" | tail -40
       tar czf "$OUT/host_overhead.tgz" -C /tmp host_overhead ;;
+    default-cost*)
+      extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
+      timeout 300 python3 benchmarks/bench_default_cost.py --out "$OUT" ${extra//,/ } > "$OUT/default_cost.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/default_cost.log" | tail -12 ;;
     decode)
       timeout 90 python3 benchmarks/bench_decode.py --skip-attention --out "$OUT/decode_auto" > "$OUT/decode_auto.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/decode_auto.log" | tail -18 ;;

@@ -1,0 +1,208 @@
+"""What the callback's defaults cost: step time, fit wall time and peak memory per variant (issue 16).
+
+Per case (bf16 MLP stacks of ``bench_callback.py``: LayerNorm, Linear, GELU x depth, fused AdamW;
+default d1536x40 b16 and d1024x60 b8), one full ``Trainer.fit`` per variant, interleaved over
+``--rounds`` rounds in one process:
+
+- ``plain``: Lightning without the callback;
+- ``off``: ``L2GraphCallback(prefetch="off")``, the graph alone;
+- ``default``: ``L2GraphCallback()`` (``prefetch="auto"`` with the whole-step gate);
+- ``auto_no_gate``: ``prefetch="auto"`` with ``gate_pairs=0`` (the tuner's plans as they come).
+
+The tuner runs with ``cache=None`` in every fit, so each ``auto`` fit pays a first run's tuning.
+``step_ms`` is the mean step time (``StepTimer``: start of one step to the next, CUDA events) over the
+last ``--steps`` steps of the fit, after ``--untimed`` steps that hold the warm-up, the capture and
+the gate's trial (3 + 1 + 1 + 2 x 24 steps with the defaults). ``fit_wall_s`` is ``Trainer.fit``'s wall
+time (tuning and captures included); peak memory is ``torch.cuda.max_memory_allocated/reserved``
+after ``reset_peak_memory_stats`` and an emptied cache before each fit. From the callback's summary:
+the graph pool, tuning and capture seconds, and the gate's verdict.
+
+Output in ``--out``: ``default_cost.csv`` (columns ``CSV_COLUMNS``: medians over rounds) and
+``default_cost.json`` (every fit, the command, the doctor's GPU check).
+
+    python benchmarks/bench_default_cost.py --out benchmarks/results/h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_callback import MLP  # noqa: E402  (the same model as the callback fit benchmark)
+
+from l2lightning import L2GraphCallback  # noqa: E402
+from l2lightning.step_timer import StepTimer  # noqa: E402
+from l2lightning.tools import doctor  # noqa: E402
+
+CSV_COLUMNS = ("case", "variant", "step_ms", "fit_wall_s", "peak_alloc_gib", "peak_reserved_gib")
+VARIANTS = {
+    "plain": None,
+    "off": {"prefetch": "off"},
+    "default": {"autotune": {"cache": None}},
+    "auto_no_gate": {"autotune": {"cache": None}, "gate_pairs": 0},
+}
+GIB = float(1 << 30)
+
+
+def parse_cases(text: str) -> list[tuple[int, int, int]]:
+    """``"1536x40x16,1024x60x8"`` -> [(width, depth, batch), ...]; a clear error naming `--cases`."""
+    cases = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"`--cases` takes WIDTHxDEPTHxBATCH items separated by commas, got {item!r}")
+        cases.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return cases
+
+
+def parse_variants(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise ValueError(f"`--variants` takes names from {sorted(VARIANTS)}, got {text!r}")
+    return names
+
+
+def fit_once(variant: str, width: int, depth: int, batch: int, untimed: int, steps: int) -> dict:
+    seed_everything(0)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = MLP(width, depth, "fused").to(torch.bfloat16)
+    n = batch * (untimed + steps + 2)
+    data = DataLoader(
+        TensorDataset(torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)),
+        batch_size=batch,
+    )
+    timer = StepTimer()
+    cb = L2GraphCallback(log_timing=False, **VARIANTS[variant]) if VARIANTS[variant] is not None else None
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=untimed + steps + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer] + ([cb] if cb is not None else []),
+    )
+    started = time.perf_counter()
+    trainer.fit(model, data)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    row = {
+        "case": f"d{width}x{depth} b{batch}",
+        "variant": variant,
+        "step_ms": statistics.fmean(timer.window_ms(untimed, steps)),
+        "fit_wall_s": wall,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated() / GIB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "param_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
+    }
+    if cb is not None:
+        s = cb.summary()
+        row.update(
+            {
+                "captured": s["captured"],
+                "reason": s["reason"],
+                "graph_replay_ms": s["graph_step_ms"],
+                "graph_pool_mib": s["graph_pool_mib"],
+                "tuning_s": s["tuning_s"],
+                "capture_s": s["capture_s"],
+                "captures": s["captures"],
+                "prefetch_layers": sum(1 for r in s["plans"] if r.get("forward") or r.get("backward")),
+                "prefetch_gate": s["prefetch_gate"],
+            }
+        )
+    return row
+
+
+def medians(rows: list[dict], cases: list[tuple[int, int, int]], variants: list[str]) -> list[dict]:
+    table = []
+    for width, depth, batch in cases:
+        case = f"d{width}x{depth} b{batch}"
+        for variant in variants:
+            mine = [r for r in rows if r["case"] == case and r["variant"] == variant and "error" not in r]
+            entry = {"case": case, "variant": variant}
+            for column in CSV_COLUMNS[2:]:
+                entry[column] = statistics.median(r[column] for r in mine) if mine else None
+            table.append(entry)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--cases", default="1536x40x16,1024x60x8", help="WIDTHxDEPTHxBATCH, comma-separated")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"from {sorted(VARIANTS)}")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--untimed", type=int, default=60, help="steps before the timed ones (>= 53 for the gate)")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per fit")
+    parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
+    args = parser.parse_args(argv)
+    try:
+        cases, variants = parse_cases(args.cases), parse_variants(args.variants)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name in ("rounds", "untimed", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"`--{name}` must be >= 1, got {getattr(args, name)}")
+    if not torch.cuda.is_available():
+        print("bench_default_cost: no CUDA device; nothing to time", file=sys.stderr)
+        return 2
+    check = doctor.check_before_timing(0, force=args.force, program="bench_default_cost")
+    if check.refused:
+        return 2
+    rows = []
+    for _ in range(args.rounds):
+        for width, depth, batch in cases:
+            for variant in variants:
+                try:
+                    rows.append(fit_once(variant, width, depth, batch, args.untimed, args.steps))
+                except Exception as exc:  # a failing variant is a result too
+                    rows.append({"case": f"d{width}x{depth} b{batch}", "variant": variant, "error": repr(exc)[:300]})
+                print(json.dumps(rows[-1], default=str), flush=True)
+    table = medians(rows, cases, variants)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "default_cost.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for entry in table:
+            writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in entry.items()})
+    (args.out / "default_cost.json").write_text(
+        json.dumps(
+            {
+                "command": " ".join([sys.executable, *sys.argv]),
+                "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name(0),
+                "doctor": check.to_dict(),
+                "forced": check.forced,
+                "runs": rows,
+                "table": table,
+            },
+            indent=2,
+            default=str,
+        )
+    )
+    print(f"{'case':<16}{'variant':<14}{'ms/step':>9}{'fit s':>8}{'alloc GiB':>11}{'reserved GiB':>14}")
+    for e in table:
+        cells = [e[c] for c in CSV_COLUMNS[2:]]
+        print(f"{e['case']:<16}{e['variant']:<14}" + "".join(
+            f"{v:>{w}.3f}" if v is not None else f"{'n/a':>{w}}" for v, w in zip(cells, (9, 8, 11, 14))
+        ))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
