@@ -82,7 +82,9 @@ def fit_once(variant: str, width: int, depth: int, batch: int, untimed: int, ste
     model = MLP(width, depth, "fused").to(torch.bfloat16)
     n = batch * (untimed + steps + 2)
     data = DataLoader(
-        TensorDataset(torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)),
+        TensorDataset(
+            torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)
+        ),
         batch_size=batch,
     )
     timer = StepTimer()
@@ -147,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="1536x40x16,1024x60x8", help="WIDTHxDEPTHxBATCH, comma-separated")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"from {sorted(VARIANTS)}")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--untimed", type=int, default=60, help="steps before the timed ones (>= 53 for the gate)")
+    parser.add_argument(
+        "--untimed", type=int, default=60, help="steps before the timed ones (>= 53 for the gate)"
+    )
     parser.add_argument("--steps", type=int, default=60, help="timed steps per fit")
     parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
     args = parser.parse_args(argv)
@@ -171,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     rows.append(fit_once(variant, width, depth, batch, args.untimed, args.steps))
                 except Exception as exc:  # a failing variant is a result too
-                    rows.append({"case": f"d{width}x{depth} b{batch}", "variant": variant, "error": repr(exc)[:300]})
+                    rows.append(
+                        {"case": f"d{width}x{depth} b{batch}", "variant": variant, "error": repr(exc)[:300]}
+                    )
                 print(json.dumps(rows[-1], default=str), flush=True)
     table = medians(rows, cases, variants)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -198,9 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':<16}{'variant':<14}{'ms/step':>9}{'fit s':>8}{'alloc GiB':>11}{'reserved GiB':>14}")
     for e in table:
         cells = [e[c] for c in CSV_COLUMNS[2:]]
-        print(f"{e['case']:<16}{e['variant']:<14}" + "".join(
-            f"{v:>{w}.3f}" if v is not None else f"{'n/a':>{w}}" for v, w in zip(cells, (9, 8, 11, 14))
-        ))
+        print(
+            f"{e['case']:<16}{e['variant']:<14}"
+            + "".join(
+                f"{v:>{w}.3f}" if v is not None else f"{'n/a':>{w}}" for v, w in zip(cells, (9, 8, 11, 14))
+            )
+        )
     return 0
 
 

@@ -70,13 +70,13 @@ from l2lightning.metric_binding import (
     update_counts,
     updated_between,
 )
+from l2lightning.module_flags import ModuleFlags
 from l2lightning.optim import (
     CapturableOptimizer,
     OptimizerNotCapturableError,
     installed_capturable,
     make_capturable,
 )
-from l2lightning.module_flags import ModuleFlags
 from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
 from l2lightning.step_source import StepSource, analyse
@@ -274,8 +274,15 @@ class L2GraphCallback(Callback):
         ]:
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool (True or False), got {value!r}")
-        if isinstance(gate_pairs, bool) or not isinstance(gate_pairs, int) or gate_pairs < 0 or gate_pairs == 1:
-            raise ValueError(f"`gate_pairs` must be 0 (no whole-step gate) or an int >= 2, got {gate_pairs!r}")
+        if (
+            isinstance(gate_pairs, bool)
+            or not isinstance(gate_pairs, int)
+            or gate_pairs < 0
+            or gate_pairs == 1
+        ):
+            raise ValueError(
+                f"`gate_pairs` must be 0 (no whole-step gate) or an int >= 2, got {gate_pairs!r}"
+            )
         if eager_steps is not None and not callable(eager_steps):
             raise TypeError(
                 f"`eager_steps` must be None or a callable (trainer, batch_idx) -> bool, got {eager_steps!r}"
@@ -939,14 +946,18 @@ class L2GraphCallback(Callback):
     def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         gate_capture, self._gate_capturing = self._gate_capturing, False
         if self._gate is not None and not gate_capture:
-            self._abandon_gate("the step was captured again (see the warning) before the gate's trial finished")
+            self._abandon_gate(
+                "the step was captured again (see the warning) before the gate's trial finished"
+            )
         try:
             result = self._capture_graph_step(run, closure, kwargs, gate_capture)
         finally:
             self._capture_graph = None
         return result
 
-    def _capture_graph_step(self, run: Callable[..., Any], closure: Any, kwargs: dict, gate_capture: bool) -> Any:
+    def _capture_graph_step(
+        self, run: Callable[..., Any], closure: Any, kwargs: dict, gate_capture: bool
+    ) -> Any:
         """Capture the step (`gate_capture`: the gate's second capture, without prefetch), then replay it once."""
         module, wrapped = self._module, self._optimizer
         key = self._pending_key
@@ -1046,7 +1057,11 @@ class L2GraphCallback(Callback):
                 self._capture_graph = graph = None
                 self._gate = None
                 self._gate_result = StepGateResult(
-                    "prefetch", None, None, None, f"the step without prefetch could not be captured: {_first_line(exc)}"
+                    "prefetch",
+                    None,
+                    None,
+                    None,
+                    f"the step without prefetch could not be captured: {_first_line(exc)}",
                 )
                 _free_cached_memory()
                 return run(closure, **kwargs)

@@ -53,7 +53,9 @@ def reads_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
     if isinstance(optimizer, TENSOR_LR_TYPES):
         return True
     if isinstance(optimizer, FOREACH_TENSOR_LR_TYPES):
-        return all(g.get("foreach") is not False and not g.get("differentiable") for g in optimizer.param_groups)
+        return all(
+            g.get("foreach") is not False and not g.get("differentiable") for g in optimizer.param_groups
+        )
     return False
 
 

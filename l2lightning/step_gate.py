@@ -65,7 +65,10 @@ def judge(
         return StepGateResult("off", ci, *medians, f"only {ci.n} paired replay(s): no confidence interval")
     if ci.low > min_gain:
         return StepGateResult(
-            "prefetch", ci, *medians, f"whole-step gain {ci.mean:+.2%}, {pct}% CI [{ci.low:+.2%}, {ci.high:+.2%}]"
+            "prefetch",
+            ci,
+            *medians,
+            f"whole-step gain {ci.mean:+.2%}, {pct}% CI [{ci.low:+.2%}, {ci.high:+.2%}]",
         )
     return StepGateResult(
         "off",

@@ -32,8 +32,14 @@ def test_the_default_variant_is_the_callbacks_defaults_but_the_cache():
 
 def test_medians_over_rounds_per_case_and_variant():
     rows = [
-        {"case": "d8x2 b4", "variant": "off", "step_ms": v, "fit_wall_s": 1.0, "peak_alloc_gib": 0.5,
-         "peak_reserved_gib": 1.0}
+        {
+            "case": "d8x2 b4",
+            "variant": "off",
+            "step_ms": v,
+            "fit_wall_s": 1.0,
+            "peak_alloc_gib": 0.5,
+            "peak_reserved_gib": 1.0,
+        }
         for v in (1.0, 3.0, 2.0)
     ] + [{"case": "d8x2 b4", "variant": "plain", "error": "boom"}]
     table = bench.medians(rows, [(8, 2, 4)], ["off", "plain"])

@@ -13,7 +13,6 @@ import contextlib
 import itertools
 
 import pytest
-import torch
 
 from l2lightning import L2GraphCallback, step_gate
 from l2lightning.step_gate import VARIANTS
@@ -116,7 +115,11 @@ def test_a_slower_prefetched_step_is_dropped_for_the_rest_of_the_fit(monkeypatch
 
 
 def test_a_capture_during_the_trial_ends_it_without_prefetch(monkeypatch):
-    kwargs = {"steps": -1, "n": 64, "trainer_kwargs": {"max_epochs": 3}}  # 8 steps an epoch, SGD's LR per epoch
+    kwargs = {
+        "steps": -1,
+        "n": 64,
+        "trainer_kwargs": {"max_epochs": 3},
+    }  # 8 steps an epoch, SGD's LR per epoch
     plain = fit(SGDEpochSchedule, **kwargs)
     cb, hooks = gated(monkeypatch, prefetch_ms=0.5, off_ms=1.0, gate_pairs=8)
     run = fit(SGDEpochSchedule, [cb], **kwargs)
@@ -150,5 +153,3 @@ def test_the_gate_gain_is_logged_with_the_l2_metrics(monkeypatch):
 def test_gate_pairs_is_checked_by_name(bad):
     with pytest.raises(ValueError, match="`gate_pairs` must be 0"):
         L2GraphCallback(gate_pairs=bad)
-
-

@@ -321,7 +321,9 @@ def test_adadelta_and_rmsprop_read_a_tensor_lr_so_an_epoch_schedule_needs_one_ca
     assert cb.summary()["captured"] and cb.captures == 1 and cb.fallback_steps == 0, cb.summary()
     assert_same(base, run)
     opt = run[2].optimizers[0]
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 0.7**4) and isinstance(opt.param_groups[0]["lr"], float)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 0.7**4) and isinstance(
+        opt.param_groups[0]["lr"], float
+    )
 
 
 class OneCycleSGD(TinyMLP):
