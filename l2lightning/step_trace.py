@@ -508,3 +508,9 @@ def _in_metric_validation() -> bool:
 def _host_args(args: tuple) -> list[torch.Tensor]:
     flat, _ = tree_flatten(args)
     return [a for a in flat if isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() > 0]
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (at most 240 characters), for one-line warnings."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:240] if text else type(exc).__name__

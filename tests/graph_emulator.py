@@ -174,6 +174,7 @@ def install(monkeypatch_setattr) -> None:
     """
     from l2lightning import callback as cbm
     from l2lightning import optim as optim_mod
+    from l2lightning import step_capture
 
     def devices(*a, **k):
         return ["cuda", "cpu"]
@@ -188,7 +189,7 @@ def install(monkeypatch_setattr) -> None:
         if hasattr(module, "_get_capturable_supported_devices"):
             monkeypatch_setattr(module, "_get_capturable_supported_devices", devices)
     monkeypatch_setattr(optim_mod, "CAPTURABLE_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch_setattr(cbm, "graph_capture", emulated_graph_capture)
+    monkeypatch_setattr(step_capture, "graph_capture", emulated_graph_capture)
     monkeypatch_setattr(
         cbm.L2GraphCallback, "_refusal", lambda self, trainer, pl_module: self._configuration_refusal(trainer)
     )

@@ -10,15 +10,14 @@ import torch
 import torchmetrics
 from lightning.pytorch import Trainer, seed_everything
 
-from l2lightning import L2GraphCallback, PrefetchPlan
-from l2lightning import callback as callback_module
-from l2lightning.callback import metric_update_reason
+from l2lightning import L2GraphCallback, PrefetchPlan, fit_report
 from l2lightning.metric_binding import (
     sync_free_nan_check,
     unreplayable_reason,
     update_counts,
     updated_between,
 )
+from l2lightning.warmup_steps import metric_update_reason
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
 
@@ -275,7 +274,7 @@ def _batch_end(cb, trainer):
 
 
 def test_l2_metrics_are_logged_once_at_the_first_batch_end_after_timed_replays():
-    n = callback_module.TIMED_REPLAYS_BEFORE_LOG
+    n = fit_report.TIMED_REPLAYS_BEFORE_LOG
     cb, trainer, logger = _logging_state(replays=n - 1)
     _batch_end(cb, trainer)
     assert logger.rows == []  # not known yet
@@ -306,7 +305,7 @@ def test_l2_metrics_are_logged_once_at_the_first_batch_end_after_timed_replays()
 
 
 def test_l2_metrics_wait_for_the_replays_to_finish_without_syncing():
-    cb, trainer, logger = _logging_state(replays=callback_module.TIMED_REPLAYS_BEFORE_LOG, last_done=False)
+    cb, trainer, logger = _logging_state(replays=fit_report.TIMED_REPLAYS_BEFORE_LOG, last_done=False)
     _batch_end(cb, trainer)
     assert logger.rows == []
     cb._timing.graph[-1][1].done = True
@@ -317,7 +316,7 @@ def test_l2_metrics_wait_for_the_replays_to_finish_without_syncing():
 @pytest.mark.parametrize("case", ["not rank zero", "log_timing off", "no graph"])
 def test_l2_metrics_are_not_logged_early_off_rank_zero_without_opt_in_or_graph(case):
     cb, trainer, logger = _logging_state(
-        replays=callback_module.TIMED_REPLAYS_BEFORE_LOG + 2, rank_zero=case != "not rank zero"
+        replays=fit_report.TIMED_REPLAYS_BEFORE_LOG + 2, rank_zero=case != "not rank zero"
     )
     if case == "log_timing off":
         cb.log_timing = False
@@ -328,7 +327,7 @@ def test_l2_metrics_are_not_logged_early_off_rank_zero_without_opt_in_or_graph(c
 
 
 def test_l2_metrics_are_logged_again_at_epoch_end(monkeypatch):
-    cb, trainer, logger = _logging_state(replays=callback_module.TIMED_REPLAYS_BEFORE_LOG)
+    cb, trainer, logger = _logging_state(replays=fit_report.TIMED_REPLAYS_BEFORE_LOG)
     _batch_end(cb, trainer)
     cb._timing.graph.append((_DoneEvent(), _DoneEvent(1.0)))
     cb._timing.graph_count += 1
@@ -338,7 +337,7 @@ def test_l2_metrics_are_logged_again_at_epoch_end(monkeypatch):
     cb.on_train_epoch_end(trainer, cb._module)
     assert len(logger.rows) == 2
     step, metrics = logger.rows[1]
-    assert step == callback_module.TIMED_REPLAYS_BEFORE_LOG + 4
+    assert step == fit_report.TIMED_REPLAYS_BEFORE_LOG + 4
     assert metrics["l2/fallback_steps"] == 1.0 and metrics["l2/graph_step_ms"] == 2.0
     assert set(metrics) == set(logger.rows[0][1])  # one consistent set of keys
 
@@ -357,7 +356,7 @@ def test_autotune_argument_is_checked_up_front_and_reaches_the_tuner(monkeypatch
             seen.update(kwargs)
 
     monkeypatch.setattr(prefetch_hooks, "PrefetchHooks", Hooks)
-    monkeypatch.setattr("l2lightning.callback.prefetch_unavailable_reason", lambda: None)
+    monkeypatch.setattr("l2lightning.prefetch_setup.prefetch_unavailable_reason", lambda: None)
     cb = L2GraphCallback(autotune={"budget_s": 0.2, "cache": None})
     cb._static_for_prefetch = type("S", (), {"batch": None})()
     cb._originals = {"training_step": None, "log": None}

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from l2lightning import L2GraphCallback, make_capturable
-from l2lightning.callback import TIMING_WINDOW
+from l2lightning.fit_report import TIMING_WINDOW
 from tests import graph_emulator as emu
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike

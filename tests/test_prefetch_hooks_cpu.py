@@ -336,7 +336,7 @@ def test_via_is_validated():
 def test_compiled_forward_compiles_torch_containers_and_keeps_the_points():
     from torch._dynamo.utils import counters
 
-    from l2lightning.callback import _compiled_forward
+    from l2lightning.prefetch_setup import _compiled_forward
 
     torch._dynamo.reset()
     counters.clear()

@@ -1,0 +1,202 @@
+"""Prefetch and compile for the captured step: hooks, tuning, the whole-step gate.
+
+A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the callback's run state
+(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+
+from l2lightning._env import prefetch_unavailable_reason
+from l2lightning.capture import StaticBatch, TrainingState
+from l2lightning.cuda_memory import free_cached_memory, memory_state
+from l2lightning.metric_binding import (
+    named_metrics,
+)
+from l2lightning.step_gate import StepGate, StepGateResult
+from l2lightning.step_overrides import shallow_copy
+from l2lightning.step_trace import first_line
+
+if TYPE_CHECKING:  # the capture module imports this one's helpers
+    from l2lightning.step_capture import _Graph
+
+
+class PrefetchSetup:
+    """Prefetch and compile for the captured step: hooks, tuning, the whole-step gate."""
+
+    def _prepare_compiled(self, pl_module: LightningModule, batch: Any) -> None:
+        """compile=True: install the prefetch points first, then compile the children.
+
+        Dynamo guards on a module's hooks, so hooks added after the first compiled call would force
+        a recompile inside the capture, where compiling cannot run. The points are custom ops
+        (l2lightning.prefetch.ops) that dynamo traces into the compiled graph; they act only inside
+        the capture's scope, checked at run time, so the warm-up steps run the same compiled code.
+        """
+        self._static_for_prefetch = StaticBatch(batch)
+        self._install_prefetch(pl_module)
+        for child in pl_module.children():
+            self._compiled_children.append(child)
+            child.forward = _compiled_forward(child)  # type: ignore[method-assign]
+        self._compile_pending = True
+
+    def _install_prefetch(self, pl_module: LightningModule) -> None:
+        if self.prefetch == "off" or self._prefetch_failed:
+            return
+        # Finding the layer chain runs training_step on the static batch, and the tuner times
+        # copies of layers: neither may leave a trace (BatchNorm statistics, metric states, RNG).
+        started = time.perf_counter()
+        try:
+            with _leaves_no_trace(pl_module, self._optimizer.optimizer if self._optimizer else None):
+                self._hooks = self._prefetch_hooks(pl_module)
+        except torch.OutOfMemoryError as exc:
+            # The tuner's throwaway copies and timing graphs did not fit: free them and capture
+            # the step without prefetch (the graph alone is most of the gain).
+            self._hooks = None
+            free_cached_memory()
+            self._warn_once(
+                "prefetch-oom",
+                f"prefetch off: out of memory while tuning it ({memory_state()}; {first_line(exc)}); "
+                "capturing the step without prefetch.",
+            )
+            self._prefetch_failed = True
+        finally:
+            self._cost_s["tuning_s"] += time.perf_counter() - started
+        if self._hooks is not None:
+            self._tuning_report = self._hooks.tuning_report
+            self.plans = self._hooks.plan_summary()
+
+    def _prefetch_hooks(self, pl_module: LightningModule) -> Any:
+        if self.prefetch == "off":
+            return None
+        reason = prefetch_unavailable_reason()
+        if reason:
+            self._warn_once("prefetch", f"prefetch off ({reason}); capturing the graph without it.")
+            return None
+        from l2lightning.prefetch.hooks import PrefetchHooks
+
+        static_batch = self._static_for_prefetch.batch
+        original_training_step = self._originals["training_step"]
+        original_log = self._originals["log"]
+
+        def dry_step(module: Any, batch: Any) -> Any:
+            module.log = lambda *a, **k: None  # the dry run must not log
+            try:
+                return original_training_step(batch, 0)
+            finally:
+                module.log = self._installed.get("log", original_log)
+
+        plans: Any = None if self.prefetch in ("default", "decoy") else self.prefetch
+        return PrefetchHooks(
+            pl_module,
+            static_batch,
+            backward=self.backward_prefetch,
+            step=dry_step,
+            plans=plans,
+            decoy=self.prefetch == "decoy",
+            scope="manual",
+            via="ops" if self.compile else "hooks",
+            autotune=self.autotune,
+        )
+
+    def _prefetch_scope(self) -> Any:
+        if self._hooks is None or self._gate_capture_running():
+            return contextlib.nullcontext()  # no scope: the hooks issue nothing, forward or backward
+        return self._hooks.scope()
+
+    def _gate_capture_running(self) -> bool:
+        gate = self._gate
+        return gate is not None and gate.needs_off_graph and self._mode == "capture"
+
+    def _start_gate(self, graph: _Graph) -> None:
+        """After the first capture with tuned plans: the next step captures the step without prefetch."""
+        hooks = self._hooks
+        if (
+            self.gate_pairs == 0
+            or self.prefetch not in self._GATED_MODES
+            or self._gate_result is not None  # one trial per fit
+            or hooks is None
+            or not hooks.enabled
+            or getattr(hooks, "via", "hooks") != "hooks"  # compile=True: custom-op points, no scope
+            or not any(row.get("forward") or row.get("backward") for row in self.plans)
+        ):
+            return
+        self._gate = StepGate(graph, self.gate_pairs)
+
+    def _finish_gate(self) -> None:
+        """Judge the trial (one wait for its last replay), keep the faster graph, free the other."""
+        gate, self._gate = self._gate, None
+        result = gate.decide()
+        kept, dropped = gate.winner_and_loser(result)
+        self._gate_result = result
+        self._graph = kept
+        for param, grad in kept.grads:  # the dropped graph's gradients must not keep its pool alive
+            param.grad = grad
+        if result.kept == "off":
+            self._reject_prefetch()
+        self._timing.graph.clear()  # graph_step_ms: the kept graph's replays from here on
+        del gate, dropped
+        free_cached_memory()
+        rank_zero_info(
+            f"L2GraphCallback: whole-step gate: {result.reason}; the step runs "
+            f"{'with its prefetch plans' if result.kept == 'prefetch' else 'without prefetch'}."
+        )
+
+    def _abandon_gate(self, reason: str) -> None:
+        """A trial that cannot finish proves nothing: the fit goes on without prefetch."""
+        self._gate = None
+        self._gate_turn = None
+        self._gate_result = StepGateResult("off", None, None, None, reason)
+        self._reject_prefetch()
+
+    def _reject_prefetch(self) -> None:
+        """No prefetch for the rest of the fit (a later capture captures the step without it)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        self._prefetch_failed = True
+        self.plans = []
+
+
+@contextlib.contextmanager
+def _leaves_no_trace(module: LightningModule, optimizer: Any) -> Any:
+    """Run code on the module that must leave nothing behind: parameters, buffers, metrics, RNG."""
+    metrics = [m for _, m in named_metrics(module)]
+    attributes = [(m, attr, shallow_copy(getattr(m, attr))) for m in metrics for attr in m._defaults]
+    python = [(m, m._update_count, m._forward_cache, m._computed) for m in metrics]
+    tensors = [value for _, _, value in attributes if isinstance(value, torch.Tensor)]
+    saved = TrainingState.save(module, optimizer, tensors)
+    try:
+        # a print in training_step (a periodic `print(loss.item())`) must not print for a step that is not one
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        for m, attr, value in attributes:
+            setattr(m, attr, value)
+        for m, count, cache, computed in python:
+            m._update_count, m._forward_cache, m._computed = count, cache, computed
+        saved.restore(optimizer)
+
+
+def _compiled_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    """``module.forward`` compiled by ``torch.compile`` (default mode), entered through this file.
+
+    ``nn.Module.compile()`` compiles ``_call_impl``, a frame in torch's own files that dynamo skips:
+    for a container of torch modules (an ``nn.Sequential`` of Linear/LayerNorm/GELU) nothing gets
+    compiled. A wrapper defined here is user code, so dynamo compiles it and inlines the module
+    calls (and their hooks) below it.
+    """
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    return torch.compile(forward)

@@ -1,0 +1,304 @@
+"""The capture step: record the closure and the optimizer update in one graph, or undo everything.
+
+A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the callback's run state
+(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from l2lightning import python_state
+from l2lightning.capture import StaticBatch, TrainingState, graph_capture
+from l2lightning.cuda_memory import free_cached_memory, memory_state
+from l2lightning.log_replay import ReissuedLog
+from l2lightning.metric_binding import (
+    MetricBinding,
+    drop_autograd_graphs,
+    named_metrics,
+)
+from l2lightning.step_gate import StepGateResult
+from l2lightning.step_overrides import copied_element
+from l2lightning.step_trace import (
+    CaptureRefused,
+    HostConstants,
+    StepTracer,
+    describe_frame,
+    first_line,
+    user_frame_of_traceback,
+)
+
+# PyTorch's warning when a gradient reaches a parameter through an AccumulateGrad node made in an
+# earlier step (kept alive by a tensor that still holds that step's autograd graph)
+STALE_GRAPH_WARNING = "AccumulateGrad node's stream does not match"
+STALE_GRAPH_HINT = (
+    "a tensor kept from an earlier step still holds that step's autograd graph (for example a loss "
+    "stored on the module, `self.last_loss = loss`), and its parameters' gradient accumulators are bound "
+    "to the stream that step ran on; keep `loss.detach()` instead"
+)
+
+
+@dataclass
+class _Graph:
+    """One captured step and what its replays need."""
+
+    graph: Any
+    static: StaticBatch
+    key: tuple
+    output: Any = None
+    grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    log_calls: list[ReissuedLog] = field(default_factory=list)
+    binding: MetricBinding | None = None
+    constants: HostConstants | None = None
+    flags: tuple = ()
+    # lists the step appends to, with the element the capture appended (graph tensors: copied per replay)
+    appends: list[tuple[python_state.Append, Any]] = field(default_factory=list)
+    # Python numbers the capture may have baked in (python_state.baked_scalars), checked before each replay
+    scalars: list[tuple[dict, str, Any]] = field(default_factory=list)
+
+
+class StepCapture:
+    """The capture step: record the closure and the optimizer update in one graph, or undo everything."""
+
+    def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        gate_capture, self._gate_capturing = self._gate_capturing, False
+        if self._gate is not None and not gate_capture:
+            self._abandon_gate(
+                "the step was captured again (see the warning) before the gate's trial finished"
+            )
+        try:
+            result = self._capture_graph_step(run, closure, kwargs, gate_capture)
+        finally:
+            self._capture_graph = None
+        return result
+
+    def _capture_graph_step(
+        self, run: Callable[..., Any], closure: Any, kwargs: dict, gate_capture: bool
+    ) -> Any:
+        """Capture the step (`gate_capture`: the gate's second capture, without prefetch), then replay it once."""
+        module, wrapped = self._module, self._optimizer
+        key = self._pending_key
+        group = self._groups.get(key)
+        batch = self._pending[0]
+        torch.cuda.synchronize()
+        if group is not None and group.traces:
+            try:
+                constants = HostConstants(group.traces[-1].constants, self._device())
+            except ValueError as exc:
+                self._disable(str(exc))
+                return run(closure, **kwargs)
+        elif self._graph is not None and self._graph.constants is not None:
+            constants = self._graph.constants  # a re-capture: the same host constants, checked again
+        else:
+            constants = HostConstants([], self._device())
+        constants.used = 0
+        metrics = dict(named_metrics(module))
+        bound = {name: metrics[name] for name in sorted(group.metrics if group else ()) if name in metrics}
+        if self._graph is not None and self._graph.binding is not None:
+            self._graph.binding.bring_home()
+            bound.update(self._graph.binding.metrics)
+        self._graph = None  # a re-capture replaces the graph; a failed one leaves none
+        binding = MetricBinding(bound) if bound else None
+        static = StaticBatch(batch)
+        holders = self._python_holders()
+        # The chain discovery's dry run and the verify step run training_step's Python too: what they
+        # do to Python state (an appended output, a drawn random number) is undone like their tensors.
+        python_start = python_state.snapshot(holders)
+        if self._hooks is None and not self.compile:
+            self._static_for_prefetch = static
+            self._install_prefetch(module)
+        eager_record = self._verify_eager(run, closure, kwargs, binding) if self.verify else None
+        python_state.restore(python_start)
+        saved = TrainingState.save(module, wrapped.optimizer, binding.state_tensors() if binding else ())
+        saved_metrics = binding.python_state() if binding else {}
+        # validate_args is switched off for the capture below, by the callback, not by the step
+        ours = frozenset((id(m), "validate_args") for m in bound.values())
+        python_before = python_state.snapshot(holders, ours)
+        graph = _Graph(torch.cuda.CUDAGraph(), static, key, binding=binding, constants=constants)
+        self._capture_logs = []
+        self._step_output = None
+        memo = group.traces[-1].memo if group is not None and group.traces else self._memo
+        self._memo = memo
+        tracer = StepTracer(self._device_type(), constants, memo)
+        self._mode = "capture"
+        self._capture_graph = graph
+        wrapped.sync_tensors()
+        wrapped.freeze(True)
+
+        def captured() -> Any:
+            out = self._run_traced(tracer, closure)
+            if self._step_output is None:
+                raise _Defer()
+            appended, python_changed = python_state.split_appends(
+                python_before, python_state.snapshot(holders, ours)
+            )
+            if python_changed and self._traced_steps >= 1:
+                raise CaptureRefused(self._python_problem(python_changed))
+            graph.appends = [(a, a.current()[-1]) for a in appended]
+            return out
+
+        drop_autograd_graphs(module)  # a metric's step value can hold the last step's autograd graph
+        validating = [m for m in bound.values() if getattr(m, "validate_args", False)]
+        for m in validating:
+            m.validate_args = False  # input checks sync with the host; the warm-up steps ran them
+        # Which submodules the step calls: their Python numbers (nn.Dropout.p) are baked into the graph.
+        # Not with compile=True: a global hook would make dynamo recompile inside the capture.
+        ran: set[int] | None = None if self.compile else set()
+        hook = (
+            torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: ran.add(id(m)))
+            if ran is not None
+            else None
+        )
+        try:
+            try:
+                self._capture_into(graph, run, captured, kwargs)
+            finally:
+                if hook is not None:
+                    hook.remove()
+                wrapped.freeze(False)
+                for m in validating:
+                    m.validate_args = True
+        except _Defer:
+            self._undo_capture(saved, binding, saved_metrics)
+            python_state.restore(python_before)
+            self._mode = "eager"
+            if gate_capture:
+                self._graph = self._gate.graphs["prefetch"]  # the gate captures at a later step
+            return run(closure, **kwargs)  # training_step returned None: nothing to capture this step
+        except Exception as exc:  # a host sync or an op that cannot be captured
+            self._undo_capture(saved, binding, saved_metrics)
+            python_state.restore(python_before)  # the eager step below changes them once
+            if gate_capture:
+                # the step with prefetch was captured; only the comparison failed: keep that graph
+                self._graph = self._gate.graphs["prefetch"]
+                self._capture_graph = graph = None
+                self._gate = None
+                self._gate_result = StepGateResult(
+                    "prefetch",
+                    None,
+                    None,
+                    None,
+                    f"the step without prefetch could not be captured: {first_line(exc)}",
+                )
+                free_cached_memory()
+                return run(closure, **kwargs)
+            if isinstance(exc, torch.OutOfMemoryError):
+                graph = self._capture_graph = None  # the partial graph's pool goes with them
+                free_cached_memory()
+                self._disable(
+                    f"the step could not be captured: out of memory ({memory_state()}; {first_line(exc)})"
+                )
+            else:
+                self._disable(self._capture_failure_reason(exc))
+            return run(closure, **kwargs)
+        graph.output = self._step_output
+        graph.log_calls = self._capture_logs
+        graph.grads = [(p, p.grad) for p in module.parameters()]
+        graph.flags = self._module_flags()
+        graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
+        if binding is not None:
+            binding.finish_capture()
+        wrapped.mark_captured()
+        self._graph = graph
+        self.captures += 1
+        if gate_capture:
+            self._gate.graphs["off"] = graph
+        else:
+            self.capture_step = int(self._trainer.global_step)
+            self._start_gate(graph)
+        self._captured = True
+        self._groups = {}  # the traces and their host copies are not needed any more
+        # The capture recorded but did not run the step: this replay is the step's real update. Then
+        # the closure again, in replay mode, so Lightning keeps fresh outputs and the logs are issued.
+        graph.graph.replay()
+        for where, element in graph.appends:  # the capture appended graph tensors: now they hold values
+            current = where.current()
+            if current:
+                current[-1] = copied_element(element)
+        if binding is not None:
+            binding.fresh_forward_caches()
+        self._live_log_values = self._python_log_sources(graph.log_calls)
+        self._mode = "replay"
+        self._reissued = set()
+        result = closure() if closure is not None else None
+        if self.verify:
+            self._finish_verify(eager_record)
+        if self.report and not gate_capture:
+            self._build_step_report()
+            rank_zero_info(self._report_text())
+        if self.captures == 1 and self._source.conditions and not self._source.opaque_conditions:
+            rank_zero_info(
+                "L2GraphCallback: steps whose branch (on the step counters or the module's attributes) differs "
+                "from the captured step's "
+                f"({[c.line for c in self._source.conditions]}) run eagerly."
+            )
+        return result
+
+    def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:
+        module = self._module
+        reserved = 0
+        if torch.cuda.is_available():
+            # Collected first: a dead autograd graph in a reference cycle keeps AccumulateGrad nodes
+            # bound to another stream, which would break the capture; and what torch.cuda.graph frees
+            # before capturing must not count against the graph's pool.
+            free_cached_memory()
+            reserved = torch.cuda.memory_reserved()
+        # grads are allocated inside the capture, in the graph's pool
+        self._optimizer.optimizer.zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=True)
+        caught: list = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with graph_capture(graph.graph, stream=self._step_stream):
+                    self._phase_events.mark("start")
+                    run(closure, **kwargs)
+                    if graph.binding is not None:
+                        graph.binding.bring_home()
+                    self._phase_events.mark("end")
+        except Exception as exc:
+            if any(STALE_GRAPH_WARNING in str(w.message) for w in caught):
+                exc.add_note(STALE_GRAPH_HINT)
+            raise
+        finally:
+            for w in caught:  # the user's warning filters decide, as if nothing had recorded them
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        if torch.cuda.is_available():
+            self._pool_mib = (torch.cuda.memory_reserved() - reserved) / (1 << 20)
+
+    def _undo_capture(self, saved: TrainingState, binding: MetricBinding | None, metrics: dict) -> None:
+        """A capture that did not complete leaves nothing: state, RNG (CUDA generator too), metrics, grads."""
+        module = self._module
+        saved.restore_rng()  # first: the CUDA generator may be unusable until it gets a fresh state
+        saved.restore(self._optimizer.optimizer if self._optimizer is not None else None)
+        if binding is not None:
+            binding.rebind()  # attributes back on the home tensors restored above
+            binding.restore_python_state(metrics)
+        module.zero_grad(set_to_none=True)
+        self._capture_logs = []
+        self._step_output = None
+        self._mode = "eager"
+
+    def _capture_failure_reason(self, exc: BaseException) -> str:
+        if isinstance(exc, CaptureRefused):
+            return f"the step could not be captured: {exc}"
+        where = user_frame_of_traceback(exc.__traceback__)
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        located = f" at {describe_frame(where)}" if where else ""
+        if STALE_GRAPH_HINT in getattr(exc, "__notes__", ()):
+            return f"the step could not be captured ({type(exc).__name__}: {first}): {STALE_GRAPH_HINT}"
+        return (
+            f"the step could not be captured ({type(exc).__name__}: {first}){located}; if that line syncs with the "
+            "host (`.item()`, `print(tensor)`, `if tensor:`), log the tensor with `self.log` or run such steps "
+            "eagerly with `eager_steps`"
+        )
+
+
+class _Defer(Exception):
+    """training_step returned None at the capture step: capture at a later step."""

@@ -1,0 +1,113 @@
+"""What each optimizer step does: replay, capture (again), or run eagerly, and why.
+
+A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the callback's run state
+(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+"""
+
+from __future__ import annotations
+
+from l2lightning import python_state
+from l2lightning.capture import batch_signature
+from l2lightning.module_flags import ModuleFlags
+
+# Re-captures on consecutive steps after which a schedule is taken to change the graph every step.
+RECAPTURE_STREAK_LIMIT = 3
+# Steps on one other branch in a row after which that branch is captured in place of the current one
+BRANCH_SWITCH_STEPS = 3
+
+
+class StepDecision:
+    """What each optimizer step does: replay, capture (again), or run eagerly, and why."""
+
+    def _decide(self) -> str:
+        """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture", "replay"."""
+        if self.disabled_reason or self._pending is None or self._optimizer is None:
+            return "eager"
+        trainer, module = self._trainer, self._module
+        batch, batch_idx = self._pending
+        if trainer.accumulate_grad_batches != 1:
+            self._fall_back(
+                f"gradient accumulation ({trainer.accumulate_grad_batches} batches) is not captured"
+            )
+            return "eager"
+        if self.eager_steps is not None and self.eager_steps(trainer, batch_idx):
+            self._count_fallback("`eager_steps` asked for it")
+            return "eager"
+        key = (self._source.branch_key(module, batch_idx), batch_signature(batch))
+        self._pending_key = key
+        graph = self._graph
+        if graph is None:
+            return self._warmup_decision(key)
+        if key[0] != graph.key[0]:
+            # A branch that stays switched (clipping on from step 10, an auxiliary loss from epoch 1)
+            # gets a graph of its own after a few steps; a periodic one (a target sync every N
+            # steps) keeps running eagerly on its steps.
+            run = self._other_branch[1] + 1 if self._other_branch[0] == key[0] else 1
+            self._other_branch = (key[0], run)
+            if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
+                self._other_branch = (None, 0)
+                return self._recapture("the step's branch changed and stayed changed")
+            self._fall_back("the step takes another branch on the step counters than the captured one")
+            return "eager"
+        self._other_branch = (None, 0)
+        if key[1] != graph.static.signature:
+            self._fall_back(f"batch {batch_idx}: {graph.static.mismatch(batch)}")
+            return "eager"
+        flags = self._module_flags()
+        if self._recapture_next:
+            self._recapture_next = False
+            return self._recapture("parameters' `requires_grad` changed since capture")
+        if flags != graph.flags:
+            if flags[1] != graph.flags[1]:
+                # new trainable parameters need their optimizer state made eagerly, outside a graph
+                self._recapture_next = True
+                self._fall_back(
+                    "parameters' `requires_grad` changed since capture (captured again next step)"
+                )
+                return "eager"
+            return self._recapture("modules' `train()`/`eval()` mode changed since capture")
+        changes = self._optimizer.baked_changes()
+        if changes:
+            return self._recapture(f"the optimizer's {', '.join(changes)} (baked into the graph)")
+        scalars = python_state.changed_scalars(graph.scalars)
+        if scalars:
+            return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
+        self._recapture_streak = 0
+        gate = self._gate
+        if gate is not None:
+            if gate.needs_off_graph:
+                self._gate_capturing = True
+                return "capture"
+            if gate.complete:
+                self._finish_gate()
+            else:
+                self._gate_turn = gate.next_variant()
+                self._graph = gate.graphs[self._gate_turn]
+        return "replay"
+
+    def _recapture(self, cause: str) -> str:
+        self._recapture_streak += 1
+        if self._recapture_streak >= RECAPTURE_STREAK_LIMIT:
+            self._disable(
+                f"{cause}, on {self._recapture_streak} steps in a row: every step would need a new capture"
+            )
+            return "eager"
+        self._warn_once(f"recapture:{cause.split(' ')[0]}", f"capturing the step again: {cause}.")
+        return "capture"
+
+    def _module_flags(self) -> tuple:
+        if self._flags is None:
+            self._flags = ModuleFlags(self._module)
+        return self._flags.read()
+
+    def _count_fallback(self, cause: str) -> None:
+        self.fallback_steps += 1
+        self._fallback_causes.add(cause)
+
+    def _fall_back(self, cause: str) -> None:
+        """This one step runs eagerly; the graph stays for later steps."""
+        kind = cause.split(":", 1)[-1].strip()
+        self._count_fallback(kind)
+        self._warn_once(
+            f"fallback:{kind}", f"running this step eagerly ({cause}); the graph is kept for later steps."
+        )

@@ -1,0 +1,187 @@
+"""The LightningModule methods the callback replaces for a fit, and self.log through replays.
+
+A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the callback's run state
+(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from l2lightning.log_replay import ReissuedLog
+
+
+class StepOverrides:
+    """The LightningModule methods the callback replaces for a fit, and self.log through replays."""
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+        mode = self._mode
+        if mode == "replay":
+            self._reissue("training_step")
+            return fresh_extras(self._graph.output)
+        accumulating = self._trainer is not None and self._trainer.accumulate_grad_batches != 1
+        if (
+            not self._in_step
+            and self._pending is not None
+            and self._optimizer is not None
+            and not accumulating
+        ):
+            # the closure ran outside optimizer.step: the step cannot be wrapped around it
+            self._disable(
+                "the module's `optimizer_step` calls the optimizer closure itself, outside `optimizer.step`, so the "
+                "captured step cannot include it"
+            )
+            mode = "eager"
+        if mode == "capture":
+            # The graph reads the static buffers; the batch Lightning passed is copied into them.
+            # The prefetch scope is the forward pass: its end joins the side stream and arms the
+            # backward join on the outputs this forward produced.
+            with self._prefetch_scope():
+                output = self._originals["training_step"](
+                    self._capture_graph.static.batch, *args[1:], **kwargs
+                )
+            self._phase_events.mark("forward")
+            self._step_output = output
+            return output
+        if mode == "verify":
+            output = self._originals["training_step"](*args, **kwargs)
+            self._step_output = output
+            return output
+        with self._kernel_counter.phase("forward"):
+            return self._originals["training_step"](*args, **kwargs)
+
+    def _captured_hook(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A hook the graph runs at capture: in replay mode only its log calls are re-issued."""
+
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            mode = self._mode
+            if name in self._eager_hooks:
+                # a read-only hook that syncs with the host: kept out of the graph, run after each replay
+                if mode == "capture":
+                    return None
+                if mode == "trace" and self._tracer is not None:
+                    with self._tracer.paused():
+                        return original(*args, **kwargs)
+                return original(*args, **kwargs)
+            if mode == "replay":
+                self._reissue(name)
+                return None
+            if mode == "trace" and self._tracer is not None:
+                with self._tracer.hook(name):
+                    return original(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        return hook
+
+    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self._mode == "replay":
+            return None
+        with self._kernel_counter.phase("backward"):
+            out = self._originals["backward"](loss, *args, **kwargs)
+        if self._hooks is not None and self._hooks.via == "ops":
+            self._hooks.join()  # custom-op points leave the backward join to the caller
+        self._phase_events.mark("backward")
+        return out
+
+    def _optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if self._mode == "replay":
+            return None  # keep the graph's .grad tensors
+        if self._mode == "capture":
+            optimizer.zero_grad(set_to_none=True)  # grads are allocated in the graph's pool
+            return None
+        return self._originals["optimizer_zero_grad"](epoch, batch_idx, optimizer)
+
+    def _configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        if self._mode == "replay":
+            return None  # the graph clipped the gradients already
+        return self._originals["configure_gradient_clipping"](optimizer, *args, **kwargs)
+
+    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """``self.log`` for the fit: recorded during a capture, kept out of traces, passed through otherwise."""
+        mode = self._mode
+        if mode == "capture":
+            fx = self._module._current_fx_name or "training_step"
+            self._capture_logs.append(ReissuedLog(fx, (name, value, *args), kwargs))
+            return None
+        if mode == "verify":
+            return None  # the verify step logs nothing; the real step does
+        if mode == "trace" and self._tracer is not None:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._step_logs.setdefault(name, []).append(value)
+            with self._tracer.paused():
+                return self._originals["log"](name, value, *args, **kwargs)
+        return self._originals["log"](name, value, *args, **kwargs)
+
+    def _reissue(self, fx: str) -> None:
+        """Call the real ``self.log`` for each call recorded in hook `fx` at capture, with this replay's values."""
+        if fx in self._reissued:
+            return
+        self._reissued.add(fx)
+        for call in self._graph.log_calls:
+            if call.fx == fx:
+                self._reissue_call(call)
+
+    def _reissue_call(self, call: ReissuedLog) -> None:
+        # A tensor value is the graph's static output: self.log clones it, so the logged value is
+        # this step's even after the next replay overwrites the output.
+        value = call.value
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and call.name in self._live_log_values
+        ):
+            value = self._source.log_value(call.name, self._module, self._pending[1] if self._pending else 0)
+        call.issue(self._module, self._originals["log"], value)
+
+    def _python_log_sources(self, calls: list[ReissuedLog]) -> set[str]:
+        """Keys of logged Python numbers to re-evaluate at each replay; warn about the ones that would freeze."""
+        live = set()
+        batch_idx = self._pending[1] if self._pending else 0
+        for call in calls:
+            name, value = call.args[0], call.args[1]
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if name in self._source.log_values:
+                try:
+                    if self._source.log_value(name, self._module, batch_idx) == value:
+                        live.add(name)
+                        continue
+                except Exception:  # falls through to the warning below
+                    pass
+            seen = self._step_logs.get(name, [])
+            if seen and all(v == value for v in seen):
+                continue  # the same number at every traced step: a constant
+            self._warn_once(
+                f"frozen-log:{name}",
+                f"`self.log({name!r}, ...)` in {call.fx} logs a Python number that a replay cannot recompute, so "
+                "it would repeat the capture step's value; log a tensor, or log it in `on_train_batch_end`",
+            )
+        return live
+
+
+def shallow_copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+def fresh_extras(output: Any) -> Any:
+    """A replay's step output: the static loss, and fresh copies of the other tensors it returned.
+
+    Lightning copies the loss itself; the other tensors would otherwise be the graph's static
+    outputs, overwritten by the next replay under anyone who kept them (collected predictions).
+    """
+    if isinstance(output, dict):
+        return {
+            k: (v.detach().clone() if k != "loss" and isinstance(v, torch.Tensor) else v)
+            for k, v in output.items()
+        }
+    return output
+
+
+def copied_element(element: Any) -> Any:
+    """`element` with every tensor in it copied (a graph's tensors are overwritten by its next replay)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, element)

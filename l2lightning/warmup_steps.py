@@ -1,0 +1,234 @@
+"""Warm-up steps: traced and compared before anything is captured, or timed.
+
+A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the callback's run state
+(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from l2lightning import python_state
+from l2lightning.metric_binding import (
+    named_metrics,
+    unreplayable_reason,
+    update_counts,
+    updated_between,
+)
+from l2lightning.step_trace import (
+    StepTrace,
+    StepTracer,
+    describe_frame,
+    first_difference,
+)
+
+# Traced warm-up steps after which a fit that found no capturable stretch stops trying.
+MAX_TRACED_STEPS = 24
+
+
+def metric_update_reason(names: list[str], detail: str | None = None) -> str:
+    """Why torchmetrics objects updated inside ``training_step`` keep the step from being captured."""
+    return (
+        f"training_step updates the torchmetrics objects {names}, and "
+        + (detail or "a replayed graph would skip their Python-side state")
+        + "; update them in `on_train_batch_end` from the outputs training_step returns "
+        "(for example `return {'loss': loss, 'preds': preds.detach()}`)"
+    )
+
+
+@dataclass
+class _Group:
+    """Traced warm-up steps that share a batch signature and a branch through the step."""
+
+    traces: list[StepTrace] = field(default_factory=list)
+    metrics: set[str] = field(default_factory=set)
+    problem: str | None = None  # why this group can never be captured
+    dropped_first: bool = False  # its first traced step differed from the next and was set aside
+    timed: int = 0  # untraced, timed eager steps of this group
+    appended: list[frozenset[str]] = field(default_factory=list)  # lists each traced step appended to
+
+
+class WarmupSteps:
+    """Warm-up steps: traced and compared before anything is captured, or timed."""
+
+    def _warmup_decision(self, key: tuple) -> str:
+        group = self._groups.setdefault(key, _Group())
+        self._baked_history.append(self._optimizer.baked_snapshot())
+        traced_needed = max(1, self.warmup_steps - 1)
+        if len(group.traces) < traced_needed:
+            if self._traced_steps >= MAX_TRACED_STEPS:
+                self._disable(
+                    f"no {traced_needed} warm-up steps in the first {MAX_TRACED_STEPS} shared a batch shape and a "
+                    "branch through training_step"
+                )
+                return "eager"
+            return "trace"
+        if group.problem:
+            self._disable(group.problem)
+            return "eager"
+        if self.warmup_steps > 1 and group.timed < 1:
+            return "time"
+        problem = self._baked_every_step()
+        if problem:
+            self._disable(problem)
+            return "eager"
+        return "capture"
+
+    def _baked_every_step(self) -> str | None:
+        """A refusal when a baked hyperparameter changed between every pair of traced steps (a per-step schedule)."""
+        snapshots = self._baked_history[-(self.warmup_steps + 1) :]
+        if len(snapshots) < 3 or any(a == b for a, b in zip(snapshots, snapshots[1:])):
+            return None
+        changed = sorted(
+            {
+                k
+                for a, b in zip(snapshots, snapshots[1:])
+                for ga, gb in zip(a, b)
+                for k in ga
+                if ga[k] != gb.get(k)
+            }
+        )
+        name = type(self._optimizer.optimizer).__name__
+        return (
+            f"{name}'s {changed} changed at every warm-up step (a per-step schedule such as OneCycleLR); {name} bakes "
+            "them into the graph as numbers, so every step would need a new capture. Use Adam or AdamW (their "
+            "learning rate is read from a tensor), or step the schedule per epoch"
+        )
+
+    def _timed_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        self._groups[self._pending_key].timed += 1
+        self._mode = "eager"
+        if self.report:
+            # profiled (and so not timed) to count the kernels each phase launches
+            return self._kernel_counter.profile(lambda: run(closure, **kwargs))
+        start, end = self._events()
+        start.record()
+        out = run(closure, **kwargs)
+        end.record()
+        self._timing.eager.append((start, end))
+        return out
+
+    def _traced_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """An eager warm-up step under the tracer; refusals come before this step's optimizer update."""
+        key = self._pending_key
+        group = self._groups[key]
+        tracer = StepTracer(self._device_type())
+        before = update_counts(self._module)
+        self._mode = "trace"
+        self._traced_steps += 1
+        holders = self._python_holders()
+        python_before = python_state.snapshot(holders)
+
+        def traced() -> Any:
+            out = self._run_traced(tracer, closure)
+            # lists that grow by one element per step can be re-appended after each replay
+            appended, python_changed = python_state.split_appends(
+                python_before, python_state.snapshot(holders)
+            )
+            group.appended.append(frozenset(a.label for a in appended))
+            self._judge_trace(
+                group, tracer.trace, updated_between(before, update_counts(self._module)), python_changed
+            )
+            return out
+
+        return run(traced, **kwargs)
+
+    def _run_traced(self, tracer: StepTracer, closure: Any) -> Any:
+        """Lightning's closure under `tracer` (the captured hooks and ``self.log`` consult it)."""
+        self._tracer = tracer
+        try:
+            with tracer, tracer.memoized():
+                return closure() if closure is not None else None
+        finally:
+            self._tracer = None
+
+    def _python_holders(self) -> list[tuple[str, Any]]:
+        """The objects whose Python state a captured step could change: the module, its submodules and
+        the Trainer's other callbacks (their hooks inside the step are captured with it)."""
+        callbacks = [cb for cb in getattr(self._trainer, "callbacks", []) if cb is not self]
+        return python_state.owners(self._module, callbacks)
+
+    def _python_problem(self, changed: list[str]) -> str:
+        return (
+            f"the step changes Python state ({', '.join(changed)}) at every step, "
+            "which a replay (it runs no Python) would freeze; keep it in a tensor updated in place "
+            "(`self.running.mul_(0.9).add_(x)`, not `self.running = 0.9 * self.running + x`), change it in "
+            "`on_train_batch_end`, or run such steps eagerly with `eager_steps=lambda trainer, batch_idx: ...`"
+        )
+
+    def _judge_trace(
+        self, group: _Group, trace: StepTrace, updated: list[str], python_changed: list[str]
+    ) -> None:
+        """Compare a traced step with its group; refuse (before the update) what can never be replayed."""
+        metrics = dict(named_metrics(self._module))
+        for name in updated:
+            reason = unreplayable_reason(name, metrics[name])
+            if reason:
+                self._disable(metric_update_reason([name], reason))
+                return
+        problem = None
+        for hook in sorted(trace.host_hooks | {h for _, _, h in trace.syncs if h}):
+            self._runs_after_replay(hook, trace)  # marks the hooks that will run after each replay
+        for hook in sorted(trace.host_hooks):
+            if not self._runs_after_replay(hook, trace):
+                problem = (
+                    f"`{hook}` builds tensors from host values (`torch.tensor([...])`, often of `.item()`s, as "
+                    "Lightning's `grad_norm` does), which a graph cannot hold"
+                    + (
+                        " and, with gradient clipping, cannot run after a replay either"
+                        if self._trainer.gradient_clip_val
+                        else ""
+                    )
+                )
+        syncs = [s for s in trace.syncs if not self._runs_after_replay(s[2], trace)]
+        if syncs and problem is None:
+            what, frame, _ = syncs[0]
+            problem = (
+                f"{what} at {describe_frame(frame)} makes the host wait for the GPU inside the step, which a CUDA "
+                "graph cannot hold; log the tensor with `self.log` instead, or run such steps eagerly with "
+                "`eager_steps=lambda trainer, batch_idx: ...`"
+            )
+        elif trace.problems:
+            problem = trace.problems[0]
+        elif python_changed and self._traced_steps > 1:
+            # the first traced step may build something once (a lazy cache, an `initialized` flag)
+            problem = self._python_problem(python_changed)
+        elif len(group.appended) > 1 and group.appended[-1] != group.appended[-2] and self._traced_steps > 1:
+            # a list appended to at one step and not the next: no one element per replay to redo
+            problem = self._python_problem(sorted(group.appended[-1] ^ group.appended[-2]))
+        elif group.traces:
+            difference = first_difference(group.traces[-1], trace, skip_hooks=self._eager_hooks)
+            if difference and len(group.traces) == 1 and not group.dropped_first:
+                # the first step often builds something once (a cached positional encoding, a lazy
+                # layer): it is dropped, and the steps after it must agree with each other
+                group.traces, group.dropped_first = [], True
+                difference = None
+            if difference:
+                problem = (
+                    f"two warm-up steps ran different work ({difference}); a graph replays one of them. If the "
+                    "difference is a periodic branch, pass `eager_steps=lambda trainer, batch_idx: ...` for its steps"
+                )
+        group.traces.append(trace)
+        group.metrics.update(updated)
+        if problem and not any(c.evaluate is not None and c.on_counters for c in self._source.conditions):
+            # no branch on the step counters: this step's branch is, as far as can be told, every step's
+            self._disable(problem)
+        elif problem:
+            group.problem = group.problem or problem
+
+    def _runs_after_replay(self, hook: str | None, trace: StepTrace) -> bool:
+        """Whether a hook that syncs can run eagerly after each replay instead of inside the graph.
+
+        Only hooks that read the step's gradients and write nothing (``self.log_dict(grad_norm(self, 2))``
+        turns each norm into a Python float) and see, after a replay, exactly what they see in an eager
+        step: ``on_after_backward`` and ``on_before_optimizer_step``, without gradient clipping (which
+        runs after them in an eager step, before them in a replayed one).
+        """
+        if hook not in ("on_after_backward", "on_before_optimizer_step") or hook in trace.mutating_hooks:
+            return False
+        if self._trainer.gradient_clip_val:
+            return False
+        self._eager_hooks.add(hook)
+        return True
