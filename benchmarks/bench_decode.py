@@ -12,8 +12,9 @@ elementwise ops, L2 prefetch plans from the autotuner unless --prefetch default)
 (compiled elementwise ops, SDPA, whole step in one CUDA graph), and, where ``import flashinfer``
 works, DecodeSession with FlashInfer's decode attention ("flashinfer"; no prefetch). Before timing:
 our logits vs the baseline's (bf16 tolerance) and prefetch vs no prefetch (bitwise). Each sample is
-8 graph replays; variants interleave, rotating who goes first. (FlashInfer does not travel to the
-lent H200: benchmarks/README.md says why; its columns stay empty there.)
+8 graph replays; variants interleave, rotating who goes first. (The lent H200 has no network:
+FlashInfer reaches it only as the offline bundle of benchmarks/flashinfer_offline/; without it its
+columns stay empty.)
 
 The floor: bytes a step must read (every weight once, the KV cache of context + 1 positions) over
 the measured device-to-device copy bandwidth (bytes read + written); each step is reported as a
@@ -39,7 +40,6 @@ import torch
 
 from l2lightning.decode.attention import (
     AttentionChoice,
-    _queue_ahead,
     choose_attention,
     flashinfer_unavailable_reason,
 )
@@ -52,6 +52,8 @@ from l2lightning.decode.model import (
     decode_step_bytes,
     length_bucket,
 )
+from l2lightning.decode.timing import rotated
+from l2lightning.decode.timing import time_steps as time_session_steps
 
 MODELS = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_05B}
 STEP_CONTEXTS = {
@@ -176,15 +178,9 @@ def bench_attention(lengths: tuple[int, ...], rounds: int, bandwidth: float) -> 
 
 # ------------------------------------------------------------------------------------------ decode steps
 def time_steps(session: DecodeSession, context: int, tokens: torch.Tensor) -> float:
-    session.set_length(context, tokens)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    _queue_ahead(200_000)  # the GPU is busy while the host enqueues the sample: no submission gap timed
-    start.record()
-    for _ in range(STEPS_PER_SAMPLE):
-        session.step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / STEPS_PER_SAMPLE
+    """µs per step of one sample of STEPS_PER_SAMPLE graph replays from `context` cached tokens."""
+    # the GPU is busy while the host enqueues the sample: no submission gap timed
+    return time_session_steps(session, context, tokens, STEPS_PER_SAMPLE, queue_cycles=200_000)
 
 
 def bench_steps(
@@ -231,9 +227,8 @@ def bench_steps(
         for context in contexts:  # pass 2: timing
             rel, same_argmax, bitwise = checks[context]
             samples: dict[str, list[float]] = {label: [] for label in variants}
-            order = list(variants)
             for r in range(rounds):
-                for label in order[r % len(order) :] + order[: r % len(order)]:
+                for label in rotated(list(variants), r):
                     samples[label].append(time_steps(variants[label], context, tokens))
             floor_bytes = decode_step_bytes(config, 1, context)
             floor_us = floor_bytes["total"] / bandwidth * 1e6

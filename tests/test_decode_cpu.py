@@ -871,7 +871,8 @@ def test_profile_ranges_mark_every_part_and_restore_the_model(one_torch_thread):
 
 
 def test_decode_reference_script_smoke_on_cpu(tmp_path):
-    """The benchmark's plumbing (sessions, reference, comparison, CSV/JSON/Markdown) on the CPU."""
+    """The benchmark's plumbing (sessions, reference, comparison, CSV/JSON/Markdown, the attention
+    comparison's CSV with its reasons) on the CPU."""
     import csv
     import json
     import os
@@ -907,6 +908,12 @@ def test_decode_reference_script_smoke_on_cpu(tmp_path):
     doc = json.loads((tmp_path / "decode_reference.json").read_text())
     assert doc["all_pass"] and len(doc["layers"]) == 2 * 2 * 2  # 2 models x 2 variants x 2 layers
     assert (tmp_path / "decode_reference_layers.csv").exists() and (tmp_path / "decode_reference.md").exists()
+    with open(tmp_path / "decode_reference_attention.csv") as fh:
+        attention = list(csv.DictReader(fh))
+    assert [(r["model"], r["keys"]) for r in attention] == [("SmolLM2-135M", "97"), ("Qwen2.5-0.5B", "151")]
+    assert all("--smoke" in r["flashinfer_reason"] and r["kernel_us"] == "" for r in attention)
+    assert all("--smoke" in why for why in doc["flashinfer_reasons"].values())
+    assert all(r["flashinfer_reason"] and r.get("flashinfer_us") is None for r in doc["rows"])
     assert "verdict" in proc.stdout and "wrote" in proc.stdout
 
 
@@ -917,3 +924,212 @@ def test_flashinfer_layout_reason_names_unsupported_group_sizes():
     assert 7 not in FLASHINFER_DECODE_GROUP_SIZES
     assert "group of 7" in flashinfer_layout_reason(14, 2)  # Qwen2.5-0.5B
     assert "do not group evenly" in flashinfer_layout_reason(10, 3)
+
+
+# ------------------------------------------------------------------------------------------ module layout
+def test_public_names_stay_importable_from_the_gathering_modules():
+    import l2lightning.decode.attention as attention
+    import l2lightning.decode.model as model
+
+    for name in attention.__all__:
+        assert getattr(attention, name) is not None, name
+    for name in model.__all__:
+        assert getattr(model, name) is not None, name
+    from l2lightning.decode.session import DecodeSession as defined_here
+
+    assert model.DecodeSession is defined_here
+    assert attention.choose_attention.__module__ == "l2lightning.decode.choice"
+
+
+def test_no_decode_module_is_over_600_lines():
+    from pathlib import Path
+
+    import l2lightning.decode
+
+    folder = Path(l2lightning.decode.__file__).parent
+    sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 600} == {}
+
+
+def test_importing_the_decode_modules_touches_neither_cuda_nor_cupy():
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "import l2lightning.decode.model, l2lightning.decode.attention\n"
+        "print(torch.cuda.is_initialized(), 'cupy' in sys.modules, 'flashinfer' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "False", "False"]
+
+
+# ------------------------------------------------------------------------------------------ shared checks and timing
+def test_check_int_names_the_argument_and_the_range():
+    from l2lightning.decode.checks import check_int
+
+    check_int("calls", 3, 1)
+    check_int("splits", None, 1, 128, or_none=True)
+    with pytest.raises(ValueError, match=r"`calls` must be an int >= 1, got 0"):
+        check_int("calls", 0, 1)
+    with pytest.raises(ValueError, match=r"`splits` must be an int in \[1, 128\] or None, got 129"):
+        check_int("splits", 129, 1, 128, or_none=True)
+    with pytest.raises(ValueError, match="`batch`"):
+        check_int("batch", True, 1)  # a bool is not a count
+    with pytest.raises(ValueError, match="`splits`"):
+        check_int("splits", None, 1, 128)
+
+
+def test_plan_launch_is_the_kernels_one_sizing():
+    from l2lightning.decode.kernel import plan_launch
+
+    # Qwen2.5 at 4096 keys, batch 1: the whole group of 7 in one block, 2 grid rows, merge-capped splits
+    launch = plan_launch(1, 14, 2, 64, 4096, sm_count=132)
+    assert (launch.config.heads_per_block, launch.head_chunks, launch.units) == (7, 1, 2)
+    assert launch.splits == default_splits(2, 4096, 7, 64, 132) == 36
+    halves = plan_launch(1, 14, 2, 64, 4096, config=KernelConfig(4), splits=5)
+    assert (halves.head_chunks, halves.units, halves.splits) == (2, 4, 5)
+    with pytest.raises(ValueError, match="`sm_count`"):
+        plan_launch(1, 14, 2, 64, 4096)
+
+
+def test_rotated_turns_the_first_place():
+    from l2lightning.decode.timing import rotated
+
+    assert [rotated(["a", "b", "c"], r) for r in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+    assert rotated([], 3) == []
+
+
+def test_session_takes_the_prefetch_hooks_off_setting():
+    model = build_decoder(TINY, device="cpu", dtype=torch.float32)
+    eager = dict(attention="torch", compile_elementwise=False, graph=False)
+    assert DecodeSession(model, 1, 16, prefetch="off", **eager).prefetch is None
+    with pytest.raises(TypeError, match=r"`prefetch\['layers.0.qkv'\]`"):
+        DecodeSession(model, 1, 16, prefetch={"layers.0.qkv": 4}, **eager)
+
+
+# ------------------------------------------------------------------------------------------ FlashInfer selection
+def test_flashinfer_single_backend_refuses_what_it_cannot_serve():
+    from l2lightning.decode.attention import IMPLEMENTATIONS, make_backend
+
+    assert (
+        "flashinfer_single" in IMPLEMENTATIONS
+        and AttentionSpec("flashinfer_single").label == "flashinfer_single"
+    )
+    layout = dict(heads=9, kv_heads=3, head_dim=64, dtype=torch.bfloat16, device="cpu")
+    spec = AttentionSpec("flashinfer_single")
+    with pytest.raises(ValueError, match="`batch` must be 1"):
+        make_backend(spec, batch=2, max_len=97, **layout)
+    with pytest.raises(ValueError, match="`window`"):
+        make_backend(spec, batch=1, max_len=128, window=97, **layout)
+    with pytest.raises(RuntimeError, match="FlashInfer"):  # not importable here; the layout is fine
+        make_backend(spec, batch=1, max_len=97, **layout)
+
+
+def test_unavailable_reason_names_flashinfers_group_sizes(monkeypatch):
+    import l2lightning.decode.backends as backends
+
+    bf16 = torch.bfloat16
+    assert "needs a CUDA device" in backends.unavailable_reason("flashinfer_single", 64, bf16, "cpu")
+    monkeypatch.setattr(backends, "flashinfer_unavailable_reason", lambda: None)  # as if importable
+    assert backends.unavailable_reason("flashinfer", 64, bf16, "cuda", heads=9, kv_heads=3) is None
+    why = backends.unavailable_reason("flashinfer_single", 64, bf16, "cuda", heads=14, kv_heads=2)
+    assert "group of 7" in why
+    assert backends.unavailable_reason("flashinfer", 64, bf16, "cuda") is None  # no layout given: not checked
+    with pytest.raises(ValueError, match="unknown implementation"):
+        backends.unavailable_reason("triton", 64, bf16, "cuda")
+
+
+def test_attention_choice_reports_the_best_and_the_reasons_per_implementation():
+    choice = AttentionChoice(
+        spec=AttentionSpec("kernel", splits=2, heads_per_block=7),
+        label="kernel(s=2,hpb=7)",
+        timings_us={
+            "kernel(s=2,hpb=7)": 3.0,
+            "kernel(s=4,hpb=7)": 3.5,
+            "torch(window=512)": 6.0,
+            "flashinfer": 4.0,
+        },
+        errors={"kernel(s=8,hpb=4)": "RuntimeError: boom", "flashinfer_single": "ValueError: batch"},
+    )
+    assert choice.best_per_impl() == {
+        "kernel": ("kernel(s=2,hpb=7)", 3.0),
+        "torch": ("torch(window=512)", 6.0),
+        "flashinfer": ("flashinfer", 4.0),
+    }
+    assert choice.reasons_per_impl() == {"flashinfer_single": "ValueError: batch"}  # kernel has a time
+
+
+# ------------------------------------------------------------------------------------------ decode_reference.py
+@pytest.fixture(scope="module")
+def decode_reference():
+    """benchmarks/decode_reference.py as a module (it puts its folder on sys.path; put back after)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_reference.py"
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location("decode_reference_under_test", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def test_flashinfer_reasons_per_model_and_per_shape(decode_reference):
+    dr = decode_reference
+    assert dr.flashinfer_model_reason(True, None, None) == dr.SMOKE_REASON
+    assert dr.flashinfer_model_reason(False, "not importable", "group of 7") == "not importable"
+    assert dr.flashinfer_model_reason(False, None, "group of 7", "capture failed") == "group of 7"
+    assert dr.flashinfer_model_reason(False, None, None, "capture failed") == "capture failed"
+    assert dr.flashinfer_model_reason(False, None, None) is None
+    # one reason where both paths share it, each path's named where they differ
+    assert dr.flashinfer_shape_reason({}) is None
+    assert dr.flashinfer_shape_reason({"torch": "x"}) is None
+    same = {"flashinfer": "group of 7", "flashinfer_single": "group of 7"}
+    assert dr.flashinfer_shape_reason(same) == "group of 7"
+    assert dr.flashinfer_shape_reason({"flashinfer_single": "JIT failed"}) == "single decode: JIT failed"
+    both = dr.flashinfer_shape_reason({"flashinfer": "a", "flashinfer_single": "b"})
+    assert both == "batch decode: a; single decode: b"
+
+
+def test_attention_rows_fill_each_implementations_column(decode_reference):
+    dr = decode_reference
+    best = {
+        "kernel": ("kernel(s=1,hpb=3)", 5.12345),
+        "torch": ("torch(window=97)", 20.0),
+        "flashinfer": ("flashinfer", 4.5),
+    }
+    row = dr.attention_row(SMOLLM2_135M, 96, 30, best, {"flashinfer_single": "ValueError: x"})
+    assert list(row) == list(dr.ATTENTION_COLUMNS)
+    assert (row["keys"], row["heads"], row["kv_heads"], row["calls"]) == (97, 9, 3, 30)
+    assert (row["kernel_us"], row["sdpa_us"], row["flashinfer_batch_us"]) == (5.123, 20.0, 4.5)
+    assert row["flashinfer_single_us"] is None and row["flashinfer_reason"] == "single decode: ValueError: x"
+    assert row["kernel_label"] == "kernel(s=1,hpb=3)" and row["fastest"] == "flashinfer_batch"
+    empty = dr.attention_row(QWEN25_05B, 150, 24, {}, {"flashinfer": "g7", "flashinfer_single": "g7"})
+    assert empty["kernel_us"] is None and empty["fastest"] is None and empty["flashinfer_reason"] == "g7"
+    specs = dr.attention_specs(QWEN25_05B, 151, 132)
+    assert [s.impl for s in specs[-3:]] == ["torch", "flashinfer", "flashinfer_single"]
+    assert {s.impl for s in specs[:-3]} == {"kernel"}
+
+
+def test_flashinfer_session_failure_costs_its_columns_not_the_run(decode_reference, capsys):
+    model = build_decoder(TINY, device="cpu", dtype=torch.float32)
+    sessions, why = decode_reference.flashinfer_sessions(model, 64, (10,))
+    assert sessions == {}
+    assert why.startswith("FlashInfer failed while building its decode-step graphs: RuntimeError")
+
+
+def test_one_line_keeps_the_first_line_and_cuts_long_messages(decode_reference):
+    exc = RuntimeError("ninja: build stopped\n" + "nvcc output\n" * 100)
+    assert decode_reference.one_line(exc) == "RuntimeError: ninja: build stopped"
+    assert len(decode_reference.one_line(RuntimeError("x" * 1000), limit=50)) == 50
+    assert decode_reference.brief("\n  first line\nsecond") == "first line"

@@ -1,6 +1,7 @@
 """GPU: the one-launch decode-attention kernel against the FP32 reference (lengths 0..4096, head dims
 64/128, bf16/fp16, group sizes 1/3/7, batch 1 and 3), exact cache appends, 1000 graph replays with
-the length advancing inside the graph, the torch and FlashInfer paths, and choose_attention."""
+the length advancing inside the graph, the torch and FlashInfer paths (batch and single-request
+decode), and choose_attention, alone and as the attention-alone comparison of decode_reference.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from l2lightning.decode.attention import (
     flashinfer_layout_reason,
     flashinfer_unavailable_reason,
     main,
+    make_backend,
     reference_decode_attention,
     torch_decode_attention,
 )
@@ -188,3 +190,47 @@ def test_choose_attention_measures_and_reports():
 def test_sanitize_script_mode_runs_clean(capsys):
     assert main(["--sanitize"]) == 0
     assert "sanitize workload done" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(flashinfer_unavailable_reason() is not None, reason="FlashInfer is not importable")
+def test_flashinfer_single_decode_matches_reference_and_refuses_other_lengths():
+    # SmolLM2's layout at 321 keys: the cache exactly as long as the attended keys
+    q, k, v, kc, vc = make_inputs(1, 9, 3, 64, torch.bfloat16, max_len=321)
+    lens = torch.tensor([320], dtype=torch.int32, device="cuda")
+    ref = reference_decode_attention(q, k, v, kc, vc, lens)
+    backend = make_backend(
+        AttentionSpec("flashinfer_single"),
+        batch=1,
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        max_len=321,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    backend.before_replay(320)
+    assert rel_err(backend(q, k, v, kc, vc, lens), ref) < TOL
+    with pytest.raises(ValueError, match="320 cached tokens"):
+        backend.before_replay(100)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (14, 2)], ids=["smollm2-group3", "qwen-group7"])
+def test_attention_alone_comparison_times_each_path_or_says_why(heads, kv_heads):
+    """What decode_reference.py measures per shape: our kernel, SDPA and FlashInfer's two decode
+    paths in one interleaved choose_attention; a path that cannot run has a reason instead of a time."""
+    specs = [AttentionSpec(impl) for impl in ("kernel", "torch", "flashinfer", "flashinfer_single")]
+    choice = choose_attention(
+        heads, kv_heads, 64, 321, torch.bfloat16, 1, "cuda", specs=specs, calls=4, rounds=3, use_cache=False
+    )
+    print(choice.table())
+    best, reasons = choice.best_per_impl(), choice.reasons_per_impl()
+    assert {"kernel", "torch"} <= set(best), choice.errors
+    flashinfer_runs = (
+        flashinfer_unavailable_reason() is None and flashinfer_layout_reason(heads, kv_heads) is None
+    )
+    for impl in ("flashinfer", "flashinfer_single"):
+        assert (impl in best) != (impl in reasons), (best, reasons)
+        if flashinfer_runs:
+            assert impl in best, reasons
+        else:
+            assert "FlashInfer" in reasons[impl]

@@ -1,6 +1,7 @@
 """GPU: the decode step captured in one CUDA graph matches the eager decode step (bf16 tolerance,
-greedy tokens), across length buckets, with every attention mode; with L2 prefetch the graph's
-output is bit-identical to the same graph without it."""
+greedy tokens), across length buckets, with every attention mode (FlashInfer's where it is
+importable, refused by name for a query/KV group it has no kernel for); with L2 prefetch the
+graph's output is bit-identical to the same graph without it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from l2lightning._env import cupy_unavailable_reason
+from l2lightning.decode.attention import flashinfer_layout_reason, flashinfer_unavailable_reason
 from l2lightning.decode.model import (
     QWEN25_05B,
     SMOLLM2_135M,
@@ -138,3 +140,15 @@ def test_generate_equals_stepping_and_full_cache_is_refused():
     b.step()  # the last position
     with pytest.raises(RuntimeError, match="KV cache is full"):
         b.step()
+
+
+@pytest.mark.skipif(flashinfer_unavailable_reason() is not None, reason="FlashInfer is not importable")
+@pytest.mark.parametrize("config", [SMOLLM2_135M, QWEN25_05B], ids=lambda c: c.name)
+def test_flashinfer_step_matches_eager_or_is_refused_by_name(config):
+    if flashinfer_layout_reason(config.heads, config.kv_heads):  # Qwen2.5-0.5B: group 7
+        with pytest.raises(RuntimeError, match="group of 7"):
+            DecodeSession(model_for(config), BATCH, 256, attention="flashinfer", prefetch=None)
+        return
+    session = DecodeSession(model_for(config), BATCH, 256, attention="flashinfer", prefetch=None)
+    run_against_eager(session, prompt_len=60, steps=8)  # 61..68 keys: buckets 64 and 128, re-planned per step
+    assert sorted(session.graphs) == [64, 128]
