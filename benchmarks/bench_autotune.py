@@ -13,6 +13,10 @@ fake their timings). Every row says whether its width is held out.
 Summary targets: mean gain >= +3% over configurations with 2-16 MiB layers at batch <= 16; worst
 configuration >= -1%; tuning time <= 0.6 s per layer shape.
 
+The doctor checks the GPU state first (`l2lightning doctor`); timing is refused on a GPU that is not
+ready unless `--force`. Its verdict is stored under `meta.doctor` in autotune.json, and one
+telemetry sample taken after the grid under `meta.gpu_state_after`.
+
 Usage:
     python benchmarks/bench_autotune.py --out benchmarks/results/h200/autotune            # full grid
     python benchmarks/bench_autotune.py --quick --out /tmp/autotune-quick                  # < 3 min
@@ -27,7 +31,6 @@ import math
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +42,7 @@ from torch import nn
 from l2lightning.prefetch.chain import device_l2_bytes, discover_chain
 from l2lightning.prefetch.hooks import PrefetchHooks
 from l2lightning.prefetch.plan import MIB
+from l2lightning.tools import doctor
 from l2lightning.tune.chain_timing import capture_chain, interleaved_replay_us
 from l2lightning.tune.search import Autotuner
 from l2lightning.tune.stats import mean_ci
@@ -53,49 +57,16 @@ TARGET_MEAN_GAIN, TARGET_WORST, TARGET_TUNE_S = 0.03, -0.01, 0.6
 
 
 # ---------------------------------------------------------------------- GPU state
-def gpu_state() -> dict[str, Any]:
-    """nvidia-smi's view (name, P-state, clocks, throttle reasons) and torch's, stored in the JSON."""
-    query = "name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active"
-    state: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    for q in (query, query.replace("clocks_throttle_reasons", "clocks_event_reasons")):
-        cmd = ["nvidia-smi", f"--query-gpu={q}", "--format=csv"]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=15)
-        except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
-            state["nvidia_smi"] = f"unavailable: {type(exc).__name__}: {exc}"
-            break
-        if out.returncode == 0:
-            lines = [line.strip() for line in out.stdout.strip().splitlines() if line.strip()]
-            header = [h.strip() for h in lines[0].split(",")]
-            state["nvidia_smi_command"] = shlex.join(cmd)
-            state["gpus"] = [dict(zip(header, (v.strip() for v in line.split(",")))) for line in lines[1:]]
-            break
-        state["nvidia_smi"] = f"rc={out.returncode}: {out.stderr.strip() or out.stdout.strip()}"
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    state["torch_device"] = {
-        "name": props.name,
-        "sm_count": props.multi_processor_count,
-        "l2_bytes": getattr(props, "L2_cache_size", None),
-        "total_memory": props.total_memory,
-    }
-    return state
+def device_name(meta: dict[str, Any]) -> str:
+    """The GPU's name in a run's meta: from the doctor's state, or (runs stored before it) torch's."""
+    state = meta.get("doctor", {}).get("state", {})
+    legacy = meta.get("gpu_state_before", {}).get("torch_device", {})
+    return state.get("gpu_name") or legacy.get("name") or "?"
 
 
-def state_warnings(state: dict[str, Any]) -> list[str]:
-    """P-state other than P0 or an active throttle reason other than idle (0x1) is worth a warning."""
-    warnings = []
-    for gpu in state.get("gpus", []):
-        pstate = next((v for k, v in gpu.items() if k.startswith("pstate")), "")
-        reasons = next((v for k, v in gpu.items() if "reasons" in k), "")
-        if pstate and pstate != "P0":
-            warnings.append(f"GPU in {pstate}, not P0")
-        try:
-            bits = int(reasons, 16)
-        except ValueError:
-            continue
-        if bits & ~0x1:
-            warnings.append(f"clock throttle/event reasons active: {reasons}")
-    return warnings
+def state_warnings(check: doctor.TimingCheck) -> list[str]:
+    """The doctor's reasons not to time, then its warnings (a P2 GPU, a lowered power limit, ...)."""
+    return check.reasons + [f.title for f in check.findings if f.level == "warning" and not f.blocks_timing]
 
 
 def versions() -> dict[str, str]:
@@ -239,7 +210,7 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], meta: dict[str
         "# Autotuner benchmark",
         "",
         f"Command: `{meta['command']}`",
-        f"Device: {meta['gpu_state_before'].get('torch_device', {}).get('name', '?')}; versions: "
+        f"Device: {device_name(meta)}; versions: "
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         f"Held-out widths (not used while developing): {', '.join(map(str, HELD_OUT_WIDTHS))}; "
         f"widths seen in development: {', '.join(map(str, DEV_WIDTHS))}.",
@@ -329,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="AUTOTUNE_JSON",
         help="no timing: recompute the summary of a stored autotune.json and rewrite it and summary.md in --out",
     )
+    parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
     args = parser.parse_args(argv)
     if args.resummarize is not None:
         return resummarize(args.resummarize, args.out)
@@ -347,24 +319,25 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("widths", "batches", "families", "phases"):
         if getattr(args, key):
             grid[key] = tuple(getattr(args, key))
-    args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", torch.cuda.current_device())
+    check = doctor.check_before_timing(device.index, force=args.force, program="bench_autotune")
+    if check.refused:
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
     l2 = device_l2_bytes(device)
-    before = gpu_state()
-    warnings = state_warnings(before)
+    warnings = state_warnings(check)
     meta = {
         "command": shlex.join([sys.executable, *sys.argv]),
         "grid": {k: list(v) for k, v in grid.items()},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "versions": versions(),
-        "gpu_state_before": before,
+        "doctor": check.to_dict(),
+        "forced": check.forced,
         "held_out_widths": list(HELD_OUT_WIDTHS),
         "dev_widths": list(DEV_WIDTHS),
         "warnings": warnings,
     }
-    print(
-        f"device {before['torch_device']['name']}, L2 {l2 / MIB:.0f} MiB; GPU state: {before.get('gpus', before.get('nvidia_smi'))}"
-    )
+    print(f"device {device_name(meta)}, L2 {l2 / MIB:.0f} MiB")
     for w in warnings:
         print(f"WARNING: {w}")
     held = [w for w in grid["widths"] if w not in DEV_WIDTHS]
@@ -396,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                             flush=True,
                         )
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    meta["gpu_state_after"] = gpu_state()
+    meta["gpu_state_after"] = doctor.read_sample(device.index)
     summary = summarize(rows)
     (args.out / "autotune.json").write_text(
         json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1, default=str)

@@ -3,9 +3,12 @@
 MLP stacks (LayerNorm, Linear d, GELU) x depth in bf16 with AdamW (`--optimizer fused` or `foreach`, the
 same for every variant), as in the issue:
 d1536x40 b16, d1024x60 b8, d768x96 b4. Each variant is a full `Trainer.fit` of `--steps` steps with
-progress bar, logger and checkpointing off; the step time is wall time between two host syncs
-placed after warm-up and capture (`steps_timed` steps apart), so it is what a user waits for.
-Variants are interleaved over `--rounds` rounds in one process.
+progress bar, logger and checkpointing off; the step time is the mean over `--steps` steps after
+warm-up and capture, each from its start to the next step's start (`l2lightning.step_timer.StepTimer`,
+CUDA events), so Lightning's own per-step work is in it, as a user waits for it.
+Variants are interleaved over `--rounds` rounds in one process. The doctor checks the GPU state
+first (`l2lightning doctor`); timing is refused on a GPU that is not ready unless `--force`, and the
+verdict is stored in the JSON under `doctor`.
 """
 
 from __future__ import annotations
@@ -13,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,8 +25,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from l2lightning import L2GraphCallback
+from l2lightning.step_timer import StepTimer
+from l2lightning.tools import doctor
 
 CASES = [(1536, 40, 16), (1024, 60, 8), (768, 96, 4)]
+# Steps before the timed ones: warm-up and the capture step of the callback variants.
+UNTIMED_STEPS = 10
 
 
 class MLP(LightningModule):
@@ -51,24 +56,10 @@ class MLP(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4, **{self.optimizer: True})
 
 
-class StepTimer(Callback):
-    def __init__(self, start_step: int, steps: int) -> None:
-        self.start_step, self.steps = start_step, steps
-        self.t0 = self.per_step_ms = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.start_step:
-            torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-        elif trainer.global_step == self.start_step + self.steps:
-            torch.cuda.synchronize()
-            self.per_step_ms = (time.perf_counter() - self.t0) * 1000 / self.steps
-
-
 def run(variant: str, width: int, depth: int, batch: int, steps: int, optimizer: str) -> dict:
     seed_everything(0)
     model = MLP(width, depth, optimizer).to(torch.bfloat16)
-    timer = StepTimer(start_step=10, steps=steps)
+    timer = StepTimer()
     callbacks: list[Callback] = [timer]
     cb = None
     if variant.startswith("callback"):
@@ -82,7 +73,7 @@ def run(variant: str, width: int, depth: int, batch: int, steps: int, optimizer:
         callbacks.append(cb)
     if variant == "compile-reduce-overhead":
         model = torch.compile(model, mode="reduce-overhead")
-    n = batch * (steps + 12)
+    n = batch * (UNTIMED_STEPS + steps + 2)
     data = DataLoader(
         TensorDataset(
             torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)
@@ -92,7 +83,7 @@ def run(variant: str, width: int, depth: int, batch: int, steps: int, optimizer:
     trainer = Trainer(
         accelerator="gpu",
         devices=1,
-        max_steps=steps + 11,
+        max_steps=UNTIMED_STEPS + steps + 1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -106,7 +97,7 @@ def run(variant: str, width: int, depth: int, batch: int, steps: int, optimizer:
         "width": width,
         "depth": depth,
         "batch": batch,
-        "step_ms": timer.per_step_ms,
+        "step_ms": statistics.fmean(timer.window_ms(UNTIMED_STEPS, steps)),
     }
     if cb is not None:
         summary = cb.summary()
@@ -137,17 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         default="fused",
         help="AdamW implementation (all variants)",
     )
+    parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
     args = parser.parse_args(argv)
-    state = subprocess.run(
-        [
-            "nvidia-smi",
-            "--query-gpu=name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active",
-            "--format=csv,noheader",
-        ],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    print("GPU state before timing:", state)
+    check = doctor.check_before_timing(0, force=args.force, program="bench_callback")
+    if check.refused:
+        return 2
     variants = args.variants.split(",")
     cases = (
         CASES if args.cases == "all" else [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
@@ -196,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 "command": " ".join([sys.executable, *sys.argv]),
                 "torch": torch.__version__,
                 "optimizer": f"AdamW({args.optimizer}=True)",
-                "gpu_state": state,
+                "doctor": check.to_dict(),
+                "forced": check.forced,
                 "runs": rows,
                 "table": table,
             },

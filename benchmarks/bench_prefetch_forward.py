@@ -2,7 +2,9 @@
 
 Chains of (LayerNorm, Linear d, GELU) in bf16, captured as one forward graph each; every variant is
 a separate graph of the same chain, replayed in round-robin order so clock drift hits all alike.
-Prints a table and writes JSON/CSV under --out.
+Prints a table and writes JSON/CSV under --out. The doctor checks the GPU state first (`l2lightning
+doctor`); timing is refused on a GPU that is not ready unless `--force`, and the verdict is stored in
+the JSON under `doctor`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import argparse
 import csv
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,22 +20,9 @@ import torch
 from torch import nn
 
 from l2lightning import PrefetchHooks, PrefetchPlan
+from l2lightning.tools import doctor
 
 CASES = [(1536, 40, 16), (2560, 15, 4)]  # (width, layers, batch), from the issue
-
-
-def gpu_state() -> dict:
-    query = "name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active,power.draw,power.limit"
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"error": str(exc)}
-    return dict(zip(query.split(","), [v.strip() for v in out.split(",")]))
 
 
 def graph_of(model: nn.Module, x: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -117,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
     args = parser.parse_args(argv)
-    state = gpu_state()
-    print("GPU state before timing:", state)
+    check = doctor.check_before_timing(0, force=args.force, program="bench_prefetch_forward")
+    if check.refused:
+        return 2
     rows = []
     for width, layers, batch in CASES:
         rows += run_case(width, layers, batch, args.rounds, args.replays)
@@ -131,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "command": " ".join([sys.executable, *sys.argv]),
         "torch": torch.__version__,
-        "gpu_state": state,
+        "doctor": check.to_dict(),
+        "forced": check.forced,
         "rounds": args.rounds,
         "replays_per_sample": args.replays,
         "rows": rows,

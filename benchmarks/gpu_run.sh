@@ -7,6 +7,8 @@
 #   autotune      the autotuner benchmark over the held-out grid
 #   examples      the decode examples (generation, Lightning predict_step)
 #   callback      Trainer.fit per-step time, fused AdamW, the three MLP stacks
+#   callback-regression  Trainer.fit per-step time, fused AdamW, the three MLP stacks, Lightning and the
+#                 callback only (the figures callback_fit_fused.json has, to compare against)
 #   callback-compile  Trainer.fit per-step time at 1536x40 batch 16 with and without torch.compile
 #   harness[=WxD,...]  the comparison harness over MLP stacks (default the three) and
 #                 batches 4, 8, 16, 64, every variant and chain
@@ -70,6 +72,10 @@ for stage in "$@"; do
       timeout 150 python3 benchmarks/bench_callback.py --out "$OUT" --json-name callback_compile.json --rounds 1 --steps 40 \
         --cases 1536x40x16 --variants lightning,callback,callback+compile,callback+compile+prefetch > "$OUT/callback_compile.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/callback_compile.log" | tail -6 ;;
+    callback-regression)
+      timeout 150 python3 benchmarks/bench_callback.py --out "$OUT" --json-name callback_fit_regression.json \
+        --optimizer fused --rounds 1 --steps 40 --variants lightning,callback > "$OUT/callback_regression.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/callback_regression.log" | tail -8 ;;
     callback)
       timeout 300 python3 benchmarks/bench_callback.py --out "$OUT" --json-name callback_fit_fused.json \
         --optimizer fused --rounds 1 --steps 40 \

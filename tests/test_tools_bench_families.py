@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,9 @@ from torch import nn
 from l2lightning.app.models import FAMILIES
 from l2lightning.tools import cli, report
 from l2lightning.tools.bench import args as bench_args
+from l2lightning.tools.bench import families as bench_families
+from l2lightning.tools.bench import lightning_runners, step_floors, variants
 from l2lightning.tools.bench import run as bench
-from l2lightning.tools.bench import variants
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You are trying to .self.log"),
@@ -233,7 +233,7 @@ def test_model_facts_and_step_floors_of_a_tiny_module():
 def test_family_floors_use_the_kernel_count_of_one_eager_step(monkeypatch):
     case = bench.FamilyCase("vit", 2, overrides=tuple(TINY["vit"]))
     seen = []
-    monkeypatch.setattr(bench, "_count_family_step_kernels", lambda c, device: seen.append(c) or 123)
+    monkeypatch.setattr(step_floors, "_count_family_step_kernels", lambda c, device: seen.append(c) or 123)
     state = {"copy_bandwidth_bytes_per_s": 4e12, "empty_kernel_us": 1.5}
     f, kernels = bench.case_floors(case, state, _settings())
     assert seen == [case] and kernels == 123
@@ -412,7 +412,7 @@ def fake_family_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(doctor, "collect", lambda *a, **k: state)
     monkeypatch.setattr(bench, "make_runner", lambda v, c, s, shared: FakeRunner(v, c, s, shared))
     monkeypatch.setattr(bench, "case_floors", fake_floors)
-    monkeypatch.setattr(bench, "compose_family", compose)
+    monkeypatch.setattr(bench_families, "compose_family", compose)
     return {"calls": calls, "out": tmp_path / "results"}
 
 
@@ -463,33 +463,16 @@ def test_family_sweep_pipeline(fake_family_gpu, capsys):
 
 
 # ---------------------------------------------------------------------- a real fit on the CPU
-class _WallEvent:
-    """Stands in for torch.cuda.Event on the CPU: records the wall clock."""
-
-    def __init__(self, **_):
-        self.t = 0.0
-
-    def record(self):
-        self.t = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return (other.t - self.t) * 1e3
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_runner_fits_through_lightning_on_cpu(family, monkeypatch):
     """FamilyRunner's fit path for real (Trainer, step timer, callback), with the CPU in place of CUDA.
 
-    Without CUDA the callback refuses to capture: the row must say so, not fail.
+    On the CPU the step timer reads the host clock. Without CUDA the callback refuses to capture:
+    the row must say so, not fail.
     """
 
-    cpu_trainer = functools.partial(bench._trainer, accelerator="cpu")
-    monkeypatch.setattr(bench, "_trainer", cpu_trainer)
-    monkeypatch.setattr(torch.cuda, "Event", _WallEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    cpu_trainer = functools.partial(lightning_runners.lightning_trainer, accelerator="cpu")
+    monkeypatch.setattr(lightning_runners, "lightning_trainer", cpu_trainer)
     settings = _settings(families=[family], steps=2, lightning_skip=2)
     case = bench.FamilyCase(family, 3, overrides=tuple(TINY[family]))
     case.prepare()

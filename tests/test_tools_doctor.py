@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
@@ -300,6 +301,18 @@ def test_format_report_h200():
     assert "Ready for timing: yes" in text
 
 
+def test_summary_line_says_state_under_load_in_one_line():
+    assert doctor.summary_line(h200_state()) == (
+        "NVIDIA H200: P0 under load, memory clock 3201 of 3201 MHz, SM clock 1980 MHz, throttle none, "
+        "copy bandwidth 4.28 TB/s"
+    )
+    laptop = doctor.summary_line(laptop_state())
+    assert "P5 under load" in laptop and "810 of 7001 MHz" in laptop and "SW Power Cap" in laptop
+    idle_only = {**h200_state(), "load": None}
+    assert "P0 idle (no sample under load)" in doctor.summary_line(idle_only)
+    assert doctor.summary_line(doctor.empty_state()) == "GPU: none usable (unknown reason)"
+
+
 def test_to_dict_and_write_json_roundtrip(tmp_path):
     state = laptop_state()
     path = doctor.write_json(tmp_path / "sub" / "doctor.json", state)
@@ -399,3 +412,89 @@ def test_collect_without_gpu_degrades(monkeypatch):
     assert state["unavailable_reason"]
     assert state["powerd"]["status"] in ("active", "inactive", "not-applicable")
     assert not doctor.ready_for_timing(state)[0]
+
+
+# ---------------------------------------------------------------------- the check before timing
+@pytest.mark.parametrize(
+    ("kind", "force", "refused", "forced", "said"),
+    [
+        ("h200", False, False, False, "bench_x: GPU ready for timing: NVIDIA H200: P0 under load"),
+        ("laptop", False, True, False, "bench_x: the GPU is not ready for timing (reasons above)"),
+        ("laptop", True, False, True, "bench_x: GPU not ready for timing, continuing because of --force"),
+        ("none", True, True, False, "bench_x: no usable CUDA GPU; nothing can be timed"),
+    ],
+)
+def test_check_before_timing(monkeypatch, kind, force, refused, forced, said):
+    state = {"h200": h200_state, "laptop": laptop_state, "none": doctor.empty_state}[kind]()
+    seen = []
+    monkeypatch.setattr(doctor, "collect", lambda device, load_seconds: seen.append(device) or state)
+    lines: list[str] = []
+    check = doctor.check_before_timing(1, force=force, program="bench_x", log=lines.append)
+    assert seen == [1]
+    assert (check.refused, check.forced, check.ready) == (refused, forced, kind == "h200")
+    assert any(line.startswith(said) for line in lines), lines
+    assert ("Ready for timing: NO" in "\n".join(lines)) == refused  # the full report only when refused
+    document = check.to_dict()
+    assert document["ready_for_timing"] is check.ready and document["state"]["schema"] == doctor.SCHEMA
+    with pytest.raises(ValueError, match="`device_index` must be >= 0"):
+        doctor.check_before_timing(-1)
+    with pytest.raises(ValueError, match="`load_seconds` must be > 0"):
+        doctor.check_before_timing(0, load_seconds=0)
+
+
+def test_read_sample_without_telemetry_says_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: None)
+    reading = doctor.read_sample(0)
+    assert reading["sample"] is None and reading["telemetry_source"] is None
+    assert "nvidia-smi" in reading["telemetry_error"]
+    with pytest.raises(ValueError, match="`device_index` must be >= 0"):
+        doctor.read_sample(-1)
+
+
+def test_read_sample_through_nvml(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
+    reading = doctor.read_sample(0)
+    assert reading["telemetry_source"] == "nvml" and reading["telemetry_error"] is None
+    assert reading["sample"]["pstate"] == "P5" and reading["sample"]["throttle_reasons"] == ["sw_power_cap"]
+
+
+# ---------------------------------------------------------------------- the benchmark scripts use the check
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _benchmark(name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["bench_callback", "bench_prefetch_forward"])
+def test_benchmarks_refuse_a_gpu_that_is_not_ready(name, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(doctor, "collect", lambda *a, **k: laptop_state())
+    assert _benchmark(name).main(["--out", str(tmp_path / "out")]) == 2
+    assert f"{name}: the GPU is not ready for timing" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()  # nothing timed, nothing written
+
+
+def test_a_benchmark_stores_the_doctors_verdict_with_its_results(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(doctor, "collect", lambda *a, **k: h200_state())
+    argv = ["--out", str(tmp_path), "--cases", "8x1x2", "--variants", "lightning", "--rounds", "1"]
+    # No GPU here: the fit fails and becomes an error row; the GPU-state record is what is checked.
+    assert _benchmark("bench_callback").main([*argv, "--steps", "2"]) == 0
+    assert "bench_callback: GPU ready for timing: NVIDIA H200: P0 under load" in capsys.readouterr().out
+    stored = json.loads((tmp_path / "callback_fit.json").read_text())
+    assert stored["doctor"]["ready_for_timing"] is True and stored["forced"] is False
+    assert stored["doctor"]["state"]["gpu_name"] == "NVIDIA H200"
+
+
+def test_the_autotune_benchmark_reads_the_device_from_new_and_stored_runs():
+    bench = _benchmark("bench_autotune")
+    assert bench.device_name({"doctor": {"state": {"gpu_name": "NVIDIA H200"}}}) == "NVIDIA H200"
+    assert bench.device_name({"gpu_state_before": {"torch_device": {"name": "NVIDIA H100"}}}) == "NVIDIA H100"
+    assert bench.device_name({}) == "?"
+    findings = doctor.diagnose(laptop_state())
+    check = doctor.TimingCheck(laptop_state(), findings, False, ["a reason"], refused=False)
+    warnings = bench.state_warnings(check)
+    assert warnings[0] == "a reason" and "nvidia-powerd (Dynamic Boost) is active" in warnings

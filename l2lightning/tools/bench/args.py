@@ -10,12 +10,13 @@ import argparse
 from pathlib import Path
 
 from l2lightning.tools.args import int_list, model_list, name_list, non_negative_int, positive_int
-from l2lightning.tools.bench.run import DEFAULT_CRITERIA, BenchSettings, family_names
+from l2lightning.tools.bench.settings import DEFAULT_CRITERIA, BenchSettings, family_names
 from l2lightning.tools.bench.variants import (
     ALL_VARIANTS,
     CHAIN_VARIANTS,
     OPTIMIZER_IMPLS,
 )
+from l2lightning.tools.doctor import FORCE_HELP
 
 
 def family_list(text: str) -> list[str]:
@@ -109,11 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output directory (default benchmarks/results/<gpu-name-slug>/)",
     )
     parser.add_argument("--device", type=non_negative_int, default=0, help="CUDA device index")
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="time even when the doctor says the GPU is not ready (results marked forced)",
-    )
+    parser.add_argument("--force", action="store_true", help=FORCE_HELP)
     parser.add_argument("--quick", action="store_true", help="a short run (< 3 minutes on an H200)")
 
 
