@@ -38,8 +38,6 @@ RNG (the CUDA generator included) and process as a plain fit would have them.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +48,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason
-from l2lightning.capture import StaticBatch, loss_of
+from l2lightning.capture import StaticBatch
 from l2lightning.fit_report import FitReport, _NoPhaseEvents, _Timing
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.metric_binding import (
@@ -69,8 +67,9 @@ from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.prefetch_setup import PrefetchSetup
 from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
+from l2lightning.step_dispatch import StepDispatch
 from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
-from l2lightning.step_overrides import StepOverrides, copied_element
+from l2lightning.step_overrides import StepOverrides
 from l2lightning.step_source import StepSource, analyse
 from l2lightning.step_trace import (
     StepTracer,
@@ -91,7 +90,7 @@ _MODULE_OVERRIDES = ("training_step", "optimizer_zero_grad", "backward", "config
 
 
 class L2GraphCallback(
-    StepDecision, StepCapture, WarmupSteps, StepOverrides, PrefetchSetup, FitReport, Callback
+    StepDispatch, StepDecision, StepCapture, WarmupSteps, StepOverrides, PrefetchSetup, FitReport, Callback
 ):
     """Capture the whole training step (forward, loss, backward, optimizer step) in one CUDA graph.
 
@@ -511,98 +510,10 @@ class L2GraphCallback(
             self._prepare_compiled(pl_module, batch)
 
     # ------------------------------------------------------------------ the optimizer step
-    def _step(self, run: Callable[..., Any], closure: Callable[[], Any] | None, kwargs: dict) -> Any:
-        """Called by the capturable optimizer's ``step``: `run(closure)` is its eager step."""
-        mode = self._decide()
-        self._in_step = True
-        try:
-            if mode == "replay":
-                return self._replay_step(closure)
-            # torch.compile compiles at the first call of each compiled child: the step after set-up
-            compiling, self._compile_pending = self._compile_pending, False
-            started = time.perf_counter()
-            try:
-                with self._on_step_stream():
-                    return self._eager_modes(mode, run, closure, kwargs)
-            finally:
-                if compiling:
-                    self._cost_s["compile_s"] += time.perf_counter() - started
-        finally:
-            self._in_step = False
-            self._pending = None
-
-    def _eager_modes(self, mode: str, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
-        """Every step that runs the step's own code: warm-up (traced or timed), the capture, eager."""
-        if mode == "trace":
-            return self._traced_step(run, closure, kwargs)
-        if mode == "time":
-            return self._timed_step(run, closure, kwargs)
-        if mode == "capture":
-            started, tuned = time.perf_counter(), self._cost_s["tuning_s"]
-            try:
-                return self._capture_step(run, closure, kwargs)
-            finally:  # the tuning inside it is counted apart
-                self._cost_s["capture_s"] += (
-                    time.perf_counter() - started - (self._cost_s["tuning_s"] - tuned)
-                )
-        self._mode = "eager"
-        return run(closure, **kwargs)
-
-    @contextlib.contextmanager
-    def _on_step_stream(self) -> Any:
-        """Run an eager step (or the capture) on the capture's own stream.
-
-        A step's autograd graph can outlive it: Lightning's result collection and torchmetrics keep a
-        metric's batch value with its graph (``MeanMetric()(loss)``), users keep ``self.last_loss``. Such
-        a graph keeps the parameters' AccumulateGrad nodes, bound to the stream of the step that made
-        them, and a capture on another stream then fails ("AccumulateGrad node's stream does not
-        match"; the lightning-hydra-template module on the H200). When every step the callback lets
-        run eagerly runs on the capture stream, every such node is bound to it. The stream waits for
-        the caller's work first and the caller waits for it after, so the order of work is unchanged.
-        """
-        if self._device_type() != "cuda" or not torch.cuda.is_available():
-            yield
-            return
-        if self._step_stream is None:
-            self._step_stream = torch.cuda.Stream(self._device())
-        caller = torch.cuda.current_stream()
-        self._step_stream.wait_stream(caller)
-        try:
-            with torch.cuda.stream(self._step_stream):
-                yield
-        finally:
-            caller.wait_stream(self._step_stream)
 
     # ------------------------------------------------------------------ capture
 
     # ------------------------------------------------------------------ replay
-    def _replay_step(self, closure: Any) -> Any:
-        graph = self._graph
-        graph.static.copy_in(self._pending[0], checked=True)  # _decide compared the signatures
-        for param, grad in graph.grads:
-            if param.grad is not grad:  # an eager step replaced them
-                param.grad = grad
-        if graph.binding is not None:
-            graph.binding.bring_home()
-        self._optimizer.sync_tensors()
-        start, end = self._events()
-        start.record()
-        graph.graph.replay()
-        end.record()
-        for where, element in graph.appends:  # what the step's Python appended, as in an eager step
-            current = where.current()
-            if current is not None:
-                current.append(copied_element(element))
-        self._timing.graph.append((start, end))
-        self._timing.graph_count += 1
-        if self._gate_turn is not None:
-            self._gate.record(self._gate_turn, start, end)
-            self._gate_turn = None
-        if graph.binding is not None:
-            graph.binding.after_replay()
-        self._mode = "replay"
-        self._reissued = set()
-        return closure() if closure is not None else loss_of(graph.output, "training_step")
 
     # ------------------------------------------------------------------ the overridden LightningModule hooks
 
