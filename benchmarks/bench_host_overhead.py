@@ -22,11 +22,11 @@ variants interleaved over ``--rounds`` rounds (medians of per-step times, then o
 
 How: modules, data and optimizers come from the harness's builders (``l2lightning.tools.bench.run``:
 ``compose_family``, ``build_family``, ``family_batches``, ``module_optimizer``, ``_loader``,
-``time_steps``, ``_step_timer``, ``_lightning_module``, ``make_batches``, ``_trainer``). As in the
+``time_steps``, ``_lightning_module``, ``make_batches``, ``_trainer``). As in the
 harness, ``FAMILY_BATCHES`` batches are drawn from the family's data module once and cycled, so the
 family's own data pipeline (CartPole rollouts, synthetic images) is not timed; unlike the harness
 they stay on the host, so every step pays Lightning's host-to-device batch copy as a user's fit does.
-A ``Trainer.fit`` step is timed from one ``on_train_batch_start`` to the next (CUDA events on a GPU:
+A ``Trainer.fit`` step is timed by ``l2lightning.step_timer.StepTimer``: from one ``on_train_batch_start`` to the next (CUDA events on a GPU:
 in a host-bound loop their spacing is the host's wall time; ``perf_counter`` on the CPU).
 
 The profile (``host_profile.json``): one more callback fit per family at batch 4 and 16 runs under
@@ -105,36 +105,9 @@ SKIP = 8  # untimed Trainer.fit steps at the start of every fit (the harness's l
 
 
 # ---------------------------------------------------------------------- timing helpers
-def _wall_timer() -> Any:
-    """perf_counter at every on_train_batch_start (the CPU stand-in of bench._step_timer)."""
-    import lightning.pytorch as pl
-
-    class WallTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.times.append(time.perf_counter())
-
-    return WallTimer()
-
-
-def _timer(cuda: bool) -> Any:
-    from l2lightning.tools.bench import run as bench
-
-    return bench._step_timer() if cuda else _wall_timer()
-
-
-def _step_ms(timer: Any, cuda: bool, start: int, steps: int) -> list[float]:
-    """Per-step ms from step `start` on (at most `steps` steps), start to start."""
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
-        marks = timer.events[start : start + steps + 1]
-        return [marks[i].elapsed_time(marks[i + 1]) for i in range(len(marks) - 1)]
-    marks = timer.times[start : start + steps + 1]
-    return [(marks[i + 1] - marks[i]) * 1e3 for i in range(len(marks) - 1)]
+def _step_ms(timer: Any, start: int, steps: int) -> list[float]:
+    """Per-step ms of the ``StepTimer``'s steps from the `start`-th on (at most `steps` of them)."""
+    return [ms for _, ms in timer.step_times()][start : start + steps]
 
 
 def _median(values: list[float]) -> float | None:
@@ -225,10 +198,10 @@ def fit_family(
 ) -> dict[str, Any]:
     """One ``Trainer.fit``; per-step ms (after capture with the callback), the callback's summary."""
     from l2lightning import L2GraphCallback
+    from l2lightning.step_timer import StepTimer
     from l2lightning.tools.bench import run as bench
 
-    cuda = args.accelerator == "cuda"
-    timer = _timer(cuda)
+    timer = StepTimer()
     callbacks: list[Any] = [timer]
     cb = L2GraphCallback(prefetch="off") if with_callback else None
     if cb is not None:
@@ -254,7 +227,7 @@ def fit_family(
     if prof is not None:
         out["profile"] = prof
         return out
-    times = _step_ms(timer, cuda, start, args.steps)
+    times = _step_ms(timer, start, args.steps)
     out["step_ms"] = _median(times)
     out["timed_steps"] = len(times)
     return out
@@ -290,13 +263,14 @@ def fit_floor(args: argparse.Namespace, logs: int = 0, with_callback: bool = Tru
     import torch
 
     from l2lightning import L2GraphCallback
+    from l2lightning.step_timer import StepTimer
     from l2lightning.tools.bench import run as bench
 
     cuda = args.accelerator == "cuda"
     device = torch.device("cuda", args.device) if cuda else torch.device("cpu")
     module = _logging_module(logs, device, "fused" if cuda else "foreach")
     batches = bench.make_batches(1, 1, device, torch.float32)
-    timer = _timer(cuda)
+    timer = StepTimer()
     cb = L2GraphCallback(prefetch="off", log_timing=False) if with_callback else None
     total = SKIP + args.steps + 1
     with bench._quiet_lightning():
@@ -309,7 +283,7 @@ def fit_floor(args: argparse.Namespace, logs: int = 0, with_callback: bool = Tru
         summary = bench.callback_summary(cb)
         if summary.get("captured") and summary.get("capture_step") is not None:
             start = max(SKIP, int(summary["capture_step"]) + 2)
-    return _median(_step_ms(timer, cuda, start, args.steps))
+    return _median(_step_ms(timer, start, args.steps))
 
 
 def log_cost(args: argparse.Namespace) -> dict[str, float | None]:
