@@ -7,7 +7,9 @@ default d1536x40 b16 and d1024x60 b8), one full ``Trainer.fit`` per variant, int
 - ``plain``: Lightning without the callback;
 - ``off``: ``L2GraphCallback(prefetch="off")``, the graph alone;
 - ``default``: ``L2GraphCallback()`` (``prefetch="auto"`` with the whole-step gate);
-- ``auto_no_gate``: ``prefetch="auto"`` with ``gate_pairs=0`` (the tuner's plans as they come).
+- ``auto_no_gate``: ``prefetch="auto"`` with ``gate_pairs=0`` (the tuner's plans as they come);
+- ``auto_budget_1`` and ``auto_unbounded``: the defaults with the tuner's memory budget at 1x the
+  parameter bytes, and without a bound (``memory_budget=None``).
 
 The tuner runs with ``cache=None`` in every fit, so each ``auto`` fit pays a first run's tuning.
 ``step_ms`` is the mean step time (``StepTimer``: start of one step to the next, CUDA events) over the
@@ -51,6 +53,9 @@ VARIANTS = {
     "off": {"prefetch": "off"},
     "default": {"autotune": {"cache": None}},
     "auto_no_gate": {"autotune": {"cache": None}, "gate_pairs": 0},
+    # the tuner's memory budget (default 0.25 x the parameter bytes) raised, and without a bound
+    "auto_budget_1": {"autotune": {"cache": None, "memory_budget": 1.0}},
+    "auto_unbounded": {"autotune": {"cache": None, "memory_budget": None}},
 }
 GIB = float(1 << 30)
 

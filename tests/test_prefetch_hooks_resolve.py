@@ -47,7 +47,7 @@ def test_auto_calls_the_tuner_it_is_given_for_the_phases_that_ask():
             return [PrefetchPlan(kind="hint", blocks=4 if phase == "forward" else 8)] * len(chain)
 
     class Tuner(Autotuner):
-        def tune(self, chain, device, phases=("forward",)):
+        def tune(self, chain, device, phases=("forward",), *, model_bytes=None):
             calls.append(tuple(phases))
             return Report()
 

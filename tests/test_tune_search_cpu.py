@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -25,98 +24,7 @@ from l2lightning.tune.candidates import (
 from l2lightning.tune.report import TuningReport, TuningRow
 from l2lightning.tune.search import Autotuner
 from l2lightning.tune.throwaway import SkipShape, build_throwaway, copies_for
-
-L2 = 60 * MIB
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class FakeBench:
-    """Times a chain of `copies` layers: plan gains come from `gain_of`, with multiplicative noise.
-
-    Each call advances the fake clock by what the real bench would spend: a capture the first time a
-    variant is seen, then one sample.
-    """
-
-    def __init__(
-        self,
-        clock,
-        gain_of,
-        decoy_gain=-0.02,
-        *,
-        base=100e-6,
-        noise=0.002,
-        capture_s=0.02,
-        sample_s=0.004,
-        seed=0,
-    ):
-        self.clock = clock
-        self.gain_of = gain_of
-        self.decoy_gain = decoy_gain
-        self.base = base
-        self.noise = noise
-        self.capture_s = capture_s
-        self.sample_s = sample_s
-        self.rng = np.random.default_rng(seed)
-        self.seen: set = set()
-        self.calls: list = []
-        self.copies = 8
-        self.mode = "chain"
-        self.closed = False
-
-    def sample(self, plan, decoy=False):
-        key = (plan, decoy)
-        if key not in self.seen:
-            self.seen.add(key)
-            self.clock.advance(self.capture_s)
-        self.clock.advance(self.sample_s)
-        self.calls.append(key)
-        torch.rand(1)  # a bench may use the RNG; the tuner must restore it
-        gain = 0.0 if plan is None else (self.decoy_gain if decoy else self.gain_of(plan))
-        return self.base * (1 - gain) * (1 + self.rng.normal(0, self.noise))
-
-    def close(self):
-        self.closed = True
-
-
-class Factory:
-    def __init__(self, clock, gain_of, **kw):
-        self.clock, self.gain_of, self.kw = clock, gain_of, kw
-        self.benches: list[FakeBench] = []
-
-    def __call__(self, layer, phase, device):
-        bench = FakeBench(self.clock, self.gain_of, seed=len(self.benches), **self.kw)
-        self.benches.append(bench)
-        return bench
-
-
-def fake_layer(d=2560, batch=4, index=0, name="l0", dtype=torch.bfloat16):
-    weight = torch.empty(d, d, dtype=dtype, device="meta")  # only shape and dtype are read
-    return Layer(index, name, nn.Linear(1, 1), [weight], d * d * weight.element_size(), (batch, d))
-
-
-def hint8_wins(plan):
-    """The H200 shape of things at d=2560: 8 blocks best, more or fewer worse, distance 2 loses."""
-    if plan.distance != 1:
-        return -0.02
-    if plan.kind != "hint":
-        return 0.01
-    return {8: 0.05, 16: 0.03, 32: 0.0}.get(plan.blocks, -0.1)
-
-
-def tuner(clock, factory, **kw):
-    kw.setdefault("cache", None)
-    kw.setdefault("kinds", KINDS)
-    return Autotuner(clock=clock, bench_factory=factory, l2_bytes=L2, device_name="fake", **kw)
+from tests.tune_fakes import L2, Factory, FakeClock, fake_layer, hint8_wins, tuner
 
 
 # ---------------------------------------------------------------------- pruning
@@ -210,7 +118,7 @@ def test_explicit_candidates_are_raced_alone():
 
 
 def test_a_shape_that_cannot_be_built_runs_plain():
-    def factory(layer, phase, device):
+    def factory(layer, phase, device, max_copies):
         raise SkipShape("cannot deep-copy Weird")
 
     report = tuner(FakeClock(), factory).tune([fake_layer()], "cpu", ("forward", "backward"))
@@ -222,8 +130,8 @@ def test_a_failing_candidate_is_dropped_not_fatal():
     clock = FakeClock()
     factory = Factory(clock, hint8_wins)
 
-    def flaky(layer, phase, device):
-        bench = factory(layer, phase, device)
+    def flaky(layer, phase, device, max_copies):
+        bench = factory(layer, phase, device, max_copies)
         sample = bench.sample
 
         def sample_or_fail(plan, decoy=False):
@@ -310,8 +218,8 @@ def test_a_training_forward_plan_is_measured_in_its_own_context(tmp_path, monkey
 
     monkeypatch.setattr("l2lightning.tune.search.CudaShapeBench", RecordingBench)
     real = Autotuner(cache=None)
-    real._factory("train")(fake_layer(), "forward", torch.device("cpu"))
-    real._factory("")(fake_layer(), "forward", torch.device("cpu"))
+    real._factory("train")(fake_layer(), "forward", torch.device("cpu"), max_copies=4)
+    real._factory("")(fake_layer(), "forward", torch.device("cpu"), max_copies=4)
     assert made == [("forward", True), ("forward", False)]
 
 

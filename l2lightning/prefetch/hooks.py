@@ -41,8 +41,9 @@ class ResolvedPlans:
 
 def make_autotuner(autotune: Any) -> Any:
     """An :class:`~l2lightning.tune.search.Autotuner` from the ``autotune`` argument: None (the
-    defaults: 0.6 s per shape, the on-disk plan cache), an ``Autotuner``, or a mapping of its
-    keyword arguments (``{"budget_s": 1.0, "cache": None}``, what a Hydra config gives)."""
+    defaults: 0.6 s per shape, throwaway copies within a quarter of the model's parameter bytes,
+    the on-disk plan cache), an ``Autotuner``, or a mapping of its keyword arguments
+    (``{"budget_s": 1.0, "memory_budget": 0.5, "cache": None}``, what a Hydra config gives)."""
     from l2lightning.tune.search import Autotuner
 
     if autotune is None:
@@ -76,11 +77,13 @@ def resolve_plans(
     *,
     backward: bool = True,
     autotune: Any = None,
+    model_bytes: int | None = None,
 ) -> ResolvedPlans:
     """Per-layer plans of a setting (see the module docstring) for `chain` on `device`.
 
     ``backward_plans`` None means the same setting as forward. ``"auto"`` tunes the phases that ask
-    for it (backward only when `backward`) with the tuner `autotune` describes (:func:`make_autotuner`).
+    for it (backward only when `backward`) with the tuner `autotune` describes (:func:`make_autotuner`);
+    `model_bytes`, the model's parameter bytes, scales its memory budget (default: the chain's).
     """
     plans, decoy = hook_settings(plans)
     backward_arg = plans if backward_plans is None else hook_settings(backward_plans)[0]
@@ -93,7 +96,11 @@ def resolve_plans(
             for phase, on in (("forward", plans == "auto"), ("backward", backward and backward_arg == "auto"))
             if on
         )
-        report = make_autotuner(autotune).tune(chain, device, phases) if phases else TuningReport()
+        report = (
+            make_autotuner(autotune).tune(chain, device, phases, model_bytes=model_bytes)
+            if phases
+            else TuningReport()
+        )
     l2 = device_l2_bytes(device)
     forward = (
         report.plans_for(chain, "forward") if plans == "auto" else layer_plans(chain, plans, l2, "plans")
@@ -158,8 +165,16 @@ class PrefetchHooks(PlanHooks):
     def _plans_for(
         self, plans: PlansArg, backward_plans: PlansArg
     ) -> tuple[list[PrefetchPlan | None], list[PrefetchPlan | None]]:
+        from l2lightning.tune.memory import tensor_bytes
+
         resolved = resolve_plans(
-            self.chain, self.device, plans, backward_plans, backward=self.backward, autotune=self._autotune
+            self.chain,
+            self.device,
+            plans,
+            backward_plans,
+            backward=self.backward,
+            autotune=self._autotune,
+            model_bytes=tensor_bytes(self.model.parameters()),
         )
         self.tuning_report = resolved.tuning_report
         return resolved.forward, resolved.backward

@@ -23,7 +23,9 @@ class TuningRow:
 
     ``plain_us`` is the time of one layer op in the plain throwaway graph (replay time / copies);
     ``plan`` is the best measured plan whether or not it was kept (``chosen``); ``gain``, ``ci_low``,
-    ``ci_high`` and ``decoy_gain`` come from the confirmation rounds (``1 - t/t_plain``).
+    ``ci_high`` and ``decoy_gain`` come from the confirmation rounds (``1 - t/t_plain``);
+    ``held_bytes`` is what the throwaway chain held (:mod:`l2lightning.tune.memory`'s estimate, 0
+    when none was built: a rule, a cache hit, a memory budget too small).
     """
 
     shape: str
@@ -32,6 +34,7 @@ class TuningRow:
     dtype: str = ""
     layers: int = 1  # chain layers sharing this shape
     copies: int = 0
+    held_bytes: int = 0
     mode: str = ""
     # "train": a forward plan measured in a forward + backward graph (how a training step runs it);
     # "" otherwise (a forward-only graph, or the backward phase, which always runs forward + backward)
@@ -87,6 +90,12 @@ class TuningReport:
     budget_s: float = 0.6
     min_gain: float = 0.01
     confidence: float = 0.95
+    # The memory bound on throwaway chains: the multiple of `model_bytes` (None: no bound), in bytes,
+    # and the most the chains held at once.
+    memory_budget: float | None = None
+    memory_budget_bytes: int | None = None
+    model_bytes: int = 0
+    memory_peak_bytes: int = 0
 
     def row(self, shape: str, phase: str) -> TuningRow | None:
         """The row of `shape` in `phase`, or None."""
@@ -120,6 +129,14 @@ class TuningReport:
             out[r.shape] = out.get(r.shape, 0.0) + r.seconds
         return out
 
+    def held_bytes_per_shape(self) -> dict[str, int]:
+        """Bytes each shape's throwaway chains held in this run: the larger of its phases' (they run
+        one after the other, each chain freed before the next)."""
+        out: dict[str, int] = {}
+        for r in self.rows:
+            out[r.shape] = max(out.get(r.shape, 0), r.held_bytes)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device,
@@ -127,6 +144,10 @@ class TuningReport:
             "budget_s": self.budget_s,
             "min_gain": self.min_gain,
             "confidence": self.confidence,
+            "memory_budget": self.memory_budget,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "model_bytes": self.model_bytes,
+            "memory_peak_bytes": self.memory_peak_bytes,
             "rows": [r.to_dict() for r in self.rows],
         }
 
@@ -138,6 +159,7 @@ class TuningReport:
             "phase",
             "MiB",
             "n",
+            "held MiB",
             "plain us",
             "best",
             "gain",
@@ -163,6 +185,7 @@ class TuningReport:
                     f"{r.phase}@{r.context}" if r.context else r.phase,
                     f"{r.layer_bytes / MIB:.2f}",
                     str(r.layers),
+                    f"{r.held_bytes / MIB:.1f}" if r.held_bytes else "-",
                     fmt(r.plain_us, ".1f"),
                     r.label,
                     fmt(r.gain, "+.1%"),
@@ -177,7 +200,15 @@ class TuningReport:
         widths = [
             max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(headers)
         ]
-        title = f"l2lightning autotune on {self.device or '?'} (keep: {pct} of gain > {self.min_gain:+.0%} and beats decoy)"
+        memory = (
+            f"; copies held <= {self.memory_budget_bytes / MIB:.1f} MiB, at most {self.memory_peak_bytes / MIB:.1f}"
+            if self.memory_budget_bytes is not None
+            else ""
+        )
+        title = (
+            f"l2lightning autotune on {self.device or '?'} "
+            f"(keep: {pct} of gain > {self.min_gain:+.0%} and beats decoy{memory})"
+        )
         out = [title, "  ".join(h.ljust(w) for h, w in zip(headers, widths))]
         out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
         return "\n".join(out)

@@ -23,11 +23,17 @@ Search, inside a wall-time budget (0.6 s per distinct shape by default):
    :mod:`l2lightning.tune.stats`: mean-gain CI above +1% and a win over the decoy. Otherwise the
    shape runs plain.
 
+Memory is bounded (:mod:`l2lightning.tune.memory`): the throwaway chains may hold at most
+``memory_budget`` (a quarter by default) times the model's parameter bytes. Each chain's bytes are
+estimated from shapes before it is built; it is shortened to fit, down to the shortest chain that
+still holds every candidate distance, and a shape that does not fit even then runs plain, the
+reason in its row. One shape is measured at a time, its chain freed before the next.
+
 Decisions are cached on disk (:mod:`l2lightning.tune.cache`). The measuring step is injectable
 (``Autotuner(bench_factory=...)``), which is how the CPU tests drive the search with fake timings.
 
 This module is the search alone (the grid, the throwaway chains, the timing, the report and the
-statistics live beside it in this package); it stays near 650 lines because the staged race is one
+statistics live beside it in this package); it stays near 750 lines because the staged race is one
 state machine over shared deadlines and samples, which reads best in one class.
 """
 
@@ -57,9 +63,17 @@ from l2lightning.tune.candidates import (
     make_plan,
     prune_candidates,
 )
+from l2lightning.tune.memory import (
+    DEFAULT_MEMORY_BUDGET,
+    ChainSizing,
+    MemoryLedger,
+    check_memory_budget,
+    size_chain,
+    tensor_bytes,
+)
 from l2lightning.tune.report import TuningReport, TuningRow
 from l2lightning.tune.stats import GateResult, gate, mean_ci
-from l2lightning.tune.throwaway import SkipShape
+from l2lightning.tune.throwaway import SkipShape, chain_copies
 from l2lightning.tune.timing import BenchFactory, CudaShapeBench, ShapeBench
 
 __all__ = ["Autotuner"]
@@ -137,8 +151,17 @@ class Autotuner:
         min_layer_bytes: smaller layers run plain without measuring (not worth a launch).
         replays: graph replays per timing sample (CUDA bench).
         screen_rounds: most screening pairs per candidate.
-        bench_factory: ``factory(layer, phase, device) -> ShapeBench``; default: :class:`CudaShapeBench`.
+        bench_factory: ``factory(layer, phase, device, max_copies=n) -> ShapeBench``, whose chain
+            holds at most ``n`` copies; default: :class:`CudaShapeBench`.
         l2_bytes, device_name: overrides of what the device reports (tests, fake benches).
+        memory_budget: the most the throwaway copies, their gradients and the timing graphs'
+            activations may hold at once, as a multiple of the model's parameter bytes (0.25, the
+            default: a quarter; above 1 allows more than the model itself), or None for no bound
+            beyond free memory. A chain is shortened to fit, down to the shortest one that still
+            holds every candidate distance (the largest distance + 1 copies); a shape whose
+            shortest chain does not fit runs plain, the reason in its row and in a warning.
+            Cached decisions need no memory. Each row reports the bytes its chain held
+            (``held_bytes``), the report the budget and the most held at once.
 
     Example:
         >>> tuner = Autotuner(budget_s=0.6)  # doctest: +SKIP
@@ -168,6 +191,7 @@ class Autotuner:
         bench_factory: BenchFactory | None = None,
         l2_bytes: int | None = None,
         device_name: str | None = None,
+        memory_budget: float | None = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
             raise ValueError(f"`budget_s` must be a positive number of seconds, got {budget_s!r}")
@@ -203,9 +227,12 @@ class Autotuner:
         _check_count("replays", replays, 1)
         _check_count("screen_rounds", screen_rounds, MIN_PAIRS)
         if bench_factory is not None and not callable(bench_factory):
-            raise TypeError("`bench_factory` must be a callable factory(layer, phase, device) -> ShapeBench")
+            raise TypeError(
+                "`bench_factory` must be a callable factory(layer, phase, device, max_copies=n) -> ShapeBench"
+            )
         if l2_bytes is not None:
             _check_count("l2_bytes", l2_bytes, 1)
+        self.memory_budget = check_memory_budget(memory_budget)
         self.budget_s = float(budget_s)
         self.candidates = candidates
         self.min_gain = float(min_gain)
@@ -228,11 +255,18 @@ class Autotuner:
 
     # ------------------------------------------------------------ public
     def tune(
-        self, chain: Sequence[Layer], device: torch.device | str, phases: Sequence[str] = ("forward",)
+        self,
+        chain: Sequence[Layer],
+        device: torch.device | str,
+        phases: Sequence[str] = ("forward",),
+        *,
+        model_bytes: int | None = None,
     ) -> TuningReport:
         """Tune every distinct layer shape of `chain` in each of `phases` ("forward", "backward").
 
         Never touches the model's tensors (copies are made and re-initialised) nor, visibly, its RNG.
+        `model_bytes` is the model's parameter bytes, which ``memory_budget`` multiplies; default:
+        the parameters of the chain's layers (the model's weight-reading layers, so at most the model's).
         """
         if isinstance(phases, str):
             phases = (phases,)
@@ -244,6 +278,11 @@ class Autotuner:
             raise TypeError(
                 "`chain` must be a list of l2lightning.prefetch.chain.Layer (PrefetchHooks.chain)"
             )
+        if model_bytes is None:
+            model_bytes = tensor_bytes(p for layer in chain for p in layer.module.parameters())
+        else:
+            _check_count("model_bytes", model_bytes, 0)
+        ledger = MemoryLedger(None if self.memory_budget is None else int(self.memory_budget * model_bytes))
         device = torch.device(device)
         on_cuda = device.type == "cuda"
         if on_cuda and device.index is None:
@@ -254,6 +293,9 @@ class Autotuner:
             budget_s=self.budget_s,
             min_gain=self.min_gain,
             confidence=self.confidence,
+            memory_budget=self.memory_budget,
+            memory_budget_bytes=ledger.budget_bytes,
+            model_bytes=model_bytes,
         )
         shapes: dict[str, tuple[Layer, int]] = {}
         for layer in chain:
@@ -280,9 +322,12 @@ class Autotuner:
                     share = FORWARD_BUDGET_SHARE if (len(phases) == 2 and k == 0) else 1.0
                     deadline = shape_start + self.budget_s * share
                     context = "train" if (training and phase == "forward") else ""
-                    row = self._row(layer, count, phase, context, device, deadline, l2, kinds, unavailable)
+                    row = self._row(
+                        layer, count, phase, context, device, deadline, l2, kinds, unavailable, ledger
+                    )
                     used_cuda |= row.measured and not row.from_cache and self.bench_factory is None
                     report.rows.append(row)
+        report.memory_peak_bytes = ledger.peak
         if used_cuda:
             torch.cuda.empty_cache()  # hand the throwaway chains' memory back (their graphs are gone)
         return report
@@ -335,6 +380,32 @@ class Autotuner:
         ):
             yield
 
+    def _longest_distance(self) -> int:
+        """The largest prefetch distance the search may race."""
+        if self.candidates is not None:
+            return max(c.distance for c in self.candidates)
+        return max(self.distances)
+
+    def _graphs(self, kinds: Sequence[str]) -> int:
+        """The most graphs one shape's search captures: plain, each candidate, the winner's decoy."""
+        if self.candidates is not None:
+            return len(self.candidates) + 2
+        return len(self.blocks) + (len(kinds) - 1) + (len(self.distances) - 1) + 2
+
+    def _over_budget(self, row: TuningRow, sizing: ChainSizing) -> None:
+        """No plan for a shape whose shortest chain does not fit the memory budget: say why, in the
+        row and once as a warning."""
+        from l2lightning._env import warn_once
+
+        why = f"{sizing.over_budget()} (memory_budget={self.memory_budget:g} x the model's parameter bytes)"
+        row.reason = f"not tuned: {why}"
+        phase = f"{row.phase}@{row.context}" if row.context else row.phase
+        warn_once(
+            f"autotune-memory:{row.shape}:{row.phase}:{row.context}",
+            f"l2lightning: autotune leaves {row.shape} ({phase}) without a plan: {why}; "
+            "a larger `memory_budget` (or None) tunes it",
+        )
+
     def _tuner_tag(self, kinds: Sequence[str]) -> str:
         """Short hash of the settings that shape a decision, so other settings do not reuse it."""
         space = (
@@ -364,6 +435,7 @@ class Autotuner:
         l2: int | None,
         kinds: tuple[str, ...],
         unavailable: str | None,
+        ledger: MemoryLedger,
     ) -> TuningRow:
         start = self.clock()
         dtype = str(layer.weights[0].dtype).replace("torch.", "") if layer.weights else "none"
@@ -384,6 +456,20 @@ class Autotuner:
         if l2 is not None and 2 * layer.nbytes > l2:
             row.reason = f"2 x {layer.nbytes / MIB:.1f} MiB does not fit in {l2 / MIB:.0f} MiB of L2"
             return row
+        # A training-context forward phase is timed in forward + backward graphs.
+        graph_phase = "backward" if context == "train" else phase
+        try:
+            sizing = size_chain(
+                layer,
+                graph_phase,
+                graphs=self._graphs(kinds),
+                wanted=chain_copies(layer.nbytes, l2, count),
+                shortest=self._longest_distance() + 1,
+                budget_bytes=ledger.budget_bytes,
+            )
+        except SkipShape as exc:
+            row.reason = str(exc)
+            return row
         key = None
         if self.cache is not None:
             key = self.cache.key(
@@ -399,11 +485,17 @@ class Autotuner:
                     hit = TuningRow.from_dict(cached)
                 except (TypeError, ValueError):
                     hit = None  # an entry from an incompatible layout: measure again and overwrite it
-                if hit is not None:
-                    hit.layers, hit.from_cache = count, True
+                # A decision measured on a shorter chain than this run would build (a tighter
+                # memory budget or less free memory then) is measured again; any decision beats
+                # none when no chain fits at all, and costs no memory.
+                if hit is not None and hit.copies >= sizing.copies:
+                    hit.layers, hit.from_cache, hit.held_bytes = count, True, 0  # nothing built
                     hit.tuned_seconds, hit.seconds = hit.seconds or hit.tuned_seconds, self.clock() - start
                     return hit
-        self._measure(row, layer, count, phase, context, device, start, deadline, l2, kinds)
+        if sizing.copies == 0:
+            self._over_budget(row, sizing)
+            return row
+        self._measure(row, layer, count, phase, context, device, start, deadline, l2, kinds, sizing, ledger)
         row.seconds = row.tuned_seconds = self.clock() - start
         if key is not None and row.measured:
             try:
@@ -422,7 +514,7 @@ class Autotuner:
         replays = self.replays
         l2 = self.l2_bytes
 
-        def cuda_factory(layer: Layer, phase: str, device: torch.device) -> ShapeBench:
+        def cuda_factory(layer: Layer, phase: str, device: torch.device, max_copies: int) -> ShapeBench:
             return CudaShapeBench(
                 layer,
                 phase,
@@ -431,6 +523,7 @@ class Autotuner:
                 l2_bytes=l2,
                 training=context == "train",
                 min_copies=count,
+                max_copies=max_copies,
             )
 
         return cuda_factory
@@ -447,19 +540,34 @@ class Autotuner:
         deadline: float,
         l2: int | None,
         kinds: tuple[str, ...],
+        sizing: ChainSizing,
+        ledger: MemoryLedger,
     ) -> None:
-        try:
-            bench = self._factory(context, count)(layer, phase, device)
-        except SkipShape as exc:
-            row.reason = str(exc)
-            return
-        except Exception as exc:  # a layer we cannot rebuild runs plain rather than failing the run
-            row.reason = f"could not build a throwaway chain ({type(exc).__name__}: {exc})"
-            return
-        try:
-            self._search(row, bench, layer, phase, start, deadline, l2, kinds)
-        finally:
-            bench.close()
+        # The chain's bytes count as held from before it is built until it is closed.
+        with ledger.hold(sizing.footprint.bytes_for(sizing.copies)):
+            try:
+                bench = self._factory(context, count)(layer, phase, device, max_copies=sizing.copies)
+            except SkipShape as exc:
+                row.reason = str(exc)
+                return
+            except Exception as exc:  # a layer we cannot rebuild runs plain rather than failing the run
+                row.reason = f"could not build a throwaway chain ({type(exc).__name__}: {exc})"
+                return
+            try:
+                built = max(1, int(getattr(bench, "copies", 1)))
+                if built > sizing.copies:
+                    raise ValueError(
+                        f"`bench_factory` built a chain of {built} copies; the tuner allowed "
+                        f"max_copies={sizing.copies}"
+                    )
+                row.held_bytes = sizing.footprint.bytes_for(built)
+                self._search(row, bench, layer, phase, start, deadline, l2, kinds)
+                if built < sizing.wanted:
+                    why = "the memory budget" if built == sizing.copies else "free memory"
+                    note = f"chain shortened to {built} of {sizing.wanted} copies by {why}"
+                    row.reason = f"{row.reason} ({note})" if row.reason else note
+            finally:
+                bench.close()
 
     def _search(
         self,
@@ -475,6 +583,15 @@ class Autotuner:
         s = _Sampler(bench, self.clock)
         row.copies = max(1, int(getattr(bench, "copies", 1)))
         row.mode = str(getattr(bench, "mode", ""))
+        # A chain of n copies holds prefetches up to n - 1 layers ahead; a plan reaching further
+        # would prefetch nothing there, and its distance must stay what the model will run.
+        distances = tuple(d for d in self.distances if d < row.copies)
+        candidates = (
+            [c for c in self.candidates if c.distance < row.copies] if self.candidates is not None else None
+        )
+        if (not candidates) if candidates is not None else (not distances):
+            row.reason = f"a chain of {row.copies} copies holds no candidate's prefetch distance"
+            return
         try:
             # Two plain samples: the first includes the capture and a cold start; the faster one
             # gives the op time that the issue-rate rule needs.
@@ -497,12 +614,12 @@ class Autotuner:
         gains: dict[PrefetchPlan, list[float]] = {}
         failed: dict[PrefetchPlan, str] = {}
 
-        if self.candidates is not None:
-            first = prune_candidates(self.candidates, layer.nbytes, l2, op_seconds, **rule)
-            pool = self.candidates
+        if candidates is not None:
+            first = prune_candidates(candidates, layer.nbytes, l2, op_seconds, **rule)
+            pool = candidates
         else:
             base_kind = "hint" if "hint" in kinds else kinds[0]
-            pool = [make_plan(base_kind, b, min(self.distances)) for b in self.blocks]
+            pool = [make_plan(base_kind, b, min(distances)) for b in self.blocks]
             first = prune_candidates(pool, layer.nbytes, l2, op_seconds, **rule)
         if not first:
             why = next(r for c in pool if (r := ineligibility(c, layer.nbytes, l2, op_seconds, **rule)))
@@ -510,16 +627,14 @@ class Autotuner:
             row.samples = s.samples
             return
         alive = self._screen(s, first, gains, failed, stage_end[0])
-        if self.candidates is None:
+        if candidates is None:
             measured = [c for c in first if gains.get(c)]
             base = max(measured, key=lambda c: _mean(gains[c]), default=None)
             # Flavours at the best block count, unless every block count clearly lost (the
             # 32 MiB case: every plan lost 3-400%; other kinds will not rescue it).
             if base is not None and mean_ci(gains[base], self.confidence).high >= 0:
                 flavours = [make_plan(k, base.blocks, base.distance) for k in kinds if k != base.kind]
-                flavours += [
-                    make_plan(base.kind, base.blocks, d) for d in self.distances if d != base.distance
-                ]
+                flavours += [make_plan(base.kind, base.blocks, d) for d in distances if d != base.distance]
                 second = prune_candidates(flavours, layer.nbytes, l2, op_seconds, **rule)
                 if second:
                     carried = [c for c in alive if c == base]

@@ -1,7 +1,9 @@
 """Throwaway chains: copies of one layer's block with fresh random weights, long enough to evict L2.
 
 The tuner times these instead of the model, so tuning never touches the model's tensors (they are
-read once, by ``copy.deepcopy``) and each layer's weights leave L2 between replays.
+read once, by ``copy.deepcopy``) and each layer's weights leave L2 between replays. Under the
+tuner's memory budget (:mod:`l2lightning.tune.memory`) a chain may be shorter than that: down to
+the shortest one that still holds every candidate distance.
 """
 
 from __future__ import annotations
@@ -52,19 +54,23 @@ _HOOK_DICTS = (
 )
 
 
+def drop_hooks(module: nn.Module) -> None:
+    """Clear the hooks of a deep copy: deepcopy carries hook dicts over (the hook functions are shared,
+    not copied), and another PrefetchHooks' hooks must not fire inside a throwaway chain."""
+    for sub in module.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(sub, attr, None)
+            if isinstance(hooks, dict):
+                hooks.clear()
+
+
 def _fresh_copy(module: nn.Module, requires_grad: bool) -> nn.Module:
     """A deep copy of `module` with new random weights and no hooks (the model's tensors stay untouched)."""
     try:
         clone = copy.deepcopy(module)
     except Exception as exc:
         raise SkipShape(f"cannot deep-copy {type(module).__name__} ({type(exc).__name__}: {exc})") from exc
-    for sub in clone.modules():
-        # deepcopy carries hook dicts over (hook functions are shared, not copied): another
-        # PrefetchHooks' hooks must not fire inside the throwaway chain.
-        for attr in _HOOK_DICTS:
-            hooks = getattr(sub, attr, None)
-            if isinstance(hooks, dict):
-                hooks.clear()
+    drop_hooks(clone)
     with torch.no_grad():
         for name, p in clone.named_parameters():
             if not p.is_floating_point():
@@ -99,6 +105,40 @@ def copies_for(layer_bytes: int, l2_bytes: int | None, low: int = 6, high: int =
     if l2_bytes is None or layer_bytes <= 0:
         return low
     return max(low, min(high, math.ceil(2 * l2_bytes / layer_bytes)))
+
+
+def chain_copies(layer_bytes: int, l2_bytes: int | None, min_copies: int = 1) -> int:
+    """Copies in the throwaway chain of a layer shape with no memory bound: :func:`copies_for`,
+    lengthened to the model's `min_copies` layers of that shape (at most `MAX_COPIES`), so that what
+    builds up along a chain (lines an evict_last prefetch keeps) shows."""
+    return max(copies_for(layer_bytes, l2_bytes), min(min_copies, MAX_COPIES))
+
+
+@dataclass
+class ChainUnit:
+    """What a throwaway chain repeats for one layer: the module it copies and the input it is timed on."""
+
+    module: nn.Module  # the layer's block (``Layer.block``) or, where it has none, the layer itself
+    input_shape: tuple[int, ...]
+    input_dtype: torch.dtype  # int64 for an embedding's indices
+    is_block: bool
+
+
+def chain_unit(layer: Layer) -> ChainUnit:
+    """The unit a throwaway chain of `layer` copies (see :func:`build_throwaway`), read from the layer
+    record alone: nothing is copied, run or allocated.
+
+    Raises:
+        SkipShape: the layer's input shape is unknown.
+    """
+    if layer.input_shape is None or not layer.weights:
+        raise SkipShape("the layer's input shape is unknown (its first argument is not a tensor)")
+    if layer.block is not None and layer.block_input is not None:
+        shape, dtype = layer.block_input
+        return ChainUnit(layer.block, tuple(shape), dtype, is_block=True)
+    embedding = isinstance(layer.module, (nn.Embedding, nn.EmbeddingBag))
+    dtype = torch.int64 if embedding else layer.weights[0].dtype
+    return ChainUnit(layer.module, tuple(layer.input_shape), dtype, is_block=False)
 
 
 @dataclass
@@ -142,15 +182,20 @@ class Throwaway:
         return loss
 
 
-def _random_input(proto: nn.Module, layer: Layer) -> torch.Tensor:
-    device = layer.weights[0].device
-    if isinstance(proto, (nn.Embedding, nn.EmbeddingBag)):
-        return torch.randint(0, proto.num_embeddings, layer.input_shape, device=device)
-    return torch.randn(layer.input_shape, device=device, dtype=layer.weights[0].dtype)
+def _random_input(proto: nn.Module, unit: ChainUnit, device: torch.device) -> torch.Tensor:
+    if unit.input_dtype == torch.int64 and isinstance(proto, (nn.Embedding, nn.EmbeddingBag)):
+        return torch.randint(0, proto.num_embeddings, unit.input_shape, device=device)
+    return torch.randn(unit.input_shape, device=device, dtype=unit.input_dtype)
 
 
 def build_throwaway(
-    layer: Layer, phase: str, l2_bytes: int | None, *, max_bytes: int | None = None, min_copies: int = 1
+    layer: Layer,
+    phase: str,
+    l2_bytes: int | None,
+    *,
+    max_bytes: int | None = None,
+    min_copies: int = 1,
+    max_copies: int | None = None,
 ) -> Throwaway:
     """Copies of the layer's block (``layer.block``, mode ``block``) or of ``layer.module`` with fresh
     random weights, on the layer's device, with random inputs.
@@ -162,7 +207,8 @@ def build_throwaway(
     next); ``fan`` mode otherwise (Linear d->4d: each copy reads its own input, and in backward
     each input is a leaf that needs grad, so every copy computes grad-input and reads its W as a
     mid-model layer does). `min_copies` (the model's layers of this shape) lengthens the chain up
-    to 32 copies; `max_bytes` caps the copies' weight bytes (free GPU memory).
+    to 32 copies (:func:`chain_copies`); `max_copies` (the tuner's memory budget) and `max_bytes`
+    (the copies' weight bytes, from free GPU memory) shorten it.
 
     Raises:
         SkipShape: the module cannot be copied or called on a random input of the recorded shape,
@@ -170,30 +216,30 @@ def build_throwaway(
     """
     if phase not in PHASES:
         raise ValueError(f"`phase` must be one of {PHASES}, got {phase!r}")
-    if layer.input_shape is None or not layer.weights:
-        raise SkipShape("the layer's input shape is unknown (its first argument is not a tensor)")
+    if max_copies is not None and (
+        isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 2
+    ):
+        raise ValueError(
+            f"`max_copies` must be an int >= 2 (a chain needs two layers) or None, got {max_copies!r}"
+        )
+    unit = chain_unit(layer)
     backward = phase == "backward"
     device = layer.weights[0].device
-    if layer.block is not None and layer.block_input is not None:
-        unit: nn.Module = layer.block
-        shape, dtype = layer.block_input
-        proto = _fresh_copy(unit, backward)
-        x = torch.randn(shape, device=device, dtype=dtype)
-    else:
-        unit = layer.module
-        proto = _fresh_copy(unit, backward)
-        x = _random_input(proto, layer)
+    proto = _fresh_copy(unit.module, backward)
+    x = _random_input(proto, unit, device)
     try:
         with torch.no_grad():
             y = proto(x)
     except Exception as exc:
         raise SkipShape(
-            f"a copy of {type(unit).__name__} failed on a random {tuple(x.shape)} input "
+            f"a copy of {type(unit.module).__name__} failed on a random {tuple(x.shape)} input "
             f"({type(exc).__name__}: {exc})"
         ) from exc
     fan = not (isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype == x.dtype)
     del y
-    n = max(copies_for(layer.nbytes, l2_bytes), min(min_copies, MAX_COPIES))
+    n = chain_copies(layer.nbytes, l2_bytes, min_copies)
+    if max_copies is not None:
+        n = min(n, max_copies)
     if max_bytes is not None:
         n = min(n, max_bytes // max(1, layer.nbytes))
     if n < 2:
@@ -207,7 +253,7 @@ def build_throwaway(
         inputs = (x,) * n
     else:
         inputs = (x,)
-    mode = "block" if unit is layer.block else ("fan" if fan else "chain")
+    mode = "block" if unit.is_block else ("fan" if fan else "chain")
     steps = [c.name for c in discover_chain(model, inputs)]
     if mode == "block":
         # the layer's place inside each block copy (its LayerNorm companions get no plan)

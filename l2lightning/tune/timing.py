@@ -39,16 +39,19 @@ class ShapeBench(Protocol):
         ...
 
 
-BenchFactory = Callable[[Layer, str, torch.device], ShapeBench]
+# factory(layer, phase, device, max_copies=n): a bench whose chain holds at most n copies (the
+# memory budget's bound, see l2lightning.tune.memory).
+BenchFactory = Callable[..., ShapeBench]
 
 
 class CudaShapeBench:
     """Times one layer shape in one phase on the GPU, with CUDA graphs of a throwaway chain.
 
-    The chain (:func:`build_throwaway`) holds `copies_for` copies of ``layer.module`` with random
-    weights; one graph is captured per variant (plain, each plan, each decoy) on first use, all
+    The chain (:func:`build_throwaway`) holds `chain_copies` copies of the layer's block (or of
+    ``layer.module``) with random weights, at most `max_copies`; one graph is captured per variant (plain, each plan, each decoy) on first use, all
     sharing one memory pool (graphs replay one at a time and write every pool tensor before
-    reading it, so sharing is safe and memory stays at one graph's worth). Forward phase: a
+    reading it, so sharing is safe and memory stays near one graph's worth; each forward graph also
+    keeps its output). Forward phase: a
     forward-only graph under no_grad. Backward phase: forward + ``out.float().square().mean()``
     + backward, grads set to None before each capture, the plan on the backward pass only.
     ``training=True`` (forward phase only): forward + backward graphs with the plan on the forward
@@ -64,6 +67,7 @@ class CudaShapeBench:
         training: measure a forward plan in forward + backward graphs.
         min_copies: the model's layers of this shape: the throwaway is at least as long (up to
             32), so what builds up along a chain (lines an evict_last prefetch keeps) shows.
+        max_copies: the most copies (the tuner's memory budget); None: no bound but free memory.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class CudaShapeBench:
         l2_bytes: int | None = None,
         training: bool = False,
         min_copies: int = 1,
+        max_copies: int | None = None,
     ) -> None:
         from l2lightning.prefetch.kernels import load_prefetch_kernels
 
@@ -91,7 +96,9 @@ class CudaShapeBench:
         graph_phase = "backward" if training else phase
         # weights (x3 in backward: grads and allocator slack) within 40% of the free memory
         max_bytes = int(0.4 * free) // (3 if graph_phase == "backward" else 1)
-        self.chain = build_throwaway(layer, graph_phase, l2, max_bytes=max_bytes, min_copies=min_copies)
+        self.chain = build_throwaway(
+            layer, graph_phase, l2, max_bytes=max_bytes, min_copies=min_copies, max_copies=max_copies
+        )
         self.phase = phase
         self.copies = self.chain.copies
         self.mode = self.chain.mode

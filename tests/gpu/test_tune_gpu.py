@@ -1,17 +1,22 @@
 """GPU: the autotuner on real chains. Clear decisions repeat, a tuned chain is never slower than plain,
-the model's tensors and RNG are untouched, and the throwaway graphs compute the same bits with a plan.
+the model's tensors and RNG are untouched, the throwaway graphs compute the same bits with a plan,
+and tuning's memory stays within its budget.
 
-Runs in well under a minute on an H200 (each tuning run is bounded by 0.6 s per layer shape).
+Runs in well under a minute on an H200 (each tuning run is bounded by 0.6 s per layer shape). The
+search tests lift the memory bound (``memory_budget=None``): their 12-layer stacks hold 150 MiB of
+parameters, whose quarter does not hold the chains that evict L2 and that those tests are about.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 
 import pytest
 import torch
 from torch import nn
 
+from l2lightning.capture import clear_cublas_workspaces
 from l2lightning.prefetch.chain import discover_chain
 from l2lightning.prefetch.hooks import PrefetchHooks
 from l2lightning.prefetch.plan import MIB
@@ -61,7 +66,7 @@ def test_decisions_repeat_on_clear_cases_and_the_model_is_untouched():
     params = [p.detach().clone() for p in model.parameters()]
     cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state()
 
-    runs = [Autotuner().tune(chain, x.device, ("forward", "backward")) for _ in range(2)]
+    runs = [Autotuner(memory_budget=None).tune(chain, x.device, ("forward", "backward")) for _ in range(2)]
     for report in runs:
         print(report.table())
 
@@ -91,7 +96,8 @@ def test_tiny_stack_runs_plain_both_times(min_layer_bytes):
     x = batch(256)
     chain = discover_chain(model, x)
     for _ in range(2):
-        report = Autotuner(min_layer_bytes=min_layer_bytes).tune(chain, x.device, ("forward", "backward"))
+        tuner = Autotuner(min_layer_bytes=min_layer_bytes, memory_budget=None)
+        report = tuner.tune(chain, x.device, ("forward", "backward"))
         print(report.table())
         assert not any(r.chosen for r in report.rows)
         assert report.plans_for(chain, "forward") == [None] * len(chain)
@@ -105,7 +111,7 @@ def test_tuned_chain_is_never_slower_than_plain(backward):
     model = stack(2560)
     x = batch(2560)
     plain, keep_plain = capture_chain(model, x, backward)
-    hooks = PrefetchHooks(model, x, backward=backward, plans="auto")
+    hooks = PrefetchHooks(model, x, backward=backward, plans="auto", autotune={"memory_budget": None})
     print(hooks.tuning_report.table())
     print(hooks.plan_summary())
     tuned, keep_tuned = capture_chain(model, x, backward)
@@ -146,3 +152,38 @@ def test_throwaway_graphs_compute_the_same_bits_with_a_plan(d_out, phase):
     got = out_plan if isinstance(out_plan, tuple) else (out_plan,)
     assert all(torch.equal(a, b) for a, b in zip(expect, got))
     bench.close()
+
+
+# cuBLAS workspaces (one per stream a GEMM runs on, 32 MiB on Hopper; the warm-up's side stream and the
+# capture each take one) and the caching allocator's rounding: not in the budget, bounded, not per layer
+WORKSPACE_SLACK = 64 * MIB
+
+
+@pytest.mark.parametrize(
+    ("budget", "phases"), [(0.25, ("forward",)), (0.75, ("forward", "backward"))], ids=["default", "training"]
+)
+def test_tuning_memory_stays_within_the_budget(budget, phases):
+    # 32 blocks of d=2048: 8 MiB Linears, 256 MiB of parameters. Unbounded, a chain would be 32 copies
+    # (256 MiB in forward, twice that with gradients); within the budget it is a few.
+    model = stack(2048, n=32)
+    x = batch(2048)
+    chain = discover_chain(model, x)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    gc.collect()
+    clear_cublas_workspaces()  # the dry run's workspace is not the tuner's
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    report = Autotuner(memory_budget=budget, cache=None).tune(chain, x.device, phases, model_bytes=params)
+    peak = torch.cuda.max_memory_allocated()
+    print(report.table())
+    print(f"parameters {params / MIB:.1f} MiB, before {before / MIB:.1f} MiB, peak {peak / MIB:.1f} MiB")
+    limit = int(budget * params)
+    assert report.memory_budget_bytes == limit
+    measured = [r for r in report.rows if r.measured]
+    assert measured, "the budget holds a shortened chain of the 8 MiB blocks"
+    assert all(3 <= r.copies < 32 and 0 < r.held_bytes <= limit for r in measured)
+    assert report.memory_peak_bytes <= limit
+    # what was allocated before is the model (and its input): the peak stays under the parameter
+    # bytes x (1 + budget) plus the slack
+    assert peak - before <= limit + WORKSPACE_SLACK, (peak - before) / MIB
