@@ -74,6 +74,11 @@ class StepDispatch:
             return
         if self._step_stream is None:
             self._step_stream = torch.cuda.Stream(self._device())
+            # PyTorch's allocator caches freed blocks per stream: what the default stream left
+            # cached (a sanity-check validation, an earlier fit) cannot serve this stream's
+            # allocations, and a fit that barely fits would run out of memory here where plain
+            # Lightning would not. Give those blocks back once, before the first step on this stream.
+            torch.cuda.empty_cache()
         caller = torch.cuda.current_stream()
         self._step_stream.wait_stream(caller)
         try:
