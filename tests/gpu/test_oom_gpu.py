@@ -22,7 +22,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 SCENARIO = r"""
-import gc, json, warnings
+import gc, json, traceback, warnings
 import torch
 from lightning.pytorch import Callback, seed_everything
 from l2lightning import L2GraphCallback
@@ -62,7 +62,11 @@ try:
     out["losses_equal"] = len(losses) == len(plain_losses) and all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
     out["params_equal"] = all(torch.equal(v, plain_state[k]) for k, v in model.state_dict().items())
 except Exception as exc:
-    out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    # where it ran out: the package's frames of the traceback (what the callback failed to catch)
+    out["where"] = [f"{f.filename.split('l2lightning/')[-1]}:{f.lineno} {f.name}"
+                    for f in traceback.extract_tb(exc.__traceback__) if "/l2lightning/" in f.filename]
+    out["summary"] = {k: cb.summary()[k] for k in ("captured", "reason", "fallback_steps", "captures")}
 del filler
 gc.collect(); torch.cuda.empty_cache()
 cb = L2GraphCallback(prefetch="off")  # with room to spare again, the same process captures
