@@ -6,6 +6,7 @@ reason said, the argument validated by name, and cached decisions reused without
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -182,17 +183,30 @@ def test_copies_held_never_exceed_the_budget(budget):
     assert all(d < min(r.copies for r in measured) for d in planned_distances(factory))
 
 
+def test_a_model_whose_weights_fit_in_l2_is_left_untuned_without_a_warning():
+    clock = FakeClock()
+    factory = Factory(clock, hint8_wins)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: prefetch cannot help weights that stay in L2
+        report = tuner(clock, factory, memory_budget=0.25).tune([fake_layer()], "cpu", ("forward",))
+    (row,) = report.rows
+    assert row.reason.startswith("not tuned: its shortest throwaway chain") and factory.benches == []
+
+
 def test_a_shape_too_big_for_the_budget_gets_no_plan_and_says_why():
     clock = FakeClock()
     factory = Factory(clock, hint8_wins)
-    # one 12.5 MiB layer: a quarter of it holds no chain at all
+    # one 12.5 MiB layer: a quarter of it holds no chain at all; with model weights beyond L2 (here
+    # 100 MiB of them), a plan could have mattered, so it is also a warning
     with pytest.warns(UserWarning, match=r"without a plan: its shortest throwaway chain \(3 copies\)"):
-        report = tuner(clock, factory, memory_budget=0.25).tune([fake_layer()], "cpu", ("forward",))
+        report = tuner(clock, factory, memory_budget=0.03125).tune(
+            [fake_layer()], "cpu", ("forward",), model_bytes=100 * MIB
+        )
     (row,) = report.rows
     assert factory.benches == [], "nothing may be built for a shape that does not fit"
     assert not row.chosen and not row.measured and row.plan is None
     assert row.reason.startswith("not tuned: its shortest throwaway chain (3 copies) needs 37.")
-    assert "memory budget of 3.1 MiB (memory_budget=0.25" in row.reason
+    assert "memory budget of 3.1 MiB (memory_budget=0.03125" in row.reason
     assert row.held_bytes == 0 and report.memory_peak_bytes == 0
     assert report.plans_for([fake_layer()], "forward") == [None]
     assert "not tuned" in report.table() and report.to_dict()["rows"][0]["reason"] == row.reason

@@ -392,13 +392,17 @@ class Autotuner:
             return len(self.candidates) + 2
         return len(self.blocks) + (len(kinds) - 1) + (len(self.distances) - 1) + 2
 
-    def _over_budget(self, row: TuningRow, sizing: ChainSizing) -> None:
-        """No plan for a shape whose shortest chain does not fit the memory budget: say why, in the
-        row and once as a warning."""
+    def _over_budget(self, row: TuningRow, sizing: ChainSizing, l2: int | None, ledger: MemoryLedger) -> None:
+        """No plan for a shape whose shortest chain does not fit the memory budget: say why in the
+        row, and once as a warning where a plan could have mattered. A model whose weights all fit
+        in L2 gains nothing from prefetch, so the default budget leaving it untuned is no news."""
         from l2lightning._env import warn_once
 
         why = f"{sizing.over_budget()} (memory_budget={self.memory_budget:g} x the model's parameter bytes)"
         row.reason = f"not tuned: {why}"
+        model_bytes = ledger.budget_bytes / self.memory_budget if self.memory_budget else None
+        if l2 is not None and model_bytes is not None and model_bytes <= l2:
+            return
         phase = f"{row.phase}@{row.context}" if row.context else row.phase
         warn_once(
             f"autotune-memory:{row.shape}:{row.phase}:{row.context}",
@@ -493,7 +497,7 @@ class Autotuner:
                     hit.tuned_seconds, hit.seconds = hit.seconds or hit.tuned_seconds, self.clock() - start
                     return hit
         if sizing.copies == 0:
-            self._over_budget(row, sizing)
+            self._over_budget(row, sizing, l2, ledger)
             return row
         self._measure(row, layer, count, phase, context, device, start, deadline, l2, kinds, sizing, ledger)
         row.seconds = row.tuned_seconds = self.clock() - start
