@@ -80,7 +80,7 @@ print("RESULT " + json.dumps(out, default=str))
     strict=True,
     reason=(
         "known gap, NVIDIA H200 2026-12-01: with 4% above the plain fit's 592 MiB peak free, the callback's "
-        "first warm-up step runs out of memory, uncaught (run F's log names warmup_steps -> optim.run). "
+        "warm-up step runs out of memory, uncaught (pytest_gpu_run_f_callback_idioms.log: warmup_steps -> optim.run). "
         "Not diagnosed yet; suspected: its eager steps run on the callback's own stream, and the allocator "
         "caches freed blocks per stream"
     ),
