@@ -31,7 +31,6 @@ import argparse
 import csv
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +53,7 @@ from l2lightning.decode.model import (
 )
 from l2lightning.decode.timing import rotated
 from l2lightning.decode.timing import time_steps as time_session_steps
+from l2lightning.tools import doctor
 
 MODELS = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_05B}
 STEP_CONTEXTS = {
@@ -69,38 +69,24 @@ DEVELOPED_ON: list[str] = []  # combinations looked at while developing: none (n
 STEPS_PER_SAMPLE = 8
 
 
-def gpu_state() -> dict:
-    query = (
-        "name,pstate,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,clocks_throttle_reasons.active,"
-        "temperature.gpu,power.draw,power.limit"
-    )
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"error": str(exc)}
-    return (
-        dict(zip(query.split(","), [v.strip() for v in out.splitlines()[0].split(",")]))
-        if out
-        else {"error": "empty"}
-    )
+def check_gpu(force: bool, program: str) -> doctor.TimingCheck:
+    """The doctor's check before timing (``l2lightning.tools.doctor``), as every benchmark does."""
+    return doctor.check_before_timing(0, force=force, program=program)
 
 
-def warn_gpu_state(state: dict) -> list[str]:
-    warnings = []
-    if state.get("pstate") not in (None, "P0"):
-        warnings.append(f"GPU in {state.get('pstate')}, not P0")
-    reasons = state.get("clocks_throttle_reasons.active", "0x0")
-    try:
-        if int(reasons, 16) & ~0x1:  # 0x1 = GPU idle, harmless
-            warnings.append(f"clock throttle reasons active: {reasons}")
-    except ValueError:
-        pass
-    return warnings
+def gpu_after() -> dict:
+    """The doctor's telemetry sample after timing (clocks and throttle reasons then)."""
+    from l2lightning.tools.gpu_telemetry import read_sample
+
+    return read_sample(0)
+
+
+def gpu_summary(meta: dict) -> str:
+    """The GPU and its state in one line, from the doctor's check kept in `meta`."""
+    from l2lightning.tools.doctor_report import summary_line
+
+    state = (meta.get("doctor") or {}).get("state")
+    return summary_line(state) if state else meta.get("device", "?")
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -293,9 +279,7 @@ def summary_markdown(meta: dict, attn_rows: list[dict], step_rows: list[dict]) -
     lines = [
         "# Decode benchmark",
         "",
-        f"`{meta['command']}` on {meta['gpu_state'].get('name', '?')} "
-        f"(pstate {meta['gpu_state'].get('pstate', '?')}, SM {meta['gpu_state'].get('clocks.sm', '?')}, "
-        f"throttle {meta['gpu_state'].get('clocks_throttle_reasons.active', '?')}), torch {meta['torch']}, "
+        f"`{meta['command']}` ({gpu_summary(meta)}), torch {meta['torch']}, "
         f"FlashInfer: {meta['flashinfer']}.",
         f"Copy bandwidth (read + written): {bw:.2f} TB/s. Medians of CUDA-event timed graph replays, "
         f"variants interleaved. Combinations used while developing: none (written without a GPU).",
@@ -351,15 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         help="plans for 'ours': measured by the autotuner (auto) or sized by layer bytes (default)",
     )
     parser.add_argument("--skip-steps", action="store_true")
+    parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA device; nothing to measure")
         return 1
     t_start = time.time()
     rounds = args.rounds or (5 if args.quick else 9)
-    state = gpu_state()
-    state_warnings = warn_gpu_state(state)
-    print("GPU state before timing:", state, *(f"\nWARNING: {w}" for w in state_warnings), flush=True)
+    check = check_gpu(args.force, "bench_decode")
+    if check.refused:
+        return 2
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + written)", flush=True)
     attn_rows, attn_choices = (
@@ -385,9 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cupy": cupy_version,
         "flashinfer": flashinfer_unavailable_reason() or "importable",
-        "gpu_state": state,
-        "gpu_state_after": gpu_state(),
-        "gpu_state_warnings": state_warnings,
+        "doctor": check.to_dict(),
+        "forced": check.forced,
+        "gpu_after": gpu_after(),
         "copy_bandwidth_tbps": bandwidth / 1e12,
         "rounds": rounds,
         "steps_per_sample": STEPS_PER_SAMPLE,

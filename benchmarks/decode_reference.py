@@ -69,10 +69,11 @@ from bench_decode import (  # noqa: E402
     MODELS,
     STEP_CONTEXTS,
     STEPS_PER_SAMPLE,
+    check_gpu,
     copy_bandwidth,
-    gpu_state,
+    gpu_after,
+    gpu_summary,
     time_steps,
-    warn_gpu_state,
     write_csv,
 )
 
@@ -503,7 +504,7 @@ def summary_markdown(meta: dict, rows: list[dict], reports: list[dict], attentio
     lines = [
         "# Decode against an FP32 reference",
         "",
-        f"`{meta['command']}`, {meta.get('gpu_state', {}).get('name', meta['device'])}, torch {meta['torch']}; "
+        f"`{meta['command']}`, {gpu_summary(meta)}, torch {meta['torch']}; "
         f"{meta['samples']} random cache + token draws per row; FlashInfer: {meta['flashinfer']}.",
         "Logits and attention errors are relative norms against the FP32 model (bf16 weights upcast, same "
         "cache and token). 'op' = each layer's attention output against float64 attention over the inputs "
@@ -661,6 +662,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds per combination")
     parser.add_argument("--prefetch", default="auto", choices=("auto", "default"))
     parser.add_argument("--skip-step-report", action="store_true")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="time even when the doctor says the GPU is not ready (results marked forced)",
+    )
     parser.add_argument("--skip-attention", action="store_true", help="no attention-alone comparison")
     parser.add_argument(
         "--time-budget",
@@ -686,12 +692,11 @@ def main(argv: list[str] | None = None) -> int:
     contexts = SMOKE_CONTEXTS if args.smoke else contexts_for(args.contexts)
     fi_unavailable = flashinfer_unavailable_reason()
     fi_ok = fi_unavailable is None and not args.smoke
-    state, bandwidth = {}, None
+    check, bandwidth = None, None
     if not args.smoke:
-        state = gpu_state()
-        print(
-            "GPU state before timing:", state, *(f"\nWARNING: {w}" for w in warn_gpu_state(state)), flush=True
-        )
+        check = check_gpu(args.force, "decode_reference")
+        if check.refused:
+            return 2
         bandwidth = copy_bandwidth()
         print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + written)", flush=True)
     print(
@@ -718,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         "flashinfer_reasons": {
             entry["config"].name: entry["flashinfer_reason"] for entry in entries.values()
         },
-        "gpu_state": state,
+        "doctor": check.to_dict() if check is not None else None,
+        "forced": check.forced if check is not None else False,
         "copy_bandwidth_tbps": bandwidth / 1e12 if bandwidth else None,
         "empty_kernel_us": None,
         "samples": args.samples,
@@ -766,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     for entry in entries.values():
         for s in entry["timed"].values():
             s.close()
-    meta["gpu_state_after"] = {} if args.smoke else gpu_state()
+    meta["gpu_after"] = {} if args.smoke else gpu_after()
     for part, why in meta["skipped_parts"].items():
         print(f"not run: {part} ({why})", flush=True)
     written = checkpoint(attention_rows, attention_details, reports)
