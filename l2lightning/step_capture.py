@@ -242,16 +242,18 @@ class StepCapture:
 
     def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:
         module = self._module
-        reserved = 0
-        if torch.cuda.is_available():
-            # Collected first: a dead autograd graph in a reference cycle keeps AccumulateGrad nodes
-            # bound to another stream, which would break the capture; and what torch.cuda.graph frees
-            # before capturing must not count against the graph's pool.
-            free_cached_memory()
-            reserved = torch.cuda.memory_reserved()
-        # grads are allocated inside the capture, in the graph's pool
+        # The capture allocates the gradients in the graph's pool. The eager step's gradients are
+        # dropped first, so that the cache release below gives their memory back to the driver
+        # before the pool asks for its own (otherwise the peak holds both), and so that the pool's
+        # size below is measured from what the capture itself reserves.
         self._optimizer.optimizer.zero_grad(set_to_none=True)
         module.zero_grad(set_to_none=True)
+        reserved = 0
+        if torch.cuda.is_available():
+            # Collected too: a dead autograd graph in a reference cycle keeps AccumulateGrad nodes
+            # bound to another stream, which would break the capture.
+            free_cached_memory()
+            reserved = torch.cuda.memory_reserved()
         caught: list = []
         try:
             with warnings.catch_warnings(record=True) as caught:
