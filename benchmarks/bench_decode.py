@@ -12,7 +12,7 @@ elementwise ops, L2 prefetch plans from the autotuner unless --prefetch default)
 (compiled elementwise ops, SDPA, whole step in one CUDA graph), and, where ``import flashinfer``
 works, DecodeSession with FlashInfer's decode attention ("flashinfer"; no prefetch). Before timing:
 our logits vs the baseline's (bf16 tolerance) and prefetch vs no prefetch (bitwise). Each sample is
-8 graph replays; variants interleave, rotating who goes first. (The lent H200 has no network:
+8 graph replays; variants interleave, rotating who goes first. (The H200 machine has no network:
 FlashInfer reaches it only as the offline bundle of benchmarks/flashinfer_offline/; without it its
 columns stay empty.)
 
