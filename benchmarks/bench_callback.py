@@ -56,6 +56,31 @@ class MLP(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4, **{self.optimizer: True})
 
 
+def random_data(width: int, batch: int, batches: int) -> DataLoader:
+    """`batches` batches of random bf16 (input, target) pairs of `width` features, on the host."""
+    n = batch * batches
+    return DataLoader(
+        TensorDataset(
+            torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)
+        ),
+        batch_size=batch,
+    )
+
+
+def quiet_trainer(max_steps: int, callbacks: list[Callback]) -> Trainer:
+    """One GPU, `max_steps` steps; no logger, checkpoints, progress bar or model summary."""
+    return Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
 def run(variant: str, width: int, depth: int, batch: int, steps: int, optimizer: str) -> dict:
     seed_everything(0)
     model = MLP(width, depth, optimizer).to(torch.bfloat16)
@@ -73,24 +98,8 @@ def run(variant: str, width: int, depth: int, batch: int, steps: int, optimizer:
         callbacks.append(cb)
     if variant == "compile-reduce-overhead":
         model = torch.compile(model, mode="reduce-overhead")
-    n = batch * (UNTIMED_STEPS + steps + 2)
-    data = DataLoader(
-        TensorDataset(
-            torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)
-        ),
-        batch_size=batch,
-    )
-    trainer = Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=UNTIMED_STEPS + steps + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
-    trainer.fit(model, data)
+    trainer = quiet_trainer(UNTIMED_STEPS + steps + 1, callbacks)
+    trainer.fit(model, random_data(width, batch, UNTIMED_STEPS + steps + 2))
     out = {
         "variant": variant,
         "optimizer": optimizer,

@@ -37,15 +37,15 @@ import time
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Trainer, seed_everything
-from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch import seed_everything
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_callback import MLP  # noqa: E402  (the same model as the callback fit benchmark)
+from bench_callback import MLP, quiet_trainer, random_data  # noqa: E402  (the callback fit benchmark's)
 
 from l2lightning import L2GraphCallback  # noqa: E402
 from l2lightning.step_timer import StepTimer  # noqa: E402
 from l2lightning.tools import doctor  # noqa: E402
+from l2lightning.tune.memory import tensor_bytes  # noqa: E402
 
 CSV_COLUMNS = ("case", "variant", "step_ms", "fit_wall_s", "peak_alloc_gib", "peak_reserved_gib")
 VARIANTS = {
@@ -85,25 +85,10 @@ def fit_once(variant: str, width: int, depth: int, batch: int, untimed: int, ste
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = MLP(width, depth, "fused").to(torch.bfloat16)
-    n = batch * (untimed + steps + 2)
-    data = DataLoader(
-        TensorDataset(
-            torch.randn(n, width, dtype=torch.bfloat16), torch.randn(n, width, dtype=torch.bfloat16)
-        ),
-        batch_size=batch,
-    )
+    data = random_data(width, batch, untimed + steps + 2)
     timer = StepTimer()
     cb = L2GraphCallback(log_timing=False, **VARIANTS[variant]) if VARIANTS[variant] is not None else None
-    trainer = Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=untimed + steps + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer] + ([cb] if cb is not None else []),
-    )
+    trainer = quiet_trainer(untimed + steps + 1, [timer] + ([cb] if cb is not None else []))
     started = time.perf_counter()
     trainer.fit(model, data)
     torch.cuda.synchronize()
@@ -115,7 +100,7 @@ def fit_once(variant: str, width: int, depth: int, batch: int, untimed: int, ste
         "fit_wall_s": wall,
         "peak_alloc_gib": torch.cuda.max_memory_allocated() / GIB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
-        "param_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
+        "param_gib": tensor_bytes(model.parameters()) / GIB,
     }
     if cb is not None:
         s = cb.summary()

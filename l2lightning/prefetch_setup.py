@@ -108,13 +108,10 @@ class PrefetchSetup:
         )
 
     def _prefetch_scope(self) -> Any:
-        if self._hooks is None or self._gate_capture_running():
-            return contextlib.nullcontext()  # no scope: the hooks issue nothing, forward or backward
+        if self._hooks is None or self._gate_capturing:
+            # no scope: the hooks issue nothing, forward or backward (the gate's capture without prefetch)
+            return contextlib.nullcontext()
         return self._hooks.scope()
-
-    def _gate_capture_running(self) -> bool:
-        gate = self._gate
-        return gate is not None and gate.needs_off_graph and self._mode == "capture"
 
     def _start_gate(self, graph: _Graph) -> None:
         """After the first capture with tuned plans: the next step captures the step without prefetch."""

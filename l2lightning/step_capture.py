@@ -67,7 +67,7 @@ class StepCapture:
     """The capture step: record the closure and the optimizer update in one graph, or undo everything."""
 
     def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
-        gate_capture, self._gate_capturing = self._gate_capturing, False
+        gate_capture = self._gate_capturing  # set by _decide; the prefetch scope reads it too
         if self._gate is not None and not gate_capture:
             self._abandon_gate(
                 "the step was captured again (see the warning) before the gate's trial finished"
@@ -76,6 +76,7 @@ class StepCapture:
             result = self._capture_graph_step(run, closure, kwargs, gate_capture)
         finally:
             self._capture_graph = None
+            self._gate_capturing = False
         return result
 
     def _capture_graph_step(

@@ -18,6 +18,7 @@ the trial is complete: the trial adds no host sync per step.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,11 +80,7 @@ def judge(
 
 
 def _median(values: list[float]) -> float | None:
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+    return statistics.median(values) if values else None
 
 
 class StepGate:
