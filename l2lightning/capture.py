@@ -150,6 +150,11 @@ class StaticBatch:
 
 
 # ---------------------------------------------------------------------- state snapshots
+# An optimizer state tensor TrainingState.save(host_only=True) did not copy (distinct from a
+# tensor the optimizer created after the save, which restore zeroes).
+_LEFT_IN_PLACE = object()
+
+
 @dataclass
 class TrainingState:
     """Parameters, buffers, optimizer state and RNG, saved so warm-up can be undone in place.
@@ -171,19 +176,42 @@ class TrainingState:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         extra: Sequence[torch.Tensor] = (),
+        *,
+        host_only: bool = False,
+        offload: bool = False,
     ) -> TrainingState:
         """Snapshot `model`'s parameters and buffers, `optimizer`'s state, the RNGs and `extra` tensors.
 
         `extra` holds other tensors a step mutates in place (for example torchmetrics states, which
         are not registered buffers); they are restored like buffers.
+
+        `host_only`: copy only the tensors in host memory and leave the others as they are at
+        :meth:`restore`. For a stretch of work that runs no GPU kernel, a CUDA graph capture (it
+        records kernels without running them): only host tensors (a CPU buffer, a CPU step counter)
+        and the RNGs can change in it, and copies of every parameter and optimizer moment would add
+        three times the parameter bytes to the fit's peak for nothing.
+
+        `offload`: copy device tensors into host memory. For eager work that must be undone but
+        whose copies must not add to the GPU's peak (the prefetch set-up's dry run of
+        ``training_step``): the copies cost a transfer each way, once per fit, instead of the
+        parameter and optimizer-state bytes again on the GPU.
         """
-        params = [(p, p.detach().clone()) for p in model.parameters()]
-        buffers = [(b, b.detach().clone()) for b in [*model.buffers(), *extra]]
+
+        def keep(t: torch.Tensor) -> bool:
+            return not host_only or t.device.type == "cpu"
+
+        def copy_of(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            return t.to("cpu", copy=True) if offload and t.device.type != "cpu" else t.clone()
+
+        params = [(p, copy_of(p)) for p in model.parameters() if keep(p)]
+        buffers = [(b, copy_of(b)) for b in [*model.buffers(), *extra] if keep(b)]
         opt_state: dict[int, dict[str, Any]] = {}
         if optimizer is not None:
             for p, state in optimizer.state.items():
                 opt_state[id(p)] = {
-                    k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()
+                    k: ((copy_of(v) if keep(v) else _LEFT_IN_PLACE) if isinstance(v, torch.Tensor) else v)
+                    for k, v in state.items()
                 }
         devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
         cuda_rng = [(d, torch.cuda.get_rng_state(d)) for d in devices]
@@ -201,6 +229,8 @@ class TrainingState:
                             if key in saved_state:
                                 state[key] = saved_state[key]
                             continue
+                        if saved_state.get(key) is _LEFT_IN_PLACE:
+                            continue  # saved with host_only: a device tensor nothing could change
                         if key in saved_state and isinstance(saved_state[key], torch.Tensor):
                             value.copy_(saved_state[key])
                         else:

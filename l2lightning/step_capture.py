@@ -116,7 +116,10 @@ class StepCapture:
             self._install_prefetch(module)
         eager_record = self._verify_eager(run, closure, kwargs, binding) if self.verify else None
         python_state.restore(python_start)
-        saved = TrainingState.save(module, wrapped.optimizer, binding.state_tensors() if binding else ())
+        # What a failed capture must undo: the capture runs no kernel, so only host tensors and the RNG
+        saved = TrainingState.save(
+            module, wrapped.optimizer, binding.state_tensors() if binding else (), host_only=True
+        )
         saved_metrics = binding.python_state() if binding else {}
         # validate_args is switched off for the capture below, by the callback, not by the step
         ours = frozenset((id(m), "validate_args") for m in bound.values())

@@ -52,6 +52,34 @@ def test_training_state_restore_undoes_adam_warmup_in_place():
     assert float(exp_avg.abs().sum()) == 0 and float(opt.state[weight]["step"]) == 0
 
 
+def test_host_only_save_copies_host_tensors_and_leaves_device_tensors_in_place():
+    # What a failed capture undoes: it ran no kernel, so device tensors are left as they are (not
+    # copied, which would cost three times the parameter bytes, and not zeroed at restore). Meta
+    # tensors stand in for device tensors on a CPU-only machine.
+    model = nn.Linear(2, 2)
+    device_weight = torch.zeros(2, 2, device="meta")
+    model.register_buffer("counter", torch.zeros(()))  # a host buffer a step could bump
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    weight_state = opt.state[model.weight]
+    exp_avg_on_host = weight_state["exp_avg"].clone()
+    weight_state["exp_avg_device"] = device_weight  # an optimizer state tensor off the host
+    saved = TrainingState.save(model, opt, host_only=True)
+    assert not isinstance(saved.optimizer_state[id(model.weight)]["exp_avg_device"], torch.Tensor)
+    assert isinstance(saved.optimizer_state[id(model.weight)]["exp_avg"], torch.Tensor)
+    model.counter.add_(1)
+    weight_state["exp_avg"].add_(1)
+    weight_state["step"].add_(1)
+    saved.restore(opt)
+    assert float(model.counter) == 0 and float(weight_state["step"]) == 1
+    assert torch.equal(weight_state["exp_avg"], exp_avg_on_host)
+    assert weight_state["exp_avg_device"] is device_weight  # not replaced
+
+    everything = TrainingState.save(model, opt)
+    assert isinstance(everything.optimizer_state[id(model.weight)]["exp_avg_device"], torch.Tensor)
+
+
 def test_sgd_with_dampening_refuses_inexact_undo():
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1)
