@@ -170,7 +170,10 @@ def _leaves_no_trace(module: LightningModule, optimizer: Any) -> Any:
     attributes = [(m, attr, shallow_copy(getattr(m, attr))) for m in metrics for attr in m._defaults]
     python = [(m, m._update_count, m._forward_cache, m._computed) for m in metrics]
     tensors = [value for _, _, value in attributes if isinstance(value, torch.Tensor)]
-    saved = TrainingState.save(module, optimizer, tensors)
+    # in host memory: on the GPU these copies (parameters, buffers, optimizer moments: three times the
+    # parameter bytes with Adam) were the largest part of the defaults' peak over prefetch="off"
+    # (benchmarks/memory_peak.py on the H200)
+    saved = TrainingState.save(module, optimizer, tensors, offload=True)
     try:
         # a print in training_step (a periodic `print(loss.item())`) must not print for a step that is not one
         with contextlib.redirect_stdout(io.StringIO()):
