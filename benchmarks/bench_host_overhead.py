@@ -185,6 +185,19 @@ class FamilySetup:
             self.cfg.paths.output_dir = str(log_dir / f"{family}_b{batch}")
         _, datamodule = bench.build_family(self.cfg)
         self.host_batches = bench.family_batches(datamodule, torch.device("cpu"))
+        self._pinned: list[Any] | None = None
+
+    def pinned_batches(self) -> list[Any]:
+        """The host batches in page-locked memory (as a DataLoader with ``pin_memory=True`` yields them)."""
+        import torch
+        from torch.utils._pytree import tree_map
+
+        if self._pinned is None:
+            self._pinned = [
+                tree_map(lambda t: t.pin_memory() if isinstance(t, torch.Tensor) else t, b)
+                for b in self.host_batches
+            ]
+        return self._pinned
 
     def module(self) -> Any:
         from l2lightning.tools.bench import run as bench
@@ -194,9 +207,14 @@ class FamilySetup:
 
 
 def fit_family(
-    setup: FamilySetup, args: argparse.Namespace, with_callback: bool, profile_steps: int = 0
+    setup: FamilySetup,
+    args: argparse.Namespace,
+    with_callback: bool,
+    profile_steps: int = 0,
+    pinned: bool = False,
 ) -> dict[str, Any]:
-    """One ``Trainer.fit``; per-step ms (after capture with the callback), the callback's summary."""
+    """One ``Trainer.fit``; per-step ms (after capture with the callback), the callback's summary.
+    `pinned`: the batches come from page-locked host memory."""
     from l2lightning import L2GraphCallback
     from l2lightning.step_timer import StepTimer
     from l2lightning.tools.bench import run as bench
@@ -215,7 +233,8 @@ def fit_family(
     total = SKIP + max(args.steps, profile_steps) + 1
     with bench._quiet_lightning(), _quiet_progress(args.smoke):
         trainer = _family_trainer(setup.cfg, args.accelerator, args.device, total, callbacks)
-        trainer.fit(setup.module(), bench._loader(setup.host_batches, total))
+        batches = setup.pinned_batches() if pinned else setup.host_batches
+        trainer.fit(setup.module(), bench._loader(batches, total))
     out: dict[str, Any] = {}
     start = SKIP
     if cb is not None:
@@ -635,6 +654,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="fused",
         help="AdamW implementation of the hand-written graph loop (the families configure foreach)",
     )
+    p.add_argument(
+        "--pinned",
+        action="store_true",
+        help="also time the callback fit with its batches in page-locked host memory (callback_pinned_step_ms "
+        "in host_overhead.json and host_overhead_pinned.csv): whether the pageable host-to-device copy waits "
+        "for the GPU",
+    )
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--force", action="store_true", help="time even if the doctor says the GPU is not ready")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, a few steps (plumbing check)")
@@ -773,6 +799,11 @@ def main(argv: list[str] | None = None) -> int:
                     run["callback_step_ms"] = cbr.get("step_ms")
                     run["replay_ms"] = cbr.get("replay_ms") if cuda else None
                     run["callback"] = cbr.get("callback")
+                if cuda and args.pinned:
+                    pinned = attempt(
+                        fam, b, "callback_pinned", lambda s=setup: fit_family(s, args, True, pinned=True)
+                    )
+                    run["callback_pinned_step_ms"] = pinned and pinned.get("step_ms")
                 if cuda and fam in ANCHOR_FAMILIES:
                     run["raw_graph_loop_ms"] = attempt(
                         fam, b, "raw_graph_loop", lambda s=setup: raw_graph_loop(s, args)
@@ -796,6 +827,14 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"family": fam, "batch": b}
         for col in CSV_COLUMNS[2:]:
             row[col] = _median([r.get(col) for r in mine if r.get(col) is not None])
+        if args.pinned:
+            row["callback_pinned_step_ms"] = _median(
+                [
+                    r.get("callback_pinned_step_ms")
+                    for r in mine
+                    if r.get("callback_pinned_step_ms") is not None
+                ]
+            )
         row["captured"] = [(r.get("callback") or {}).get("captured") for r in mine]
         row["capture_reason"] = next(
             (
@@ -829,6 +868,13 @@ def main(argv: list[str] | None = None) -> int:
             profile_note = f"no family ran at the profiled batches {list(PROFILE_BATCHES)}"
 
     write_csv(args.out / "host_overhead.csv", rows)
+    if args.pinned:
+        with (args.out / "host_overhead_pinned.csv").open("w", newline="") as fh:
+            w = csv.writer(fh)
+            cols = ("family", "batch", "callback_step_ms", "callback_pinned_step_ms", "replay_ms", "floor_ms")
+            w.writerow(cols)
+            for r in rows:
+                w.writerow([_fmt(r.get(c)) if c not in ("family", "batch") else r[c] for c in cols])
     plot_note = plot(args.out / "host_overhead.png", rows)
     result = {
         "machine": machine,

@@ -27,6 +27,9 @@
 #   default-cost[=ARGS]  benchmarks/bench_default_cost.py with ARGS (commas for spaces): step time,
 #                 fit wall time and peak memory of plain, prefetch off, the defaults and auto without
 #                 the whole-step gate -> default_cost.csv / default_cost.json
+#   memory-peak[=SCENARIO,...]  benchmarks/memory_peak.py: the allocations alive at the peak of the tuner's
+#                 training case and of callback fits, grouped by the code that made them -> memory_peak.json
+#   h2d-wait      benchmarks/h2d_wait.py: whether a pageable or pinned host-to-device copy waits for queued GPU work
 # Wheels in .whl/ (an offline machine's dependencies) are installed to /tmp/site first when present.
 set -u
 if [ $# -lt 1 ]; then
@@ -113,6 +116,13 @@ for stage in "$@"; do
       extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
       timeout 300 python3 benchmarks/bench_default_cost.py --out "$OUT" ${extra//,/ } > "$OUT/default_cost.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/default_cost.log" | tail -12 ;;
+    memory-peak*)
+      extra=""; [[ "$stage" == *=* ]] && extra="--scenarios ${stage#*=}"
+      timeout 240 python3 benchmarks/memory_peak.py --out "$OUT" $extra > "$OUT/memory_peak.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/memory_peak.log" | tail -40 ;;
+    h2d-wait)
+      timeout 60 python3 benchmarks/h2d_wait.py --out "$OUT" > "$OUT/h2d_wait.log" 2>&1
+      echo "rc=$?"; tail -12 "$OUT/h2d_wait.log" ;;
     decode)
       timeout 90 python3 benchmarks/bench_decode.py --skip-attention --out "$OUT/decode_auto" > "$OUT/decode_auto.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/decode_auto.log" | tail -18 ;;

@@ -1,0 +1,224 @@
+"""Where a peak of GPU memory goes: the allocations alive at the peak, grouped by the code that made them.
+
+A diagnostic for issue 16's memory targets, not a timing. Each scenario runs with PyTorch's memory
+history recorded (``torch.cuda.memory._record_memory_history``: every allocation and free with its
+Python stack); the trace is replayed to find the moment the allocated bytes peaked, and the
+allocations alive then are grouped by the innermost frame of this package (else of Lightning or
+torch) that made them.
+
+Scenarios:
+
+- ``tune-training``: the autotuner, forward and backward phases, ``memory_budget=0.75``, on 32 blocks
+  (LayerNorm, Linear, GELU) of d=2048 in bf16: the case of ``tests/gpu/test_tune_gpu.py`` whose
+  peak overshot the budget by about 80 MiB;
+- ``fit-off``, ``fit-default``: a ``Trainer.fit`` of ``bench_default_cost.py``'s d1536x40 b16 stack
+  with ``L2GraphCallback(prefetch="off")`` and with the defaults; ``fit-plain``: without it;
+- ``oom-fit-plain``, ``oom-fit-callback``: the fit of ``tests/gpu/test_oom_gpu.py`` (without the
+  memory filler), plain and with the defaults, with the reserved memory per stream at the end.
+
+Output in ``--out``: ``memory_peak.json`` (per scenario: the peak, what was allocated before the
+recording, the top groups with bytes and counts).
+
+    python3 benchmarks/memory_peak.py --out DIR [--scenarios tune-training,fit-off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MIB = float(1 << 20)
+TOP_GROUPS = 14
+# innermost frame of the first of these that an allocation's stack passes through names its group
+OWNERS = ("/l2lightning/", "/lightning/", "/torch/optim/", "/torch/")
+
+
+def frame_label(frames: list[dict[str, Any]]) -> str:
+    """The allocation's group: its innermost frame in this package, else in Lightning, else in torch."""
+    for owner in OWNERS:
+        for f in frames:
+            name = f.get("filename", "")
+            if owner in name:
+                short = name.split(owner, 1)[1]
+                return f"{owner.strip('/')}/{short}:{f.get('line')} {f.get('name')}"
+    return (
+        "(no Python frame: a C++ allocation, cuBLAS workspace or autograd engine)"
+        if not frames
+        else (f"{frames[0].get('filename')}:{frames[0].get('line')} {frames[0].get('name')}")
+    )
+
+
+def live_at_peak(trace: list[dict[str, Any]]) -> tuple[int, dict[int, dict[str, Any]]]:
+    """(peak bytes above the recording's start, the allocations alive at that moment) from one device's trace."""
+    live: dict[int, int] = {}
+    total = peak = peak_at = 0
+    for i, event in enumerate(trace):
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = event["size"]
+            total += event["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif action == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])
+    alive: dict[int, dict[str, Any]] = {}
+    for event in trace[: peak_at + 1]:
+        if event["action"] == "alloc":
+            alive[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            alive.pop(event["addr"], None)
+    return peak, alive
+
+
+def groups(alive: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    by: dict[str, list[int]] = defaultdict(list)
+    for event in alive.values():
+        by[frame_label(event.get("frames", []))].append(event["size"])
+    rows = [{"where": k, "mib": sum(v) / MIB, "count": len(v)} for k, v in by.items()]
+    return sorted(rows, key=lambda r: -r["mib"])[:TOP_GROUPS]
+
+
+def recorded(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        info = run()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    device = torch.cuda.current_device()
+    peak, alive = live_at_peak(snapshot["device_traces"][device])
+    return {
+        **info,
+        "allocated_before_mib": before / MIB,
+        "max_memory_allocated_mib": torch.cuda.max_memory_allocated() / MIB,
+        "peak_over_before_mib": peak / MIB,
+        "alive_at_peak": groups(alive),
+    }
+
+
+def tune_training() -> dict[str, Any]:
+    from torch import nn
+
+    from l2lightning.capture import clear_cublas_workspaces
+    from l2lightning.prefetch.chain import discover_chain
+    from l2lightning.tune.search import Autotuner
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.LayerNorm(2048), nn.Linear(2048, 2048), nn.GELU()) for _ in range(32)]
+    model = nn.Sequential(*blocks).to("cuda", torch.bfloat16)
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    chain = discover_chain(model, x)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    clear_cublas_workspaces()
+
+    def run() -> dict[str, Any]:
+        report = Autotuner(memory_budget=0.75, cache=None).tune(
+            chain, x.device, ("forward", "backward"), model_bytes=params
+        )
+        return {
+            "budget_mib": report.memory_budget_bytes / MIB,
+            "ledger_peak_mib": report.memory_peak_bytes / MIB,
+            "param_mib": params / MIB,
+        }
+
+    return recorded(run)
+
+
+def fit(variant: str) -> dict[str, Any]:
+    from bench_default_cost import VARIANTS, fit_once
+
+    def run() -> dict[str, Any]:
+        row = fit_once(variant, 1536, 40, 16, 60, 20)
+        return {
+            k: row.get(k)
+            for k in ("case", "variant", "peak_alloc_gib", "peak_reserved_gib", "graph_pool_mib", "captured")
+        }
+
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; accepted: {sorted(VARIANTS)}")
+    return recorded(run)
+
+
+def tiny_mlp_fit(with_callback: bool) -> dict[str, Any]:
+    """tests/gpu/test_oom_gpu.py's fit (TinyMLP 2048 x 8, batch 64, fused AdamW, 12 steps), without filler."""
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from lightning.pytorch import seed_everything
+
+    from l2lightning import L2GraphCallback
+    from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
+
+    def run() -> dict[str, Any]:
+        seed_everything(0)
+        model = TinyMLP(width=2048, depth=8, fused=True)
+        cb = L2GraphCallback() if with_callback else None
+        trainer = quiet_trainer(accelerator="gpu", devices=1, max_steps=12, callbacks=[cb] if cb else [])
+        trainer.fit(model, regression_loader(n=64 * 13, width=2048, batch_size=64))
+        segments: dict[str, float] = defaultdict(float)
+        for seg in torch.cuda.memory._snapshot()["segments"]:
+            segments[f"stream {seg.get('stream')}"] += seg["total_size"] / MIB
+        return {
+            "peak_reserved_mib": torch.cuda.max_memory_reserved() / MIB,
+            "reserved_by_stream_at_end_mib": dict(segments),
+            "captured": cb.summary()["captured"] if cb else None,
+        }
+
+    return recorded(run)
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "oom-fit-plain": lambda: tiny_mlp_fit(False),
+    "oom-fit-callback": lambda: tiny_mlp_fit(True),
+    "tune-training": tune_training,
+    "fit-plain": lambda: fit("plain"),
+    "fit-off": lambda: fit("off"),
+    "fit-default": lambda: fit("default"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    args = p.parse_args(argv)
+    names = [s for s in args.scenarios.split(",") if s]
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown:
+        p.error(f"--scenarios: unknown {unknown}; accepted: {sorted(SCENARIOS)}")
+    if not torch.cuda.is_available():
+        print("memory_peak.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"command": "python3 benchmarks/memory_peak.py --out DIR --scenarios " + ",".join(names)}
+    for name in names:
+        try:
+            results[name] = SCENARIOS[name]()
+        except Exception as exc:  # one scenario's failure is a result; the others still run
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        r = results[name]
+        print(f"== {name}: " + json.dumps({k: v for k, v in r.items() if k != "alive_at_peak"}, default=str))
+        for g in r.get("alive_at_peak", []):
+            print(f"   {g['mib']:9.1f} MiB  x{g['count']:<5} {g['where']}")
+    (args.out / "memory_peak.json").write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
