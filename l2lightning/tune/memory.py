@@ -14,9 +14,10 @@ out of memory, because:
 * one shape is measured at a time and its chain is freed before the next; the
   :class:`MemoryLedger` keeps count, so the report can show the most held at once.
 
-Not counted: library workspaces (PyTorch keeps a cuBLAS workspace per stream a GEMM ran on, 32 MiB
-by default on Hopper) and the caching allocator's rounding. They do not grow with the model or the
-chain.
+Not counted: library workspaces (PyTorch keeps a cuBLAS workspace per cuBLAS handle and stream a
+GEMM ran on, 32 MiB by default on Hopper; backward runs on autograd's own thread, with its own
+handle; measured on the H200, a backward tuning run held three at its peak) and the caching
+allocator's rounding. They do not grow with the model or the chain.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 The callback needs memory a plain fit does not: the tuner's throwaway copies and timing graphs, and
 the captured graph's private pool (its gradients and activations). With only a few percent above a
-plain fit's peak left free, the capture runs out of memory; the callback must free what it took,
-say so once, and train eagerly, bit for bit the plain fit (fused AdamW: the capturable and the plain
-configuration give the same bits).
+plain fit's peak left free, its warm-up steps must still run (they are training steps: an
+out-of-memory error there could not be retried safely), and a capture or tuning that runs out must
+free what it took, say so once, and train eagerly; either way the fit is bit for bit the plain fit
+(fused AdamW: the capturable and the plain configuration give the same bits).
 
 The scenario runs in a fresh process: its measurement of the plain fit's peak must not see memory
 that earlier tests left cached, and a failure must not leave the rest of the suite a full GPU.
@@ -53,6 +54,8 @@ free, _ = torch.cuda.mem_get_info()  # besides what the plain run's copied resul
 filler = torch.empty(int(free - plain_peak * HEADROOM), dtype=torch.uint8, device="cuda")
 out = {"plain_peak_mib": plain_peak / 2**20}
 cb = L2GraphCallback()
+# where the memory is when it runs out: the allocations alive at the peak of the recorded history
+torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
 try:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -62,11 +65,18 @@ try:
     out["losses_equal"] = len(losses) == len(plain_losses) and all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
     out["params_equal"] = all(torch.equal(v, plain_state[k]) for k, v in model.state_dict().items())
 except Exception as exc:
-    out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:600]}"
     # where it ran out: the package's frames of the traceback (what the callback failed to catch)
     out["where"] = [f"{f.filename.split('l2lightning/')[-1]}:{f.lineno} {f.name}"
                     for f in traceback.extract_tb(exc.__traceback__) if "/l2lightning/" in f.filename]
     out["summary"] = {k: cb.summary()[k] for k in ("captured", "reason", "fallback_steps", "captures")}
+    import sys
+    sys.path.insert(0, "benchmarks")
+    from memory_peak import groups, live_at_peak
+    peak, alive = live_at_peak(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
+    out["alive_at_peak_mib"] = round(peak / 2**20, 1)
+    out["alive_at_peak"] = [f"{g['mib']:.1f} MiB x{g['count']} {g['where']}" for g in groups(alive)]
+torch.cuda.memory._record_memory_history(enabled=None)
 del filler
 gc.collect(); torch.cuda.empty_cache()
 cb = L2GraphCallback(prefetch="off")  # with room to spare again, the same process captures
@@ -80,9 +90,9 @@ print("RESULT " + json.dumps(out, default=str))
     strict=True,
     reason=(
         "known gap, NVIDIA H200 2026-12-01: with 4% above the plain fit's 592 MiB peak free, the callback's "
-        "warm-up step runs out of memory, uncaught (pytest_gpu_run_f_callback_idioms.log: warmup_steps -> optim.run). "
-        "Not diagnosed yet; suspected: its eager steps run on the callback's own stream, and the allocator "
-        "caches freed blocks per stream"
+        "first (traced) warm-up step runs out of memory, uncaught (warmup_steps -> optim.run). Not a second "
+        "cuBLAS workspace: freeing the default stream's before that step did not help. The scenario prints "
+        "the allocations alive at the peak"
     ),
 )
 def test_a_callback_fit_in_memory_that_only_plain_training_fits_falls_back_and_trains_like_plain():
@@ -93,9 +103,13 @@ def test_a_callback_fit_in_memory_that_only_plain_training_fits_falls_back_and_t
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT ") :])
+    print(json.dumps(out, indent=1))
     assert "error" not in out, out  # the fit with the callback must not crash
     summary = out["summary"]
-    assert not summary["captured"] and "out of memory" in (summary["reason"] or ""), out
-    assert any("out of memory" in m for m in out["warnings"]), out
+    if not summary["captured"]:
+        # the capture (or tuning) ran out of memory: said once, with the cause, and the fit went on
+        assert "out of memory" in (summary["reason"] or ""), out
+        assert sum("out of memory" in m for m in out["warnings"]) == 1, out
+    # captured or not, the fit trains bit for bit like the plain one
     assert out["losses_equal"] and out["params_equal"], out
     assert out["captured_afterwards"], out

@@ -154,27 +154,20 @@ def test_throwaway_graphs_compute_the_same_bits_with_a_plan(d_out, phase):
     bench.close()
 
 
-# cuBLAS workspaces (one per stream a GEMM runs on, 32 MiB on Hopper; the warm-up's side stream and the
-# capture each take one) and the caching allocator's rounding: not in the budget, bounded, not per layer
-WORKSPACE_SLACK = 64 * MIB
+# cuBLAS workspaces and the caching allocator's rounding: not in the budget, bounded, not per layer.
+# PyTorch keeps a workspace (32 MiB on Hopper, plus a small cuBLASLt one) per cuBLAS handle and stream
+# a GEMM ran on. Measured on the H200 with benchmarks/memory_peak.py (the training case below): at
+# the peak three were alive beside the throwaway chain, whose weights and gradients (176 MiB) matched
+# the tuner's ledger: the forward's on the warm-up stream, the forward's on the capture stream, and
+# the backward's, which runs on autograd's own thread and so has its own handle.
+WORKSPACE_SLACK = 3 * 33 * MIB
 
 
 @pytest.mark.parametrize(
     ("budget", "phases"),
     [
         (0.25, ("forward",)),
-        pytest.param(
-            0.75,
-            ("forward", "backward"),
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "known gap, NVIDIA H200 2026-12-01: backward tuning peaked at 274 MiB over what was "
-                    "allocated before, against 192 MiB of budget + 64 MiB of workspace slack; the ledger "
-                    "itself stayed within the budget, so the footprint estimate misses ~80 MiB in backward"
-                ),
-            ),
-        ),
+        (0.75, ("forward", "backward")),
     ],
     ids=["default", "training"],
 )
