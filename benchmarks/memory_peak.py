@@ -160,16 +160,38 @@ def tiny_mlp_fit(with_callback: bool) -> dict[str, Any]:
     root = Path(__file__).resolve().parents[1]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    from lightning.pytorch import seed_everything
+    from lightning.pytorch import Callback, seed_everything
 
     from l2lightning import L2GraphCallback
     from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
+
+    def outside_torch_mib() -> float:
+        """Device memory this process uses beyond PyTorch's allocator: CUDA context, loaded kernels,
+        library handles, other allocators (CuPy's)."""
+        free, total = torch.cuda.mem_get_info()
+        return round((total - free - torch.cuda.memory_reserved()) / MIB, 1)
+
+    class OutsideTorch(Callback):
+        """Memory outside PyTorch's allocator at the fit's milestones (it shrinks what a fit may allocate)."""
+
+        def __init__(self) -> None:
+            self.seen: dict[str, float] = {"before_fit": outside_torch_mib()}
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.seen["train_start"] = outside_torch_mib()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            if i in (0, 1, 4, 8):
+                self.seen[f"after_step_{i}"] = outside_torch_mib()
 
     def run() -> dict[str, Any]:
         seed_everything(0)
         model = TinyMLP(width=2048, depth=8, fused=True)
         cb = L2GraphCallback() if with_callback else None
-        trainer = quiet_trainer(accelerator="gpu", devices=1, max_steps=12, callbacks=[cb] if cb else [])
+        outside = OutsideTorch()
+        trainer = quiet_trainer(
+            accelerator="gpu", devices=1, max_steps=12, callbacks=[outside, *([cb] if cb else [])]
+        )
         trainer.fit(model, regression_loader(n=64 * 13, width=2048, batch_size=64))
         segments: dict[str, float] = defaultdict(float)
         for seg in torch.cuda.memory._snapshot()["segments"]:
@@ -177,6 +199,7 @@ def tiny_mlp_fit(with_callback: bool) -> dict[str, Any]:
         return {
             "peak_reserved_mib": torch.cuda.max_memory_reserved() / MIB,
             "reserved_by_stream_at_end_mib": dict(segments),
+            "outside_torch_mib": outside.seen,
             "captured": cb.summary()["captured"] if cb else None,
         }
 
