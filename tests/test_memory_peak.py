@@ -1,0 +1,61 @@
+"""CPU: benchmarks/memory_peak.py's reading of a memory history (synthetic traces, no GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import memory_peak  # noqa: E402
+
+
+def event(action, addr, size, filename="/x/l2lightning/tune/throwaway.py", line=42, name="forward"):
+    return {
+        "action": action,
+        "addr": addr,
+        "size": size,
+        "frames": [{"filename": filename, "line": line, "name": name}],
+    }
+
+
+def test_the_peak_is_the_most_bytes_alive_and_lists_what_was_alive_then():
+    trace = [
+        event("alloc", 1, 100),
+        event("alloc", 2, 50),
+        event("free_requested", 1, 100),  # not yet free: the allocator frees at free_completed
+        event("alloc", 3, 30),  # peak: 180 with 1, 2 and 3 alive
+        event("free_completed", 1, 100),
+        event("alloc", 4, 60),  # 140: below the peak
+    ]
+    peak, alive = memory_peak.live_at_peak(trace)
+    assert peak == 180
+    assert sorted(alive) == [1, 2, 3]
+
+
+def test_allocations_group_by_the_innermost_frame_of_the_package_before_lightning_and_torch():
+    frames = [
+        {"filename": "/site/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+        {"filename": "/site/lightning/pytorch/core/module.py", "line": 9, "name": "log"},
+        {"filename": "/repo/l2lightning/optim.py", "line": 158, "name": "run"},
+    ]
+    assert memory_peak.frame_label(frames) == "l2lightning/optim.py:158 run"
+    assert memory_peak.frame_label(frames[:2]) == "lightning/pytorch/core/module.py:9 log"
+    assert memory_peak.frame_label([]).startswith("(no Python frame")
+    mib = 1 << 20
+    alive = {
+        1: event("alloc", 1, 3 * mib),
+        2: event("alloc", 2, 1 * mib),
+        3: event("alloc", 3, 8 * mib, filename="/repo/l2lightning/optim.py", line=158, name="run"),
+    }
+    rows = memory_peak.groups(alive)
+    assert rows[0] == {"where": "l2lightning/optim.py:158 run", "mib": 8.0, "count": 1}
+    assert rows[1] == {"where": "l2lightning/tune/throwaway.py:42 forward", "mib": 4.0, "count": 2}
+
+
+def test_unknown_scenarios_are_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        memory_peak.main(["--out", "/tmp/unused", "--scenarios", "fit-off,nope"])
+    err = capsys.readouterr().err
+    assert "unknown ['nope']" in err and "fit-off" in err
