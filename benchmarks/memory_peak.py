@@ -14,7 +14,10 @@ Scenarios:
 - ``fit-off``, ``fit-default``: a ``Trainer.fit`` of ``bench_default_cost.py``'s d1536x40 b16 stack
   with ``L2GraphCallback(prefetch="off")`` and with the defaults; ``fit-plain``: without it;
 - ``oom-fit-plain``, ``oom-fit-callback``: the fit of ``tests/gpu/test_oom_gpu.py`` (without the
-  memory filler), plain and with the defaults, with the reserved memory per stream at the end.
+  memory filler), plain and with the defaults, with the reserved memory per stream at the end and
+  the device memory outside PyTorch's allocator at the fit's milestones;
+- ``outside-torch``: what each thing the callback does before its first step (CuPy, the prefetch
+  kernels, a new stream, the capturable optimizer, the op tracer) adds outside PyTorch's allocator.
 
 Output in ``--out``: ``memory_peak.json`` (per scenario: the peak, what was allocated before the
 recording, the top groups with bytes and counts).
@@ -165,12 +168,6 @@ def tiny_mlp_fit(with_callback: bool) -> dict[str, Any]:
     from l2lightning import L2GraphCallback
     from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
-    def outside_torch_mib() -> float:
-        """Device memory this process uses beyond PyTorch's allocator: CUDA context, loaded kernels,
-        library handles, other allocators (CuPy's)."""
-        free, total = torch.cuda.mem_get_info()
-        return round((total - free - torch.cuda.memory_reserved()) / MIB, 1)
-
     class OutsideTorch(Callback):
         """Memory outside PyTorch's allocator at the fit's milestones (it shrinks what a fit may allocate)."""
 
@@ -206,7 +203,92 @@ def tiny_mlp_fit(with_callback: bool) -> dict[str, Any]:
     return recorded(run)
 
 
+def outside_torch_mib() -> float:
+    """Device memory this process uses beyond PyTorch's allocator: CUDA context, loaded kernels,
+    library handles and workspaces outside it, other allocators (CuPy's)."""
+    free, total = torch.cuda.mem_get_info()
+    return round((total - free - torch.cuda.memory_reserved()) / MIB, 1)
+
+
+def outside_torch_steps() -> dict[str, Any]:
+    """What each thing the callback does before its first step adds outside PyTorch's allocator.
+
+    After a plain eager fused-AdamW step on the default stream (the kernels a plain fit loads), in
+    order: CuPy's import, the prefetch kernels' compile and load, an elementwise kernel and then GEMMs
+    on a new stream, a step of the capturable optimizer and a step under the callback's op tracer on
+    that stream, a GEMM on a third stream.
+    """
+    from torch import nn
+
+    from l2lightning.optim import make_capturable
+    from l2lightning.step_trace import StepTracer
+
+    seen: list[tuple[str, float]] = [("torch initialised", outside_torch_mib())]
+
+    def mark(what: str) -> None:
+        torch.cuda.synchronize()
+        seen.append((what, outside_torch_mib()))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(64, 2048, device="cuda")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    step()
+    mark("plain fused AdamW step, default stream")
+    step()
+    mark("a second plain step")
+    import cupy  # noqa: F401
+
+    mark("import cupy")
+    from l2lightning._env import prefetch_unavailable_reason
+
+    reason = prefetch_unavailable_reason()
+    if reason is None:
+        from l2lightning.prefetch.kernels import load_prefetch_kernels
+
+        load_prefetch_kernels(torch.cuda.current_device())
+        mark("prefetch kernels compiled and loaded")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.add(1)
+        mark("an elementwise kernel on a new stream")
+        x @ x.T
+        mark("a GEMM on that stream")
+        model(x)
+        mark("a forward on it")
+        step()
+        mark("a plain step on the new stream")
+        make_capturable(opt, torch.device("cuda"))
+        step()
+        mark("a capturable fused AdamW step on it")
+        with StepTracer("cuda"):
+            step()
+        mark("a step under the op tracer")
+    torch.cuda.current_stream().wait_stream(side)
+    third = torch.cuda.Stream()
+    third.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(third):
+        x @ x.T
+        mark("a GEMM on a third stream")
+    torch.cuda.current_stream().wait_stream(third)
+    deltas = [(what, round(b - a, 1)) for (_, a), (what, b) in zip(seen, seen[1:])]
+    return {
+        "outside_torch_mib": dict(seen),
+        "added_mib": dict(deltas),
+        "prefetch_unavailable": reason,
+        "alive_at_peak": [],
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "outside-torch": outside_torch_steps,
     "oom-fit-plain": lambda: tiny_mlp_fit(False),
     "oom-fit-callback": lambda: tiny_mlp_fit(True),
     "tune-training": tune_training,
