@@ -79,12 +79,39 @@ class StepOverrides:
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self._mode == "replay":
             return None
+        if self._mode == "trace" and self._tracer is not None:
+            stale = self._stale_gradients()
+            if stale:
+                self._tracer.trace.problems.append(stale)
         with self._kernel_counter.phase("backward"):
             out = self._originals["backward"](loss, *args, **kwargs)
         if self._hooks is not None and self._hooks.via == "ops":
             self._hooks.join()  # custom-op points leave the backward join to the caller
         self._phase_events.mark("backward")
         return out
+
+    def _stale_gradients(self) -> str | None:
+        """Why a traced step cannot be captured when its backward adds to earlier gradients, else None.
+
+        The captured step sets the gradients to None and lets backward allocate them in the graph's
+        pool, which equals an eager step only if backward starts from no gradients or from zeros:
+        Lightning's ``optimizer_zero_grad`` (set to None) or ``zero_grad(set_to_none=False)``. A
+        module whose ``optimizer_zero_grad`` skips steps (or never zeroes) adds each step's gradients
+        to the last ones; replayed, that sum would silently be lost. One host sync, warm-up steps only.
+        """
+        grads = [p.grad for p in self._module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        with self._tracer.paused():
+            left = bool(torch.stack([g.ne(0).any() for g in grads]).any())
+        if not left:
+            return None
+        return (
+            "the parameters' gradients still hold an earlier step's values when backward starts "
+            "(`optimizer_zero_grad` does not zero them every step), so each step adds to them; a captured step "
+            "starts from fresh gradients and would drop that sum. Zero the gradients every step (Lightning's "
+            "default `optimizer_zero_grad`)"
+        )
 
     def _optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         if self._mode == "replay":

@@ -937,6 +937,45 @@ def test_out_of_memory_while_tuning_captures_without_prefetch(monkeypatch):
     assert_same(base, run)
 
 
+# --------------------------------------------------------------------------- gradients a step adds to
+class NeverZeroGrad(TinyMLP):
+    """Gradients summed over every step: the module's own choice, which a captured step (it starts
+    from fresh gradients) would silently drop."""
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        pass
+
+
+class ZeroGradEveryOtherStep(TinyMLP):
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        if batch_idx % 2 == 0:
+            optimizer.zero_grad()
+
+
+class ZeroGradInPlace(TinyMLP):
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("model_cls", [NeverZeroGrad, ZeroGradEveryOtherStep])
+def test_a_step_that_adds_to_earlier_gradients_is_refused_and_trains_like_plain(model_cls):
+    # fused AdamW: the warm-up steps' capturable configuration gives plain's bits
+    plain = fit(model_cls, fused=True)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"gradients still hold an earlier step's values"):
+        run = fit(model_cls, [cb], fused=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+
+
+def test_gradients_zeroed_in_place_are_captured_and_train_like_the_baseline():
+    base = fit(baseline_of(ZeroGradInPlace))
+    cb = callback()
+    run = fit(ZeroGradInPlace, [cb])
+    assert cb.summary()["captured"], cb.summary()["reason"]
+    assert_same(base, run)
+
+
 # --------------------------------------------------------------------------- Python state a replay would freeze
 class HelperTargetSync(TargetSync):
     """The target-network sync in a helper method, with the step counter or batch_idx passed on."""
