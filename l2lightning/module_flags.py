@@ -7,6 +7,12 @@ flags from cached lists costs 5 us. The lists go stale only when a module or par
 registered somewhere (``self.head = nn.Linear(...)``, ``Sequential.append``): PyTorch's global
 registration hooks mark them stale, and the next read walks the module again, so a new layer is
 still seen (its flags make the tuple differ, and the step is captured again).
+
+The same hooks count registrations (:attr:`ModuleFlags.generation`), buffers' too: assigning a new
+tensor to a buffer or a parameter (``self.w = self.w * 0.9`` on a registered buffer) registers it
+again. A graph reads the tensors it was captured with, so after such a registration the callback
+compares the module's parameters and buffers with the captured step's (:meth:`ModuleFlags.rebound`),
+a walk it skips on every step where nothing was registered.
 """
 
 from __future__ import annotations
@@ -25,13 +31,33 @@ class ModuleFlags:
         self._modules: list[nn.Module] = []
         self._parameters: list[nn.Parameter] = []
         self._stale = True
+        # registrations anywhere in the process since this object was made (any module: a cheap
+        # counter, the walk that tells whether this module's tensors changed comes only after one)
+        self.generation = 0
         self._handles = [
             torch_module.register_module_module_registration_hook(self._mark_stale),
             torch_module.register_module_parameter_registration_hook(self._mark_stale),
+            torch_module.register_module_buffer_registration_hook(self._count),
         ]
 
     def _mark_stale(self, *args: Any) -> None:
         self._stale = True  # returns None: the registration itself is left as it is
+        self.generation += 1
+
+    def _count(self, *args: Any) -> None:
+        self.generation += 1
+
+    def tensors(self) -> list[tuple[str, Any]]:
+        """(name, tensor) of every parameter and buffer of the module, as ``named_parameters`` and
+        ``named_buffers`` give them: what a graph captured now reads."""
+        return [*self.module.named_parameters(), *self.module.named_buffers()]
+
+    def rebound(self, captured: list[tuple[str, Any]]) -> list[str]:
+        """Names of the parameters and buffers that are other tensors than in `captured` (from :meth:`tensors`)."""
+        now = dict(self.tensors())
+        was = dict(captured)
+        changed = [name for name, tensor in captured if now.get(name) is not tensor]
+        return changed + sorted(name for name in now if name not in was)
 
     def read(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
         """(every module's ``training``, every parameter's ``requires_grad``), in ``modules()`` order."""

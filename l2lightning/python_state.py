@@ -220,6 +220,35 @@ _STRUCTURAL = frozenset(
 )  # fmt: skip
 
 
+def baked_tensors(
+    module: Any, reads: Iterable[str], ran: set[int] | None = None
+) -> list[tuple[dict, str, torch.Tensor]]:
+    """The tensors a captured step reads from plain attributes (not parameters or buffers, whose
+    registrations :class:`~l2lightning.module_flags.ModuleFlags` counts): the module's public tensor
+    attributes that its step source reads (``loss * self.weight``), and every public tensor attribute
+    of the submodules but metrics that the step called (`ran`, as in :func:`baked_scalars`). A graph
+    keeps reading the tensor it was captured with, so ``self.weight = self.weight * 0.9`` between
+    steps must be seen before the next replay. (attribute dict, name, tensor)."""
+    checks = []
+    attributes = getattr(module, "__dict__", {})
+    for name in sorted(set(reads)):
+        value = attributes.get(name)
+        if not name.startswith("_") and isinstance(value, torch.Tensor):
+            checks.append((attributes, name, value))
+    for _, sub in module.named_modules():
+        if sub is module or _is_metric(sub) or (ran is not None and id(sub) not in ran):
+            continue
+        for name, value in vars(sub).items():
+            if not name.startswith("_") and isinstance(value, torch.Tensor):
+                checks.append((vars(sub), name, value))
+    return checks
+
+
+def rebound_tensors(checks: list[tuple[dict, str, torch.Tensor]]) -> list[str]:
+    """Names of the attributes in `checks` (from :func:`baked_tensors`) that hold another object now."""
+    return [name for attributes, name, tensor in checks if attributes.get(name) is not tensor]
+
+
 def changed_scalars(checks: list[tuple[dict, str, Any]]) -> list[str]:
     """Names of the scalars in `checks` whose value is not the one recorded."""
     missing = object()

@@ -61,6 +61,11 @@ class _Graph:
     appends: list[tuple[python_state.Append, Any]] = field(default_factory=list)
     # Python numbers the capture may have baked in (python_state.baked_scalars), checked before each replay
     scalars: list[tuple[dict, str, Any]] = field(default_factory=list)
+    # tensors it reads from plain attributes (python_state.baked_tensors), checked before each replay
+    tensors: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
+    # its parameters and buffers (ModuleFlags.tensors), compared after any registration (generation)
+    registered: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    generation: int = 0
 
 
 class StepCapture:
@@ -212,6 +217,9 @@ class StepCapture:
         graph.grads = [(p, p.grad) for p in module.parameters()]
         graph.flags = self._module_flags()
         graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
+        graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)
+        graph.registered = self._flags.tensors()
+        graph.generation = self._flags.generation
         if binding is not None:
             binding.finish_capture()
         wrapped.mark_captured()

@@ -72,6 +72,17 @@ class StepDecision:
         scalars = python_state.changed_scalars(graph.scalars)
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
+        rebound = python_state.rebound_tensors(graph.tensors)
+        if self._flags.generation != graph.generation:
+            # something was registered since capture: a parameter or buffer may be a new tensor
+            rebound += self._flags.rebound(graph.registered)
+            if not rebound:
+                graph.generation = self._flags.generation
+        if rebound:
+            return self._recapture(
+                f"the module's tensors {', '.join(rebound)} are other objects than at capture (the graph reads "
+                "the old ones; update them in place, `self.w.mul_(0.9)`, to keep one graph)"
+            )
         self._recapture_streak = 0
         gate = self._gate
         if gate is not None:

@@ -976,6 +976,53 @@ def test_gradients_zeroed_in_place_are_captured_and_train_like_the_baseline():
     assert_same(base, run)
 
 
+# --------------------------------------------------------------------------- tensors rebound between steps
+class WeightedLoss(TinyMLP):
+    """The loss times a weight the module keeps in a tensor: a registered buffer, or a plain attribute."""
+
+    def __init__(self, as_buffer=True, rebind_every=1, **kwargs):
+        super().__init__(**kwargs)
+        if as_buffer:
+            self.register_buffer("weight", torch.ones(()))
+        else:
+            self.weight = torch.ones(())
+        self.rebind_every = rebind_every
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(self.net(x)).squeeze(-1)
+        loss = (pred - y).square().mean() * self.weight
+        self.log("train/loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.rebind_every == 0:
+            self.weight = self.weight * 0.9  # a new tensor: a graph would keep reading the old one
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)  # capturable or not, the same bits
+
+
+@pytest.mark.parametrize("as_buffer", [True, False], ids=["buffer", "attribute"])
+def test_a_tensor_rebound_after_every_step_is_seen_and_the_fit_trains_like_plain(as_buffer):
+    plain = fit(WeightedLoss, as_buffer=as_buffer)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"tensors weight are other objects than at capture"):
+        run = fit(WeightedLoss, [cb], as_buffer=as_buffer)
+    assert cb.summary()["captures"] >= 1 and "every step would need a new capture" in cb.summary()["reason"]
+    assert_same(plain, run)
+
+
+@pytest.mark.parametrize("as_buffer", [True, False], ids=["buffer", "attribute"])
+def test_a_tensor_rebound_now_and_then_is_captured_again_and_trains_like_plain(as_buffer):
+    plain = fit(WeightedLoss, as_buffer=as_buffer, rebind_every=7)
+    cb = callback()
+    run = fit(WeightedLoss, [cb], as_buffer=as_buffer, rebind_every=7)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] >= 3, summary
+    assert_same(plain, run)
+
+
 # --------------------------------------------------------------------------- Python state a replay would freeze
 class HelperTargetSync(TargetSync):
     """The target-network sync in a helper method, with the step counter or batch_idx passed on."""

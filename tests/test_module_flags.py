@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
@@ -38,8 +39,26 @@ def test_a_module_registered_later_is_seen():
 def test_close_removes_the_global_hooks():
     modules_before = len(torch_module._global_module_registration_hooks)
     params_before = len(torch_module._global_parameter_registration_hooks)
+    buffers_before = len(torch_module._global_buffer_registration_hooks)
     flags = ModuleFlags(model())
     assert len(torch_module._global_module_registration_hooks) == modules_before + 1
+    assert len(torch_module._global_buffer_registration_hooks) == buffers_before + 1
     flags.close()
     assert len(torch_module._global_module_registration_hooks) == modules_before
     assert len(torch_module._global_parameter_registration_hooks) == params_before
+    assert len(torch_module._global_buffer_registration_hooks) == buffers_before
+
+
+def test_a_rebound_buffer_or_parameter_counts_a_registration_and_is_named():
+    m = model()
+    m[0].register_buffer("scale", torch.ones(()))
+    flags = ModuleFlags(m)
+    captured, generation = flags.tensors(), flags.generation
+    m[0].scale.mul_(2)  # in place: the same tensor, nothing registered
+    assert flags.generation == generation and flags.rebound(captured) == []
+    m[0].scale = m[0].scale * 2  # a new tensor assigned to the buffer registers it again
+    assert flags.generation > generation
+    assert flags.rebound(captured) == ["0.scale"]
+    m[2].weight = nn.Parameter(m[2].weight.detach().clone())
+    assert flags.rebound(captured) == ["2.weight", "0.scale"]
+    flags.close()
