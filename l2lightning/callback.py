@@ -70,7 +70,7 @@ from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
 from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
 from l2lightning.step_overrides import StepOverrides
-from l2lightning.step_source import StepSource, analyse
+from l2lightning.step_source import StepSource, analyse, analyse_callbacks
 from l2lightning.step_trace import (
     StepTracer,
 )
@@ -392,6 +392,7 @@ class L2GraphCallback(
             pl_module,
             ("training_step", *user_hooks, "configure_gradient_clipping", "optimizer_zero_grad", "backward"),
         )
+        analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CAPTURED_HOOKS, self._source)
         overrides: dict[str, Any] = {
             "training_step": self._training_step,
             "optimizer_zero_grad": self._optimizer_zero_grad,

@@ -244,6 +244,26 @@ def baked_tensors(
     return checks
 
 
+def baked_callback_attributes(
+    callback_reads: Iterable[tuple[Any, set[str]]],
+) -> tuple[list[tuple[dict, str, Any]], list[tuple[dict, str, torch.Tensor]]]:
+    """(scalar checks, tensor checks) for the public attributes of the Trainer's other callbacks that
+    their hooks inside the captured step read (``p.grad.mul_(self.scale)``): baked into the graph
+    like the module's own (:func:`baked_scalars`, :func:`baked_tensors`)."""
+    scalars, tensors = [], []
+    for cb, names in callback_reads:
+        attributes = vars(cb)
+        for name in sorted(names):
+            value = attributes.get(name)
+            if name.startswith("_") or name in _IGNORED:
+                continue
+            if isinstance(value, _SCALARS):
+                scalars.append((attributes, name, value))
+            elif isinstance(value, torch.Tensor):
+                tensors.append((attributes, name, value))
+    return scalars, tensors
+
+
 def rebound_tensors(checks: list[tuple[dict, str, torch.Tensor]]) -> list[str]:
     """Names of the attributes in `checks` (from :func:`baked_tensors`) that hold another object now."""
     return [name for attributes, name, tensor in checks if attributes.get(name) is not tensor]

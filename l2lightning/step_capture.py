@@ -218,6 +218,17 @@ class StepCapture:
         graph.flags = self._module_flags()
         graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)
+        scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)
+        graph.scalars += scalars
+        graph.tensors += tensors
+        # the Trainer's clipping settings, which Lightning passes to `configure_gradient_clipping` as
+        # numbers (a callback that changes `trainer.gradient_clip_val` mid-fit)
+        trainer_attributes = vars(self._trainer)
+        graph.scalars += [
+            (trainer_attributes, name, trainer_attributes.get(name))
+            for name in ("gradient_clip_val", "gradient_clip_algorithm")
+            if name in trainer_attributes
+        ]
         graph.registered = self._flags.tensors()
         graph.generation = self._flags.generation
         if binding is not None:

@@ -57,6 +57,8 @@ class StepSource:
     # names X of every `self.X` the step hooks and their helpers read: a Python number among them
     # (`loss * self.beta`) is baked into the graph, so a change between steps must capture again
     reads: set[str] = field(default_factory=set)
+    # the same for the Trainer's other callbacks whose hooks run inside the step: (callback, names)
+    callback_reads: list[tuple[Any, set[str]]] = field(default_factory=list)
 
     @property
     def opaque_conditions(self) -> list[str]:
@@ -89,6 +91,37 @@ def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> St
     """Conditions on step counters and logged Python expressions in `module`'s own step hooks and in
     the module's own methods they call (``self.helper(...)``, ``self(...)`` for ``forward``)."""
     found = StepSource()
+    _analyse_object(module, hook_names, found, found.reads, callback=False)
+    return found
+
+
+def analyse_callbacks(callbacks: list[Any], hook_names: tuple[str, ...], found: StepSource) -> None:
+    """Add to `found` what the hooks `hook_names` of `callbacks` (the Trainer's other callbacks; their
+    hooks inside the step are captured with it) branch on and read.
+
+    A callback hook's ``if trainer.global_step % 5 == 4:`` freezes in a replay like the module's own,
+    so its tests join the step's conditions, evaluated per step with the callback, the Trainer and
+    the module; the callback's attributes it reads (``p.grad.mul_(self.scale)``) are compared before
+    each replay like the module's.
+    """
+    for cb in callbacks:
+        hooks = tuple(h for h in hook_names if callable(getattr(type(cb), h, None)))
+        if not hooks:
+            continue
+        reads: set[str] = set()
+        _analyse_object(cb, hooks, found, reads, callback=True)
+        if reads:
+            found.callback_reads.append((cb, reads))
+
+
+def _analyse_object(
+    obj: Any, hook_names: tuple[str, ...], found: StepSource, reads: set[str], callback: bool
+) -> None:
+    """Walk `obj`'s hooks `hook_names` and the methods of its own they call (see :func:`analyse`).
+
+    `callback`: `obj` is a Lightning Callback, whose step hooks take ``(self, trainer, pl_module, ...)``;
+    their tests are evaluated with those three."""
+    module = obj
     seen: set[str] = set()
     # (method, depth, position of the batch_idx argument among its parameters after self)
     pending: list[tuple[str, int, int | None]] = [
@@ -110,7 +143,18 @@ def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> St
             if batch_position is not None and len(params) > batch_position + 1
             else None
         )
-        visitor = _Visitor(found, filename, first_line, params[0] if params else "self", batch_idx)
+        # a callback's step hook: (self, trainer, pl_module, ...); its helpers get neither by name
+        extra = tuple(params[1:3]) if callback and depth == 0 and len(params) >= 3 else ()
+        visitor = _Visitor(
+            found,
+            filename,
+            first_line,
+            params[0] if params else "self",
+            batch_idx,
+            extra,
+            reads,
+            obj if callback else None,
+        )
         visitor.run(tree)
         if depth < HELPER_DEPTH:
             pending += [
@@ -118,7 +162,6 @@ def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> St
                 for helper, position in sorted(visitor.helpers.items())
                 if helper not in seen
             ]
-    return found
 
 
 def _defined_by_library(method: Any) -> bool:
@@ -149,13 +192,25 @@ def _parse(method: Any) -> tuple[Any, str, int, list[str]]:
 
 class _Visitor:
     def __init__(
-        self, found: StepSource, filename: str, first_line: int, self_name: str, batch_idx: str | None
+        self,
+        found: StepSource,
+        filename: str,
+        first_line: int,
+        self_name: str,
+        batch_idx: str | None,
+        extra: tuple[str, ...] = (),
+        reads: set[str] | None = None,
+        callback: Any = None,
     ):
         self.found = found
         self.filename = filename
         self.first_line = first_line
         self.self_name = self_name
         self.batch_idx = batch_idx
+        # a callback hook's trainer and pl_module parameters: names its tests may read
+        self.extra = extra
+        self.reads = found.reads if reads is None else reads
+        self.callback = callback
         self.assigned: dict[
             str, ast.expr | None
         ] = {}  # local -> its only assigned value (None: assigned twice)
@@ -201,7 +256,7 @@ class _Visitor:
                 and node.value.id == self.self_name
                 and id(node) not in logged
             ):
-                self.found.reads.add(node.attr)
+                self.reads.add(node.attr)
 
     # ------------------------------------------------------------------ helpers
     def _line(self, node: ast.AST) -> str:
@@ -221,7 +276,7 @@ class _Visitor:
 
             def visit_Name(inner, node: ast.Name) -> Any:  # noqa: N805
                 if (
-                    node.id in (self.self_name, self.batch_idx)
+                    node.id in (self.self_name, self.batch_idx, *self.extra)
                     or node.id in _SAFE_BUILTINS
                     or node.id in ("True", "False", "None")
                 ):
@@ -256,7 +311,7 @@ class _Visitor:
         inlined = self._inline(expr)
         if inlined is None or not _safe(inlined, allow_methods):
             return None
-        args = [self.self_name, self.batch_idx or "_batch_idx"]
+        args = [self.self_name, self.batch_idx or "_batch_idx", *self.extra]
         lam = ast.Expression(
             body=ast.Lambda(
                 args=ast.arguments(
@@ -272,9 +327,18 @@ class _Visitor:
         try:
             code = compile(ast.fix_missing_locations(lam), "<l2lightning step source>", "eval")
             env = {name: getattr(builtins, name) for name in _SAFE_BUILTINS}
-            return eval(code, {"__builtins__": {}, **env})  # noqa: S307 - only reads, see _safe
+            evaluate = eval(code, {"__builtins__": {}, **env})  # noqa: S307 - only reads, see _safe
         except Exception:
             return None
+        if self.callback is None:
+            return evaluate
+        cb, extra = self.callback, len(self.extra)
+
+        def for_callback(module: Any, batch_idx: int) -> Any:
+            # a callback hook's test: its own self, then the Trainer and the module it was given
+            return evaluate(cb, batch_idx, *(module.trainer, module)[:extra])
+
+        return for_callback
 
     def _condition(self, test: ast.expr) -> None:
         if self._reads_step_counter(test):
@@ -292,7 +356,8 @@ class _Visitor:
                 self.found.conditions.append(Condition(self._line(test), evaluate, on_counters=False))
 
     def _reads_self(self, expr: ast.AST) -> bool:
-        return any(isinstance(node, ast.Name) and node.id == self.self_name for node in ast.walk(expr))
+        names = (self.self_name, *self.extra)
+        return any(isinstance(node, ast.Name) and node.id in names for node in ast.walk(expr))
 
     def _helper_call(self, node: ast.Call) -> None:
         func = node.func

@@ -1023,6 +1023,63 @@ def test_a_tensor_rebound_now_and_then_is_captured_again_and_trains_like_plain(a
     assert_same(plain, run)
 
 
+# --------------------------------------------------------------------------- other callbacks' hooks inside the step
+class SGDRegressor(TinyMLP):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)  # capturable or not, the same bits
+
+
+class HalveGradsEveryFifthStep(Callback):
+    """A callback hook inside the captured step that branches on the Trainer's step counter."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step % 5 == 4:
+            for p in pl_module.parameters():
+                p.grad.mul_(0.5)
+
+
+class ScaleGradsBy(Callback):
+    """A callback hook inside the step reads a Python number the callback changes between steps."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for p in pl_module.parameters():
+            p.grad.mul_(self.scale)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 9:
+            self.scale = 0.25
+
+
+class TightenClipping(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 9:
+            trainer.gradient_clip_val = 0.01
+
+
+@pytest.mark.parametrize(
+    ("extra", "trainer_kwargs", "eager_steps", "captures"),
+    [
+        (HalveGradsEveryFifthStep, {}, 6, 1),  # steps 4, 9, ..., 29 of 30 run eagerly
+        (ScaleGradsBy, {}, 0, 2),  # captured again after the scale changed
+        (TightenClipping, {"gradient_clip_val": 1.0}, 0, 2),
+    ],
+    ids=["branch-on-trainer-step", "callback-number", "trainer-clip-value"],
+)
+def test_what_other_callbacks_hooks_in_the_step_depend_on_is_followed(
+    extra, trainer_kwargs, eager_steps, captures
+):
+    plain = fit(SGDRegressor, [extra()], trainer_kwargs=trainer_kwargs)
+    cb = callback()
+    run = fit(SGDRegressor, [extra(), cb], trainer_kwargs=trainer_kwargs)
+    summary = cb.summary()
+    assert summary["captured"], summary["reason"]
+    assert summary["fallback_steps"] == eager_steps and summary["captures"] == captures, summary
+    assert_same(plain, run)
+
+
 # --------------------------------------------------------------------------- Python state a replay would freeze
 class HelperTargetSync(TargetSync):
     """The target-network sync in a helper method, with the step counter or batch_idx passed on."""

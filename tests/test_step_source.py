@@ -82,3 +82,35 @@ def test_reads_are_the_attributes_the_step_computes_with_not_those_it_only_logs(
     reads = analyse(Module()).reads
     assert {"beta", "helper", "scale"} <= reads
     assert "samples_seen" not in reads and "log" in reads
+
+
+class _PeriodicCallback:
+    """Stands in for a Lightning Callback: a step hook with the Trainer and module as its parameters."""
+
+    def __init__(self):
+        self.scale = 0.5
+        self.on = True
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step % 5 == 4 and self.on:
+            for p in pl_module.parameters():
+                p.grad.mul_(self.scale)
+
+
+def test_callback_hooks_add_their_step_counter_tests_and_the_attributes_they_read():
+    from l2lightning.step_source import StepSource, analyse_callbacks
+
+    cb = _PeriodicCallback()
+    found = StepSource()
+    analyse_callbacks([cb], ("on_before_optimizer_step", "on_after_backward"), found)
+    assert len(found.conditions) == 1 and found.conditions[0].evaluate is not None
+    assert "trainer.global_step % 5 == 4" in found.conditions[0].line
+    module = SimpleNamespace(trainer=SimpleNamespace(global_step=9))
+    assert found.branch_key(module, 0) == (True,)
+    module.trainer.global_step = 10
+    assert found.branch_key(module, 0) == (False,)
+    cb.on = False
+    module.trainer.global_step = 9
+    assert found.branch_key(module, 0) == (False,)  # the callback's own flag is read per step too
+    assert found.callback_reads == [(cb, {"scale", "on"})]
+    assert found.reads == set()  # the module's reads are the module's own
