@@ -66,6 +66,8 @@ class _Graph:
     # its parameters and buffers (ModuleFlags.tensors), compared after any registration (generation)
     registered: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     generation: int = 0
+    # the numbers the step computes from the step counters (StepSource.counter_values) at capture
+    counters: tuple = ()
 
 
 class StepCapture:
@@ -91,7 +93,7 @@ class StepCapture:
         module, wrapped = self._module, self._optimizer
         key = self._pending_key
         group = self._groups.get(key)
-        batch = self._pending[0]
+        batch, batch_idx = self._pending
         torch.cuda.synchronize()
         if group is not None and group.traces:
             try:
@@ -218,6 +220,7 @@ class StepCapture:
         graph.flags = self._module_flags()
         graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)
+        graph.counters = self._source.counter_snapshot(module, batch_idx)
         scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)
         graph.scalars += scalars
         graph.tensors += tensors

@@ -72,6 +72,11 @@ class StepDecision:
         scalars = python_state.changed_scalars(graph.scalars)
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
+        counters = self._source.changed_counter_values(graph.counters, module, batch_idx)
+        if counters:
+            return self._recapture(
+                f"numbers the step computes from the step counters changed ({'; '.join(counters)})"
+            )
         rebound = python_state.rebound_tensors(graph.tensors)
         if self._flags.generation != graph.generation:
             # something was registered since capture: a parameter or buffer may be a new tensor

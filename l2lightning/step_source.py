@@ -49,6 +49,29 @@ class Condition:
 
 
 @dataclass
+class CounterValue:
+    """A number the step computes from the step counters outside a branch test (see ``_counter_values``)."""
+
+    line: str  # "file:line (`source`)"
+    evaluate: Callable[[Any, int], Any]  # (module, batch_idx) -> value
+    # the counter read alone: compared instead where the expression gives something else than a
+    # plain Python value (a tensor), which evaluating per step would compute again
+    counter: Callable[[Any, int], Any]
+
+    def value(self, module: Any, batch_idx: int) -> Any:
+        try:
+            value = self.evaluate(module, batch_idx)
+            if not isinstance(value, _PLAIN):
+                value = ("counter", self.counter(module, batch_idx))
+        except Exception:  # cannot be read now: never equal to a captured value
+            return _BRANCH_ERROR
+        return value
+
+
+_PLAIN = (int, float, bool, str, type(None), tuple)
+
+
+@dataclass
 class StepSource:
     """What :func:`analyse` found in a module's step hooks."""
 
@@ -59,6 +82,20 @@ class StepSource:
     reads: set[str] = field(default_factory=set)
     # the same for the Trainer's other callbacks whose hooks run inside the step: (callback, names)
     callback_reads: list[tuple[Any, set[str]]] = field(default_factory=list)
+    # numbers computed from the step counters that a graph would bake in, evaluated before each replay
+    counter_values: list[CounterValue] = field(default_factory=list)
+
+    def counter_snapshot(self, module: Any, batch_idx: int) -> tuple:
+        """The value of every :class:`CounterValue` for this step."""
+        return tuple(c.value(module, batch_idx) for c in self.counter_values)
+
+    def changed_counter_values(self, captured: tuple, module: Any, batch_idx: int) -> list[str]:
+        """Lines of the counter values that differ from `captured` (or cannot be read) at this step."""
+        return [
+            c.line
+            for c, was in zip(self.counter_values, captured)
+            if (now := c.value(module, batch_idx)) is _BRANCH_ERROR or was is _BRANCH_ERROR or now != was
+        ]
 
     @property
     def opaque_conditions(self) -> list[str]:
@@ -121,18 +158,18 @@ def _analyse_object(
 
     `callback`: `obj` is a Lightning Callback, whose step hooks take ``(self, trainer, pl_module, ...)``;
     their tests are evaluated with those three."""
-    module = obj
-    seen: set[str] = set()
-    # (method, depth, position of the batch_idx argument among its parameters after self)
-    pending: list[tuple[str, int, int | None]] = [
-        (hook, 0, 1 if hook == "training_step" else None) for hook in hook_names
+    seen: set[tuple[str, Any]] = set()
+    # (method, depth, position of the batch_idx argument among its parameters after self, and for
+    # a `super().name(...)` call the class whose method made it: the lookup starts after it in the MRO)
+    pending: list[tuple[str, int, int | None, type | None]] = [
+        (hook, 0, 1 if hook == "training_step" else None, None) for hook in hook_names
     ]
     while pending:
-        name, depth, batch_position = pending.pop(0)
-        if name in seen:
+        name, depth, batch_position, after = pending.pop(0)
+        if (name, after) in seen:
             continue
-        seen.add(name)
-        method = getattr(type(module), name, None)
+        seen.add((name, after))
+        owner, method = _lookup(type(obj), name, after)
         if method is None or not callable(method) or _defined_by_library(method):
             continue
         tree, filename, first_line, params = _parse(method)
@@ -158,10 +195,23 @@ def _analyse_object(
         visitor.run(tree)
         if depth < HELPER_DEPTH:
             pending += [
-                (helper, depth + 1, position)
-                for helper, position in sorted(visitor.helpers.items())
-                if helper not in seen
+                (helper, depth + 1, position, None) for helper, position in sorted(visitor.helpers.items())
             ]
+            pending += [
+                (helper, depth + 1, position, owner)
+                for helper, position in sorted(visitor.super_helpers.items())
+            ]
+
+
+def _lookup(cls: type, name: str, after: type | None) -> tuple[type | None, Any]:
+    """(the class that defines it, the function) for `name` on `cls`, or for ``super().name`` from a
+    method of `after`: the first definition after `after` in `cls`'s MRO."""
+    mro = cls.__mro__
+    start = mro.index(after) + 1 if after is not None and after in mro else 0
+    for klass in mro[start:]:
+        if name in vars(klass):
+            return klass, vars(klass)[name]
+    return None, None
 
 
 def _defined_by_library(method: Any) -> bool:
@@ -215,8 +265,10 @@ class _Visitor:
             str, ast.expr | None
         ] = {}  # local -> its only assigned value (None: assigned twice)
         # the module's methods this one calls (self.name(...), self(...) for forward), with the position
-        # among their parameters of the batch_idx argument passed on, if it is
+        # among their parameters of the batch_idx argument passed on, if it is; the same for
+        # super().name(...) calls
         self.helpers: dict[str, int | None] = {}
+        self.super_helpers: dict[str, int | None] = {}
 
     def run(self, func: ast.AST) -> None:
         for node in ast.walk(func):
@@ -237,10 +289,11 @@ class _Visitor:
             and isinstance(node.func, ast.Attribute)
             and node.func.attr in ("log", "log_dict")
             and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == self.self_name
+            and node.func.value.id in (self.self_name, *self.extra[1:])
             for arg in [*node.args, *(k.value for k in node.keywords)]
             for inner in ast.walk(arg)
         }
+        self._counter_values(func, logged)
         for node in ast.walk(func):
             if isinstance(node, (ast.If, ast.While, ast.IfExp)):
                 self._condition(node.test)
@@ -257,6 +310,83 @@ class _Visitor:
                 and id(node) not in logged
             ):
                 self.reads.add(node.attr)
+
+    def _counter_values(self, func: ast.AST, logged: set[int]) -> None:
+        """Record the numbers the step computes from the step counters outside branch tests.
+
+        ``w = max(0.0, (self.global_step - 10) * 0.1)`` then ``loss * (1 + w)``: the graph bakes in the
+        capture step's ``w``. If it stays the same through the warm-up steps (a ramp that starts
+        later, a weight per epoch), no trace comparison sees it, so the largest expression around
+        each read of a counter that can be evaluated from the module alone is evaluated before each
+        replay, and a different value captures again. Reads that cannot reach a graph are left out:
+        branch tests (:class:`Condition`), ``self.log`` arguments (re-evaluated per replay), f-strings
+        and ``print`` (host text), and ``batch_idx`` passed on to the module's own methods (their
+        source is read with it).
+        """
+        parents: dict[int, ast.AST] = {}
+        for node in ast.walk(func):
+            for child in ast.iter_child_nodes(node):
+                parents[id(child)] = node
+        tests = {
+            id(inner)
+            for node in ast.walk(func)
+            for test in (
+                [node.test]
+                if isinstance(node, (ast.If, ast.While, ast.IfExp))
+                else node.ifs
+                if isinstance(node, ast.comprehension)
+                else []
+            )
+            for inner in ast.walk(test)
+        }
+        seen: set[int] = set()
+        for node in ast.walk(func):
+            if not self._is_counter_read(node) or id(node) in tests or id(node) in logged:
+                continue
+            if self._host_only(node, parents):
+                continue
+            top: ast.expr = node
+            while True:
+                parent = parents.get(id(top))
+                if not isinstance(parent, ast.expr) or self._compile(parent, allow_methods=False) is None:
+                    break
+                top = parent
+            if id(top) in seen:
+                continue
+            seen.add(id(top))
+            evaluate = self._compile(top, allow_methods=False)
+            counter = self._compile(node, allow_methods=False)
+            if evaluate is None or counter is None:
+                continue  # not reachable: a counter read always compiles
+            self.found.counter_values.append(CounterValue(self._line(top), evaluate, counter))
+
+    def _is_counter_read(self, node: ast.AST) -> bool:
+        if isinstance(node, ast.Attribute) and node.attr in STEP_COUNTERS:
+            return True
+        return isinstance(node, ast.Name) and self.batch_idx is not None and node.id == self.batch_idx
+
+    def _host_only(self, node: ast.AST, parents: dict[int, ast.AST]) -> bool:
+        """Whether `node` only feeds host-side text, or is batch_idx handed to one of the module's methods."""
+        child, parent = node, parents.get(id(node))
+        while parent is not None:
+            if isinstance(parent, ast.JoinedStr):
+                return True
+            if isinstance(parent, ast.Call):
+                f = parent.func
+                if isinstance(f, ast.Name) and f.id == "print":
+                    return True
+                if (
+                    child in parent.args
+                    and isinstance(child, ast.Name)
+                    and child.id == self.batch_idx
+                    and isinstance(f, ast.Attribute)
+                    and (isinstance(f.value, ast.Name) and f.value.id == self.self_name or _is_super_call(f))
+                ):
+                    return True  # the helper's source is read with batch_idx at that position
+            if isinstance(parent, ast.stmt):
+                return False
+            child, parent = parent, parents.get(id(parent))
+        return False
 
     # ------------------------------------------------------------------ helpers
     def _line(self, node: ast.AST) -> str:
@@ -361,7 +491,10 @@ class _Visitor:
 
     def _helper_call(self, node: ast.Call) -> None:
         func = node.func
-        if isinstance(func, ast.Name) and func.id == self.self_name:
+        helpers = self.helpers
+        if _is_super_call(func):
+            name, helpers = func.attr, self.super_helpers
+        elif isinstance(func, ast.Name) and func.id == self.self_name:
             name = "forward"
         elif (
             isinstance(func, ast.Attribute)
@@ -376,8 +509,8 @@ class _Visitor:
             (i for i, arg in enumerate(node.args) if isinstance(arg, ast.Name) and arg.id == self.batch_idx),
             None,
         )
-        if self.helpers.get(name) is None:
-            self.helpers[name] = position
+        if helpers.get(name) is None:
+            helpers[name] = position
 
     def _log_call(self, node: ast.Call) -> None:
         func = node.func
@@ -391,6 +524,17 @@ class _Visitor:
         evaluate = self._compile(node.args[1], allow_methods=True)
         if evaluate is not None:
             self.found.log_values.setdefault(key.value, (self._line(node), evaluate))
+
+
+def _is_super_call(func: ast.expr) -> bool:
+    """``super().name`` (the zero-argument form) as a call's function."""
+    return (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Call)
+        and isinstance(func.value.func, ast.Name)
+        and func.value.func.id == "super"
+        and not func.value.args
+    )
 
 
 def _safe(expr: ast.expr, allow_methods: bool) -> bool:

@@ -1182,7 +1182,7 @@ class KeepsOutputs(TinyMLP):
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        self.training_step_outputs.append({"loss": loss.detach(), "n": batch_idx})
+        self.training_step_outputs.append({"loss": loss.detach(), "n": 1})
         return loss
 
     def on_train_epoch_end(self):
@@ -1220,6 +1220,31 @@ def test_a_list_the_step_appends_to_gets_a_fresh_element_per_replay(monkeypatch,
     assert cb.summary()["captured"] and cb.fallback_steps == 0
     assert_same(base, run)  # epoch_mean and epoch_count at every step after each epoch end
     assert run[1].logged[-1]["epoch_count"] == 12.0
+
+
+class KeepsStepNumbers(TinyMLP):
+    """Appends the step's batch_idx with its loss: a replayed element would repeat the capture's number."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.outputs = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.outputs.append({"loss": loss.detach(), "n": batch_idx})
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)  # capturable or not, the same bits
+
+
+def test_a_step_number_in_an_appended_element_is_not_replayed_frozen():
+    plain = fit(KeepsStepNumbers)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"numbers the step computes from the step counters changed"):
+        run = fit(KeepsStepNumbers, [cb])
+    assert_same(plain, run)
+    assert [o["n"] for o in run[0].outputs] == [o["n"] for o in plain[0].outputs] == list(range(30))
 
 
 class PythonRandomBranch(TinyMLP):

@@ -114,3 +114,42 @@ def test_callback_hooks_add_their_step_counter_tests_and_the_attributes_they_rea
     assert found.branch_key(module, 0) == (False,)  # the callback's own flag is read per step too
     assert found.callback_reads == [(cb, {"scale", "on"})]
     assert found.reads == set()  # the module's reads are the module's own
+
+
+class _Ramp:
+    """A module's step: counter reads that a graph bakes in, and ones it does not."""
+
+    global_step = 0
+    current_epoch = 0
+
+    def helper(self, i):
+        if i % 3 == 0:  # batch_idx arrives here by position: a Condition of the helper
+            pass
+
+    def training_step(self, batch, batch_idx):
+        w = max(0.0, (self.global_step - 10) * 0.1)  # baked: followed per step
+        print(f"step {batch_idx}")  # host text
+        self.log("step", self.global_step)  # re-evaluated per replay
+        if batch_idx % 7 == 0:  # a branch test: a Condition
+            pass
+        self.helper(batch_idx)  # read in the helper's own source
+        return batch * (1 + w) * (1 + self.current_epoch)
+
+
+def test_numbers_computed_from_the_step_counters_are_followed_and_host_only_reads_are_not():
+    found = analyse(_Ramp())
+    lines = sorted(c.line.split("(`", 1)[1] for c in found.counter_values)
+    assert len(lines) == 2
+    assert lines[0].startswith("return batch * (1 + w) * (1 + self.current_epoch)")
+    assert lines[1].startswith("w = max(0.0, (self.global_step - 10) * 0.1)")
+    assert len(found.conditions) == 2  # batch_idx % 7 in the step, i % 3 in the helper
+    module = _Ramp()
+    captured = found.counter_snapshot(module, 3)
+    # max(0.0, -1.0), and 1 + current_epoch: the largest expression around the read that needs only the module
+    assert sorted(captured) == [0.0, 1]
+    module.global_step = 10
+    assert found.changed_counter_values(captured, module, 4) == []  # still 0.0: the same graph
+    module.global_step = 12
+    assert len(found.changed_counter_values(captured, module, 5)) == 1
+    module.current_epoch = 1
+    assert len(found.changed_counter_values(captured, module, 5)) == 2
