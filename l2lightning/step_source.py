@@ -358,7 +358,36 @@ class _Visitor:
             counter = self._compile(node, allow_methods=False)
             if evaluate is None or counter is None:
                 continue  # not reachable: a counter read always compiles
+            guards = self._guards(top, parents)
+            if guards:
+                evaluate, counter = _guarded(evaluate, guards), _guarded(counter, guards)
             self.found.counter_values.append(CounterValue(self._line(top), evaluate, counter))
+
+    def _guards(
+        self, node: ast.AST, parents: dict[int, ast.AST]
+    ) -> list[tuple[Callable[[Any, int], Any], bool]]:
+        """The branch tests `node` sits under, each with the side it is on, where all of them can be
+        evaluated (else none: the value is then compared on every step, which is the safe side).
+
+        A value inside ``if batch_idx % 100 == 0:`` reaches the graph only on steps that take that
+        branch; the others do not bake it (and steps on another branch than the captured one run
+        eagerly anyway), so it is compared only where its branch is taken.
+        """
+        guards = []
+        child, parent = node, parents.get(id(node))
+        while parent is not None:
+            side = None
+            if isinstance(parent, (ast.If, ast.While)) and child is not parent.test:
+                side = child in parent.body
+            elif isinstance(parent, ast.IfExp) and child is not parent.test:
+                side = child is parent.body
+            if side is not None:
+                test = self._compile(parent.test, allow_methods=False)
+                if test is None:
+                    return []
+                guards.append((test, side))
+            child, parent = parent, parents.get(id(parent))
+        return guards
 
     def _is_counter_read(self, node: ast.AST) -> bool:
         if isinstance(node, ast.Attribute) and node.attr in STEP_COUNTERS:
@@ -524,6 +553,19 @@ class _Visitor:
         evaluate = self._compile(node.args[1], allow_methods=True)
         if evaluate is not None:
             self.found.log_values.setdefault(key.value, (self._line(node), evaluate))
+
+
+def _guarded(
+    evaluate: Callable[[Any, int], Any], guards: list[tuple[Callable[[Any, int], Any], bool]]
+) -> Callable[[Any, int], Any]:
+    """`evaluate`, read only on steps where every guard's test is on its side (else a fixed marker)."""
+
+    def value(module: Any, batch_idx: int) -> Any:
+        if all(bool(test(module, batch_idx)) == side for test, side in guards):
+            return evaluate(module, batch_idx)
+        return "branch not taken"
+
+    return value
 
 
 def _is_super_call(func: ast.expr) -> bool:

@@ -153,3 +153,27 @@ def test_numbers_computed_from_the_step_counters_are_followed_and_host_only_read
     assert len(found.changed_counter_values(captured, module, 5)) == 1
     module.current_epoch = 1
     assert len(found.changed_counter_values(captured, module, 5)) == 2
+
+
+class _LogsEveryTenth:
+    """A counter read inside a branch on the counters: baked only on steps that take the branch."""
+
+    global_step = 0
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx % 10 == 0:
+            self.board.add_scalar("x", 1.0, self.global_step)  # TensorBoard style, every tenth step
+        return batch * (2.0 if self.global_step > 5 else 1.0)
+
+
+def test_a_counter_value_under_a_branch_is_compared_only_where_the_branch_is_taken():
+    found = analyse(_LogsEveryTenth())
+    module = _LogsEveryTenth()
+    captured = found.counter_snapshot(module, 3)
+    for step in range(4, 10):  # the branch is not taken: its value does not matter
+        module.global_step = min(step, 5)
+        assert found.changed_counter_values(captured, module, step) == []
+    module.global_step = 10
+    # taken at batch_idx 10: compared (the step's branch key differs too, so it runs eagerly anyway)
+    assert len(found.changed_counter_values(captured, module, 10)) == 1
+    assert len(found.conditions) == 2  # the two tests themselves are branch conditions
