@@ -1093,6 +1093,32 @@ class OwnStepCounter(_Regressor):
         return self.loss(batch)
 
 
+class EpochWeightedAux(_Regressor):
+    """An auxiliary term whose weight is computed from current_epoch in training_step (KL-annealing
+    style, stepped per epoch): constant through the warm-up steps, then baked into the graph."""
+
+    def training_step(self, batch, batch_idx):
+        beta = 0.5 * min(self.current_epoch, 2)
+        loss = self.loss(batch) + beta * 1e-3 * sum(p.square().sum() for p in self.net.parameters())
+        self.log("train_loss", loss)
+        return loss
+
+
+class ReboundLossWeight(_Regressor):
+    """A loss weight kept in a buffer and replaced by a new tensor once (`self.w = self.w * 0.5`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.ones(()))
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch) * self.w
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_step == 12:
+            self.w = self.w * 0.5
+
+
 _reg_loader = functools.partial(_regression_loader, n=640, dim=64, batch_size=32, seed=21)
 
 IDIOM_VARIANTS: dict[str, Idiom] = {
@@ -1120,5 +1146,20 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             "a branch on a module attribute is read per step",
         ),
         Idiom("own_step_counter", OwnStepCounter, _reg_loader, "refuse", "`self.updates` changes every step"),
+        Idiom(
+            "epoch_weighted_aux",
+            EpochWeightedAux,
+            _reg_loader,
+            "capture",
+            "a number computed from current_epoch is compared per replay: captured again each epoch",
+            trainer_kwargs={"max_epochs": 3},
+        ),
+        Idiom(
+            "rebound_loss_weight",
+            ReboundLossWeight,
+            _reg_loader,
+            "capture",
+            "a buffer assigned a new tensor is seen before the next replay: captured again",
+        ),
     ]
 }

@@ -1333,7 +1333,15 @@ def test_python_state_set_once_at_the_first_step_is_allowed():
 
 
 @pytest.mark.parametrize(
-    "name", ["dqn_helper_sync", "training_step_outputs", "aux_loss_flag", "own_step_counter"]
+    "name",
+    [
+        "dqn_helper_sync",
+        "training_step_outputs",
+        "aux_loss_flag",
+        "own_step_counter",
+        "epoch_weighted_aux",
+        "rebound_loss_weight",
+    ],
 )
 def test_idiom_variants_are_captured_and_equal_or_refused_and_plain(name):
     from tests.idiom_modules import IDIOM_VARIANTS
