@@ -103,7 +103,9 @@ class StepOverrides:
         if not grads:
             return None
         with self._tracer.paused():
-            left = bool(torch.stack([g.ne(0).any() for g in grads]).any())
+            # a sparse gradient (nn.Embedding(sparse=True)) holds its values apart
+            values = [g.coalesce().values() if g.is_sparse else g for g in grads]
+            left = bool(torch.stack([v.ne(0).any() for v in values]).any())
         if not left:
             return None
         return (
