@@ -240,7 +240,8 @@ class L2GraphCallback(
         self._in_step = False
         self._reissued: set[str] = set()
         self._recapture_streak = 0
-        self._recapture_next = False
+        # why the next step captures again after this one ran eagerly (new optimizer state to make eagerly)
+        self._recapture_next: str | None = None
         self._other_branch: tuple[Any, int] = (None, 0)  # a branch key other than the graph's, and its run
         self._live_log_values: set[str] = set()
         self._eager_hooks: set[str] = set()

@@ -188,8 +188,28 @@ class CapturableOptimizer:
 
     # ------------------------------------------------------------------ baked hyperparameters
     def mark_captured(self) -> None:
-        """Remember the hyperparameters a capture bakes into its graph."""
+        """Remember the hyperparameters a capture bakes into its graph, and the state it updates."""
         self._baked = [self._baked_values(i, g) for i, g in enumerate(self.optimizer.param_groups)]
+        self._captured_state = (self.optimizer.state, len(self.optimizer.state))
+
+    def state_replaced(self) -> str | None:
+        """Why the optimizer's state is not the one the graph was captured with, or None.
+
+        The graph updates the state tensors it was captured with (moments, momentum buffers), so a
+        state replaced between steps (``load_state_dict``) or emptied (``optimizer.state.clear()``, a
+        momentum reset) would be ignored by a replay. Only the state mapping and its size are
+        compared, which is cheap enough for every step: a single entry replaced in place
+        (``optimizer.state[p] = {}``) is not seen.
+        """
+        captured = getattr(self, "_captured_state", None)
+        if captured is None:
+            return None
+        state, size = captured
+        if self.optimizer.state is not state:
+            return "the optimizer's state was replaced (`load_state_dict`)"
+        if len(state) != size:
+            return f"the optimizer's state has {len(state)} entries, the graph updates {size}"
+        return None
 
     def _baked_values(self, index: int, group: dict[str, Any]) -> dict[str, Any]:
         tensor = self.lr_tensors[index] if index < len(self.lr_tensors) else None

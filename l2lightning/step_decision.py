@@ -55,12 +55,18 @@ class StepDecision:
             return "eager"
         flags = self._module_flags()
         if self._recapture_next:
-            self._recapture_next = False
-            return self._recapture("parameters' `requires_grad` changed since capture")
+            cause, self._recapture_next = self._recapture_next, None
+            return self._recapture(cause)
+        replaced = self._optimizer.state_replaced()
+        if replaced:
+            # the graph updates the old state tensors: this step makes the new state eagerly
+            self._recapture_next = f"{replaced} since capture"
+            self._fall_back(f"{replaced} since capture (captured again next step)")
+            return "eager"
         if flags != graph.flags:
             if flags[1] != graph.flags[1]:
                 # new trainable parameters need their optimizer state made eagerly, outside a graph
-                self._recapture_next = True
+                self._recapture_next = "parameters' `requires_grad` changed since capture"
                 self._fall_back(
                     "parameters' `requires_grad` changed since capture (captured again next step)"
                 )

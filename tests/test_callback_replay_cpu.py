@@ -1080,6 +1080,38 @@ def test_what_other_callbacks_hooks_in_the_step_depend_on_is_followed(
     assert_same(plain, run)
 
 
+# --------------------------------------------------------------------------- optimizer state replaced between steps
+class MomentumRegressor(TinyMLP):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)  # capturable or not, the same bits
+
+
+class ResetMomentum(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 12:
+            trainer.optimizers[0].state.clear()
+
+
+class ReloadOptimizer(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 12:
+            optimizer = trainer.optimizers[0]
+            state = optimizer.state_dict()
+            for entry in state["state"].values():
+                entry["momentum_buffer"] = entry["momentum_buffer"] * 0  # a restore that changes values
+            optimizer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("extra", [ResetMomentum, ReloadOptimizer], ids=["state-cleared", "state-reloaded"])
+def test_optimizer_state_replaced_between_steps_is_made_eagerly_then_captured_again(extra):
+    plain = fit(MomentumRegressor, [extra()])
+    cb = callback()
+    run = fit(MomentumRegressor, [extra(), cb])
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 2 and summary["fallback_steps"] == 1, summary
+    assert_same(plain, run)
+
+
 # --------------------------------------------------------------------------- Python state a replay would freeze
 class HelperTargetSync(TargetSync):
     """The target-network sync in a helper method, with the step counter or batch_idx passed on."""
