@@ -30,10 +30,16 @@ class StepOverrides:
             and not accumulating
         ):
             # the closure ran outside optimizer.step: the step cannot be wrapped around it
-            self._disable(
-                "the module's `optimizer_step` calls the optimizer closure itself, outside `optimizer.step`, so the "
-                "captured step cannot include it"
-            )
+            if all(opt is not self._optimizer.optimizer for opt in self._trainer.optimizers):
+                self._disable(
+                    "the Trainer's optimizer was replaced during the fit (`trainer.strategy.optimizers`, "
+                    "`setup_optimizers`); the callback wraps the one configured at the start"
+                )
+            else:
+                self._disable(
+                    "the module's `optimizer_step` calls the optimizer closure itself, outside `optimizer.step`, so "
+                    "the captured step cannot include it"
+                )
             mode = "eager"
         if mode == "capture":
             # The graph reads the static buffers; the batch Lightning passed is copied into them.

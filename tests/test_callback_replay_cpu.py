@@ -1112,6 +1112,20 @@ def test_optimizer_state_replaced_between_steps_is_made_eagerly_then_captured_ag
     assert_same(plain, run)
 
 
+class SwapOptimizerAtStep12(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 12:
+            trainer.strategy.optimizers = [torch.optim.SGD(pl_module.parameters(), lr=0.01)]
+
+
+def test_an_optimizer_swapped_in_during_the_fit_trains_eagerly_and_says_why():
+    plain = fit(MomentumRegressor, [SwapOptimizerAtStep12()])
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"the Trainer's optimizer was replaced during the fit"):
+        run = fit(MomentumRegressor, [SwapOptimizerAtStep12(), cb])
+    assert_same(plain, run)
+
+
 # --------------------------------------------------------------------------- Python state a replay would freeze
 class HelperTargetSync(TargetSync):
     """The target-network sync in a helper method, with the step counter or batch_idx passed on."""
