@@ -68,6 +68,8 @@ class _Graph:
     generation: int = 0
     # the numbers the step computes from the step counters (StepSource.counter_values) at capture
     counters: tuple = ()
+    # where each parameter's data was at capture: the graph reads and writes those addresses
+    data_ptrs: list[int] = field(default_factory=list)
 
 
 class StepCapture:
@@ -217,6 +219,7 @@ class StepCapture:
         graph.output = self._step_output
         graph.log_calls = self._capture_logs
         graph.grads = [(p, p.grad) for p in module.parameters()]
+        graph.data_ptrs = [p.data_ptr() for p, _ in graph.grads]
         graph.flags = self._module_flags()
         graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)

@@ -78,6 +78,12 @@ class StepDecision:
         scalars = python_state.changed_scalars(graph.scalars)
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
+        if [p.data_ptr() for p, _ in graph.grads] != graph.data_ptrs:
+            # `p.data = ...` or `module.half()` between steps: the graph's addresses are no longer the
+            # parameters' (and the old memory may already hold something else)
+            return self._recapture(
+                "parameters' data moved since capture (`param.data = ...`, a dtype change)"
+            )
         counters = self._source.changed_counter_values(graph.counters, module, batch_idx)
         if counters:
             return self._recapture(

@@ -1126,6 +1126,24 @@ def test_an_optimizer_swapped_in_during_the_fit_trains_eagerly_and_says_why():
     assert_same(plain, run)
 
 
+class ProjectsWeightsByRebinding(MomentumRegressor):
+    """Weights projected after the optimizer step by assigning `.data` (older WGAN-style code)."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if batch_idx in (9, 19):
+            for p in self.parameters():
+                p.data = p.data.clamp(-0.05, 0.05)  # new storage under the same Parameter
+
+
+def test_parameter_data_assigned_between_steps_is_captured_again():
+    plain = fit(ProjectsWeightsByRebinding)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"parameters' data moved since capture"):
+        run = fit(ProjectsWeightsByRebinding, [cb])
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(plain, run)
+
+
 # --------------------------------------------------------------------------- Python state a replay would freeze
 class HelperTargetSync(TargetSync):
     """The target-network sync in a helper method, with the step counter or batch_idx passed on."""
