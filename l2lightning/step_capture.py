@@ -68,6 +68,8 @@ class _Graph:
     generation: int = 0
     # the numbers the step computes from the step counters (StepSource.counter_values) at capture
     counters: tuple = ()
+    # the values the step reads through self that are Python numbers (StepSource.attribute_values)
+    attributes: list = field(default_factory=list)
     # where each parameter's data was at capture: the graph reads and writes those addresses
     data_ptrs: list[int] = field(default_factory=list)
 
@@ -224,6 +226,7 @@ class StepCapture:
         graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)
         graph.counters = self._source.counter_snapshot(module, batch_idx)
+        graph.attributes = self._source.attribute_snapshot(module, batch_idx)
         scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)
         graph.scalars += scalars
         graph.tensors += tensors

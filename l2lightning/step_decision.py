@@ -89,6 +89,9 @@ class StepDecision:
             return self._recapture(
                 f"numbers the step computes from the step counters changed ({'; '.join(counters)})"
             )
+        attributes = self._source.changed_attribute_values(graph.attributes, module, batch_idx)
+        if attributes:
+            return self._recapture(f"values the step reads changed ({'; '.join(attributes)})")
         rebound = python_state.rebound_tensors(graph.tensors)
         if self._flags.generation != graph.generation:
             # something was registered since capture: a parameter or buffer may be a new tensor

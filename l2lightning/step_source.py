@@ -69,6 +69,37 @@ class CounterValue:
 
 
 _PLAIN = (int, float, bool, str, type(None), tuple)
+# The most scalars a list, tuple or dict read by the step may hold to be compared before each replay
+MAX_FROZEN_ITEMS = 64
+
+
+def frozen(value: Any, budget: list[int] | None = None) -> Any:
+    """`value` as a comparable snapshot if it is a Python scalar, or a list, tuple or dict of them (at
+    most ``MAX_FROZEN_ITEMS`` in all, nested too); else None (a tensor, a module, a large container)."""
+    budget = [MAX_FROZEN_ITEMS] if budget is None else budget
+    budget[0] -= 1  # every scalar and container counts
+    if budget[0] < 0:
+        return None
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return ("scalar", type(value).__name__, value)
+    if isinstance(value, (list, tuple)):
+        items = [frozen(v, budget) for v in value]
+        return None if any(i is None for i in items) else (type(value).__name__, tuple(items))
+    if isinstance(value, dict):
+        items = [(k, frozen(v, budget)) for k, v in value.items()]
+        if any(i is None for _, i in items) or not all(isinstance(k, (str, int)) for k, _ in items):
+            return None
+        return ("dict", tuple(sorted(items, key=lambda kv: str(kv[0]))))
+    return None
+
+
+@dataclass
+class AttributeValue:
+    """A value the step reads through ``self`` (``self.hparams.kl_weight``, ``self.weights[0]``,
+    ``self.cfg["w"]``): a Python number there is baked into the graph (see ``_attribute_values``)."""
+
+    line: str  # "file:line (`source`)"
+    evaluate: Callable[[Any, int], Any]  # (module, batch_idx) -> value
 
 
 @dataclass
@@ -84,6 +115,35 @@ class StepSource:
     callback_reads: list[tuple[Any, set[str]]] = field(default_factory=list)
     # numbers computed from the step counters that a graph would bake in, evaluated before each replay
     counter_values: list[CounterValue] = field(default_factory=list)
+    # values read through self (attribute and constant-subscript chains), compared before each replay
+    attribute_values: list[AttributeValue] = field(default_factory=list)
+
+    def attribute_snapshot(self, module: Any, batch_idx: int) -> list[tuple[AttributeValue, Any]]:
+        """The attribute values that are Python numbers (or small containers of them) now, frozen;
+        the others (tensors, modules) are followed by other checks or cannot be baked."""
+        out = []
+        for a in self.attribute_values:
+            try:
+                value = frozen(a.evaluate(module, batch_idx))
+            except Exception:
+                continue
+            if value is not None:
+                out.append((a, value))
+        return out
+
+    def changed_attribute_values(
+        self, snapshot: list[tuple[AttributeValue, Any]], module: Any, batch_idx: int
+    ) -> list[str]:
+        """Lines of the attribute values in `snapshot` that differ (or cannot be read) at this step."""
+        changed = []
+        for a, was in snapshot:
+            try:
+                now = frozen(a.evaluate(module, batch_idx))
+            except Exception:
+                now = None
+            if now != was:
+                changed.append(a.line)
+        return changed
 
     def counter_snapshot(self, module: Any, batch_idx: int) -> tuple:
         """The value of every :class:`CounterValue` for this step."""
@@ -293,7 +353,24 @@ class _Visitor:
             for arg in [*node.args, *(k.value for k in node.keywords)]
             for inner in ast.walk(arg)
         }
-        self._counter_values(func, logged)
+        parents: dict[int, ast.AST] = {}
+        for node in ast.walk(func):
+            for child in ast.iter_child_nodes(node):
+                parents[id(child)] = node
+        tests = {
+            id(inner)
+            for node in ast.walk(func)
+            for test in (
+                [node.test]
+                if isinstance(node, (ast.If, ast.While, ast.IfExp))
+                else node.ifs
+                if isinstance(node, ast.comprehension)
+                else []
+            )
+            for inner in ast.walk(test)
+        }
+        self._counter_values(func, logged, parents, tests)
+        self._attribute_values(func, logged, parents, tests)
         for node in ast.walk(func):
             if isinstance(node, (ast.If, ast.While, ast.IfExp)):
                 self._condition(node.test)
@@ -311,7 +388,9 @@ class _Visitor:
             ):
                 self.reads.add(node.attr)
 
-    def _counter_values(self, func: ast.AST, logged: set[int]) -> None:
+    def _counter_values(
+        self, func: ast.AST, logged: set[int], parents: dict[int, ast.AST], tests: set[int]
+    ) -> None:
         """Record the numbers the step computes from the step counters outside branch tests.
 
         ``w = max(0.0, (self.global_step - 10) * 0.1)`` then ``loss * (1 + w)``: the graph bakes in the
@@ -323,22 +402,6 @@ class _Visitor:
         and ``print`` (host text), and ``batch_idx`` passed on to the module's own methods (their
         source is read with it).
         """
-        parents: dict[int, ast.AST] = {}
-        for node in ast.walk(func):
-            for child in ast.iter_child_nodes(node):
-                parents[id(child)] = node
-        tests = {
-            id(inner)
-            for node in ast.walk(func)
-            for test in (
-                [node.test]
-                if isinstance(node, (ast.If, ast.While, ast.IfExp))
-                else node.ifs
-                if isinstance(node, ast.comprehension)
-                else []
-            )
-            for inner in ast.walk(test)
-        }
         seen: set[int] = set()
         for node in ast.walk(func):
             if not self._is_counter_read(node) or id(node) in tests or id(node) in logged:
@@ -388,6 +451,54 @@ class _Visitor:
                 guards.append((test, side))
             child, parent = parent, parents.get(id(parent))
         return guards
+
+    def _attribute_values(
+        self, func: ast.AST, logged: set[int], parents: dict[int, ast.AST], tests: set[int]
+    ) -> None:
+        """Record the values the step reads through ``self`` by attributes and constant subscripts.
+
+        ``loss * self.hparams.kl_weight``, ``self.weights[0]``, ``self.cfg["w"]``: a Python number read
+        this way is baked into the graph, and a callback or hook may change it between steps without
+        rebinding anything the other checks see (an element of a list, a key of a dict, an
+        ``AttributeDict`` entry). Each such chain that can be evaluated from the module alone is
+        compared before every replay (where its value is a Python number or a small container of
+        them). Chains through the step counters, method calls, branch tests, ``self.log`` arguments
+        and host text are left to the other checks.
+        """
+        roots = (self.self_name, *self.extra)
+        for node in ast.walk(func):
+            if not isinstance(node, (ast.Attribute, ast.Subscript)) or not isinstance(node.ctx, ast.Load):
+                continue
+            parent = parents.get(id(node))
+            indexed_by_a_local = isinstance(parent, ast.Subscript) and not isinstance(
+                parent.slice, ast.Constant
+            )
+            if (
+                isinstance(parent, (ast.Attribute, ast.Subscript))
+                and parent.value is node
+                and not indexed_by_a_local
+            ):
+                continue  # part of a longer chain (`self.weights[i]` follows `self.weights` whole)
+            if isinstance(parent, ast.Call) and parent.func is node:
+                continue  # a method call, not a value
+            if id(node) in tests or id(node) in logged or self._host_only(node, parents):
+                continue
+            chain = [n for n in ast.walk(node) if isinstance(n, (ast.Attribute, ast.Subscript, ast.Name))]
+            base = node
+            while isinstance(base, (ast.Attribute, ast.Subscript)):
+                if isinstance(base, ast.Subscript) and not isinstance(base.slice, ast.Constant):
+                    break
+                base = base.value
+            if not (isinstance(base, ast.Name) and base.id in roots):
+                continue
+            if any(
+                isinstance(n, ast.Attribute) and (n.attr in STEP_COUNTERS or n.attr == "trainer")
+                for n in chain
+            ):
+                continue  # the counters have their own check; the Trainer's state is not the step's
+            evaluate = self._compile(node, allow_methods=False)
+            if evaluate is not None:
+                self.found.attribute_values.append(AttributeValue(self._line(node), evaluate))
 
     def _is_counter_read(self, node: ast.AST) -> bool:
         if isinstance(node, ast.Attribute) and node.attr in STEP_COUNTERS:

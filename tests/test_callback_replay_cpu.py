@@ -1144,6 +1144,42 @@ def test_parameter_data_assigned_between_steps_is_captured_again():
     assert_same(plain, run)
 
 
+class WeightFromHparams(MomentumRegressor):
+    """Loss weights read through containers on self, changed in place between steps."""
+
+    def __init__(self, where="hparams", **kw):
+        super().__init__(**kw)
+        self.save_hyperparameters({"w": 1.0})
+        self.weights = [1.0, 1.0]
+        self.cfg = {"w": 1.0}
+        self.where = where
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        if self.where == "hparams":
+            return loss * self.hparams.w
+        if self.where == "list":
+            return loss * self.weights[0]
+        return loss * self.cfg["w"]
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if batch_idx == 12:
+            self.hparams.w = 0.5
+            self.weights[0] = 0.5
+            self.cfg["w"] = 0.5
+
+
+@pytest.mark.parametrize("where", ["hparams", "list", "dict"])
+def test_a_number_read_through_a_container_on_self_and_changed_in_place_is_captured_again(where):
+    plain = fit(WeightFromHparams, where=where)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"values the step reads changed"):
+        run = fit(WeightFromHparams, [cb], where=where)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 2, cb.summary()
+    assert_same(plain, run)
+
+
 # --------------------------------------------------------------------------- Python state a replay would freeze
 class HelperTargetSync(TargetSync):
     """The target-network sync in a helper method, with the step counter or batch_idx passed on."""

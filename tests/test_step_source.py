@@ -177,3 +177,44 @@ def test_a_counter_value_under_a_branch_is_compared_only_where_the_branch_is_tak
     # taken at batch_idx 10: compared (the step's branch key differs too, so it runs eagerly anyway)
     assert len(found.changed_counter_values(captured, module, 10)) == 1
     assert len(found.conditions) == 2  # the two tests themselves are branch conditions
+
+
+class _ReadsThroughSelf:
+    """Values read through self by attribute and constant-subscript chains, and ones left to other checks."""
+
+    global_step = 0
+
+    def __init__(self):
+        self.hparams = {"kl": 0.5}
+        self.weights = [1.0, 2.0]
+        self.schedule = list(range(1000))  # too large to compare per step
+        self.head = None
+
+    def training_step(self, batch, batch_idx):
+        i = batch.index
+        loss = batch * self.hparams["kl"] * self.weights[0] * self.weights[i]
+        self.log("w", self.weights[1])  # re-evaluated per replay
+        if self.weights[1] > 1:  # a branch test: a Condition
+            loss = loss * 2
+        return loss + self.schedule[3] + len(self.schedule)
+
+
+def test_values_read_through_self_are_compared_where_they_are_python_numbers():
+    from l2lightning.step_source import frozen
+
+    assert frozen(1.5) == frozen(1.5) != frozen(1)  # a float and an int differ
+    assert (
+        frozen([1.0, {"a": 2}]) is not None and frozen(list(range(100))) is None and frozen(object()) is None
+    )
+
+    found = analyse(_ReadsThroughSelf())
+    read = sorted(a.line.split("(`", 1)[1] for a in found.attribute_values)
+    assert all("self.log" not in line for line in read)
+    module = _ReadsThroughSelf()
+    snapshot = found.attribute_snapshot(module, 0)
+    assert len(snapshot) == 4  # hparams["kl"], weights[0], weights (indexed by a local), schedule[3]
+    assert found.changed_attribute_values(snapshot, module, 1) == []
+    module.hparams["kl"] = 1.0  # an entry changed in place
+    module.weights = [1.0, 3.0]  # a new list, element 0 the same, but `self.weights[i]` reads all of it
+    changed = found.changed_attribute_values(snapshot, module, 1)
+    assert len(changed) == 2 and any('self.hparams["kl"]' in line for line in changed)
