@@ -146,6 +146,8 @@ class StepTrace:
     # (what, the user's line, the Lightning hook it ran in or None)
     syncs: list[tuple[str, tuple[str, int] | None, str | None]] = field(default_factory=list)
     mutating_hooks: set[str] = field(default_factory=set)  # hooks that wrote tensors they did not create
+    # hooks that read a parameter's data (not its gradient): after a replay they would see it updated
+    parameter_reading_hooks: set[str] = field(default_factory=set)
     # hooks that built tensors from Python data (`torch.tensor([...])`): their values may come from hidden syncs
     host_hooks: set[str] = field(default_factory=set)
     memo: list[tuple[str, Any]] = field(default_factory=list)  # results of MEMOIZED calls, in order
@@ -252,6 +254,8 @@ class StepTracer(TorchDispatchMode):
         self._paused = 0
         self._hook: str | None = None
         self._hook_made: set[int] = set()  # storages created inside the current hook
+        # storages of the module's parameters (set by the caller): reads of them inside a hook are noted
+        self.parameter_storages: frozenset[int] = frozenset()
 
     @contextlib.contextmanager
     def memoized(self) -> Iterator[None]:
@@ -323,6 +327,10 @@ class StepTracer(TorchDispatchMode):
                 self.trace.syncs.append((sync, frame, self._hook))
         if self._hook is not None:
             self._note_hook_writes(func, args, kwargs)
+            if self.parameter_storages and any(
+                t.untyped_storage().data_ptr() in self.parameter_storages for t in tensors
+            ):
+                self.trace.parameter_reading_hooks.add(self._hook)
             if func is aten.lift_fresh.default:
                 self.trace.host_hooks.add(self._hook)
         if func is aten.lift_fresh.default and on_device and self.device_type != "cpu":

@@ -115,6 +115,9 @@ class WarmupSteps:
         key = self._pending_key
         group = self._groups[key]
         tracer = StepTracer(self._device_type())
+        tracer.parameter_storages = frozenset(
+            p.untyped_storage().data_ptr() for p in self._module.parameters()
+        )
         before = update_counts(self._module)
         self._mode = "trace"
         self._traced_steps += 1
@@ -181,6 +184,13 @@ class WarmupSteps:
                         if self._trainer.gradient_clip_val
                         else ""
                     )
+                    + (
+                        " and, since it reads parameters (which after a replay hold the step's update "
+                        "already), cannot run after a replay either; log tensors (`self.log(name, tensor)`) "
+                        "instead of Python numbers so it can stay in the graph"
+                        if hook in trace.parameter_reading_hooks
+                        else ""
+                    )
                 )
         syncs = [s for s in trace.syncs if not self._runs_after_replay(s[2], trace)]
         if syncs and problem is None:
@@ -224,9 +234,12 @@ class WarmupSteps:
         Only hooks that read the step's gradients and write nothing (``self.log_dict(grad_norm(self, 2))``
         turns each norm into a Python float) and see, after a replay, exactly what they see in an eager
         step: ``on_after_backward`` and ``on_before_optimizer_step``, without gradient clipping (which
-        runs after them in an eager step, before them in a replayed one).
+        runs after them in an eager step, before them in a replayed one), and without reading a
+        parameter (after a replay it holds the step's update already).
         """
         if hook not in ("on_after_backward", "on_before_optimizer_step") or hook in trace.mutating_hooks:
+            return False
+        if hook in trace.parameter_reading_hooks:
             return False
         if self._trainer.gradient_clip_val:
             return False

@@ -1180,6 +1180,24 @@ def test_a_number_read_through_a_container_on_self_and_changed_in_place_is_captu
     assert_same(plain, run)
 
 
+class ParameterNormBeforeStep(MomentumRegressor):
+    """on_before_optimizer_step logs gradient norms (host numbers) and a parameter's norm."""
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log_dict(grad_norm(self.head, norm_type=2))
+        self.log("head_weight_norm", float(self.head.weight.norm()))  # before this step's update
+
+
+def test_a_hook_that_reads_parameters_is_not_run_after_the_replay():
+    # After a replay the parameters hold the step's update: the hook would log the next step's norm
+    plain = fit(ParameterNormBeforeStep)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"reads parameters"):
+        run = fit(ParameterNormBeforeStep, [cb])
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)  # the logged norms included
+
+
 # --------------------------------------------------------------------------- Python state a replay would freeze
 class HelperTargetSync(TargetSync):
     """The target-network sync in a helper method, with the step counter or batch_idx passed on."""
