@@ -69,7 +69,7 @@ class StepOverrides:
                 if mode == "capture":
                     return None
                 if mode == "trace" and self._tracer is not None:
-                    with self._tracer.paused():
+                    with self._tracer.watching(name):
                         return original(*args, **kwargs)
                 return original(*args, **kwargs)
             if mode == "replay":

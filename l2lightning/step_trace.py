@@ -146,7 +146,8 @@ class StepTrace:
     # (what, the user's line, the Lightning hook it ran in or None)
     syncs: list[tuple[str, tuple[str, int] | None, str | None]] = field(default_factory=list)
     mutating_hooks: set[str] = field(default_factory=set)  # hooks that wrote tensors they did not create
-    # hooks that read a parameter's data (not its gradient): after a replay they would see it updated
+    # hooks that read what the optimizer step updates (a parameter's data, the optimizer's state; not
+    # gradients): run after a replay they would see it updated already
     parameter_reading_hooks: set[str] = field(default_factory=set)
     # hooks that built tensors from Python data (`torch.tensor([...])`): their values may come from hidden syncs
     host_hooks: set[str] = field(default_factory=set)
@@ -254,8 +255,10 @@ class StepTracer(TorchDispatchMode):
         self._paused = 0
         self._hook: str | None = None
         self._hook_made: set[int] = set()  # storages created inside the current hook
-        # storages of the module's parameters (set by the caller): reads of them inside a hook are noted
+        # storages the optimizer step updates (the module's parameters and the optimizer's state, set by
+        # the caller): reads of them inside a hook are noted
         self.parameter_storages: frozenset[int] = frozenset()
+        self._watching: str | None = None  # the eager hook whose reads are noted while paused
 
     @contextlib.contextmanager
     def memoized(self) -> Iterator[None]:
@@ -308,10 +311,28 @@ class StepTracer(TorchDispatchMode):
         finally:
             self._paused -= 1
 
+    @contextlib.contextmanager
+    def watching(self, hook: str) -> Iterator[None]:
+        """Paused, but reads of :attr:`parameter_storages` are still noted for `hook` (a hook that runs
+        eagerly after each replay: it must keep reading only what a replay leaves as an eager step does)."""
+        previous, self._watching = self._watching, hook
+        try:
+            with self.paused():
+                yield
+        finally:
+            self._watching = previous
+
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self._paused:
+            if self._watching is not None and self.parameter_storages:
+                flat, _ = tree_flatten((args, kwargs))
+                if any(
+                    isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.parameter_storages
+                    for t in flat
+                ):
+                    self.trace.parameter_reading_hooks.add(self._watching)
             return func(*args, **kwargs)
         flat, _ = tree_flatten((args, kwargs))
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]

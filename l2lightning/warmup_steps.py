@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from l2lightning import python_state
 from l2lightning.metric_binding import (
     named_metrics,
@@ -115,9 +117,7 @@ class WarmupSteps:
         key = self._pending_key
         group = self._groups[key]
         tracer = StepTracer(self._device_type())
-        tracer.parameter_storages = frozenset(
-            p.untyped_storage().data_ptr() for p in self._module.parameters()
-        )
+        tracer.parameter_storages = self._updated_storages()
         before = update_counts(self._module)
         self._mode = "trace"
         self._traced_steps += 1
@@ -137,6 +137,14 @@ class WarmupSteps:
             return out
 
         return run(traced, **kwargs)
+
+    def _updated_storages(self) -> frozenset[int]:
+        """Storages the optimizer step updates: the module's parameters and the optimizer's state tensors."""
+        tensors = list(self._module.parameters())
+        if self._optimizer is not None:
+            for state in self._optimizer.optimizer.state.values():
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return frozenset(t.untyped_storage().data_ptr() for t in tensors)
 
     def _run_traced(self, tracer: StepTracer, closure: Any) -> Any:
         """Lightning's closure under `tracer` (the captured hooks and ``self.log`` consult it)."""
@@ -172,6 +180,14 @@ class WarmupSteps:
                 self._disable(metric_update_reason([name], reason))
                 return
         problem = None
+        for hook in sorted(trace.parameter_reading_hooks & self._eager_hooks):
+            # let run after replays at an earlier traced step, it now reads what the step updates
+            self._eager_hooks.discard(hook)
+            problem = (
+                f"`{hook}` turns tensors into host values, so it would run after each replay, but it reads "
+                "parameters or the optimizer's state, which after a replay hold the step's update already; log "
+                "tensors (`self.log(name, tensor)`) instead of Python numbers so it can stay in the graph"
+            )
         for hook in sorted(trace.host_hooks | {h for _, _, h in trace.syncs if h}):
             self._runs_after_replay(hook, trace)  # marks the hooks that will run after each replay
         for hook in sorted(trace.host_hooks):
@@ -185,8 +201,8 @@ class WarmupSteps:
                         else ""
                     )
                     + (
-                        " and, since it reads parameters (which after a replay hold the step's update "
-                        "already), cannot run after a replay either; log tensors (`self.log(name, tensor)`) "
+                        " and, since it reads parameters or the optimizer's state (which after a replay "
+                        "hold the step's update already), cannot run after a replay either; log tensors (`self.log(name, tensor)`) "
                         "instead of Python numbers so it can stay in the graph"
                         if hook in trace.parameter_reading_hooks
                         else ""
@@ -237,11 +253,13 @@ class WarmupSteps:
         runs after them in an eager step, before them in a replayed one), and without reading a
         parameter (after a replay it holds the step's update already).
         """
-        if hook not in ("on_after_backward", "on_before_optimizer_step") or hook in trace.mutating_hooks:
-            return False
-        if hook in trace.parameter_reading_hooks:
-            return False
-        if self._trainer.gradient_clip_val:
+        if (
+            hook not in ("on_after_backward", "on_before_optimizer_step")
+            or hook in trace.mutating_hooks
+            or hook in trace.parameter_reading_hooks
+            or self._trainer.gradient_clip_val
+        ):
+            self._eager_hooks.discard(hook)  # an earlier traced step may have let it run after replays
             return False
         self._eager_hooks.add(hook)
         return True

@@ -1188,12 +1188,24 @@ class ParameterNormBeforeStep(MomentumRegressor):
         self.log("head_weight_norm", float(self.head.weight.norm()))  # before this step's update
 
 
-def test_a_hook_that_reads_parameters_is_not_run_after_the_replay():
-    # After a replay the parameters hold the step's update: the hook would log the next step's norm
-    plain = fit(ParameterNormBeforeStep)
+class MomentumNormBeforeStep(MomentumRegressor):
+    """on_before_optimizer_step logs gradient norms and the momentum buffer's norm (the optimizer's state)."""
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log_dict(grad_norm(self.head, norm_type=2))
+        state = optimizer.state.get(self.head.weight, {})
+        if "momentum_buffer" in state:
+            self.log("head_momentum_norm", float(state["momentum_buffer"].norm()))
+
+
+@pytest.mark.parametrize("model_cls", [ParameterNormBeforeStep, MomentumNormBeforeStep])
+def test_a_hook_that_reads_parameters_is_not_run_after_the_replay(model_cls):
+    # After a replay the parameters and the optimizer's state hold the step's update: the hook would
+    # log the next step's values
+    plain = fit(model_cls)
     cb = callback()
     with pytest.warns(UserWarning, match=r"reads parameters"):
-        run = fit(ParameterNormBeforeStep, [cb])
+        run = fit(model_cls, [cb])
     assert not cb.summary()["captured"]
     assert_same(plain, run)  # the logged norms included
 
