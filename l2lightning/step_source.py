@@ -81,7 +81,8 @@ def frozen(value: Any, budget: list[int] | None = None) -> Any:
     if budget[0] < 0:
         return None
     if isinstance(value, (bool, int, float, str, type(None))):
-        return ("scalar", type(value).__name__, value)
+        # NaN compares unequal to itself: it is the same value here
+        return ("scalar", type(value).__name__, "nan" if value != value else value)
     if isinstance(value, (list, tuple)):
         items = [frozen(v, budget) for v in value]
         return None if any(i is None for i in items) else (type(value).__name__, tuple(items))

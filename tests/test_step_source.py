@@ -203,6 +203,7 @@ def test_values_read_through_self_are_compared_where_they_are_python_numbers():
     from l2lightning.step_source import frozen
 
     assert frozen(1.5) == frozen(1.5) != frozen(1)  # a float and an int differ
+    assert frozen(float("nan")) == frozen(float("nan"))  # unchanged, though NaN != NaN
     assert (
         frozen([1.0, {"a": 2}]) is not None and frozen(list(range(100))) is None and frozen(object()) is None
     )
