@@ -1,23 +1,29 @@
 """Reading a LightningModule's step source for the Python a replayed graph would freeze.
 
-A graph replays one path through ``training_step``. Two kinds of Python in the source change from
-step to step in a way the graph cannot see:
+A graph replays one path through ``training_step`` with the Python values of its capture. What in
+the source can change from step to step in a way the graph cannot see:
 
 * conditions on the step counters or on other attributes of the module (``if self.global_step % 10 == 0:``
   for a target-network sync, ``if self.use_aux_loss:`` for a flag an epoch hook sets,
   ``if batch_idx % 50 == 0: print(...)``), in the step hooks and in the module's own methods they
-  call (``self.sync_target(batch_idx)``, ``self(x)``): :func:`analyse` finds every ``if``/``while``/ternary test
-  that reads ``global_step``, ``current_epoch`` or the ``batch_idx`` argument and, where the test
-  only needs ``self`` and ``batch_idx`` (locals assigned once from such expressions are inlined),
-  compiles it. :meth:`StepSource.branch_key` evaluates them each step; a step whose key differs
-  from the captured one runs eagerly. Tests it cannot evaluate are named in a warning.
+  call (``self.sync_target(batch_idx)``, ``self(x)``, ``super().training_step(...)``): :func:`analyse`
+  finds every ``if``/``while``/ternary test that reads ``global_step``, ``current_epoch`` or the
+  ``batch_idx`` argument and, where the test only needs ``self`` and ``batch_idx`` (locals assigned
+  once from such expressions are inlined), compiles it. :meth:`StepSource.branch_key` evaluates them
+  each step; a step whose key differs from the captured one runs eagerly. Tests it cannot evaluate
+  are named in a warning.
+* numbers computed from the step counters outside branch tests (``w = max(0.0, (self.global_step -
+  10) * 0.1)``) and values read through ``self`` (``self.hparams.kl_weight``, ``self.weights[0]``):
+  baked into the graph, compared before each replay (:mod:`l2lightning.step_values`); a new value
+  captures the step again.
 * Python numbers passed to ``self.log`` (``self.lr_schedulers().get_last_lr()[0]``): a replay would
   re-log the capture-time value. :meth:`StepSource.log_value` re-evaluates the logged expression
   where it can be (same rules, plus the side-effect-free calls ``lr_schedulers()``,
   ``optimizers()``, ``get_last_lr()``).
 
-Evaluation only reads attributes and calls the whitelisted builtins and methods above, so it has
-no side effects of its own.
+The Trainer's other callbacks' hooks inside the step are read the same way
+(:func:`analyse_callbacks`). Evaluation only reads attributes and calls the whitelisted builtins and
+methods above, so it has no side effects of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from l2lightning.step_values import AttributeValue, CounterValue, frozen, guarded, unreadable
 
 # What changes from step to step on the module and its Trainer: the step counters, and the fit
 # loop's flag for an epoch's last batch (``if self.trainer.is_last_batch:``)
@@ -46,61 +54,6 @@ class Condition:
     evaluate: Callable[[Any, int], Any] | None  # (module, batch_idx) -> value, or None if not evaluable
     # True: reads the step counters (its value moves as training goes); False: only other attributes
     on_counters: bool = True
-
-
-@dataclass
-class CounterValue:
-    """A number the step computes from the step counters outside a branch test (see ``_counter_values``)."""
-
-    line: str  # "file:line (`source`)"
-    evaluate: Callable[[Any, int], Any]  # (module, batch_idx) -> value
-    # the counter read alone: compared instead where the expression gives something else than a
-    # plain Python value (a tensor), which evaluating per step would compute again
-    counter: Callable[[Any, int], Any]
-
-    def value(self, module: Any, batch_idx: int) -> Any:
-        try:
-            value = self.evaluate(module, batch_idx)
-            if not isinstance(value, _PLAIN):
-                value = ("counter", self.counter(module, batch_idx))
-        except Exception:  # cannot be read now: never equal to a captured value
-            return _BRANCH_ERROR
-        return value
-
-
-_PLAIN = (int, float, bool, str, type(None), tuple)
-# The most scalars a list, tuple or dict read by the step may hold to be compared before each replay
-MAX_FROZEN_ITEMS = 64
-
-
-def frozen(value: Any, budget: list[int] | None = None) -> Any:
-    """`value` as a comparable snapshot if it is a Python scalar, or a list, tuple or dict of them (at
-    most ``MAX_FROZEN_ITEMS`` in all, nested too); else None (a tensor, a module, a large container)."""
-    budget = [MAX_FROZEN_ITEMS] if budget is None else budget
-    budget[0] -= 1  # every scalar and container counts
-    if budget[0] < 0:
-        return None
-    if isinstance(value, (bool, int, float, str, type(None))):
-        # NaN compares unequal to itself: it is the same value here
-        return ("scalar", type(value).__name__, "nan" if value != value else value)
-    if isinstance(value, (list, tuple)):
-        items = [frozen(v, budget) for v in value]
-        return None if any(i is None for i in items) else (type(value).__name__, tuple(items))
-    if isinstance(value, dict):
-        items = [(k, frozen(v, budget)) for k, v in value.items()]
-        if any(i is None for _, i in items) or not all(isinstance(k, (str, int)) for k, _ in items):
-            return None
-        return ("dict", tuple(sorted(items, key=lambda kv: str(kv[0]))))
-    return None
-
-
-@dataclass
-class AttributeValue:
-    """A value the step reads through ``self`` (``self.hparams.kl_weight``, ``self.weights[0]``,
-    ``self.cfg["w"]``): a Python number there is baked into the graph (see ``_attribute_values``)."""
-
-    line: str  # "file:line (`source`)"
-    evaluate: Callable[[Any, int], Any]  # (module, batch_idx) -> value
 
 
 @dataclass
@@ -155,7 +108,7 @@ class StepSource:
         return [
             c.line
             for c, was in zip(self.counter_values, captured)
-            if (now := c.value(module, batch_idx)) is _BRANCH_ERROR or was is _BRANCH_ERROR or now != was
+            if (now := c.value(module, batch_idx)) is unreadable or was is unreadable or now != was
         ]
 
     @property
@@ -424,7 +377,7 @@ class _Visitor:
                 continue  # not reachable: a counter read always compiles
             guards = self._guards(top, parents)
             if guards:
-                evaluate, counter = _guarded(evaluate, guards), _guarded(counter, guards)
+                evaluate, counter = guarded(evaluate, guards), guarded(counter, guards)
             self.found.counter_values.append(CounterValue(self._line(top), evaluate, counter))
 
     def _guards(
@@ -665,19 +618,6 @@ class _Visitor:
         evaluate = self._compile(node.args[1], allow_methods=True)
         if evaluate is not None:
             self.found.log_values.setdefault(key.value, (self._line(node), evaluate))
-
-
-def _guarded(
-    evaluate: Callable[[Any, int], Any], guards: list[tuple[Callable[[Any, int], Any], bool]]
-) -> Callable[[Any, int], Any]:
-    """`evaluate`, read only on steps where every guard's test is on its side (else a fixed marker)."""
-
-    def value(module: Any, batch_idx: int) -> Any:
-        if all(bool(test(module, batch_idx)) == side for test, side in guards):
-            return evaluate(module, batch_idx)
-        return "branch not taken"
-
-    return value
 
 
 def _is_super_call(func: ast.expr) -> bool:

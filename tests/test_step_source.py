@@ -200,7 +200,7 @@ class _ReadsThroughSelf:
 
 
 def test_values_read_through_self_are_compared_where_they_are_python_numbers():
-    from l2lightning.step_source import frozen
+    from l2lightning.step_values import frozen
 
     assert frozen(1.5) == frozen(1.5) != frozen(1)  # a float and an int differ
     assert frozen(float("nan")) == frozen(float("nan"))  # unchanged, though NaN != NaN

@@ -1,0 +1,92 @@
+"""Values a captured step bakes in from Python, snapshotted at capture and compared before each replay.
+
+:mod:`l2lightning.step_source` finds them in the step's source and compiles a reader for each:
+
+* :class:`CounterValue`: a number the step computes from the step counters outside a branch test
+  (``w = max(0.0, (self.global_step - 10) * 0.1)``, ``1 + 0.5 * self.current_epoch``). If it stays
+  the same through the warm-up steps (a ramp that starts later, a weight per epoch), no comparison
+  of traced steps sees it change;
+* :class:`AttributeValue`: a value read through ``self`` by attribute and constant-subscript chains
+  (``self.hparams.kl_weight``, ``self.weights[0]``, ``self.cfg["w"]``), which a hook or callback may
+  change in place between steps.
+
+A reader that raises gives :data:`unreadable`, never equal to a captured value. :func:`frozen`
+turns a value into something comparable (Python scalars and small containers of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# A value that could not be read: never equal to another, so the step is captured again
+unreadable = object()
+
+
+@dataclass
+class CounterValue:
+    """A number the step computes from the step counters outside a branch test (see ``_counter_values``)."""
+
+    line: str  # "file:line (`source`)"
+    evaluate: Callable[[Any, int], Any]  # (module, batch_idx) -> value
+    # the counter read alone: compared instead where the expression gives something else than a
+    # plain Python value (a tensor), which evaluating per step would compute again
+    counter: Callable[[Any, int], Any]
+
+    def value(self, module: Any, batch_idx: int) -> Any:
+        try:
+            value = self.evaluate(module, batch_idx)
+            if not isinstance(value, _PLAIN):
+                value = ("counter", self.counter(module, batch_idx))
+        except Exception:  # cannot be read now: never equal to a captured value
+            return unreadable
+        return value
+
+
+_PLAIN = (int, float, bool, str, type(None), tuple)
+# The most scalars a list, tuple or dict read by the step may hold to be compared before each replay
+MAX_FROZEN_ITEMS = 64
+
+
+def frozen(value: Any, budget: list[int] | None = None) -> Any:
+    """`value` as a comparable snapshot if it is a Python scalar, or a list, tuple or dict of them (at
+    most ``MAX_FROZEN_ITEMS`` in all, nested too); else None (a tensor, a module, a large container)."""
+    budget = [MAX_FROZEN_ITEMS] if budget is None else budget
+    budget[0] -= 1  # every scalar and container counts
+    if budget[0] < 0:
+        return None
+    if isinstance(value, (bool, int, float, str, type(None))):
+        # NaN compares unequal to itself: it is the same value here
+        return ("scalar", type(value).__name__, "nan" if value != value else value)
+    if isinstance(value, (list, tuple)):
+        items = [frozen(v, budget) for v in value]
+        return None if any(i is None for i in items) else (type(value).__name__, tuple(items))
+    if isinstance(value, dict):
+        items = [(k, frozen(v, budget)) for k, v in value.items()]
+        if any(i is None for _, i in items) or not all(isinstance(k, (str, int)) for k, _ in items):
+            return None
+        return ("dict", tuple(sorted(items, key=lambda kv: str(kv[0]))))
+    return None
+
+
+@dataclass
+class AttributeValue:
+    """A value the step reads through ``self`` (``self.hparams.kl_weight``, ``self.weights[0]``,
+    ``self.cfg["w"]``): a Python number there is baked into the graph (see ``_attribute_values``)."""
+
+    line: str  # "file:line (`source`)"
+    evaluate: Callable[[Any, int], Any]  # (module, batch_idx) -> value
+
+
+def guarded(
+    evaluate: Callable[[Any, int], Any], guards: list[tuple[Callable[[Any, int], Any], bool]]
+) -> Callable[[Any, int], Any]:
+    """`evaluate`, read only on steps where every guard's test is on its side (else a fixed marker)."""
+
+    def value(module: Any, batch_idx: int) -> Any:
+        if all(bool(test(module, batch_idx)) == side for test, side in guards):
+            return evaluate(module, batch_idx)
+        return "branch not taken"
+
+    return value
