@@ -77,6 +77,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if (ROOT / "l2lightning").is_dir() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+# host_overhead_pinned.csv (--pinned): the callback step from pageable and from pinned batches
+PINNED_CSV_COLUMNS = (
+    "family",
+    "batch",
+    "callback_step_ms",
+    "callback_pinned_step_ms",
+    "replay_ms",
+    "floor_ms",
+)
 CSV_COLUMNS = (
     "family",
     "batch",
@@ -572,12 +581,13 @@ def _fmt(v: Any) -> str:
     return "" if v is None else f"{v:.4f}"
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: tuple[str, ...] = CSV_COLUMNS) -> None:
+    """`rows` under `columns`, whose first two are family and batch (the rest: milliseconds)."""
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(CSV_COLUMNS)
+        w.writerow(columns)
         for r in rows:
-            w.writerow([r["family"], r["batch"], *(_fmt(r.get(c)) for c in CSV_COLUMNS[2:])])
+            w.writerow([r["family"], r["batch"], *(_fmt(r.get(c)) for c in columns[2:])])
 
 
 def plot(path: Path, rows: list[dict[str, Any]]) -> str | None:
@@ -869,12 +879,7 @@ def main(argv: list[str] | None = None) -> int:
 
     write_csv(args.out / "host_overhead.csv", rows)
     if args.pinned:
-        with (args.out / "host_overhead_pinned.csv").open("w", newline="") as fh:
-            w = csv.writer(fh)
-            cols = ("family", "batch", "callback_step_ms", "callback_pinned_step_ms", "replay_ms", "floor_ms")
-            w.writerow(cols)
-            for r in rows:
-                w.writerow([_fmt(r.get(c)) if c not in ("family", "batch") else r[c] for c in cols])
+        write_csv(args.out / "host_overhead_pinned.csv", rows, PINNED_CSV_COLUMNS)
     plot_note = plot(args.out / "host_overhead.png", rows)
     result = {
         "machine": machine,

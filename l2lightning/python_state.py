@@ -191,12 +191,7 @@ def baked_scalars(
     and every public scalar of its submodules but metrics (``nn.Dropout.p``) that the step called
     (`ran`: their ids; None for all). A submodule the step does not call (an EMA copy updated in
     ``on_train_batch_end``, with a counter of its own) is not checked. (attribute dict, name, value)."""
-    checks = []
-    attributes = getattr(module, "__dict__", {})
-    for name in sorted(set(reads)):
-        value = attributes.get(name)
-        if not name.startswith("_") and name not in _IGNORED and isinstance(value, _SCALARS):
-            checks.append((attributes, name, value))
+    checks, _ = _read_attributes(getattr(module, "__dict__", {}), reads)
     for _, sub in module.named_modules():
         if sub is module or _is_metric(sub) or (ran is not None and id(sub) not in ran):
             continue
@@ -206,6 +201,23 @@ def baked_scalars(
             if isinstance(value, _SCALARS):
                 checks.append((vars(sub), name, value))
     return checks
+
+
+def _read_attributes(
+    attributes: dict, names: Iterable[str]
+) -> tuple[list[tuple[dict, str, Any]], list[tuple[dict, str, torch.Tensor]]]:
+    """(scalar checks, tensor checks) for the public attributes among `names` that the step source
+    reads from one object's `attributes` (a module's or a callback's ``__dict__``)."""
+    scalars, tensors = [], []
+    for name in sorted(set(names)):
+        if name.startswith("_") or name in _IGNORED:
+            continue
+        value = attributes.get(name)
+        if isinstance(value, _SCALARS):
+            scalars.append((attributes, name, value))
+        elif isinstance(value, torch.Tensor):
+            tensors.append((attributes, name, value))
+    return scalars, tensors
 
 
 # Sizes and switches of torch.nn layers that cannot change without changing their parameters' shapes
@@ -229,12 +241,7 @@ def baked_tensors(
     of the submodules but metrics that the step called (`ran`, as in :func:`baked_scalars`). A graph
     keeps reading the tensor it was captured with, so ``self.weight = self.weight * 0.9`` between
     steps must be seen before the next replay. (attribute dict, name, tensor)."""
-    checks = []
-    attributes = getattr(module, "__dict__", {})
-    for name in sorted(set(reads)):
-        value = attributes.get(name)
-        if not name.startswith("_") and isinstance(value, torch.Tensor):
-            checks.append((attributes, name, value))
+    _, checks = _read_attributes(getattr(module, "__dict__", {}), reads)
     for _, sub in module.named_modules():
         if sub is module or _is_metric(sub) or (ran is not None and id(sub) not in ran):
             continue
@@ -252,15 +259,9 @@ def baked_callback_attributes(
     like the module's own (:func:`baked_scalars`, :func:`baked_tensors`)."""
     scalars, tensors = [], []
     for cb, names in callback_reads:
-        attributes = vars(cb)
-        for name in sorted(names):
-            value = attributes.get(name)
-            if name.startswith("_") or name in _IGNORED:
-                continue
-            if isinstance(value, _SCALARS):
-                scalars.append((attributes, name, value))
-            elif isinstance(value, torch.Tensor):
-                tensors.append((attributes, name, value))
+        more_scalars, more_tensors = _read_attributes(vars(cb), names)
+        scalars += more_scalars
+        tensors += more_tensors
     return scalars, tensors
 
 

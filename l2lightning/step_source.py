@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from l2lightning.step_values import AttributeValue, CounterValue, frozen, guarded, unreadable
+from l2lightning.step_values import AttributeValue, CounterValue, guarded, unreadable
 
 # What changes from step to step on the module and its Trainer: the step counters, and the fit
 # loop's flag for an epoch's last batch (``if self.trainer.is_last_batch:``)
@@ -77,11 +77,8 @@ class StepSource:
         the others (tensors, modules) are followed by other checks or cannot be baked."""
         out = []
         for a in self.attribute_values:
-            try:
-                value = frozen(a.evaluate(module, batch_idx))
-            except Exception:
-                continue
-            if value is not None:
+            value = a.value(module, batch_idx)
+            if value is not None and value is not unreadable:
                 out.append((a, value))
         return out
 
@@ -89,15 +86,7 @@ class StepSource:
         self, snapshot: list[tuple[AttributeValue, Any]], module: Any, batch_idx: int
     ) -> list[str]:
         """Lines of the attribute values in `snapshot` that differ (or cannot be read) at this step."""
-        changed = []
-        for a, was in snapshot:
-            try:
-                now = frozen(a.evaluate(module, batch_idx))
-            except Exception:
-                now = None
-            if now != was:
-                changed.append(a.line)
-        return changed
+        return [a.line for a, was in snapshot if a.value(module, batch_idx) != was]
 
     def counter_snapshot(self, module: Any, batch_idx: int) -> tuple:
         """The value of every :class:`CounterValue` for this step."""
@@ -362,19 +351,19 @@ class _Visitor:
                 continue
             if self._host_only(node, parents):
                 continue
-            top: ast.expr = node
-            while True:
-                parent = parents.get(id(top))
-                if not isinstance(parent, ast.expr) or self._compile(parent, allow_methods=False) is None:
+            # the largest expression around the read that the module alone evaluates
+            counter = self._compile(node, allow_methods=False)
+            if counter is None:
+                continue  # not reachable: a counter read always compiles
+            top, evaluate = node, counter
+            while isinstance(parent := parents.get(id(top)), ast.expr):
+                wider = self._compile(parent, allow_methods=False)
+                if wider is None:
                     break
-                top = parent
+                top, evaluate = parent, wider
             if id(top) in seen:
                 continue
             seen.add(id(top))
-            evaluate = self._compile(top, allow_methods=False)
-            counter = self._compile(node, allow_methods=False)
-            if evaluate is None or counter is None:
-                continue  # not reachable: a counter read always compiles
             guards = self._guards(top, parents)
             if guards:
                 evaluate, counter = guarded(evaluate, guards), guarded(counter, guards)

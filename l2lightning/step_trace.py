@@ -326,13 +326,8 @@ class StepTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self._paused:
-            if self._watching is not None and self.parameter_storages:
-                flat, _ = tree_flatten((args, kwargs))
-                if any(
-                    isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.parameter_storages
-                    for t in flat
-                ):
-                    self.trace.parameter_reading_hooks.add(self._watching)
+            if self._watching is not None and self._reads_updated(tree_flatten((args, kwargs))[0]):
+                self.trace.parameter_reading_hooks.add(self._watching)
             return func(*args, **kwargs)
         flat, _ = tree_flatten((args, kwargs))
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
@@ -348,9 +343,7 @@ class StepTracer(TorchDispatchMode):
                 self.trace.syncs.append((sync, frame, self._hook))
         if self._hook is not None:
             self._note_hook_writes(func, args, kwargs)
-            if self.parameter_storages and any(
-                t.untyped_storage().data_ptr() in self.parameter_storages for t in tensors
-            ):
+            if self._reads_updated(tensors):
                 self.trace.parameter_reading_hooks.add(self._hook)
             if func is aten.lift_fresh.default:
                 self.trace.host_hooks.add(self._hook)
@@ -374,6 +367,13 @@ class StepTracer(TorchDispatchMode):
         if host_kind is not None:
             self._record_constants(host_kind, args, result, frame)
         return result
+
+    def _reads_updated(self, values: list[Any]) -> bool:
+        """Whether any tensor among `values` lives in :attr:`parameter_storages`."""
+        return bool(self.parameter_storages) and any(
+            isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.parameter_storages
+            for t in values
+        )
 
     def _note_hook_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
         for i, arg in enumerate(func._schema.arguments):

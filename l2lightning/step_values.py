@@ -78,6 +78,14 @@ class AttributeValue:
     line: str  # "file:line (`source`)"
     evaluate: Callable[[Any, int], Any]  # (module, batch_idx) -> value
 
+    def value(self, module: Any, batch_idx: int) -> Any:
+        """The value now, :func:`frozen` (None: not a Python number or a small container of them), or
+        :data:`unreadable`."""
+        try:
+            return frozen(self.evaluate(module, batch_idx))
+        except Exception:
+            return unreadable
+
 
 def guarded(
     evaluate: Callable[[Any, int], Any], guards: list[tuple[Callable[[Any, int], Any], bool]]
