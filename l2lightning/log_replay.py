@@ -16,6 +16,13 @@ the progress bar, ``callback_metrics`` and the loggers are computed by the same 
 are bitwise those of the slow path. Whenever anything the shortcut relies on is not as it was (another
 result collection, the key re-registered or reset away, another hook name, a dataloader index, a
 value of another kind), the call goes through ``self.log`` again.
+
+The most common call, a tensor logged per step only (``self.log("loss", loss)`` in
+``training_step``), takes a shorter path still: Lightning's ``_ResultMetric.update`` would clone the
+value once more, run it through the (inactive) distributed sync and store the clone as the step's
+value; the shortcut stores one fresh copy itself. It does so only where the first, real call left
+exactly that behind (the step's value a copy of the logged one, held as both the cached and the
+current value), and never when the value is synced across processes (``sync_dist=True``).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class ReissuedLog:
         self._metric: Any = None
         self._key = ""
         self._value_kind = ""
+        self._step_only = False  # a tensor logged per step only: the shortcut stores the step's value itself
 
     @property
     def value(self) -> Any:
@@ -96,6 +104,7 @@ class ReissuedLog:
 
     def _remember(self, trainer: Any, results: Any, value: Any) -> None:
         self._metric = None
+        self._step_only = False
         kind = _kind(value)
         if results is None or kind == "other" or self.enable_graph:
             return
@@ -108,10 +117,14 @@ class ReissuedLog:
         if metric is None or metric.meta.fx != self.fx:
             return
         self._results, self._metric, self._key, self._value_kind = results, metric, key, kind
+        self._step_only = kind == "tensor" and _holds_a_copy_as_step_value(metric, value)
 
     def _shortcut(self, module: LightningModule, trainer: Any, results: Any, metric: Any, value: Any) -> None:
         # LightningModule.log: the value as a fresh single-element tensor (`__to_tensor`); the capture's
         # first re-issue checked its size, and replays keep shapes
+        if self._step_only and not metric.meta.sync.should:
+            self._store_step_value(module, trainer, results, metric, value)
+            return
         if self._value_kind == "tensor":
             value = value.clone().detach().squeeze()
         elif self._value_kind == "number":
@@ -124,3 +137,50 @@ class ReissuedLog:
         results.update_metrics(self._key, value, batch_size)
         connector._current_fx = self.fx
         self.fast_issues += 1
+
+    def _store_step_value(self, module: LightningModule, trainer: Any, results: Any, metric: Any, value: Any) -> None:
+        """What ``self.log`` and ``_ResultMetric.update`` leave for a tensor logged per step only, with one copy.
+
+        ``update`` clones ``self.log``'s clone and stores it as both the cached and the current value
+        (``_forward_cache`` and ``value``); the torchmetrics wrapper around it clears ``_computed`` and
+        counts the update; ``update_metrics`` clears ``has_reset``. One clone of the graph's output
+        gives the same values (the real path's two copies are bitwise copies too).
+        """
+        connector = trainer._logger_connector
+        if connector.should_reset_tensors(self.fx):
+            results.reset(metrics=False, fx=self.fx)
+        fresh = value.detach().squeeze().clone()
+        metric._forward_cache = fresh
+        metric.value = fresh
+        metric._computed = None
+        metric._update_count += 1
+        metric.has_reset = False
+        connector._current_fx = self.fx
+        self.fast_issues += 1
+
+
+def _holds_a_copy_as_step_value(metric: Any, logged: torch.Tensor) -> bool:
+    """Whether the real ``self.log`` left `metric` holding a copy of `logged` as its step value and nothing else.
+
+    True for a tensor logged on step only (not accumulated over the epoch), in float32 or float64
+    (``update`` converts other dtypes), with a single element, where the registered metric caches
+    a new tensor with the logged value's dtype as both its step value and its current value: what
+    Lightning's ``_ResultMetric.update`` does today. Any other behaviour (another Lightning
+    version) keeps the call on the general shortcut.
+    """
+    meta = getattr(metric, "meta", None)
+    cache = getattr(metric, "_forward_cache", None)
+    return (
+        meta is not None
+        and getattr(metric, "is_tensor", False)
+        and meta.on_step
+        and not meta.on_epoch
+        and logged.dtype in (torch.float32, torch.float64)
+        and logged.numel() == 1
+        and isinstance(cache, torch.Tensor)
+        and cache is getattr(metric, "value", None)
+        and cache is not logged
+        and cache.dtype == logged.dtype
+        and cache.dim() == 0
+        and isinstance(getattr(metric, "_update_count", None), int)
+    )
