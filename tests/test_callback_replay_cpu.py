@@ -627,6 +627,61 @@ def test_reissued_logs_take_the_shortcut_and_leave_what_eager_logging_leaves(tmp
     assert all(call.fast_issues == replays - 1 for call in calls), [(c.name, c.fast_issues) for c in calls]
 
 
+class KeepsStepValues(Callback):
+    """Holds on to the tensors callback_metrics gave it (EarlyStopping and ModelCheckpoint keep such a
+    reference as their best score), and a copy of each, to check later that nothing overwrote them."""
+
+    def __init__(self, key):
+        self.key, self.kept = key, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        value = trainer.callback_metrics[self.key]
+        self.kept.append((value, value.clone()))
+
+
+def test_a_tensor_logged_per_step_takes_the_one_copy_path_and_later_replays_leave_it_alone():
+    base_keeper, keeper = KeepsStepValues("step_only"), KeepsStepValues("step_only")
+    base = fit(baseline_of(ManyLogs), [base_keeper], steps=12)
+    cb = callback()
+    run = fit(ManyLogs, [cb, keeper], steps=12)
+    assert cb.summary()["captured"] and cb.fallback_steps == 0
+    assert_same(base, run)
+    for step, ((held, copy), (_, base_copy)) in enumerate(zip(keeper.kept, base_keeper.kept)):
+        assert torch.equal(held, copy), f"the value kept at step {step} was overwritten by a later replay"
+        assert torch.equal(copy, base_copy), f"step {step}: {copy} vs {base_copy}"
+    assert len({float(c) for _, c in keeper.kept}) > 1  # the values do change from step to step
+
+
+def test_only_per_step_float_tensors_without_sync_take_the_one_copy_path():
+    from l2lightning.log_replay import ReissuedLog
+
+    class Logs(TinyMLP):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("per_step", loss)
+            self.log("per_epoch", loss, on_step=False, on_epoch=True)
+            self.log("both", loss, on_step=True, on_epoch=True)
+            self.log("synced", loss, sync_dist=True)
+            self.log("half", loss.half())
+            return loss
+
+    cb = callback()
+    seen = LoggedEverywhere(cb)
+    fit(Logs, [seen, cb], steps=8)
+    assert cb.summary()["captured"]
+    step_only = {c.name: c._step_only for c in seen.log_calls if isinstance(c, ReissuedLog)}
+    # "synced" qualifies (sync_dist only matters across processes, checked per call); half does not
+    assert step_only == {
+        "train/loss": True,
+        "train/pred_mean": True,
+        "per_step": True,
+        "per_epoch": False,
+        "both": False,
+        "synced": True,
+        "half": False,
+    }, step_only
+
+
 # --------------------------------------------------------------------------- 5. torchmetrics in training_step
 class MetricsInStep(TinyMLP):
     """The hydra-template and torchmetrics-docs patterns: metrics updated and logged in training_step."""
@@ -652,6 +707,30 @@ class MetricsInStep(TinyMLP):
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=True)
         self.log("train/max", self.train_max, on_step=False, on_epoch=True)
         return loss
+
+
+def test_after_replay_writes_a_metrics_step_attributes_through_its_own_setattr_when_it_has_one():
+    from l2lightning.metric_binding import MetricBinding, _plain_step_attributes
+
+    class Watched(torchmetrics.MeanMetric):
+        def __setattr__(self, name, value):
+            if name in ("_update_count", "_computed", "_forward_cache"):
+                self.__dict__.setdefault("set_through_setattr", []).append(name)
+            super().__setattr__(name, value)
+
+    plain, watched = torchmetrics.MeanMetric(), Watched()
+    assert _plain_step_attributes(plain) and not _plain_step_attributes(watched)
+    for metric in (plain, watched):
+        binding = MetricBinding({"m": metric})
+        metric(torch.tensor(2.0))  # what a captured step does: one update, a step value
+        binding.finish_capture()
+        vars(metric).pop("set_through_setattr", None)
+        before = metric._update_count
+        binding.after_replay()
+        assert metric._update_count == before + 1 and metric._computed is None
+        assert torch.equal(metric._forward_cache, torch.tensor(2.0))
+    assert "set_through_setattr" not in vars(plain)
+    assert vars(watched)["set_through_setattr"] == ["_update_count", "_computed", "_forward_cache"]
 
 
 def test_tensor_state_metrics_update_inside_the_graph_and_log_like_eager():
