@@ -64,6 +64,7 @@ from l2lightning.optim import (
     make_capturable,
 )
 from l2lightning.prefetch.plan import PrefetchPlan
+from l2lightning.progress_bar_reads import defer_progress_bar_reads
 from l2lightning.prefetch_setup import PrefetchSetup
 from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
@@ -223,6 +224,7 @@ class L2GraphCallback(
         self._trainer: Trainer | None = None
         self._installed: dict[str, Any] = {}  # module attribute -> our override
         self._callback_overrides: list[tuple[Any, str]] = []
+        self._undo_progress_bar_reads: Callable[[], None] | None = None
         self._mode = "eager"
         self._optimizer: CapturableOptimizer | None = None
         self._owns_optimizer = False
@@ -237,6 +239,7 @@ class L2GraphCallback(
         self._capture_logs: list[ReissuedLog] = []
         self._pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
         self._pending_key: tuple = ()
+        self._pending_tensors: list[torch.Tensor] = []  # the pending batch flattened (by _decide)
         self._in_step = False
         self._reissued: set[str] = set()
         self._recapture_streak = 0
@@ -423,6 +426,9 @@ class L2GraphCallback(
                 if vars(module).get(name) is fn:
                     delattr(module, name)
         self._installed = {}
+        if self._undo_progress_bar_reads is not None:
+            self._undo_progress_bar_reads()
+            self._undo_progress_bar_reads = None
         for cb, hook in self._callback_overrides:
             if hook in vars(cb):
                 delattr(cb, hook)
@@ -445,6 +451,7 @@ class L2GraphCallback(
         self._groups = {}
         self._tracer = None
         self._pending = None
+        self._pending_tensors = []
         self._step_output = None
         self._capture_logs = []
         self._static_for_prefetch = None
@@ -486,6 +493,8 @@ class L2GraphCallback(
         self._optimizer = wrapped
         self._owns_optimizer = existing is None
         wrapped.handler = self._step
+        # prog_bar values: read when the progress bar (or anyone) reads them, not with a host sync per step
+        self._undo_progress_bar_reads = defer_progress_bar_reads(trainer)
         for _, metric in named_metrics(pl_module):
             if needs_sync_free_nan_check(metric) and "_cast_and_nan_check_input" not in vars(metric):
                 metric._cast_and_nan_check_input = sync_free_nan_check(metric)
