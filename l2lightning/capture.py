@@ -102,7 +102,11 @@ def batch_signature(batch: Any) -> tuple:
 
     Built from metadata only: no tensor is read, so this never waits for the device.
     """
-    tensors, spec = flatten_batch(batch)
+    return signature_of(*flatten_batch(batch))
+
+
+def signature_of(tensors: list[torch.Tensor], spec: Any) -> tuple:
+    """:func:`batch_signature` of a batch already flattened by :func:`flatten_batch`."""
     return (_structure(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
 
 
@@ -142,9 +146,13 @@ class StaticBatch:
         """
         tensors, spec = flatten_batch(batch)
         if not checked:
-            signature = (_structure(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+            signature = signature_of(tensors, spec)
             if signature != self.signature:
                 raise BatchMismatchError(describe_mismatch(self.signature, signature))
+        self.copy_tensors(tensors)
+
+    def copy_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy a flattened batch whose signature matches these buffers' (the caller compared them)."""
         for dst, src in zip(self.tensors, tensors):
             dst.copy_(src, non_blocking=True)
 

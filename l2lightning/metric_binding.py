@@ -150,6 +150,7 @@ class MetricBinding:
         self._counts = {name: int(m._update_count) for name, m in self.metrics.items()}
         self._deltas: dict[str, int] = {}
         self._forward_caches: dict[str, Any] = {}
+        self._plain_attributes = {name for name, m in self.metrics.items() if _plain_step_attributes(m)}
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every home tensor (for snapshots that must undo what a warm-up or a capture changed)."""
@@ -191,11 +192,15 @@ class MetricBinding:
     def after_replay(self) -> None:
         """Re-apply what the step's Python did to each metric: count, cache, the step's value."""
         for name, m in self.metrics.items():
-            m._update_count += self._deltas.get(name, 0)
-            m._computed = None
             cache = self._forward_caches.get(name)
             # a fresh tensor per step: loggers and callback_metrics may keep it past the next replay
-            m._forward_cache = cache.detach().clone() if isinstance(cache, torch.Tensor) else cache
+            cache = cache.detach().clone() if isinstance(cache, torch.Tensor) else cache
+            count = m._update_count + self._deltas.get(name, 0)
+            if name in self._plain_attributes:
+                # what nn.Module.__setattr__ ends in for these attributes, without its checks per step
+                m.__dict__.update(_update_count=count, _computed=None, _forward_cache=cache)
+            else:
+                m._update_count, m._computed, m._forward_cache = count, None, cache
 
     def python_state(self) -> dict[str, tuple[int, Any, Any]]:
         """The Python-side state of every bound metric (to put back after a step that must leave no trace)."""
@@ -205,3 +210,20 @@ class MetricBinding:
         for name, (count, cache, computed) in saved.items():
             m = self.metrics[name]
             m._update_count, m._forward_cache, m._computed = count, cache, computed
+
+
+_STEP_ATTRIBUTES = ("_update_count", "_computed", "_forward_cache")
+
+
+def _plain_step_attributes(metric: Any) -> bool:
+    """Whether setting `metric`'s per-step attributes is a plain instance-dict write.
+
+    True when its class keeps torchmetrics' ``__setattr__`` (which only refuses a few constant names,
+    then defers to ``nn.Module.__setattr__``) and none of the attributes is a parameter, buffer or
+    submodule: ``nn.Module.__setattr__`` then ends in ``object.__setattr__``.
+    """
+    metric_class = metric_type()
+    if metric_class is None or type(metric).__setattr__ is not metric_class.__setattr__:
+        return False
+    managed = (getattr(metric, "_parameters", {}), getattr(metric, "_buffers", {}), getattr(metric, "_modules", {}))
+    return all(name in vars(metric) and not any(name in d for d in managed) for name in _STEP_ATTRIBUTES)

@@ -72,6 +72,9 @@ class _Graph:
     attributes: list = field(default_factory=list)
     # where each parameter's data was at capture: the graph reads and writes those addresses
     data_ptrs: list[int] = field(default_factory=list)
+    # `grads` as two parallel tuples, for the checks made before every replay (mapped in C)
+    params: tuple = ()
+    grad_tensors: tuple = ()
 
 
 class StepCapture:
@@ -221,7 +224,9 @@ class StepCapture:
         graph.output = self._step_output
         graph.log_calls = self._capture_logs
         graph.grads = [(p, p.grad) for p in module.parameters()]
-        graph.data_ptrs = [p.data_ptr() for p, _ in graph.grads]
+        graph.params = tuple(p for p, _ in graph.grads)
+        graph.grad_tensors = tuple(g for _, g in graph.grads)
+        graph.data_ptrs = [p.data_ptr() for p in graph.params]
         graph.flags = self._module_flags()
         graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)

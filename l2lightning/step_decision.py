@@ -6,9 +6,13 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 
 from __future__ import annotations
 
+import torch
+
 from l2lightning import python_state
-from l2lightning.capture import batch_signature
+from l2lightning.capture import flatten_batch, signature_of
 from l2lightning.module_flags import ModuleFlags
+
+_data_ptr = torch.Tensor.data_ptr  # per parameter per step: mapped in C, not a Python loop
 
 # Re-captures on consecutive steps after which a schedule is taken to change the graph every step.
 RECAPTURE_STREAK_LIMIT = 3
@@ -33,7 +37,9 @@ class StepDecision:
         if self.eager_steps is not None and self.eager_steps(trainer, batch_idx):
             self._count_fallback("`eager_steps` asked for it")
             return "eager"
-        key = (self._source.branch_key(module, batch_idx), batch_signature(batch))
+        tensors, spec = flatten_batch(batch)
+        self._pending_tensors = tensors  # a replay copies them into the static batch
+        key = (self._source.branch_key(module, batch_idx), signature_of(tensors, spec))
         self._pending_key = key
         graph = self._graph
         if graph is None:
@@ -78,7 +84,7 @@ class StepDecision:
         scalars = python_state.changed_scalars(graph.scalars)
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
-        if [p.data_ptr() for p, _ in graph.grads] != graph.data_ptrs:
+        if list(map(_data_ptr, graph.params)) != graph.data_ptrs:
             # `p.data = ...` or `module.half()` between steps: the graph's addresses are no longer the
             # parameters' (and the old memory may already hold something else)
             return self._recapture(

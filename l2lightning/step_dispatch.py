@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from operator import attrgetter, is_not
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,8 @@ import torch
 
 from l2lightning.capture import loss_of
 from l2lightning.step_overrides import copied_element
+
+_grad_of = attrgetter("grad")  # per parameter per replay: mapped in C, not a Python loop
 
 
 class StepDispatch:
@@ -39,6 +42,7 @@ class StepDispatch:
         finally:
             self._in_step = False
             self._pending = None
+            self._pending_tensors = []  # the batch's tensors: not kept past the step
 
     def _eager_modes(self, mode: str, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """Every step that runs the step's own code: warm-up (traced or timed), the capture, eager."""
@@ -90,10 +94,11 @@ class StepDispatch:
 
     def _replay_step(self, closure: Any) -> Any:
         graph = self._graph
-        graph.static.copy_in(self._pending[0], checked=True)  # _decide compared the signatures
-        for param, grad in graph.grads:
-            if param.grad is not grad:  # an eager step replaced them
-                param.grad = grad
+        graph.static.copy_tensors(self._pending_tensors)  # _decide flattened the batch, compared signatures
+        if any(map(is_not, map(_grad_of, graph.params), graph.grad_tensors)):
+            for param, grad in graph.grads:  # an eager step (or the user) replaced them
+                if param.grad is not grad:
+                    param.grad = grad
         if graph.binding is not None:
             graph.binding.bring_home()
         self._optimizer.sync_tensors()
