@@ -599,6 +599,8 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> str | None:
     except ImportError as exc:
         return f"no plot: {exc}"
     families = sorted({r["family"] for r in rows})
+    if not families:
+        return "no plot: no family was timed (--families empty: the log cost alone)"
     fig, axes = plt.subplots(1, len(families), figsize=(4 * len(families), 3.5), squeeze=False)
     for ax, fam in zip(axes[0], families):
         fr = sorted((r for r in rows if r["family"] == fam), key=lambda r: r["batch"])
@@ -929,9 +931,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print_table(rows)
-    print(
-        f"\nwrote {args.out / 'host_overhead.csv'}, host_overhead.json, host_profile.json, host_overhead.png"
-    )
+    written = [n for n in ("host_overhead.csv", "host_overhead.json", "host_profile.json", "host_overhead.png")
+               if (args.out / n).exists()]
+    print(f"\nwrote {', '.join(written)} in {args.out}")
     return 0
 
 
