@@ -931,8 +931,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print_table(rows)
-    written = [n for n in ("host_overhead.csv", "host_overhead.json", "host_profile.json", "host_overhead.png")
-               if (args.out / n).exists()]
+    written = [
+        n
+        for n in ("host_overhead.csv", "host_overhead.json", "host_profile.json", "host_overhead.png")
+        if (args.out / n).exists()
+    ]
     print(f"\nwrote {', '.join(written)} in {args.out}")
     return 0
 

@@ -64,8 +64,8 @@ from l2lightning.optim import (
     make_capturable,
 )
 from l2lightning.prefetch.plan import PrefetchPlan
-from l2lightning.progress_bar_reads import defer_progress_bar_reads
 from l2lightning.prefetch_setup import PrefetchSetup
+from l2lightning.progress_bar_reads import defer_progress_bar_reads
 from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch

@@ -138,7 +138,9 @@ class ReissuedLog:
         connector._current_fx = self.fx
         self.fast_issues += 1
 
-    def _store_step_value(self, module: LightningModule, trainer: Any, results: Any, metric: Any, value: Any) -> None:
+    def _store_step_value(
+        self, module: LightningModule, trainer: Any, results: Any, metric: Any, value: Any
+    ) -> None:
         """What ``self.log`` and ``_ResultMetric.update`` leave for a tensor logged per step only, with one copy.
 
         ``update`` clones ``self.log``'s clone and stores it as both the cached and the current value

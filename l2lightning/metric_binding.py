@@ -225,5 +225,9 @@ def _plain_step_attributes(metric: Any) -> bool:
     metric_class = metric_type()
     if metric_class is None or type(metric).__setattr__ is not metric_class.__setattr__:
         return False
-    managed = (getattr(metric, "_parameters", {}), getattr(metric, "_buffers", {}), getattr(metric, "_modules", {}))
+    managed = (
+        getattr(metric, "_parameters", {}),
+        getattr(metric, "_buffers", {}),
+        getattr(metric, "_modules", {}),
+    )
     return all(name in vars(metric) and not any(name in d for d in managed) for name in _STEP_ATTRIBUTES)

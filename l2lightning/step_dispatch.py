@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from operator import attrgetter, is_not
 from collections.abc import Callable
+from operator import attrgetter, is_not
 from typing import Any
 
 import torch

@@ -646,9 +646,11 @@ def test_a_tensor_logged_per_step_takes_the_one_copy_path_and_later_replays_leav
     run = fit(ManyLogs, [cb, keeper], steps=12)
     assert cb.summary()["captured"] and cb.fallback_steps == 0
     assert_same(base, run)
-    for step, ((held, copy), (_, base_copy)) in enumerate(zip(keeper.kept, base_keeper.kept)):
-        assert torch.equal(held, copy), f"the value kept at step {step} was overwritten by a later replay"
-        assert torch.equal(copy, base_copy), f"step {step}: {copy} vs {base_copy}"
+    for step, ((held, kept_copy), (_, base_copy)) in enumerate(zip(keeper.kept, base_keeper.kept)):
+        assert torch.equal(held, kept_copy), (
+            f"the value kept at step {step} was overwritten by a later replay"
+        )
+        assert torch.equal(kept_copy, base_copy), f"step {step}: {kept_copy} vs {base_copy}"
     assert len({float(c) for _, c in keeper.kept}) > 1  # the values do change from step to step
 
 

@@ -102,7 +102,12 @@ def test_a_progress_bar_refreshed_every_few_steps_shows_what_eager_shows(emulate
 
     bar_base, bar = Shown(), Shown()
     fit(Baseline, [bar_base], enable_progress_bar=True, default_root_dir=tmp_path)
-    fit(ManyLogs, [bar, L2GraphCallback(prefetch="off", log_timing=False)], enable_progress_bar=True, default_root_dir=tmp_path)
+    fit(
+        ManyLogs,
+        [bar, L2GraphCallback(prefetch="off", log_timing=False)],
+        enable_progress_bar=True,
+        default_root_dir=tmp_path,
+    )
     assert len(bar.shown) == len(bar_base.shown) == 2
     assert bar.shown == bar_base.shown
     assert all(isinstance(v, (int, float, str)) for shown in bar.shown for v in shown.values())
@@ -153,4 +158,6 @@ def test_an_interrupted_fit_leaves_lightnings_connector(emulated):
     with pytest.raises(RuntimeError, match="stop here"):
         trainer.fit(Stops(width=32, depth=2), regression_loader(n=96, width=32))
     assert type(trainer._logger_connector) is _LoggerConnector
-    assert all(not isinstance(v, torch.Tensor) for v in trainer._logger_connector._progress_bar_metrics.values())
+    assert all(
+        not isinstance(v, torch.Tensor) for v in trainer._logger_connector._progress_bar_metrics.values()
+    )
