@@ -1,0 +1,192 @@
+"""A/B of the callback's host path between two source trees: one family fit per tree, alternating.
+
+A change to the per-step Python of the callback (the replay path, the log re-issue, the progress
+bar's reads) moves a small family's ``Trainer.fit`` step by a few percent, while the same fit moves
+by tens of percent from one process to the next on a busy host. So the two trees run in turns, each
+fit in a fresh process (a tree is imported as a whole), ``--pairs`` times, the order of each pair
+alternating; per family the script reports every fit's median step time (``StepTimer``, as in
+``bench_host_overhead.py``: from one ``on_train_batch_start`` to the next, steps after the capture
+only) and the median of the per-pair ratios B/A.
+
+Each fit is the family's packaged trainer (progress bar, CSV logger) with
+``L2GraphCallback(prefetch="off")``, built by the B tree's ``bench_host_overhead.py`` helpers when the A
+tree has none of its own. ``--emulate`` runs on the CPU with the graph emulator of the B tree's tests
+(``tests/graph_emulator.py``) and a replay that runs nothing: the callback's host path and Lightning's
+loop alone, no GPU. On a GPU the fits are real.
+
+    python3 benchmarks/ab_host_path.py --a OLD_TREE --b . --out DIR [--emulate]
+
+Output: ``ab_host_path.json`` in ``--out`` (every fit, the medians and ratios, the command line) and
+a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SKIP = 20  # steps left out after the capture (as bench_host_overhead's SKIP)
+
+
+def child(args: argparse.Namespace) -> int:
+    """One fit of `args.family` from the tree `args.tree`; prints one JSON line."""
+    import contextlib
+
+    tree = str(Path(args.tree).resolve())
+    # the tree under test, not an installed (editable) l2lightning
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    sys.path[:0] = [tree, str(Path(tree) / "benchmarks")]
+    sys.path.append(args.helpers)  # the B tree: its tests/ (graph emulator) and benchmark helpers
+    import torch
+
+    import l2lightning
+
+    if not l2lightning.__file__.startswith(tree):
+        raise RuntimeError(f"imported {l2lightning.__file__}, not the tree {tree}")
+    if args.emulate:
+        torch.set_num_threads(1)
+        from tests import graph_emulator as emu
+
+        emu.install(setattr)
+        emu.FakeGraph.replay = lambda self: None  # the host path alone
+    import bench_host_overhead as bho
+
+    from l2lightning import L2GraphCallback
+    from l2lightning.step_timer import StepTimer
+    from l2lightning.tools.bench import run as bench
+
+    setup = bho.FamilySetup(args.family, args.batch, [], Path(args.log_dir))
+    timer, cb = StepTimer(), L2GraphCallback(prefetch="off")
+    total = args.steps + SKIP + 10
+    accelerator = "cpu" if args.emulate else "cuda"
+    with bench._quiet_lightning(), open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+        trainer = bho._family_trainer(setup.cfg, accelerator, 0, total, [timer, cb])
+        trainer.fit(setup.module(), bench._loader(setup.host_batches, total))
+    summary = cb.summary()
+    start = max(SKIP, int(summary.get("capture_step") or 0) + 2)
+    steps = bho._step_ms(timer, start, args.steps)
+    print(
+        json.dumps(
+            {
+                "step_ms": statistics.median(steps) if steps else None,
+                "steps": len(steps),
+                "captured": summary.get("captured"),
+                "replay_ms": summary.get("graph_step_ms"),
+                "l2lightning": l2lightning.__file__,
+            }
+        )
+    )
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", help="tree A (a checkout's root)")
+    p.add_argument("--b", default=".", help="tree B (default: this checkout)")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--families", default="mlp_stack,recommender")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--pairs", type=int, default=5, help="fits per tree and family, in alternating pairs")
+    p.add_argument("--steps", type=int, default=300, help="timed steps per fit")
+    p.add_argument("--emulate", action="store_true", help="CPU graph emulator, replay runs nothing")
+    # the child process's own arguments
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tree", help=argparse.SUPPRESS)
+    p.add_argument("--family", help=argparse.SUPPRESS)
+    p.add_argument("--helpers", help=argparse.SUPPRESS)
+    p.add_argument("--log-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.child:
+        if not args.a or args.out is None:
+            p.error("--a and --out are required")
+        if args.pairs < 1 or args.steps < 1:
+            p.error(f"--pairs and --steps must be positive (got {args.pairs}, {args.steps})")
+        for name in ("a", "b"):
+            if not (Path(getattr(args, name)) / "l2lightning").is_dir():
+                p.error(f"--{name} {getattr(args, name)!r} has no l2lightning/ package")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    trees = {"A": str(Path(args.a).resolve()), "B": str(Path(args.b).resolve())}
+    fits: list[dict] = []
+    for family in [f for f in args.families.split(",") if f]:
+        for pair in range(args.pairs):
+            order = ("A", "B") if pair % 2 == 0 else ("B", "A")
+            for name in order:
+                cmd = [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--child",
+                    "--tree",
+                    trees[name],
+                    "--family",
+                    family,
+                    "--batch",
+                    str(args.batch),
+                    "--steps",
+                    str(args.steps),
+                    "--helpers",
+                    trees["B"],
+                    "--log-dir",
+                    str(args.out / "logs" / f"{family}_{name}_{pair}"),
+                ] + (["--emulate"] if args.emulate else [])
+                done = subprocess.run(cmd, capture_output=True, text=True, cwd=trees[name])
+                lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+                record = (
+                    json.loads(lines[-1])
+                    if done.returncode == 0 and lines
+                    else {"error": done.stderr[-2000:]}
+                )
+                record.update(tree=name, family=family, pair=pair)
+                fits.append(record)
+                print(json.dumps(record), flush=True)
+    summary = {}
+    for family in sorted({f["family"] for f in fits}):
+        per = {t: [f.get("step_ms") for f in fits if f["family"] == family and f["tree"] == t] for t in "AB"}
+        ratios = [b / a for a, b in zip(per["A"], per["B"]) if a is not None and b is not None and a > 0]
+        summary[family] = {
+            "A_ms": per["A"],
+            "B_ms": per["B"],
+            "A_median_ms": statistics.median([x for x in per["A"] if x is not None])
+            if any(per["A"])
+            else None,
+            "B_median_ms": statistics.median([x for x in per["B"] if x is not None])
+            if any(per["B"])
+            else None,
+            "ratio_B_over_A_per_pair": ratios,
+            "ratio_B_over_A_median": statistics.median(ratios) if ratios else None,
+        }
+        s = summary[family]
+        print(
+            f"{family:12s} b{args.batch}  A {s['A_median_ms']} ms  B {s['B_median_ms']} ms  "
+            f"B/A per pair {[round(r, 3) for r in ratios]}  median {s['ratio_B_over_A_median']}"
+        )
+    (args.out / "ab_host_path.json").write_text(
+        json.dumps(
+            {
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "trees": trees,
+                "emulate": args.emulate,
+                "batch": args.batch,
+                "steps": args.steps,
+                "summary": summary,
+                "fits": fits,
+            },
+            indent=2,
+        )
+    )
+    return 0 if all("error" not in f for f in fits) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
