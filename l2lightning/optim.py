@@ -22,6 +22,8 @@ baseline for their own checks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
+from operator import is_not
 from typing import Any
 
 import torch
@@ -190,25 +192,36 @@ class CapturableOptimizer:
     def mark_captured(self) -> None:
         """Remember the hyperparameters a capture bakes into its graph, and the state it updates."""
         self._baked = [self._baked_values(i, g) for i, g in enumerate(self.optimizer.param_groups)]
-        self._captured_state = (self.optimizer.state, len(self.optimizer.state))
+        state = self.optimizer.state
+        entries = tuple(state.values())
+        self._captured_state = (state, len(state), entries, _state_values(entries))
 
     def state_replaced(self) -> str | None:
         """Why the optimizer's state is not the one the graph was captured with, or None.
 
         The graph updates the state tensors it was captured with (moments, momentum buffers), so a
         state replaced between steps (``load_state_dict``) or emptied (``optimizer.state.clear()``, a
-        momentum reset) would be ignored by a replay. Only the state mapping and its size are
-        compared, which is cheap enough for every step: a single entry replaced in place
-        (``optimizer.state[p] = {}``) is not seen.
+        momentum reset), one parameter's entry replaced (``optimizer.state[p] = {}``) or one tensor in
+        it (``optimizer.state[p]["exp_avg"] = torch.zeros_like(p)``) would be ignored by a replay,
+        which then trains on from the old tensors. Every entry and every value is compared by
+        identity, mapped in C (a few microseconds per step for hundreds of tensors).
         """
         captured = getattr(self, "_captured_state", None)
         if captured is None:
             return None
-        state, size = captured
+        state, size, entries, values = captured
         if self.optimizer.state is not state:
             return "the optimizer's state was replaced (`load_state_dict`)"
         if len(state) != size:
             return f"the optimizer's state has {len(state)} entries, the graph updates {size}"
+        if any(map(is_not, state.values(), entries)):
+            return "a parameter's entry in the optimizer's state was replaced (`optimizer.state[p] = ...`)"
+        now = _state_values(entries)
+        if len(now) != len(values) or any(map(is_not, now, values)):
+            return (
+                "a value in the optimizer's state was replaced or added (`optimizer.state[p][key] = ...`; "
+                "update tensors in place, `.zero_()`, to keep one graph)"
+            )
         return None
 
     def _baked_values(self, index: int, group: dict[str, Any]) -> dict[str, Any]:
@@ -371,3 +384,8 @@ def installed_capturable(optimizer: torch.optim.Optimizer) -> CapturableOptimize
     return (
         existing if isinstance(existing, CapturableOptimizer) and existing._inner_step is not None else None
     )
+
+
+def _state_values(entries: tuple) -> tuple:
+    """Every value of every per-parameter state entry, in order (the objects, compared by identity)."""
+    return tuple(chain.from_iterable(map(dict.values, entries)))

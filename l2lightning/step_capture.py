@@ -70,7 +70,10 @@ class _Graph:
     counters: tuple = ()
     # the values the step reads through self that are Python numbers (StepSource.attribute_values)
     attributes: list = field(default_factory=list)
-    # where each parameter's data was at capture: the graph reads and writes those addresses
+    # the parameters and buffers, by name, and where their data was at capture: the graph reads and
+    # writes those addresses
+    addressed: tuple = ()
+    addressed_tensors: tuple = ()
     data_ptrs: list[int] = field(default_factory=list)
     # `grads` as two parallel tuples, for the checks made before every replay (mapped in C)
     params: tuple = ()
@@ -226,7 +229,10 @@ class StepCapture:
         graph.grads = [(p, p.grad) for p in module.parameters()]
         graph.params = tuple(p for p, _ in graph.grads)
         graph.grad_tensors = tuple(g for _, g in graph.grads)
-        graph.data_ptrs = [p.data_ptr() for p in graph.params]
+        # the graph reads and writes the parameters and buffers at these addresses
+        graph.addressed = (*module.named_parameters(), *module.named_buffers())
+        graph.addressed_tensors = tuple(t for _, t in graph.addressed)
+        graph.data_ptrs = [t.data_ptr() for t in graph.addressed_tensors]
         graph.flags = self._module_flags()
         graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)

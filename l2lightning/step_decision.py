@@ -84,11 +84,14 @@ class StepDecision:
         scalars = python_state.changed_scalars(graph.scalars)
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
-        if list(map(_data_ptr, graph.params)) != graph.data_ptrs:
+        addresses = list(map(_data_ptr, graph.addressed_tensors))
+        if addresses != graph.data_ptrs:
             # `p.data = ...` or `module.half()` between steps: the graph's addresses are no longer the
-            # parameters' (and the old memory may already hold something else)
+            # tensors' (and the old memory may already hold something else)
+            moved = [name for (name, _), a, b in zip(graph.addressed, addresses, graph.data_ptrs) if a != b]
             return self._recapture(
-                "parameters' data moved since capture (`param.data = ...`, a dtype change)"
+                f"parameters' or buffers' data moved since capture ({', '.join(moved[:3])}"
+                f"{', ...' if len(moved) > 3 else ''}: `tensor.data = ...`, a dtype change)"
             )
         counters = self._source.changed_counter_values(graph.counters, module, batch_idx)
         if counters:

@@ -1184,7 +1184,31 @@ class ReloadOptimizer(Callback):
             optimizer.load_state_dict(state)
 
 
-@pytest.mark.parametrize("extra", [ResetMomentum, ReloadOptimizer], ids=["state-cleared", "state-reloaded"])
+class ReplaceOneEntry(Callback):
+    """One parameter's state replaced by a new dict (a per-layer momentum reset)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 12:
+            optimizer = trainer.optimizers[0]
+            p = next(pl_module.parameters())
+            optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+
+
+class ReplaceOneTensor(Callback):
+    """One tensor in one parameter's state replaced (not updated in place)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 12:
+            optimizer = trainer.optimizers[0]
+            p = list(pl_module.parameters())[-1]
+            optimizer.state[p]["momentum_buffer"] = optimizer.state[p]["momentum_buffer"] * 0.5
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [ResetMomentum, ReloadOptimizer, ReplaceOneEntry, ReplaceOneTensor],
+    ids=["state-cleared", "state-reloaded", "one-entry-replaced", "one-tensor-replaced"],
+)
 def test_optimizer_state_replaced_between_steps_is_made_eagerly_then_captured_again(extra):
     plain = fit(MomentumRegressor, [extra()])
     cb = callback()
@@ -1217,10 +1241,34 @@ class ProjectsWeightsByRebinding(MomentumRegressor):
                 p.data = p.data.clamp(-0.05, 0.05)  # new storage under the same Parameter
 
 
+class ScaledByBuffer(MomentumRegressor):
+    """A buffer the step reads, its data replaced between steps through `.data` (new storage)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.register_buffer("scale", torch.ones(()))
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.scale
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if batch_idx == 9:
+            self.scale.data = self.scale.data * 0.5
+
+
+def test_buffer_data_assigned_between_steps_is_captured_again_and_named():
+    plain = fit(ScaledByBuffer)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"buffers' data moved since capture \(scale: `tensor.data = ...`"):
+        run = fit(ScaledByBuffer, [cb])
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 2, cb.summary()
+    assert_same(plain, run)
+
+
 def test_parameter_data_assigned_between_steps_is_captured_again():
     plain = fit(ProjectsWeightsByRebinding)
     cb = callback()
-    with pytest.warns(UserWarning, match=r"parameters' data moved since capture"):
+    with pytest.warns(UserWarning, match=r"parameters' or buffers' data moved since capture \(net"):
         run = fit(ProjectsWeightsByRebinding, [cb])
     assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
     assert_same(plain, run)
