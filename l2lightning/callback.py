@@ -388,8 +388,6 @@ class L2GraphCallback(
         if reason:
             self._disable(reason)
             return
-        self._module = pl_module
-        self._trainer = trainer
         user_hooks = tuple(h for h in CAPTURED_HOOKS if is_overridden(h, pl_module))
         # every hook of the module that runs inside the captured step (analyse skips Lightning's own)
         self._source = analyse(
@@ -397,6 +395,15 @@ class L2GraphCallback(
             ("training_step", *user_hooks, "configure_gradient_clipping", "optimizer_zero_grad", "backward"),
         )
         analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CAPTURED_HOOKS, self._source)
+        if self._source.global_writes:
+            self._disable(
+                f"the step assigns module-level names ({'; '.join(self._source.global_writes[:3])}); a replayed "
+                "graph runs no Python, so they would stop changing. Change them outside the step "
+                "(`on_train_batch_end` runs after every replay)"
+            )
+            return
+        self._module = pl_module
+        self._trainer = trainer
         overrides: dict[str, Any] = {
             "training_step": self._training_step,
             "optimizer_zero_grad": self._optimizer_zero_grad,

@@ -265,6 +265,26 @@ def baked_callback_attributes(
     return scalars, tensors
 
 
+def baked_globals(
+    global_reads: Iterable[tuple[dict, set[str]]],
+) -> tuple[list[tuple[dict, str, Any]], list[tuple[dict, str, torch.Tensor]]]:
+    """(scalar checks, tensor checks) for the module-level names the step source reads
+    (``loss * LOSS_WEIGHT``, ``if USE_AUX:``): a number or flag is baked into the graph and a tensor's
+    address is, so a new value between steps must capture again. Modules, functions and classes
+    read by name are not followed."""
+    scalars, tensors = [], []
+    for namespace, names in global_reads:
+        for name in sorted(names):
+            if name.startswith("__") or name not in namespace:
+                continue  # dunders, builtins and closure variables are not the module's globals
+            value = namespace[name]
+            if isinstance(value, _SCALARS):
+                scalars.append((namespace, name, value))
+            elif isinstance(value, torch.Tensor):
+                tensors.append((namespace, name, value))
+    return scalars, tensors
+
+
 def rebound_tensors(checks: list[tuple[dict, str, torch.Tensor]]) -> list[str]:
     """Names of the attributes in `checks` (from :func:`baked_tensors`) that hold another object now."""
     return [name for attributes, name, tensor in checks if attributes.get(name) is not tensor]

@@ -241,6 +241,9 @@ class StepCapture:
         scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)
         graph.scalars += scalars
         graph.tensors += tensors
+        scalars, tensors = python_state.baked_globals(self._source.global_reads.values())
+        graph.scalars += scalars
+        graph.tensors += tensors
         # the Trainer's clipping settings, which Lightning passes to `configure_gradient_clipping` as
         # numbers (a callback that changes `trainer.gradient_clip_val` mid-fit)
         trainer_attributes = vars(self._trainer)

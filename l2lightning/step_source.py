@@ -71,6 +71,11 @@ class StepSource:
     counter_values: list[CounterValue] = field(default_factory=list)
     # values read through self (attribute and constant-subscript chains), compared before each replay
     attribute_values: list[AttributeValue] = field(default_factory=list)
+    # module-level names the step hooks and their helpers read (``loss * LOSS_WEIGHT``), per globals
+    # dict: id -> (the function's __globals__, names). A number or tensor among them is baked in too.
+    global_reads: dict[int, tuple[dict, set[str]]] = field(default_factory=dict)
+    # module-level names the step hooks assign (``global STEP; STEP += 1``): "`STEP` at file:line (...)"
+    global_writes: list[str] = field(default_factory=list)
 
     def attribute_snapshot(self, module: Any, batch_idx: int) -> list[tuple[AttributeValue, Any]]:
         """The attribute values that are Python numbers (or small containers of them) now, frozen;
@@ -196,6 +201,9 @@ def _analyse_object(
             obj if callback else None,
         )
         visitor.run(tree)
+        namespace = getattr(inspect.unwrap(getattr(method, "__func__", method)), "__globals__", None)
+        if isinstance(namespace, dict) and visitor.global_names:
+            found.global_reads.setdefault(id(namespace), (namespace, set()))[1].update(visitor.global_names)
         if depth < HELPER_DEPTH:
             pending += [
                 (helper, depth + 1, position, None) for helper, position in sorted(visitor.helpers.items())
@@ -272,6 +280,9 @@ class _Visitor:
         # super().name(...) calls
         self.helpers: dict[str, int | None] = {}
         self.super_helpers: dict[str, int | None] = {}
+        # names read that are not the function's own (parameters, assignments, imports, loop targets):
+        # module globals (or builtins, or closure variables; the capture keeps the globals among them)
+        self.global_names: set[str] = set()
 
     def run(self, func: ast.AST) -> None:
         for node in ast.walk(func):
@@ -314,6 +325,15 @@ class _Visitor:
         }
         self._counter_values(func, logged, parents, tests)
         self._attribute_values(func, logged, parents, tests)
+        self.global_names = _free_names(func) - {
+            node.id for node in ast.walk(func) if isinstance(node, ast.Name) and id(node) in logged
+        }
+        declared = _declared_global(func)
+        self.found.global_writes += [
+            f"`{node.id}` at {self._line(node)}"
+            for node in ast.walk(func)
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in declared
+        ]
         for node in ast.walk(func):
             if isinstance(node, (ast.If, ast.While, ast.IfExp)):
                 self._condition(node.test)
@@ -607,6 +627,31 @@ class _Visitor:
         evaluate = self._compile(node.args[1], allow_methods=True)
         if evaluate is not None:
             self.found.log_values.setdefault(key.value, (self._line(node), evaluate))
+
+
+def _free_names(func: ast.AST) -> set[str]:
+    """Names `func` reads but never binds itself (nor in a nested function, class or comprehension):
+    what Python looks up in the function's globals, closure or builtins."""
+    bound: set[str] = set()
+    read: set[str] = set()
+    for node in ast.walk(func):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not func:
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            read.update(node.names)  # declared global: still the module's name, bound or not
+    return read - (bound - _declared_global(func))
+
+
+def _declared_global(func: ast.AST) -> set[str]:
+    return {n for node in ast.walk(func) if isinstance(node, ast.Global) for n in node.names}
 
 
 def _is_super_call(func: ast.expr) -> bool:

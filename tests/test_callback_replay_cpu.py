@@ -1265,6 +1265,104 @@ def test_buffer_data_assigned_between_steps_is_captured_again_and_named():
     assert_same(plain, run)
 
 
+# Module-level values a step reads: a number, a flag in a branch, a tensor (set by the tests below)
+LOSS_WEIGHT = 1.0
+USE_AUX = False
+OFFSET = torch.zeros(())
+
+
+class ReadsModuleGlobals(MomentumRegressor):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx) * LOSS_WEIGHT
+        if USE_AUX:
+            loss = loss + self.head.weight.square().mean()
+        return loss + OFFSET
+
+
+class ChangesAGlobal(Callback):
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 10:
+            globals()[self.name] = self.value
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("LOSS_WEIGHT", 0.5), ("USE_AUX", True), ("OFFSET", torch.full((), 0.25))],
+    ids=["number", "flag", "tensor-rebound"],
+)
+def test_a_module_global_the_step_reads_changed_between_steps_is_captured_again(name, value, monkeypatch):
+    defaults = {"LOSS_WEIGHT": 1.0, "USE_AUX": False, "OFFSET": torch.zeros(())}
+    for key, default in defaults.items():
+        monkeypatch.setitem(globals(), key, default)
+    plain = fit(ReadsModuleGlobals, [ChangesAGlobal(name, value)])
+    globals().update(defaults)
+    cb = callback()
+    with pytest.warns(UserWarning, match=rf"capturing the step again: .*{name}"):
+        run = fit(ReadsModuleGlobals, [ChangesAGlobal(name, value), cb])
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 2, cb.summary()
+    assert_same(plain, run)
+
+
+STEPS_SEEN = 0
+
+
+class CountsInAGlobal(MomentumRegressor):
+    def training_step(self, batch, batch_idx):
+        global STEPS_SEEN
+        STEPS_SEEN += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_assigns_a_module_global_trains_eagerly_and_names_it(monkeypatch):
+    monkeypatch.setitem(globals(), "STEPS_SEEN", 0)
+    plain = fit(CountsInAGlobal)
+    seen_plain = STEPS_SEEN
+    globals()["STEPS_SEEN"] = 0
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"the step assigns module-level names \(`STEPS_SEEN` at .*STEPS_SEEN \+= 1"
+    ):
+        run = fit(CountsInAGlobal, [cb])
+    assert not cb.summary()["captured"]
+    assert STEPS_SEEN == seen_plain == 30
+    assert_same(plain, run)
+
+
+def test_the_names_a_function_reads_from_outside_it():
+    import ast
+    import textwrap
+
+    from l2lightning.step_source import _free_names
+
+    source = textwrap.dedent(
+        """
+        def step(self, batch, batch_idx, *rest, scale=1.0, **extra):
+            import math
+            from os import path as p
+            x, y = batch
+            total = [v * FACTOR for v in rest if v > LIMIT]
+            def inner(z):
+                return z + HIDDEN_IN_INNER
+            for i in range(3):
+                x = x + i
+            try:
+                pass
+            except ValueError as err:
+                print(err)
+            global COUNTER
+            COUNTER = 1
+            return torch.relu(x * WEIGHT + math.pi) + inner(y) + len(total) + p.sep
+        """
+    )
+    names = _free_names(ast.parse(source).body[0])
+    assert names == {
+        "FACTOR", "LIMIT", "HIDDEN_IN_INNER", "range", "print", "ValueError", "COUNTER", "torch", "WEIGHT", "len"
+    }  # fmt: skip
+
+
 def test_parameter_data_assigned_between_steps_is_captured_again():
     plain = fit(ProjectsWeightsByRebinding)
     cb = callback()
