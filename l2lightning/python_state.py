@@ -265,24 +265,43 @@ def baked_callback_attributes(
     return scalars, tensors
 
 
-def baked_globals(
-    global_reads: Iterable[tuple[dict, set[str]]],
-) -> tuple[list[tuple[dict, str, Any]], list[tuple[dict, str, torch.Tensor]]]:
-    """(scalar checks, tensor checks) for the module-level names the step source reads
-    (``loss * LOSS_WEIGHT``, ``if USE_AUX:``): a number or flag is baked into the graph and a tensor's
-    address is, so a new value between steps must capture again. Modules, functions and classes
-    read by name are not followed."""
-    scalars, tensors = [], []
+@dataclass
+class BakedGlobals:
+    """What a captured step read from module globals, to compare before each replay."""
+
+    scalars: list[tuple[dict, str, Any]]
+    tensors: list[tuple[dict, str, torch.Tensor]]
+    # small lists, tuples and dicts of Python scalars (``CONFIG["w"]``), as step_values.frozen snapshots
+    containers: list[tuple[dict, str, Any]]
+
+
+def baked_globals(global_reads: Iterable[tuple[dict, set[str]]]) -> BakedGlobals:
+    """The module-level names the step source reads (``loss * LOSS_WEIGHT``, ``if USE_AUX:``,
+    ``CONFIG["w"]``): a number, a flag or the entries of a small container are baked into the graph
+    and a tensor's address is, so a new value between steps must capture again. Modules, functions,
+    classes and large containers read by name are not followed."""
+    from l2lightning.step_values import frozen
+
+    baked = BakedGlobals([], [], [])
     for namespace, names in global_reads:
         for name in sorted(names):
             if name.startswith("__") or name not in namespace:
                 continue  # dunders, builtins and closure variables are not the module's globals
             value = namespace[name]
             if isinstance(value, _SCALARS):
-                scalars.append((namespace, name, value))
+                baked.scalars.append((namespace, name, value))
             elif isinstance(value, torch.Tensor):
-                tensors.append((namespace, name, value))
-    return scalars, tensors
+                baked.tensors.append((namespace, name, value))
+            elif isinstance(value, (list, tuple, dict)) and (snapshot := frozen(value)) is not None:
+                baked.containers.append((namespace, name, snapshot))
+    return baked
+
+
+def changed_containers(checks: list[tuple[dict, str, Any]]) -> list[str]:
+    """Names of the containers in `checks` (:attr:`BakedGlobals.containers`) whose entries changed."""
+    from l2lightning.step_values import frozen
+
+    return [name for namespace, name, snapshot in checks if frozen(namespace.get(name)) != snapshot]
 
 
 def rebound_tensors(checks: list[tuple[dict, str, torch.Tensor]]) -> list[str]:

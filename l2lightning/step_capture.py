@@ -61,6 +61,8 @@ class _Graph:
     appends: list[tuple[python_state.Append, Any]] = field(default_factory=list)
     # Python numbers the capture may have baked in (python_state.baked_scalars), checked before each replay
     scalars: list[tuple[dict, str, Any]] = field(default_factory=list)
+    # small containers of numbers it reads from module globals (python_state.baked_globals), the same
+    containers: list[tuple[dict, str, Any]] = field(default_factory=list)
     # tensors it reads from plain attributes (python_state.baked_tensors), checked before each replay
     tensors: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
     # its parameters and buffers (ModuleFlags.tensors), compared after any registration (generation)
@@ -241,9 +243,10 @@ class StepCapture:
         scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)
         graph.scalars += scalars
         graph.tensors += tensors
-        scalars, tensors = python_state.baked_globals(self._source.global_reads.values())
-        graph.scalars += scalars
-        graph.tensors += tensors
+        baked = python_state.baked_globals(self._source.global_reads.values())
+        graph.scalars += baked.scalars
+        graph.tensors += baked.tensors
+        graph.containers = baked.containers
         # the Trainer's clipping settings, which Lightning passes to `configure_gradient_clipping` as
         # numbers (a callback that changes `trainer.gradient_clip_val` mid-fit)
         trainer_attributes = vars(self._trainer)

@@ -82,6 +82,8 @@ class StepDecision:
         if changes:
             return self._recapture(f"the optimizer's {', '.join(changes)} (baked into the graph)")
         scalars = python_state.changed_scalars(graph.scalars)
+        if graph.containers:
+            scalars += python_state.changed_containers(graph.containers)
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
         addresses = list(map(_data_ptr, graph.addressed_tensors))

@@ -1269,6 +1269,7 @@ def test_buffer_data_assigned_between_steps_is_captured_again_and_named():
 LOSS_WEIGHT = 1.0
 USE_AUX = False
 OFFSET = torch.zeros(())
+CONFIG = {"aux_weight": 0.0, "name": "run"}
 
 
 class ReadsModuleGlobals(MomentumRegressor):
@@ -1276,6 +1277,7 @@ class ReadsModuleGlobals(MomentumRegressor):
         loss = super().training_step(batch, batch_idx) * LOSS_WEIGHT
         if USE_AUX:
             loss = loss + self.head.weight.square().mean()
+        loss = loss + CONFIG["aux_weight"] * self.head.bias.square().sum()
         return loss + OFFSET
 
 
@@ -1285,20 +1287,35 @@ class ChangesAGlobal(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 10:
-            globals()[self.name] = self.value
+            if isinstance(self.value, dict):
+                globals()[self.name].update(self.value)  # entries changed in place
+            else:
+                globals()[self.name] = self.value
 
 
 @pytest.mark.parametrize(
     "name, value",
-    [("LOSS_WEIGHT", 0.5), ("USE_AUX", True), ("OFFSET", torch.full((), 0.25))],
-    ids=["number", "flag", "tensor-rebound"],
+    [
+        ("LOSS_WEIGHT", 0.5),
+        ("USE_AUX", True),
+        ("OFFSET", torch.full((), 0.25)),
+        ("CONFIG", {"aux_weight": 0.1}),
+    ],
+    ids=["number", "flag", "tensor-rebound", "dict-entry"],
 )
 def test_a_module_global_the_step_reads_changed_between_steps_is_captured_again(name, value, monkeypatch):
-    defaults = {"LOSS_WEIGHT": 1.0, "USE_AUX": False, "OFFSET": torch.zeros(())}
-    for key, default in defaults.items():
+    def defaults():
+        return {
+            "LOSS_WEIGHT": 1.0,
+            "USE_AUX": False,
+            "OFFSET": torch.zeros(()),
+            "CONFIG": {"aux_weight": 0.0, "name": "run"},
+        }
+
+    for key, default in defaults().items():
         monkeypatch.setitem(globals(), key, default)
     plain = fit(ReadsModuleGlobals, [ChangesAGlobal(name, value)])
-    globals().update(defaults)
+    globals().update(defaults())
     cb = callback()
     with pytest.warns(UserWarning, match=rf"capturing the step again: .*{name}"):
         run = fit(ReadsModuleGlobals, [ChangesAGlobal(name, value), cb])
