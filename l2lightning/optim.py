@@ -204,7 +204,7 @@ class CapturableOptimizer:
         momentum reset), one parameter's entry replaced (``optimizer.state[p] = {}``) or one tensor in
         it (``optimizer.state[p]["exp_avg"] = torch.zeros_like(p)``) would be ignored by a replay,
         which then trains on from the old tensors. Every entry and every value is compared by
-        identity, mapped in C (a few microseconds per step for hundreds of tensors).
+        identity, mapped in C: one comparison per state value per step.
         """
         captured = getattr(self, "_captured_state", None)
         if captured is None:
