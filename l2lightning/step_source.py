@@ -31,7 +31,10 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import os
+import sysconfig
 import textwrap
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,6 +170,7 @@ def _analyse_object(
     `callback`: `obj` is a Lightning Callback, whose step hooks take ``(self, trainer, pl_module, ...)``;
     their tests are evaluated with those three."""
     seen: set[tuple[str, Any]] = set()
+    seen_functions: set[int] = set()  # plain functions already read (ids of their code objects)
     # (method, depth, position of the batch_idx argument among its parameters after self, and for
     # a `super().name(...)` call the class whose method made it: the lookup starts after it in the MRO)
     pending: list[tuple[str, int, int | None, type | None]] = [
@@ -202,8 +206,9 @@ def _analyse_object(
         )
         visitor.run(tree)
         namespace = getattr(inspect.unwrap(getattr(method, "__func__", method)), "__globals__", None)
-        if isinstance(namespace, dict) and visitor.global_names:
-            found.global_reads.setdefault(id(namespace), (namespace, set()))[1].update(visitor.global_names)
+        if isinstance(namespace, dict):
+            _record_globals(found, namespace, visitor.global_names, visitor.module_attributes)
+            _follow_functions(found, namespace, visitor.called_names, depth + 1, seen_functions)
         if depth < HELPER_DEPTH:
             pending += [
                 (helper, depth + 1, position, None) for helper, position in sorted(visitor.helpers.items())
@@ -283,6 +288,11 @@ class _Visitor:
         # names read that are not the function's own (parameters, assignments, imports, loop targets):
         # module globals (or builtins, or closure variables; the capture keeps the globals among them)
         self.global_names: set[str] = set()
+        # `name.attr` reads rooted at such a name (``cfg.LOSS_W`` for an imported module ``cfg``)
+        self.module_attributes: set[tuple[str, str]] = set()
+        # plain calls by such a name or `name.attr` (``scale(loss)``, ``losses.focal(x)``): followed if
+        # they are functions of the user's own code
+        self.called_names: set[tuple[str, ...]] = set()
 
     def run(self, func: ast.AST) -> None:
         for node in ast.walk(func):
@@ -328,6 +338,23 @@ class _Visitor:
         self.global_names = _free_names(func) - {
             node.id for node in ast.walk(func) if isinstance(node, ast.Name) and id(node) in logged
         }
+        for node in ast.walk(func):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in self.global_names
+                and id(node) not in logged
+            ):
+                self.module_attributes.add((node.value.id, node.attr))
+            if isinstance(node, ast.Call):
+                if isinstance(node.func, ast.Name) and node.func.id in self.global_names:
+                    self.called_names.add((node.func.id,))
+                elif (
+                    isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in self.global_names
+                ):
+                    self.called_names.add((node.func.value.id, node.func.attr))
         declared = _declared_global(func)
         self.found.global_writes += [
             f"`{node.id}` at {self._line(node)}"
@@ -627,6 +654,66 @@ class _Visitor:
         evaluate = self._compile(node.args[1], allow_methods=True)
         if evaluate is not None:
             self.found.log_values.setdefault(key.value, (self._line(node), evaluate))
+
+
+def _record_globals(
+    found: StepSource, namespace: dict, names: set[str], module_attributes: set[tuple[str, str]]
+) -> None:
+    """Add to `found` the module-level names a function with globals `namespace` reads, and the
+    attributes it reads of imported modules (``cfg.LOSS_W``: the name ``LOSS_W`` of ``cfg``)."""
+    if names:
+        found.global_reads.setdefault(id(namespace), (namespace, set()))[1].update(names)
+    for root, attr in module_attributes:
+        module = namespace.get(root)
+        if isinstance(module, types.ModuleType) and _is_user_code(module):
+            attributes = vars(module)
+            found.global_reads.setdefault(id(attributes), (attributes, set()))[1].add(attr)
+
+
+def _follow_functions(
+    found: StepSource, namespace: dict, called: set[tuple[str, ...]], depth: int, seen: set[int]
+) -> None:
+    """Read the plain functions of the user's own code that a step function calls by name
+    (``scale(loss)``, ``losses.focal(x)``) for the module-level names they read and assign, and the
+    functions they call in turn, down to ``HELPER_DEPTH``."""
+    if depth > HELPER_DEPTH:
+        return
+    for path in sorted(called):
+        target = namespace.get(path[0])
+        if len(path) == 2:
+            target = getattr(target, path[1], None) if isinstance(target, types.ModuleType) else None
+        target = inspect.unwrap(target) if callable(target) else None
+        if not isinstance(target, types.FunctionType) or id(target.__code__) in seen:
+            continue
+        seen.add(id(target.__code__))
+        if not _is_user_code(target):
+            continue
+        tree, filename, first_line, _ = _parse(target)
+        if tree is None:
+            continue
+        visitor = _Visitor(found, filename, first_line, "", None, (), set())
+        visitor.run(tree)
+        _record_globals(found, target.__globals__, visitor.global_names, visitor.module_attributes)
+        _follow_functions(found, target.__globals__, visitor.called_names, depth + 1, seen)
+
+
+def _is_user_code(obj: Any) -> bool:
+    """Whether a function or module comes from the user's own files: not from an installed package
+    (site-packages, dist-packages), the standard library or l2lightning itself."""
+    try:
+        path = inspect.getsourcefile(obj) or ""
+    except TypeError:
+        return False
+    if not path or not os.path.isfile(path):  # "<frozen posixpath>", "<stdin>", a notebook cell
+        return False
+    resolved = os.path.realpath(path)
+    if any(part in resolved for part in ("site-packages", "dist-packages")):
+        return False
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    if resolved.startswith(stdlib + os.sep):
+        return False
+    package = os.path.realpath(os.path.dirname(os.path.dirname(__file__)))
+    return not resolved.startswith(os.path.join(package, "l2lightning") + os.sep)
 
 
 def _free_names(func: ast.AST) -> set[str]:

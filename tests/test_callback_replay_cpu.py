@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from l2lightning import L2GraphCallback, make_capturable
 from l2lightning.fit_report import TIMING_WINDOW
 from tests import graph_emulator as emu
+from tests import user_step_config
 from tests.idiom_modules import IDIOMS
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike
@@ -1323,6 +1324,45 @@ def test_a_module_global_the_step_reads_changed_between_steps_is_captured_again(
     assert_same(plain, run)
 
 
+HELPER_WEIGHT = 1.0
+
+
+def weighted(loss):
+    """A plain helper function of the user's module: the step calls it, it reads a module global."""
+    return loss * HELPER_WEIGHT
+
+
+class ReadsThroughHelpers(MomentumRegressor):
+    def training_step(self, batch, batch_idx):
+        return weighted(super().training_step(batch, batch_idx)) * user_step_config.LOSS_W
+
+
+class SetsAValue(Callback):
+    def __init__(self, namespace, name, value):
+        self.namespace, self.name, self.value = namespace, name, value
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 10:
+            self.namespace[self.name] = self.value
+
+
+@pytest.mark.parametrize(
+    "where, name",
+    [("here", "HELPER_WEIGHT"), ("config", "LOSS_W")],
+    ids=["global-read-by-a-helper-function", "attribute-of-an-imported-module"],
+)
+def test_values_read_through_helper_functions_and_imported_modules_are_followed(where, name, monkeypatch):
+    namespace = globals() if where == "here" else vars(user_step_config)
+    monkeypatch.setitem(namespace, name, 1.0)
+    plain = fit(ReadsThroughHelpers, [SetsAValue(namespace, name, 0.5)])
+    namespace[name] = 1.0
+    cb = callback()
+    with pytest.warns(UserWarning, match=rf"capturing the step again: .*{name}"):
+        run = fit(ReadsThroughHelpers, [SetsAValue(namespace, name, 0.5), cb])
+    assert cb.summary()["captures"] == 2, cb.summary()
+    assert_same(plain, run)
+
+
 STEPS_SEEN = 0
 
 
@@ -1346,6 +1386,19 @@ def test_a_step_that_assigns_a_module_global_trains_eagerly_and_names_it(monkeyp
     assert not cb.summary()["captured"]
     assert STEPS_SEEN == seen_plain == 30
     assert_same(plain, run)
+
+
+def test_only_the_users_own_functions_and_modules_are_followed():
+    import os
+
+    import l2lightning.capture
+    from l2lightning.step_source import _is_user_code
+
+    assert _is_user_code(weighted) and _is_user_code(user_step_config)
+    assert not _is_user_code(torch.nn.functional.relu)  # an installed package
+    assert not _is_user_code(os.path.join)  # the standard library
+    assert not _is_user_code(l2lightning.capture.flatten_batch)  # the callback's own code
+    assert not _is_user_code(len)  # no source file
 
 
 def test_the_names_a_function_reads_from_outside_it():
