@@ -40,7 +40,8 @@ class _Value:
     label: str  # "`self.n`", "`self.head.calls`", "`MyCallback.count`", "Python's global `random` generator"
     owner: Any
     name: str
-    kind: str  # "value", "len", "tensor" (which object) or "rng" ((what to compare, what to restore))
+    # "value", "len", "tensor" (which object), "rng" or "dict" ((what to compare, what to restore))
+    kind: str
     value: Any
 
 
@@ -56,9 +57,9 @@ def owners(module: Any, callbacks: Iterable[Any] = ()) -> list[tuple[str, Any]]:
 
 
 def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]] = frozenset()) -> Snapshot:
-    """The public scalar attributes and list lengths of `objects`, and the state of Python's and NumPy's
-    global random generators (a step that draws from them, an epsilon-greedy branch on
-    ``random.random()``, would draw once and then replay that one branch). `skip`: (id(object), name)
+    """The public scalar attributes, list lengths and small dicts of numbers of `objects`, and the state
+    of Python's and NumPy's global random generators (a step that draws from them, an epsilon-greedy
+    branch on ``random.random()``, would draw once and then replay that one branch). `skip`: (id(object), name)
     pairs left out (attributes the callback itself sets around a capture)."""
     # a generator's value: (what to compare, what to restore)
     state = random.getstate()
@@ -85,6 +86,9 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "value", value)
             elif isinstance(value, list):
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "len", len(value))
+            elif isinstance(value, dict) and (entries := _frozen(value)) is not None:
+                # a small dict of numbers (`self.stats["n"] += 1`): (what to compare, what to restore)
+                out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "dict", (entries, dict(value)))
             elif tracks_tensors and isinstance(value, torch.Tensor):
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "tensor", value)
         if tracks_tensors:
@@ -123,8 +127,14 @@ def changed(before: Snapshot, after: Snapshot) -> list[str]:
     return sorted({now.label for _, now in _changes(before, after)})
 
 
+def _frozen(value: Any) -> Any:
+    from l2lightning.step_values import frozen
+
+    return frozen(value)
+
+
 def _differs(a: Any, b: Any, kind: str = "value") -> bool:
-    if kind == "rng":
+    if kind in ("rng", "dict"):
         return a[0] != b[0]
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is not b  # rebound, not changed in place
@@ -179,6 +189,13 @@ def restore(before: Snapshot) -> None:
                 attributes[entry.name] = entry.value
         elif entry.kind == "value":
             attributes[entry.name] = entry.value
+        elif entry.kind == "dict":
+            current = attributes.get(entry.name)
+            if isinstance(current, dict):  # the same dict object, its entries as they were
+                current.clear()
+                current.update(entry.value[1])
+            else:
+                attributes[entry.name] = entry.value[1]
         elif isinstance(attributes.get(entry.name), list):
             del attributes[entry.name][entry.value :]
 

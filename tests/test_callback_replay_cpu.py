@@ -1324,6 +1324,28 @@ def test_a_module_global_the_step_reads_changed_between_steps_is_captured_again(
     assert_same(plain, run)
 
 
+class CountsInADict(MomentumRegressor):
+    """A step that counts in a dict on the module: a replay would not count."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.stats = {"steps": 0, "tag": "run"}
+
+    def training_step(self, batch, batch_idx):
+        self.stats["steps"] += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_changes_a_dict_of_numbers_on_the_module_is_refused_by_name():
+    plain = fit(CountsInADict)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"the step changes Python state \(`self.stats`\)"):
+        run = fit(CountsInADict, [cb])
+    assert not cb.summary()["captured"]
+    assert run[0].stats == plain[0].stats == {"steps": 30, "tag": "run"}
+    assert_same(plain, run)
+
+
 HELPER_WEIGHT = 1.0
 
 
