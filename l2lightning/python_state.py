@@ -292,11 +292,13 @@ class BakedGlobals:
     containers: list[tuple[dict, str, Any]]
 
 
-def baked_globals(global_reads: Iterable[tuple[dict, set[str]]]) -> BakedGlobals:
+def baked_globals(global_reads: Iterable[tuple[Any, set[str]]]) -> BakedGlobals:
     """The module-level names the step source reads (``loss * LOSS_WEIGHT``, ``if USE_AUX:``,
     ``CONFIG["w"]``): a number, a flag or the entries of a small container are baked into the graph
     and a tensor's address is, so a new value between steps must capture again. Modules, functions,
-    classes and large containers read by name are not followed."""
+    classes and large containers read by name are not followed. `global_reads`: (namespace, names),
+    the namespace a function's ``__globals__`` or its closure variables
+    (:class:`l2lightning.step_source.ClosureCells`)."""
     from l2lightning.step_values import frozen
 
     baked = BakedGlobals([], [], [])

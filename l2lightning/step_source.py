@@ -76,7 +76,8 @@ class StepSource:
     attribute_values: list[AttributeValue] = field(default_factory=list)
     # module-level names the step hooks and their helpers read (``loss * LOSS_WEIGHT``), per globals
     # dict: id -> (the function's __globals__, names). A number or tensor among them is baked in too.
-    global_reads: dict[int, tuple[dict, set[str]]] = field(default_factory=dict)
+    # (closure variables too: key ("closure", id(function)), namespace a ClosureCells)
+    global_reads: dict[Any, tuple[Any, set[str]]] = field(default_factory=dict)
     # module-level names the step hooks assign (``global STEP; STEP += 1``): "`STEP` at file:line (...)"
     global_writes: list[str] = field(default_factory=list)
 
@@ -205,9 +206,11 @@ def _analyse_object(
             obj if callback else None,
         )
         visitor.run(tree)
-        namespace = getattr(inspect.unwrap(getattr(method, "__func__", method)), "__globals__", None)
+        function = inspect.unwrap(getattr(method, "__func__", method))
+        namespace = getattr(function, "__globals__", None)
         if isinstance(namespace, dict):
             _record_globals(found, namespace, visitor.global_names, visitor.module_attributes)
+            _record_closure(found, function, visitor.global_names)
             _follow_functions(found, namespace, visitor.called_names, depth + 1, seen_functions)
         if depth < HELPER_DEPTH:
             pending += [
@@ -670,6 +673,41 @@ def _record_globals(
             found.global_reads.setdefault(id(attributes), (attributes, set()))[1].add(attr)
 
 
+class ClosureCells:
+    """A function's closure variables by name, read like a namespace dict (``get``, ``in``, ``[]``): what
+    the per-replay comparisons of module-level values read, for a module made in a factory function
+    (``def make(weight): class M(LightningModule): ... loss * weight``)."""
+
+    def __init__(self, function: types.FunctionType) -> None:
+        self._cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self._cells[name].cell_contents
+        except (KeyError, ValueError):  # not a closure variable, or one not bound yet
+            return default
+
+    def __contains__(self, name: str) -> bool:
+        return self.get(name, _MISSING) is not _MISSING
+
+    def __getitem__(self, name: str) -> Any:
+        value = self.get(name, _MISSING)
+        if value is _MISSING:
+            raise KeyError(name)
+        return value
+
+
+_MISSING = object()
+
+
+def _record_closure(found: StepSource, function: Any, names: set[str]) -> None:
+    """Add to `found` the closure variables among the names `function` reads from outside itself."""
+    free = set(getattr(getattr(function, "__code__", None), "co_freevars", ())) & names
+    if free and getattr(function, "__closure__", None):
+        key = ("closure", id(function))
+        found.global_reads.setdefault(key, (ClosureCells(function), set()))[1].update(free)
+
+
 def _follow_functions(
     found: StepSource, namespace: dict, called: set[tuple[str, ...]], depth: int, seen: set[int]
 ) -> None:
@@ -694,6 +732,7 @@ def _follow_functions(
         visitor = _Visitor(found, filename, first_line, "", None, (), set())
         visitor.run(tree)
         _record_globals(found, target.__globals__, visitor.global_names, visitor.module_attributes)
+        _record_closure(found, target, visitor.global_names)
         _follow_functions(found, target.__globals__, visitor.called_names, depth + 1, seen)
 
 

@@ -1324,6 +1324,37 @@ def test_a_module_global_the_step_reads_changed_between_steps_is_captured_again(
     assert_same(plain, run)
 
 
+def make_closure_module(weights):
+    """A module made in a factory function: its step reads the factory's `weights` dict (a closure
+    variable), which the caller changes between steps."""
+
+    class FromFactory(MomentumRegressor):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * weights["loss"]
+
+    return FromFactory
+
+
+class SetsAnEntry(Callback):
+    def __init__(self, weights):
+        self.weights = weights
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 10:
+            self.weights["loss"] = 0.5
+
+
+def test_closure_variables_of_a_factory_made_module_are_compared_before_each_replay():
+    weights = {"loss": 1.0}
+    plain = fit(make_closure_module(weights), [SetsAnEntry(weights)])
+    weights = {"loss": 1.0}
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"capturing the step again: .*weights"):
+        run = fit(make_closure_module(weights), [SetsAnEntry(weights), cb])
+    assert cb.summary()["captures"] == 2, cb.summary()
+    assert_same(plain, run)
+
+
 class CountsInADict(MomentumRegressor):
     """A step that counts in a dict on the module: a replay would not count."""
 
