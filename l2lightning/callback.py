@@ -397,7 +397,7 @@ class L2GraphCallback(
         analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CAPTURED_HOOKS, self._source)
         if self._source.global_writes:
             self._disable(
-                f"the step assigns module-level names ({'; '.join(self._source.global_writes[:3])}); a replayed "
+                f"the step assigns module-level or closure names ({'; '.join(self._source.global_writes[:3])}); a replayed "
                 "graph runs no Python, so they would stop changing. Change them outside the step "
                 "(`on_train_batch_end` runs after every replay)"
             )

@@ -16,6 +16,12 @@ the source can change from step to step in a way the graph cannot see:
   10) * 0.1)``) and values read through ``self`` (``self.hparams.kl_weight``, ``self.weights[0]``):
   baked into the graph, compared before each replay (:mod:`l2lightning.step_values`); a new value
   captures the step again.
+* module-level values (``loss * LOSS_WEIGHT``, ``if USE_AUX:``, ``CONFIG["w"]``), read by the step, by
+  plain functions of the user's own code it calls (``weighted(loss)``) or as attributes of the user's
+  own modules (``cfg.LOSS_W``), and closure variables of a module made in a factory function: baked
+  in as well and compared before each replay (``StepSource.global_reads``); names the step assigns
+  (``global STEPS; STEPS += 1``) are collected so that the callback can refuse the step
+  (``StepSource.global_writes``).
 * Python numbers passed to ``self.log`` (``self.lr_schedulers().get_last_lr()[0]``): a replay would
   re-log the capture-time value. :meth:`StepSource.log_value` re-evaluates the logged expression
   where it can be (same rules, plus the side-effect-free calls ``lr_schedulers()``,
@@ -78,7 +84,8 @@ class StepSource:
     # dict: id -> (the function's __globals__, names). A number or tensor among them is baked in too.
     # (closure variables too: key ("closure", id(function)), namespace a ClosureCells)
     global_reads: dict[Any, tuple[Any, set[str]]] = field(default_factory=dict)
-    # module-level names the step hooks assign (``global STEP; STEP += 1``): "`STEP` at file:line (...)"
+    # module-level or closure names the step hooks assign (``global STEP; STEP += 1``, ``nonlocal``):
+    # "`STEP` at file:line (...)"
     global_writes: list[str] = field(default_factory=list)
 
     def attribute_snapshot(self, module: Any, batch_idx: int) -> list[tuple[AttributeValue, Any]]:
@@ -358,7 +365,10 @@ class _Visitor:
                     and node.func.value.id in self.global_names
                 ):
                     self.called_names.add((node.func.value.id, node.func.attr))
-        declared = _declared_global(func)
+        # names declared `global` or `nonlocal` and assigned: the step changes them, a replay would not
+        declared = _declared_global(func) | {
+            n for node in ast.walk(func) if isinstance(node, ast.Nonlocal) for n in node.names
+        }
         self.found.global_writes += [
             f"`{node.id}` at {self._line(node)}"
             for node in ast.walk(func)

@@ -1433,7 +1433,8 @@ def test_a_step_that_assigns_a_module_global_trains_eagerly_and_names_it(monkeyp
     globals()["STEPS_SEEN"] = 0
     cb = callback()
     with pytest.warns(
-        UserWarning, match=r"the step assigns module-level names \(`STEPS_SEEN` at .*STEPS_SEEN \+= 1"
+        UserWarning,
+        match=r"the step assigns module-level or closure names \(`STEPS_SEEN` at .*STEPS_SEEN \+= 1",
     ):
         run = fit(CountsInAGlobal, [cb])
     assert not cb.summary()["captured"]
@@ -1452,6 +1453,26 @@ def test_only_the_users_own_functions_and_modules_are_followed():
     assert not _is_user_code(os.path.join)  # the standard library
     assert not _is_user_code(l2lightning.capture.flatten_batch)  # the callback's own code
     assert not _is_user_code(len)  # no source file
+
+
+def make_counting_module():
+    """A factory-made module whose step counts in a closure variable (`nonlocal`)."""
+    steps = 0
+
+    class CountsInAClosure(MomentumRegressor):
+        def training_step(self, batch, batch_idx):
+            nonlocal steps
+            steps += 1
+            return super().training_step(batch, batch_idx)
+
+    return CountsInAClosure
+
+
+def test_a_step_that_assigns_a_closure_variable_trains_eagerly_and_names_it():
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"closure names \(`steps` at .*steps \+= 1"):
+        fit(make_counting_module(), [cb])
+    assert not cb.summary()["captured"]
 
 
 def test_the_names_a_function_reads_from_outside_it():
