@@ -1119,6 +1119,57 @@ class ReboundLossWeight(_Regressor):
             self.w = self.w * 0.5
 
 
+# A module-level loss weight, as a script's constant that a hook changes mid-fit (GlobalLossWeight)
+AUX_WEIGHT = 1.0
+
+
+class GlobalLossWeight(_Regressor):
+    """A module-level loss weight the step reads, lowered by the module's own hook once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        global AUX_WEIGHT
+        AUX_WEIGHT = 1.0  # every fit starts from the script's value
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch) * AUX_WEIGHT
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        global AUX_WEIGHT
+        if self.global_step == 12:
+            AUX_WEIGHT = 0.5
+
+
+class MomentumReset(_Regressor):
+    """The first layer's optimizer state replaced by a fresh entry once (a per-layer momentum reset)."""
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_step == 12:
+            optimizer = self.optimizers().optimizer
+            p = self.net[0].weight
+            optimizer.state[p] = {
+                k: (torch.zeros_like(v) if k != "step" else v.clone()) for k, v in optimizer.state[p].items()
+            }
+
+
+class BufferDataMoved(_Regressor):
+    """A loss scale in a buffer whose data is replaced through `.data` once (new storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch) * self.scale
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_step == 12:
+            self.scale.data = self.scale.data * 0.5
+
+
 _reg_loader = functools.partial(_regression_loader, n=640, dim=64, batch_size=32, seed=21)
 
 IDIOM_VARIANTS: dict[str, Idiom] = {
@@ -1160,6 +1211,27 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             _reg_loader,
             "capture",
             "a buffer assigned a new tensor is seen before the next replay: captured again",
+        ),
+        Idiom(
+            "global_loss_weight",
+            GlobalLossWeight,
+            _reg_loader,
+            "capture",
+            "a module-level number the step reads is compared per replay: captured again when it changes",
+        ),
+        Idiom(
+            "momentum_reset_one_layer",
+            MomentumReset,
+            _reg_loader,
+            "capture",
+            "one parameter's optimizer state replaced: that step runs eagerly, the next is captured again",
+        ),
+        Idiom(
+            "buffer_data_moved",
+            BufferDataMoved,
+            _reg_loader,
+            "capture",
+            "a buffer's data moved through `.data`: its address is compared per replay, captured again",
         ),
     ]
 }

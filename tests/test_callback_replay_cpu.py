@@ -1843,6 +1843,9 @@ def test_python_state_set_once_at_the_first_step_is_allowed():
         "own_step_counter",
         "epoch_weighted_aux",
         "rebound_loss_weight",
+        "global_loss_weight",
+        "momentum_reset_one_layer",
+        "buffer_data_moved",
     ],
 )
 def test_idiom_variants_are_captured_and_equal_or_refused_and_plain(name):
