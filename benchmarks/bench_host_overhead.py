@@ -314,15 +314,27 @@ def fit_floor(args: argparse.Namespace, logs: int = 0, with_callback: bool = Tru
     return _median(_step_ms(timer, start, args.steps))
 
 
-def log_cost(args: argparse.Namespace) -> dict[str, float | None]:
-    """Per-``self.log`` cost per step, plain Lightning and with the callback: (t(k logs) - t(0)) / k."""
-    out: dict[str, float | None] = {}
+def log_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """Per-``self.log`` cost per step, plain Lightning and with the callback: (t(k logs) - t(0)) / k.
+
+    ``--log-cost-pairs N`` fits each variant N times with and without the logs, in adjacent pairs
+    whose order alternates; the cost is the median of the per-pair differences (a drift of the host
+    between fits then falls on both fits of a pair), the step times the medians of their fits."""
+    out: dict[str, Any] = {}
     for variant, with_callback in (("plain", False), ("callback", True)):
-        none = fit_floor(args, 0, with_callback)
-        some = fit_floor(args, LOG_COST_LOGS, with_callback)
-        out[f"{variant}_step_ms_0_logs"] = none
-        out[f"{variant}_step_ms_{LOG_COST_LOGS}_logs"] = some
-        out[f"{variant}_ms_per_log"] = (some - none) / LOG_COST_LOGS if none and some else None
+        nones, somes, per_log = [], [], []
+        for pair in range(args.log_cost_pairs):
+            order = (0, LOG_COST_LOGS) if pair % 2 == 0 else (LOG_COST_LOGS, 0)
+            times = {logs: fit_floor(args, logs, with_callback) for logs in order}
+            none, some = times[0], times[LOG_COST_LOGS]
+            nones.append(none)
+            somes.append(some)
+            if none and some:
+                per_log.append((some - none) / LOG_COST_LOGS)
+        out[f"{variant}_step_ms_0_logs"] = _median([t for t in nones if t])
+        out[f"{variant}_step_ms_{LOG_COST_LOGS}_logs"] = _median([t for t in somes if t])
+        out[f"{variant}_ms_per_log"] = _median(per_log)
+        out[f"{variant}_ms_per_log_pairs"] = per_log
     return out
 
 
@@ -577,6 +589,13 @@ def profile_family(setup: FamilySetup, args: argparse.Namespace) -> dict[str, An
 
 
 # ---------------------------------------------------------------------- output
+def _rounded(value: Any) -> Any:
+    """`value` to 4 decimals for the log line: a number, or each number of a list."""
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return round(value, 4) if isinstance(value, float) else value
+
+
 def _fmt(v: Any) -> str:
     return "" if v is None else f"{v:.4f}"
 
@@ -659,6 +678,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="timed steps per fit / per anchor run")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every variant")
     p.add_argument("--profile-steps", type=int, default=100, help="callback steps under cProfile")
+    p.add_argument(
+        "--log-cost-pairs",
+        type=int,
+        default=1,
+        help="pairs of log-cost fits (without and with the logs) per variant and round",
+    )
     p.add_argument("--no-profile", action="store_true", help="skip host_profile.json")
     p.add_argument(
         "--anchor-optimizer",
@@ -677,6 +702,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true", help="time even if the doctor says the GPU is not ready")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, a few steps (plumbing check)")
     args = p.parse_args(argv)
+    if args.log_cost_pairs < 1:
+        p.error(f"--log-cost-pairs must be at least 1 (got {args.log_cost_pairs})")
     args.families = [f for f in args.families.split(",") if f]
     args.batches = [int(b) for b in args.batches.split(",") if b]
     if args.smoke:
@@ -796,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         cost = attempt("log_cost", 0, "log_cost", lambda: log_cost(args))
         if cost:
             log_costs.append({"round": rnd, **cost})
-            print({"round": rnd, **{k: v and round(v, 4) for k, v in cost.items()}}, flush=True)
+            print({"round": rnd, **{k: _rounded(v) for k, v in cost.items()}}, flush=True)
         for fam in args.families:
             floor = attempt(fam, 0, "floor", lambda: fit_floor(args))
             for b in args.batches:
@@ -903,11 +930,13 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "log_cost": {
             "method": f"fit_floor's module logging its loss {LOG_COST_LOGS} times per step (prog_bar=True), "
-            "no logger or progress bar; ms_per_log = (step with the logs - step without) / logs, per round",
+            "no logger or progress bar; ms_per_log = (step with the logs - step without) / logs, per pair of "
+            f"adjacent fits ({args.log_cost_pairs} per variant and round, order alternating), median of "
+            "the pairs per round, then of the rounds",
             "median": {
                 k: _median([c.get(k) for c in log_costs])
                 for k in (log_costs[0] if log_costs else {})
-                if k != "round"
+                if k != "round" and not k.endswith("_pairs")
             },
             "rounds": log_costs,
         },

@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host_overhead.py"
 
 
@@ -68,6 +70,27 @@ def test_smoke_writes_csv_json_profile_and_plot(tmp_path: Path) -> None:
         assert sum(buckets.values()) > 0
         assert buckets["lightning_loop"] > 0
     assert (tmp_path / "host_overhead.png").stat().st_size > 0
+
+
+def test_log_cost_pairs_alternate_and_give_the_median_of_the_pairs(tmp_path: Path, monkeypatch) -> None:
+    bho = _load()
+    calls = []
+    step_ms = {(False, 0): 1.0, (False, 4): 3.0, (True, 0): 0.5, (True, 4): 0.7}
+
+    def fake_fit_floor(args, logs=0, with_callback=True):
+        calls.append((with_callback, logs))
+        return step_ms[with_callback, logs] + 0.01 * len(calls)  # a host that drifts fit by fit
+
+    monkeypatch.setattr(bho, "fit_floor", fake_fit_floor)
+    args = bho.parse_args(["--out", str(tmp_path), "--log-cost-pairs", "3"])
+    cost = bho.log_cost(args)
+    assert calls[:6] == [(False, 0), (False, 4), (False, 4), (False, 0), (False, 0), (False, 4)]
+    assert len(cost["plain_ms_per_log_pairs"]) == len(cost["callback_ms_per_log_pairs"]) == 3
+    # adjacent fits: the drift changes each pair's difference by 0.01 at most, in both directions
+    assert all(abs(d - 0.5) <= 0.01 / 4 + 1e-9 for d in cost["plain_ms_per_log_pairs"])
+    assert abs(cost["callback_ms_per_log"] - 0.05) <= 0.01 / 4 + 1e-9
+    with pytest.raises(SystemExit):
+        bho.parse_args(["--out", str(tmp_path), "--log-cost-pairs", "0"])
 
 
 def test_classify_buckets() -> None:
