@@ -101,6 +101,11 @@ class L2GraphCallback(
     that at capture. What cannot be replayed faithfully runs eagerly, with one warning naming the
     cause and, where there is one, the user's line.
 
+    During the fit, ``self.log`` calls are re-issued after each replay with that replay's values
+    (:mod:`l2lightning.log_replay`), and values logged with ``prog_bar=True`` are turned into numbers
+    when ``trainer.progress_bar_metrics`` is read rather than at every batch end
+    (:mod:`l2lightning.progress_bar_reads`): the same numbers, without a host sync per step.
+
     Args:
         warmup_steps: eager steps before the capture (>= 1). The first ``warmup_steps - 1`` (at
             least one) are traced and compared op by op, the last one is timed.
