@@ -46,3 +46,5 @@ def test_reissued_logs_equal_the_eager_fit_everywhere_users_read_them(tmp_path, 
     for (name, p), q in zip(base_model.named_parameters(), model.parameters()):
         assert torch.equal(p, q), f"parameter {name} differs"
     assert seen.log_calls and all(call.fast_issues > 0 for call in seen.log_calls)
+    # the per-step tensors (step_only, d/a, d/b, head_grad, TinyMLP's two) took the one-copy path
+    assert {c.name for c in seen.log_calls if c._step_only} >= {"step_only", "d/a", "d/b", "head_grad"}
