@@ -161,3 +161,47 @@ def test_an_interrupted_fit_leaves_lightnings_connector(emulated):
     assert all(
         not isinstance(v, torch.Tensor) for v in trainer._logger_connector._progress_bar_metrics.values()
     )
+
+
+class LogsInValidation(ManyLogs):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("val_step", loss, prog_bar=True)  # per step in validation: on_epoch by default
+        self.log("val_last", loss * 2, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+
+class BaselineWithValidation(LogsInValidation):
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        make_capturable(config["optimizer"] if isinstance(config, dict) else config)
+        return config
+
+
+def test_validation_progress_bar_values_read_later_are_the_eager_ones(emulated):
+    def run(cls, callbacks):
+        seen = LoggedEverywhere(callbacks[0] if callbacks else None)
+        seed_everything(0)
+        trainer = quiet_trainer(
+            accelerator="cpu",
+            max_steps=24,
+            callbacks=[*callbacks, seen],
+            val_check_interval=6,
+            limit_val_batches=3,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(
+            cls(width=32, depth=2),
+            regression_loader(n=96, width=32),
+            regression_loader(n=24, width=32, seed=1),
+        )
+        return trainer, seen
+
+    base, base_seen = run(BaselineWithValidation, [])
+    cb = L2GraphCallback(prefetch="off", log_timing=False)
+    got, seen = run(LogsInValidation, [cb])
+    assert cb.summary()["captured"]
+    assert_logged_alike(base_seen, seen)
+    assert got.progress_bar_metrics == base.progress_bar_metrics
+    assert "val_step" in got.progress_bar_metrics
