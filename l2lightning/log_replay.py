@@ -120,45 +120,39 @@ class ReissuedLog:
         self._step_only = kind == "tensor" and _holds_a_copy_as_step_value(metric, value)
 
     def _shortcut(self, module: LightningModule, trainer: Any, results: Any, metric: Any, value: Any) -> None:
-        # LightningModule.log: the value as a fresh single-element tensor (`__to_tensor`); the capture's
-        # first re-issue checked its size, and replays keep shapes
+        connector = trainer._logger_connector
+        if connector.should_reset_tensors(self.fx):
+            results.reset(metrics=False, fx=self.fx)
         if self._step_only and not metric.meta.sync.should:
-            self._store_step_value(module, trainer, results, metric, value)
-            return
-        if self._value_kind == "tensor":
-            value = value.clone().detach().squeeze()
-        elif self._value_kind == "number":
-            value = torch.tensor(value, device=module.device, dtype=_get_default_dtype()).squeeze()
-        connector = trainer._logger_connector
-        if connector.should_reset_tensors(self.fx):
-            results.reset(metrics=False, fx=self.fx)
-        # _ResultCollection.log: the metadata and device are those of the registered metric
-        batch_size = results._extract_batch_size(metric, self.batch_size, metric.meta)
-        results.update_metrics(self._key, value, batch_size)
+            _store_step_value(metric, value)
+        else:
+            # LightningModule.log: the value as a fresh single-element tensor (`__to_tensor`); the
+            # capture's first re-issue checked its size, and replays keep shapes
+            if self._value_kind == "tensor":
+                value = value.clone().detach().squeeze()
+            elif self._value_kind == "number":
+                value = torch.tensor(value, device=module.device, dtype=_get_default_dtype()).squeeze()
+            # _ResultCollection.log: the metadata and device are those of the registered metric
+            batch_size = results._extract_batch_size(metric, self.batch_size, metric.meta)
+            results.update_metrics(self._key, value, batch_size)
         connector._current_fx = self.fx
         self.fast_issues += 1
 
-    def _store_step_value(
-        self, module: LightningModule, trainer: Any, results: Any, metric: Any, value: Any
-    ) -> None:
-        """What ``self.log`` and ``_ResultMetric.update`` leave for a tensor logged per step only, with one copy.
 
-        ``update`` clones ``self.log``'s clone and stores it as both the cached and the current value
-        (``_forward_cache`` and ``value``); the torchmetrics wrapper around it clears ``_computed`` and
-        counts the update; ``update_metrics`` clears ``has_reset``. One clone of the graph's output
-        gives the same values (the real path's two copies are bitwise copies too).
-        """
-        connector = trainer._logger_connector
-        if connector.should_reset_tensors(self.fx):
-            results.reset(metrics=False, fx=self.fx)
-        fresh = value.detach().squeeze().clone()
-        metric._forward_cache = fresh
-        metric.value = fresh
-        metric._computed = None
-        metric._update_count += 1
-        metric.has_reset = False
-        connector._current_fx = self.fx
-        self.fast_issues += 1
+def _store_step_value(metric: Any, value: torch.Tensor) -> None:
+    """What ``self.log`` and ``_ResultMetric.update`` leave for a tensor logged per step only, with one copy.
+
+    ``update`` clones ``self.log``'s clone and stores it as both the cached and the current value
+    (``_forward_cache`` and ``value``); the torchmetrics wrapper around it clears ``_computed`` and
+    counts the update; ``update_metrics`` clears ``has_reset``. One clone of the graph's output
+    gives the same values (the real path's two copies are bitwise copies too).
+    """
+    fresh = value.detach().squeeze().clone()
+    metric._forward_cache = fresh
+    metric.value = fresh
+    metric._computed = None
+    metric._update_count += 1
+    metric.has_reset = False
 
 
 def _holds_a_copy_as_step_value(metric: Any, logged: torch.Tensor) -> bool:
