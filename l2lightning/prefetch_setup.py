@@ -135,7 +135,8 @@ class PrefetchSetup:
         kept, dropped = gate.winner_and_loser(result)
         self._gate_result = result
         self._graph = kept
-        for param, grad in kept.grads:  # the dropped graph's gradients must not keep its pool alive
+        # the dropped graph's gradients must not keep its pool alive
+        for param, grad in zip(kept.params, kept.grad_tensors):
             param.grad = grad
         if result.kept == "off":
             self._reject_prefetch()

@@ -52,7 +52,10 @@ class _Graph:
     static: StaticBatch
     key: tuple
     output: Any = None
-    grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    # the parameters and the gradient tensors the graph writes for them (rebound before a replay if an
+    # eager step replaced them), as two parallel tuples: the check before every replay maps them in C
+    params: tuple = ()
+    grad_tensors: tuple = ()
     log_calls: list[ReissuedLog] = field(default_factory=list)
     binding: MetricBinding | None = None
     constants: HostConstants | None = None
@@ -65,21 +68,16 @@ class _Graph:
     containers: list[tuple[dict, str, Any]] = field(default_factory=list)
     # tensors it reads from plain attributes (python_state.baked_tensors), checked before each replay
     tensors: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
-    # its parameters and buffers (ModuleFlags.tensors), compared after any registration (generation)
+    # its parameters and buffers (ModuleFlags.tensors), compared after any registration (generation);
+    # the graph reads and writes their data at these addresses, compared before each replay
     registered: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    registered_tensors: tuple = ()
+    data_ptrs: list[int] = field(default_factory=list)
     generation: int = 0
     # the numbers the step computes from the step counters (StepSource.counter_values) at capture
     counters: tuple = ()
     # the values the step reads through self that are Python numbers (StepSource.attribute_values)
     attributes: list = field(default_factory=list)
-    # the parameters and buffers, by name, and where their data was at capture: the graph reads and
-    # writes those addresses
-    addressed: tuple = ()
-    addressed_tensors: tuple = ()
-    data_ptrs: list[int] = field(default_factory=list)
-    # `grads` as two parallel tuples, for the checks made before every replay (mapped in C)
-    params: tuple = ()
-    grad_tensors: tuple = ()
 
 
 class StepCapture:
@@ -228,13 +226,8 @@ class StepCapture:
             return run(closure, **kwargs)
         graph.output = self._step_output
         graph.log_calls = self._capture_logs
-        graph.grads = [(p, p.grad) for p in module.parameters()]
-        graph.params = tuple(p for p, _ in graph.grads)
-        graph.grad_tensors = tuple(g for _, g in graph.grads)
-        # the graph reads and writes the parameters and buffers at these addresses
-        graph.addressed = (*module.named_parameters(), *module.named_buffers())
-        graph.addressed_tensors = tuple(t for _, t in graph.addressed)
-        graph.data_ptrs = [t.data_ptr() for t in graph.addressed_tensors]
+        graph.params = tuple(module.parameters())
+        graph.grad_tensors = tuple(p.grad for p in graph.params)
         graph.flags = self._module_flags()
         graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)
@@ -256,6 +249,8 @@ class StepCapture:
             if name in trainer_attributes
         ]
         graph.registered = self._flags.tensors()
+        graph.registered_tensors = tuple(t for _, t in graph.registered)
+        graph.data_ptrs = [t.data_ptr() for t in graph.registered_tensors]
         graph.generation = self._flags.generation
         if binding is not None:
             binding.finish_capture()

@@ -86,11 +86,11 @@ class StepDecision:
             scalars += python_state.changed_containers(graph.containers)
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
-        addresses = list(map(_data_ptr, graph.addressed_tensors))
+        addresses = list(map(_data_ptr, graph.registered_tensors))
         if addresses != graph.data_ptrs:
             # `p.data = ...` or `module.half()` between steps: the graph's addresses are no longer the
             # tensors' (and the old memory may already hold something else)
-            moved = [name for (name, _), a, b in zip(graph.addressed, addresses, graph.data_ptrs) if a != b]
+            moved = [name for (name, _), a, b in zip(graph.registered, addresses, graph.data_ptrs) if a != b]
             return self._recapture(
                 f"parameters' or buffers' data moved since capture ({', '.join(moved[:3])}"
                 f"{', ...' if len(moved) > 3 else ''}: `tensor.data = ...`, a dtype change)"

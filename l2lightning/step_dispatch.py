@@ -96,7 +96,8 @@ class StepDispatch:
         graph = self._graph
         graph.static.copy_tensors(self._pending_tensors)  # _decide flattened the batch, compared signatures
         if any(map(is_not, map(_grad_of, graph.params), graph.grad_tensors)):
-            for param, grad in graph.grads:  # an eager step (or the user) replaced them
+            # an eager step (or the user) replaced them
+            for param, grad in zip(graph.params, graph.grad_tensors):
                 if param.grad is not grad:
                     param.grad = grad
         if graph.binding is not None:
