@@ -125,7 +125,7 @@ class StaticBatch:
 
     def __init__(self, batch: Any) -> None:
         tensors, self.spec = flatten_batch(batch)
-        self.signature = batch_signature(batch)
+        self.signature = signature_of(tensors, self.spec)
         self.tensors = [t.detach().clone() for t in tensors]
         self.batch = unflatten_batch(self.spec, self.tensors)
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from l2lightning.metric_binding import metric_type
+from l2lightning.step_values import frozen
 
 _SCALARS = (int, float, bool, str)
 # public attributes that are not the step's own state: nn.Module's train/eval flag (the callback
@@ -86,7 +87,7 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "value", value)
             elif isinstance(value, list):
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "len", len(value))
-            elif isinstance(value, dict) and (entries := _frozen(value)) is not None:
+            elif isinstance(value, dict) and (entries := frozen(value)) is not None:
                 # a small dict of numbers (`self.stats["n"] += 1`): (what to compare, what to restore)
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "dict", (entries, dict(value)))
             elif tracks_tensors and isinstance(value, torch.Tensor):
@@ -125,12 +126,6 @@ def _changes(before: Snapshot, after: Snapshot) -> list[tuple[_Value | None, _Va
 def changed(before: Snapshot, after: Snapshot) -> list[str]:
     """Labels of the attributes that differ between snapshots (see :func:`_changes`)."""
     return sorted({now.label for _, now in _changes(before, after)})
-
-
-def _frozen(value: Any) -> Any:
-    from l2lightning.step_values import frozen
-
-    return frozen(value)
 
 
 def _differs(a: Any, b: Any, kind: str = "value") -> bool:
@@ -299,8 +294,6 @@ def baked_globals(global_reads: Iterable[tuple[Any, set[str]]]) -> BakedGlobals:
     classes and large containers read by name are not followed. `global_reads`: (namespace, names),
     the namespace a function's ``__globals__`` or its closure variables
     (:class:`l2lightning.step_source.ClosureCells`)."""
-    from l2lightning.step_values import frozen
-
     baked = BakedGlobals([], [], [])
     for namespace, names in global_reads:
         for name in sorted(names):
@@ -318,8 +311,6 @@ def baked_globals(global_reads: Iterable[tuple[Any, set[str]]]) -> BakedGlobals:
 
 def changed_containers(checks: list[tuple[dict, str, Any]]) -> list[str]:
     """Names of the containers in `checks` (:attr:`BakedGlobals.containers`) whose entries changed."""
-    from l2lightning.step_values import frozen
-
     return [name for namespace, name, snapshot in checks if frozen(namespace.get(name)) != snapshot]
 
 

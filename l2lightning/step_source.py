@@ -366,9 +366,7 @@ class _Visitor:
                 ):
                     self.called_names.add((node.func.value.id, node.func.attr))
         # names declared `global` or `nonlocal` and assigned: the step changes them, a replay would not
-        declared = _declared_global(func) | {
-            n for node in ast.walk(func) if isinstance(node, ast.Nonlocal) for n in node.names
-        }
+        declared = _declared(func, ast.Global) | _declared(func, ast.Nonlocal)
         self.found.global_writes += [
             f"`{node.id}` at {self._line(node)}"
             for node in ast.walk(func)
@@ -783,11 +781,12 @@ def _free_names(func: ast.AST) -> set[str]:
             bound.add(node.name)
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             read.update(node.names)  # declared global: still the module's name, bound or not
-    return read - (bound - _declared_global(func))
+    return read - (bound - _declared(func, ast.Global))
 
 
-def _declared_global(func: ast.AST) -> set[str]:
-    return {n for node in ast.walk(func) if isinstance(node, ast.Global) for n in node.names}
+def _declared(func: ast.AST, kind: type[ast.Global] | type[ast.Nonlocal]) -> set[str]:
+    """The names `func` declares `global` (`kind` ast.Global) or `nonlocal` (ast.Nonlocal)."""
+    return {n for node in ast.walk(func) if isinstance(node, kind) for n in node.names}
 
 
 def _is_super_call(func: ast.expr) -> bool:
