@@ -1104,8 +1104,8 @@ class EpochWeightedAux(_Regressor):
         return loss
 
 
-class ReboundLossWeight(_Regressor):
-    """A loss weight kept in a buffer and replaced by a new tensor once (`self.w = self.w * 0.5`)."""
+class _BufferWeighted(_Regressor):
+    """A loss weight kept in a buffer; the subclasses change it once, each in its own way."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1113,6 +1113,10 @@ class ReboundLossWeight(_Regressor):
 
     def training_step(self, batch, batch_idx):
         return self.loss(batch) * self.w
+
+
+class ReboundLossWeight(_BufferWeighted):
+    """The buffer replaced by a new tensor once (`self.w = self.w * 0.5`)."""
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_step == 12:
@@ -1155,19 +1159,12 @@ class MomentumReset(_Regressor):
             }
 
 
-class BufferDataMoved(_Regressor):
-    """A loss scale in a buffer whose data is replaced through `.data` once (new storage)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("scale", torch.ones(()))
-
-    def training_step(self, batch, batch_idx):
-        return self.loss(batch) * self.scale
+class BufferDataMoved(_BufferWeighted):
+    """The buffer's data replaced through `.data` once (new storage under the same tensor)."""
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_step == 12:
-            self.scale.data = self.scale.data * 0.5
+            self.w.data = self.w.data * 0.5
 
 
 _reg_loader = functools.partial(_regression_loader, n=640, dim=64, batch_size=32, seed=21)
