@@ -13,6 +13,11 @@ Scenarios:
   peak overshot the budget by about 80 MiB;
 - ``fit-off``, ``fit-default``: a ``Trainer.fit`` of ``bench_default_cost.py``'s d1536x40 b16 stack
   with ``L2GraphCallback(prefetch="off")`` and with the defaults; ``fit-plain``: without it;
+- ``fit-off-1024``, ``fit-default-1024``, ``fit-no-gate-1024``: the same on its d1024x60 b8 stack, the
+  last with the tuned plans kept without the whole-step gate (``auto_no_gate``);
+- ``fit-gate-switch-1024``, ``fit-gate-capture-1024``: that stack with ``prefetch="default"`` (plans
+  on every layer, whatever the tuner would keep) put through the whole-step gate, its step without
+  prefetch made by switching the prefetch nodes off and by a second capture (the switch disabled);
 - ``oom-fit-plain``, ``oom-fit-callback``: the fit of ``tests/gpu/test_oom_gpu.py`` (without the
   memory filler), plain and with the defaults, with the reserved memory per stream at the end and
   the device memory outside PyTorch's allocator at the fit's milestones;
@@ -83,6 +88,45 @@ def live_at_peak(trace: list[dict[str, Any]]) -> tuple[int, dict[int, dict[str, 
     return peak, alive
 
 
+def reserved_at_peak(trace: list[dict[str, Any]]) -> tuple[int, dict[int, dict[str, Any]]]:
+    """(peak reserved bytes above the recording's start, the segments mapped at that moment)."""
+    live: dict[int, dict[str, Any]] = {}
+    total = peak = 0
+    at_peak: dict[int, dict[str, Any]] = {}
+    for event in trace:
+        action = event["action"]
+        if action == "segment_alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == "segment_free" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    return peak, at_peak
+
+
+def segment_groups(segments: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    by: dict[str, list[int]] = defaultdict(list)
+    for event in segments.values():
+        by[f"stream {event.get('stream')}: {frame_label(event.get('frames', []))}"].append(event["size"])
+    rows = [{"where": k, "mib": sum(v) / MIB, "count": len(v)} for k, v in by.items()]
+    return sorted(rows, key=lambda r: -r["mib"])[:TOP_GROUPS]
+
+
+def capture_segments(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The segments mapped while a step was being captured (a frame in ``_capture_into``), grouped
+    by stream and the innermost frame of the allocation that made each: what a graph's pool holds."""
+    by: dict[str, list[int]] = defaultdict(list)
+    for event in trace:
+        frames = event.get("frames", [])
+        if event["action"] == "segment_alloc" and any(f.get("name") == "_capture_into" for f in frames):
+            inner = frames[0] if frames else {}
+            where = f"{inner.get('filename', '?').rsplit('/site-packages/', 1)[-1]}:{inner.get('line')} {inner.get('name')}"
+            by[f"stream {event.get('stream')}: {where} (via {frame_label(frames)})"].append(event["size"])
+    rows = [{"where": k, "mib": sum(v) / MIB, "count": len(v)} for k, v in by.items()]
+    return sorted(rows, key=lambda r: -r["mib"])[:TOP_GROUPS]
+
+
 def groups(alive: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     by: dict[str, list[int]] = defaultdict(list)
     for event in alive.values():
@@ -106,8 +150,13 @@ def recorded(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         torch.cuda.memory._record_memory_history(enabled=None)
     device = torch.cuda.current_device()
     peak, alive = live_at_peak(snapshot["device_traces"][device])
+    reserved_peak, segments = reserved_at_peak(snapshot["device_traces"][device])
     return {
         **info,
+        "max_memory_reserved_mib": torch.cuda.max_memory_reserved() / MIB,
+        "reserved_peak_over_before_mib": reserved_peak / MIB,
+        "segments_at_reserved_peak": segment_groups(segments),
+        "segments_made_by_captures": capture_segments(snapshot["device_traces"][device]),
         "allocated_before_mib": before / MIB,
         "max_memory_allocated_mib": torch.cuda.max_memory_allocated() / MIB,
         "peak_over_before_mib": peak / MIB,
@@ -143,14 +192,24 @@ def tune_training() -> dict[str, Any]:
     return recorded(run)
 
 
-def fit(variant: str) -> dict[str, Any]:
+def fit(variant: str, width: int = 1536, depth: int = 40, batch: int = 16) -> dict[str, Any]:
     from bench_default_cost import VARIANTS, fit_once
 
     def run() -> dict[str, Any]:
-        row = fit_once(variant, 1536, 40, 16, 60, 20)
+        row = fit_once(variant, width, depth, batch, 60, 20)
         return {
             k: row.get(k)
-            for k in ("case", "variant", "peak_alloc_gib", "peak_reserved_gib", "graph_pool_mib", "captured")
+            for k in (
+                "case",
+                "variant",
+                "peak_alloc_gib",
+                "peak_reserved_gib",
+                "graph_pool_mib",
+                "captured",
+                "captures",
+                "prefetch_gate",
+                "prefetch_layers",
+            )
         }
 
     if variant not in VARIANTS:
@@ -287,6 +346,26 @@ def outside_torch_steps() -> dict[str, Any]:
     }
 
 
+def gated_fit(method: str) -> dict[str, Any]:
+    """The gate's trial on the default plans (the gate judges only tuned plans otherwise)."""
+    import bench_default_cost
+
+    from l2lightning import L2GraphCallback
+
+    gated_modes = L2GraphCallback._GATED_MODES
+    switch = L2GraphCallback._prefetch_switch
+    bench_default_cost.VARIANTS["gated_default_plans"] = {"prefetch": "default"}
+    L2GraphCallback._GATED_MODES = (*gated_modes, "default")
+    if method == "capture":
+        L2GraphCallback._prefetch_switch = lambda self, graph: (None, "disabled by memory_peak.py")
+    try:
+        return fit("gated_default_plans", 1024, 60, 8)
+    finally:
+        L2GraphCallback._GATED_MODES = gated_modes
+        L2GraphCallback._prefetch_switch = switch
+        del bench_default_cost.VARIANTS["gated_default_plans"]
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "outside-torch": outside_torch_steps,
     "oom-fit-plain": lambda: tiny_mlp_fit(False),
@@ -295,6 +374,11 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "fit-plain": lambda: fit("plain"),
     "fit-off": lambda: fit("off"),
     "fit-default": lambda: fit("default"),
+    "fit-off-1024": lambda: fit("off", 1024, 60, 8),
+    "fit-default-1024": lambda: fit("default", 1024, 60, 8),
+    "fit-no-gate-1024": lambda: fit("auto_no_gate", 1024, 60, 8),
+    "fit-gate-switch-1024": lambda: gated_fit("switch"),
+    "fit-gate-capture-1024": lambda: gated_fit("capture"),
 }
 
 
@@ -318,8 +402,21 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one scenario's failure is a result; the others still run
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         r = results[name]
-        print(f"== {name}: " + json.dumps({k: v for k, v in r.items() if k != "alive_at_peak"}, default=str))
+        shown = {
+            k: v
+            for k, v in r.items()
+            if k not in ("alive_at_peak", "segments_at_reserved_peak", "segments_made_by_captures")
+        }
+        print(f"== {name}: " + json.dumps(shown, default=str))
         for g in r.get("alive_at_peak", []):
+            print(f"   {g['mib']:9.1f} MiB  x{g['count']:<5} {g['where']}")
+        if r.get("segments_at_reserved_peak"):
+            print("   segments mapped at the reserved peak:")
+        for g in r.get("segments_at_reserved_peak", []):
+            print(f"   {g['mib']:9.1f} MiB  x{g['count']:<5} {g['where']}")
+        if r.get("segments_made_by_captures"):
+            print("   segments mapped by captures:")
+        for g in r.get("segments_made_by_captures", []):
             print(f"   {g['mib']:9.1f} MiB  x{g['count']:<5} {g['where']}")
     (args.out / "memory_peak.json").write_text(json.dumps(results, indent=1, default=str))
     return 0

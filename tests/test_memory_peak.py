@@ -34,6 +34,45 @@ def test_the_peak_is_the_most_bytes_alive_and_lists_what_was_alive_then():
     assert sorted(alive) == [1, 2, 3]
 
 
+def test_the_reserved_peak_is_the_most_segment_bytes_mapped_with_their_stream_and_maker():
+    mib = 1 << 20
+    trace = [
+        {**event("segment_alloc", 10, 20 * mib), "stream": 0},
+        {
+            **event("segment_alloc", 11, 2 * mib, filename="/r/l2lightning/step_capture.py", line=7),
+            "stream": 5,
+        },
+        event("alloc", 10, 20 * mib),  # block events do not count towards the reserved bytes
+        {**event("segment_free", 10, 20 * mib), "stream": 0},
+        {**event("segment_alloc", 12, 4 * mib), "stream": 0},  # 6 MiB mapped: below the 22 of the peak
+    ]
+    peak, segments = memory_peak.reserved_at_peak(trace)
+    assert peak == 22 * mib
+    assert sorted(segments) == [10, 11]
+    rows = memory_peak.segment_groups(segments)
+    assert rows[0] == {"where": "stream 0: l2lightning/tune/throwaway.py:42 forward", "mib": 20.0, "count": 1}
+    assert rows[1]["where"] == "stream 5: l2lightning/step_capture.py:7 forward"
+
+
+def test_capture_segments_are_those_mapped_under_the_capture_grouped_by_their_innermost_frame():
+    mib = 1 << 20
+    capture = [{"filename": "/s/site-packages/torch/cuda/graphs.py", "line": 3, "name": "capture_begin"}]
+    capture.append({"filename": "/r/l2lightning/step_capture.py", "line": 9, "name": "_capture_into"})
+    trace = [
+        {**event("segment_alloc", 1, 20 * mib), "stream": 7},  # before any capture: not listed
+        {"action": "segment_alloc", "addr": 2, "size": 2 * mib, "stream": 7, "frames": capture},
+        {"action": "segment_alloc", "addr": 3, "size": 4 * mib, "stream": 7, "frames": capture},
+    ]
+    rows = memory_peak.capture_segments(trace)
+    assert rows == [
+        {
+            "where": "stream 7: torch/cuda/graphs.py:3 capture_begin (via l2lightning/step_capture.py:9 _capture_into)",
+            "mib": 6.0,
+            "count": 2,
+        }
+    ]
+
+
 def test_allocations_group_by_the_innermost_frame_of_the_package_before_lightning_and_torch():
     frames = [
         {"filename": "/site/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
