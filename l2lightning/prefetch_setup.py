@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
 from l2lightning._env import prefetch_unavailable_reason
 from l2lightning.capture import StaticBatch, TrainingState
@@ -113,10 +114,10 @@ class PrefetchSetup:
             return contextlib.nullcontext()
         return self._hooks.scope()
 
-    def _start_gate(self, graph: _Graph) -> None:
-        """After the first capture with tuned plans: the next step captures the step without prefetch."""
+    def _gate_may_start(self) -> bool:
+        """Whether a capture now, with the tuned plans, starts the whole-step gate's trial."""
         hooks = self._hooks
-        if (
+        return not (
             self.gate_pairs == 0
             or self.prefetch not in self._GATED_MODES
             or self._gate_result is not None  # one trial per fit
@@ -124,15 +125,37 @@ class PrefetchSetup:
             or not hooks.enabled
             or getattr(hooks, "via", "hooks") != "hooks"  # compile=True: custom-op points, no scope
             or not any(row.get("forward") or row.get("backward") for row in self.plans)
-        ):
+        )
+
+    def _start_gate(self, graph: _Graph) -> None:
+        """After the first capture with tuned plans: the trial, on this graph with its prefetch
+        switched off and on, or (where it cannot be switched) on a second capture without it."""
+        if not self._gate_may_start():
             return
-        self._gate = StepGate(graph, self.gate_pairs)
+        switch, why = self._prefetch_switch(graph.graph)
+        if switch is None:
+            rank_zero_debug(f"L2GraphCallback: whole-step gate by a second capture: {why}")
+        self._gate = StepGate(graph, self.gate_pairs, switch=switch)
+
+    def _prefetch_switch(self, graph: Any) -> tuple[Any, str]:
+        """The switch over `graph`'s prefetch kernel nodes (instantiating it), or None and why."""
+        from l2lightning.prefetch_switch import find_switch, prefetch_functions
+
+        try:
+            instantiate = getattr(graph, "instantiate", None)
+            if instantiate is None:
+                return None, "the graph cannot be instantiated before its first replay"
+            instantiate()
+            return find_switch(graph, prefetch_functions(self._module.device.index or 0))
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the second capture, which always works
+            return None, f"{type(exc).__name__}: {first_line(exc)}"
 
     def _finish_gate(self) -> None:
         """Judge the trial (one wait for its last replay), keep the faster graph, free the other."""
         gate, self._gate = self._gate, None
         result = gate.decide()
         kept, dropped = gate.winner_and_loser(result)
+        gate.settle(result.kept)
         self._gate_result = result
         self._graph = kept
         # the dropped graph's gradients must not keep its pool alive
@@ -150,6 +173,8 @@ class PrefetchSetup:
 
     def _abandon_gate(self, reason: str) -> None:
         """A trial that cannot finish proves nothing: the fit goes on without prefetch."""
+        if self._gate is not None:
+            self._gate.settle("off")
         self._gate = None
         self._gate_turn = None
         self._gate_result = StepGateResult("off", None, None, None, reason)

@@ -23,6 +23,7 @@ from l2lightning.metric_binding import (
     drop_autograd_graphs,
     named_metrics,
 )
+from l2lightning.prefetch_switch import new_cuda_graph
 from l2lightning.step_gate import StepGateResult
 from l2lightning.step_overrides import copied_element
 from l2lightning.step_trace import (
@@ -147,7 +148,10 @@ class StepCapture:
         # validate_args is switched off for the capture below, by the callback, not by the step
         ours = frozenset((id(m), "validate_args") for m in bound.values())
         python_before = python_state.snapshot(holders, ours)
-        graph = _Graph(torch.cuda.CUDAGraph(), static, key, binding=binding, constants=constants)
+        # A graph the whole-step gate will time with its prefetch on and off keeps its node list, to
+        # switch those kernel nodes (l2lightning.prefetch_switch) instead of capturing the step twice
+        keep = not gate_capture and self._gate_may_start()
+        graph = _Graph(new_cuda_graph(keep_graph=keep), static, key, binding=binding, constants=constants)
         self._capture_logs = []
         self._step_output = None
         memo = group.traces[-1].memo if group is not None and group.traces else self._memo

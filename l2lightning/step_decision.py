@@ -124,7 +124,7 @@ class StepDecision:
                 self._finish_gate()
             else:
                 self._gate_turn = gate.next_variant()
-                self._graph = gate.graphs[self._gate_turn]
+                self._graph = gate.graph_for(self._gate_turn)
         return "replay"
 
     def _recapture(self, cause: str) -> str:

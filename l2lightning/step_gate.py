@@ -4,10 +4,12 @@ The autotuner keeps a plan per layer shape when it pays on a throwaway chain of 
 forward and backward plans apart. Nothing there times the combination inside the real step, where
 the plans of every shape, the optimizer and the rest of the model share L2 and the copy engines:
 on the H200 the default was 5% slower than no prefetch on one MLP stack and 12% faster on another
-(issue 16). So after the step is captured with its plans, the callback captures it once more
-without prefetch, and the next ``2 * pairs`` training steps replay the two graphs in turn. Both
-graphs compute the same values (a prefetch never writes memory), so which one replays a step does
-not change training; only their GPU times differ. The plans stay when the 95% confidence interval
+(issue 16). So after the step is captured with its plans, the next ``2 * pairs`` training steps
+replay it in turn with its prefetch kernels on and off: one graph whose prefetch kernel nodes are
+switched (:mod:`l2lightning.prefetch_switch`), or, where the driver or PyTorch cannot switch them,
+a second capture of the step without prefetch. Both variants compute the same values (a prefetch
+never writes memory), so which one replays a step does not change training; only their GPU times
+differ. The plans stay when the 95% confidence interval
 of the paired gain ``1 - t_prefetch / t_off`` lies above ``min_gain`` (zero by default: the per-shape
 gate already asked for +1%); otherwise the step without prefetch is kept for the rest of the fit.
 
@@ -18,6 +20,7 @@ the trial is complete: the trial adds no host sync per step.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +43,9 @@ class StepGateResult:
     prefetch_ms: float | None
     off_ms: float | None
     reason: str
+    # how the step without prefetch was made: its kernel nodes switched off in the one graph, or a
+    # second capture (two graphs, two memory pools, during the trial)
+    method: str = "switch"
 
     def to_dict(self) -> dict[str, Any]:
         gain = self.gain
@@ -51,6 +57,7 @@ class StepGateResult:
             "prefetch_ms": self.prefetch_ms,
             "off_ms": self.off_ms,
             "reason": self.reason,
+            "method": self.method,
         }
 
 
@@ -90,12 +97,18 @@ class StepGate:
         prefetch_graph: the step captured with the plans (the callback's graph object).
         pairs: replays of each graph before the decision.
         min_gain: the lower confidence bound of the gain must exceed this.
+        switch: the prefetch kernel nodes of `prefetch_graph`
+            (:class:`l2lightning.prefetch_switch.PrefetchSwitch`): the step without prefetch is
+            the same graph with them off. None: a second capture makes it.
     """
 
-    def __init__(self, prefetch_graph: Any, pairs: int = GATE_PAIRS, min_gain: float = 0.0) -> None:
+    def __init__(
+        self, prefetch_graph: Any, pairs: int = GATE_PAIRS, min_gain: float = 0.0, switch: Any = None
+    ) -> None:
         if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 2:
             raise ValueError(f"`pairs` must be an int >= 2, got {pairs!r}")
-        self.graphs: dict[str, Any] = {"prefetch": prefetch_graph, "off": None}
+        self.switch = switch
+        self.graphs: dict[str, Any] = {"prefetch": prefetch_graph, "off": prefetch_graph if switch else None}
         self.pairs = pairs
         self.min_gain = min_gain
         self.events: dict[str, list[tuple[Any, Any]]] = {v: [] for v in VARIANTS}
@@ -105,6 +118,21 @@ class StepGate:
     def needs_off_graph(self) -> bool:
         """The step without prefetch is still to be captured (the next replayable step does it)."""
         return self.graphs["off"] is None
+
+    @property
+    def method(self) -> str:
+        return "switch" if self.switch is not None else "second capture"
+
+    def graph_for(self, variant: str) -> Any:
+        """The graph that replays `variant`'s turn, its prefetch nodes switched to match."""
+        if self.switch is not None:
+            self.switch.set(variant == "prefetch")
+        return self.graphs[variant]
+
+    def settle(self, kept: str) -> None:
+        """After the verdict: the switched graph stays in the winner's state."""
+        if self.switch is not None:
+            self.switch.set(kept == "prefetch")
 
     def next_variant(self) -> str:
         """Whose turn it is: pairs alternate their order, (prefetch, off), (off, prefetch), ..."""
@@ -129,7 +157,7 @@ class StepGate:
             elapsed_ms = _event_ms
         n = min(len(self.events[v]) for v in VARIANTS)
         times = {v: [elapsed_ms(s, e) for s, e in self.events[v][:n]] for v in VARIANTS}
-        return judge(times["prefetch"], times["off"], self.min_gain)
+        return dataclasses.replace(judge(times["prefetch"], times["off"], self.min_gain), method=self.method)
 
     def winner_and_loser(self, result: StepGateResult) -> tuple[Any, Any]:
         kept = self.graphs[result.kept]

@@ -149,6 +149,67 @@ def test_the_gate_gain_is_logged_with_the_l2_metrics(monkeypatch):
     assert cb._timing_metrics()["l2/prefetch_gate_gain"] == pytest.approx(0.1, abs=0.02)
 
 
+class StandInSwitch:
+    """What the gate uses of PrefetchSwitch: the state of the graph's prefetch nodes, per replay."""
+
+    def __init__(self):
+        self.enabled = True
+        self.toggles = 0
+
+    def set(self, enabled):
+        self.toggles += enabled != self.enabled
+        self.enabled = enabled
+
+
+def switched(monkeypatch, prefetch_ms, off_ms, **kwargs):
+    """`gated`, with the graph's prefetch switched instead of a second capture; records the switch's
+    state at every replay."""
+    cb, hooks = gated(monkeypatch, prefetch_ms, off_ms, **kwargs)
+    switches, states = [], []
+    monkeypatch.setattr(
+        L2GraphCallback,
+        "_prefetch_switch",
+        lambda self, graph: (switches.append(StandInSwitch()) or switches[-1], ""),
+    )
+    original = L2GraphCallback._replay_step
+
+    def replay(self, closure):
+        states.append((self._gate_turn, switches[-1].enabled if switches else None, id(self._graph)))
+        return original(self, closure)
+
+    monkeypatch.setattr(L2GraphCallback, "_replay_step", replay)
+    return cb, hooks, switches, states
+
+
+@pytest.mark.parametrize(("prefetch_ms", "kept"), [(0.9, "prefetch"), (1.05, "off")])
+def test_a_switched_trial_times_one_graph_with_prefetch_on_and_off_and_keeps_the_winners_state(
+    monkeypatch, prefetch_ms, kept
+):
+    base = fit(baseline_of(TinyMLP), steps=40)
+    cb, hooks, switches, states = switched(monkeypatch, prefetch_ms, 1.0, gate_pairs=8)
+    run = fit(TinyMLP, [cb], steps=40)
+    s = cb.summary()
+    gate = s["prefetch_gate"]
+    # one capture, no second pool: the trial replays the one graph with its prefetch nodes on and off
+    assert s["captures"] == 1 and gate["method"] == "switch" and gate["kept"] == kept, s
+    assert len(switches) == 1 and hooks[0].scoped_captures == 1
+    trial = [st for st in states if st[0] is not None]
+    assert len(trial) == 16 and len({st[2] for st in states}) == 1
+    assert all(enabled == (turn == "prefetch") for turn, enabled, _ in trial), trial
+    after = [enabled for turn, enabled, _ in states[len(states) - (40 - 3 - 1 - 16) :]]
+    assert after and all(enabled == (kept == "prefetch") for enabled in after), after
+    assert (s["plans"] == []) == (kept == "off")
+    assert_same(base, run)
+
+
+def test_without_a_switch_the_trial_captures_the_step_a_second_time(monkeypatch):
+    cb, hooks = gated(monkeypatch, prefetch_ms=0.9, off_ms=1.0, gate_pairs=4)
+    monkeypatch.setattr(L2GraphCallback, "_prefetch_switch", lambda self, graph: (None, "no driver"))
+    fit(TinyMLP, [cb], steps=20)
+    s = cb.summary()
+    assert s["captures"] == 2 and s["prefetch_gate"]["method"] == "second capture", s
+
+
 @pytest.mark.parametrize("bad", [1, -1, 2.0, True, "8"])
 def test_gate_pairs_is_checked_by_name(bad):
     with pytest.raises(ValueError, match="`gate_pairs` must be 0"):

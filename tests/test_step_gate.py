@@ -64,6 +64,38 @@ def test_decide_reads_each_replays_events_through_the_seam():
     result = gate.decide(lambda start, end: times[id(end)])
     assert result.kept == "prefetch" and gate.winner_and_loser(result) == ("P", "O")
     assert result.to_dict()["pairs"] == 4 and result.to_dict()["kept"] == "prefetch"
+    assert result.method == "second capture" and result.to_dict()["method"] == "second capture"
+
+
+class RecordingSwitch:
+    def __init__(self):
+        self.enabled = True
+        self.calls = []
+
+    def set(self, enabled):
+        self.calls.append(enabled)
+        self.enabled = enabled
+
+
+@pytest.mark.parametrize(("prefetch_ms", "kept"), [(0.8, "prefetch"), (1.2, "off")])
+def test_a_switched_trial_replays_one_graph_with_its_prefetch_on_and_off_and_settles_on_the_winner(
+    prefetch_ms, kept
+):
+    switch = RecordingSwitch()
+    gate = StepGate(prefetch_graph="P", pairs=4, switch=switch)
+    assert not gate.needs_off_graph and gate.graphs == {"prefetch": "P", "off": "P"}
+    times, states = {}, []
+    while not gate.complete:
+        variant = gate.next_variant()
+        assert gate.graph_for(variant) == "P"
+        states.append((variant, switch.enabled))
+        end = object()
+        times[id(end)] = (prefetch_ms if variant == "prefetch" else 1.0) + 0.001 * len(states)
+        gate.record(variant, object(), end)
+    assert all(enabled == (variant == "prefetch") for variant, enabled in states), states
+    result = gate.decide(lambda start, end: times[id(end)])
+    gate.settle(result.kept)
+    assert result.kept == kept and result.method == "switch" and switch.enabled == (kept == "prefetch")
 
 
 @pytest.mark.parametrize("pairs", [0, 1, 2.5, True, "24"])

@@ -336,7 +336,8 @@ def test_l2_metrics_reach_the_logger_before_the_epoch_ends():
 
 def test_the_whole_step_gate_times_both_graphs_and_training_stays_bitwise_equal(monkeypatch):
     """The gate with real prefetch kernels and CUDA events (on the byte-sized plans, which the tuner
-    may or may not keep on this model): two captures, a verdict, the baseline's losses."""
+    may or may not keep on this model): one capture whose prefetch nodes are switched off and on,
+    a verdict, the baseline's losses."""
     monkeypatch.setattr(L2GraphCallback, "_GATED_MODES", ("auto", "default"))
     base = fit(CapturableBaseline, [], steps=40)
     cb = L2GraphCallback(prefetch="default", gate_pairs=8)
@@ -344,6 +345,7 @@ def test_the_whole_step_gate_times_both_graphs_and_training_stays_bitwise_equal(
     assert_same_run(base, run)
     s = cb.summary()
     gate = s["prefetch_gate"]
-    assert s["captured"] and s["captures"] == 2 and s["capture_step"] == 3 and s["fallback_steps"] == 0, s
+    assert s["captured"] and s["captures"] == 1 and s["capture_step"] == 3 and s["fallback_steps"] == 0, s
+    assert gate["method"] == "switch", gate
     assert gate["pairs"] == 8 and gate["kept"] in ("prefetch", "off") and gate["prefetch_ms"] > 0, gate
     assert (gate["kept"] == "off") == (s["plans"] == []), (gate, s["plans"])

@@ -52,6 +52,41 @@ def test_kernel_runs_inside_a_captured_graph_and_writes_nothing(kind):
     assert torch.equal(w, before)
 
 
+def test_the_prefetch_switch_finds_the_prefetch_nodes_and_the_graph_replays_alike_with_them_off_and_on():
+    from l2lightning.prefetch_switch import find_switch, kernel_nodes, new_cuda_graph, prefetch_functions
+
+    torch.manual_seed(0)
+    w = torch.randn(1024, 1024, device="cuda")
+    x = torch.randn(64, 1024, device="cuda")
+    plan = PrefetchPlan(kind="hint", blocks=8)
+    prefetch(w, plan)  # compiles before capture
+    torch.tanh(x @ w)  # cuBLAS creates its handle outside the capture
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    g = new_cuda_graph(keep_graph=True)
+    with torch.cuda.graph(g):
+        main = torch.cuda.current_stream()
+        y = x
+        for _ in range(3):
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                prefetch(w, plan)
+            y = torch.tanh(y @ w)
+        main.wait_stream(side)
+    g.instantiate()
+    switch, why = find_switch(g, prefetch_functions(0))
+    assert switch is not None and len(switch.nodes) == 3, why
+    assert len(kernel_nodes(g.raw_cuda_graph())) > 3  # the GEMMs and tanh are not switched
+    g.replay()
+    first = y.clone()
+    for enabled in (False, True, False, True):
+        switch.set(enabled)
+        y.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, first), enabled
+
+
 def test_forward_outputs_bit_identical_with_prefetch():
     model = stack()
     x = torch.randn(16, 1536, device="cuda", dtype=torch.bfloat16)
