@@ -136,9 +136,11 @@ class L2GraphCallback(
         autotune: the autotuner behind ``prefetch="auto"``: None (its defaults) or a mapping of
             :class:`~l2lightning.Autotuner`'s arguments.
         gate_pairs: with ``prefetch="auto"``, the whole-step gate (:mod:`l2lightning.step_gate`):
-            the step is captured a second time without prefetch, the next ``2 * gate_pairs`` steps
-            replay the two graphs in turn, and the plans stay only if the 95% confidence interval
-            of the whole step's gain is above zero. 0 keeps the tuner's plans without the gate.
+            the next ``2 * gate_pairs`` steps replay the captured step with its prefetch kernel
+            nodes switched on and off in turn (:mod:`l2lightning.prefetch_switch`; where they
+            cannot be switched, a second capture without prefetch replays in the off turns), and
+            the plans stay only if the 95% confidence interval of the whole step's gain is above
+            zero. 0 keeps the tuner's plans without the gate.
 
     Example:
         >>> from lightning.pytorch import Trainer
