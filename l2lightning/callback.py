@@ -66,6 +66,7 @@ from l2lightning.optim import (
 from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.prefetch_setup import PrefetchSetup
 from l2lightning.progress_bar_reads import defer_progress_bar_reads
+from l2lightning.replay_closure import ReplayClosure, why_not_fast
 from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
@@ -222,6 +223,7 @@ class L2GraphCallback(
         if getattr(self, "_flags", None) is not None:
             self._flags.close()  # its global registration hooks, should a fit have ended without clean-up
         self.disabled_reason: str | None = None
+        self._replay_closure: ReplayClosure | None = None
         self.verify_report: Any = None
         self.fallback_steps = 0
         self.captures = 0
@@ -509,6 +511,8 @@ class L2GraphCallback(
         wrapped.handler = self._step
         # prog_bar values: read when the progress bar (or anyone) reads them, not with a host sync per step
         self._undo_progress_bar_reads = defer_progress_bar_reads(trainer)
+        # replays dispatch only the closure's hooks that something overrides (l2lightning.replay_closure)
+        self._replay_closure = ReplayClosure() if why_not_fast(trainer) is None else None
         for _, metric in named_metrics(pl_module):
             if needs_sync_free_nan_check(metric) and "_cast_and_nan_check_input" not in vars(metric):
                 metric._cast_and_nan_check_input = sync_free_nan_check(metric)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from l2lightning.capture import loss_of
+from l2lightning.replay_closure import is_stock_closure
 from l2lightning.step_overrides import copied_element
 
 _grad_of = attrgetter("grad")  # per parameter per replay: mapped in C, not a Python loop
@@ -120,4 +121,8 @@ class StepDispatch:
             graph.binding.after_replay()
         self._mode = "replay"
         self._reissued = set()
-        return closure() if closure is not None else loss_of(graph.output, "training_step")
+        if closure is None:
+            return loss_of(graph.output, "training_step")
+        if self._replay_closure is not None and is_stock_closure(closure):
+            return self._replay_closure(self._trainer, closure)
+        return closure()

@@ -1,0 +1,147 @@
+"""Lightning's optimizer closure for a replayed step, dispatching only the hooks that do something.
+
+After a replay the callback runs Lightning's closure in replay mode, so that Lightning gets the
+step's outputs and every hook of the step is called as in an eager step. Most of what that closure
+does is then dispatch: ``on_before_zero_grad``, ``optimizer_zero_grad``, ``backward`` (through the
+strategy and the precision plugin), ``on_before_backward``, ``on_after_backward``,
+``on_before_optimizer_step`` and ``configure_gradient_clipping``, each through Lightning's
+``_call_callback_hooks`` (every callback, a profiler context each) and
+``_call_lightning_module_hook``. In replay mode the module's ``optimizer_zero_grad``, ``backward``
+and ``configure_gradient_clipping`` are the callback's own and do nothing (the graph did it), and
+a callback that does not override a hook runs ``Callback``'s empty method. On a small model that
+dispatch is a sizable part of a replayed step's host time (issue 13).
+
+:class:`ReplayClosure` runs the same sequence with the same arguments, through Lightning's own
+dispatch, for the hooks that some callback or the module overrides, and skips the rest: the calls
+that remain are those that can change anything, in Lightning's order. It applies only where the
+closure's path is the stock one this mirrors (Lightning's ``Closure`` wrapped by
+``Precision._wrap_closure``; a strategy and precision plugin whose backward adds nothing else: the
+single-device and DDP strategies, 32-bit, 16/bf16 without a gradient scaler) and no profiler is
+recording; anywhere else :func:`why_not_fast` says why and the real closure runs. In replay mode
+the training step returns the graph's outputs, never None, so the closure's "returned None"
+warning has no counterpart here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.loops.optimization.automatic import Closure
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.profilers import PassThroughProfiler
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.trainer import call
+
+# The hooks of one closure, in the order Lightning calls them (zero_grad, backward, after the closure)
+CLOSURE_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+# Precision-plugin methods on the closure's path that must be Lightning's base ones
+_PRECISION_PATH = (
+    "pre_backward",
+    "backward",
+    "post_backward",
+    "_after_closure",
+    "_wrap_closure",
+    "_clip_gradients",
+)
+
+
+def why_not_fast(trainer: Any) -> str | None:
+    """Why this fit's replays must run Lightning's own closure, or None when :class:`ReplayClosure` may
+    run it (for each step's closure that :func:`is_stock_closure`)."""
+    if not isinstance(getattr(trainer, "profiler", None), PassThroughProfiler):
+        return "a profiler records every hook call"
+    strategy = getattr(trainer, "strategy", None)
+    if (
+        type(strategy) not in (SingleDeviceStrategy, DDPStrategy)
+        or type(strategy).backward is not Strategy.backward
+    ):
+        return f"strategy {type(strategy).__name__}"
+    precision = getattr(strategy, "precision_plugin", None)
+    if not _stock_precision(precision):
+        return f"precision plugin {type(precision).__name__}"
+    return None
+
+
+def _stock_precision(precision: Any) -> bool:
+    if not isinstance(precision, Precision):
+        return False
+    for name in _PRECISION_PATH:
+        own = getattr(type(precision), name)
+        if own is getattr(Precision, name):
+            continue
+        # MixedPrecision scales the loss before backward, and only with a gradient scaler
+        if name == "pre_backward" and own is MixedPrecision.pre_backward and precision.scaler is None:
+            continue
+        return False
+    return True
+
+
+def is_stock_closure(closure: Any) -> bool:
+    """Whether `closure` is what automatic optimization passes to ``optimizer.step``: Lightning's
+    ``Closure`` wrapped by ``Precision._wrap_closure``."""
+    return (
+        isinstance(closure, functools.partial)
+        and getattr(closure.func, "__func__", None) is Precision._wrap_closure
+        and len(closure.args) == 3
+        and not closure.keywords
+        and isinstance(closure.args[2], Closure)
+    )
+
+
+def overrides(obj: Any, base: type, hook: str) -> bool:
+    """Whether `obj`'s `hook` is anything but `base`'s (a subclass's method or one set on the instance)."""
+    return hook in vars(obj) or getattr(type(obj), hook) is not getattr(base, hook)
+
+
+class ReplayClosure:
+    """Runs a replay's closure, calling the closure's hooks that some callback or the module overrides.
+
+    Which callbacks and module hooks override what is read once per list of callbacks (a callback
+    added or removed mid-fit is seen at the next step).
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple = ()
+        self._callback_hooks: frozenset[str] = frozenset()
+        self._module_hooks: frozenset[str] = frozenset()
+
+    def _refresh(self, trainer: Any, module: LightningModule) -> None:
+        key = (id(module), *map(id, trainer.callbacks))
+        if key == self._key:
+            return
+        self._key = key
+        self._callback_hooks = frozenset(
+            hook for hook in CLOSURE_HOOKS if any(overrides(cb, Callback, hook) for cb in trainer.callbacks)
+        )
+        self._module_hooks = frozenset(
+            hook for hook in CLOSURE_HOOKS if overrides(module, LightningModule, hook)
+        )
+
+    def __call__(self, trainer: Any, closure: functools.partial) -> Any:
+        """What ``closure()`` returns (the step's loss), with its ``ClosureResult`` kept for Lightning."""
+        module, optimizer, inner = closure.args
+        self._refresh(trainer, module)
+        with torch.enable_grad():  # Closure.closure's
+            step_output = inner._step_fn()
+            if inner._zero_grad_fn is not None:
+                self._hook(trainer, "on_before_zero_grad", optimizer)
+                # optimizer_zero_grad: the callback's, a no-op in replay mode
+            loss = step_output.closure_loss
+            if inner._backward_fn is not None and loss is not None:
+                self._hook(trainer, "on_before_backward", loss)
+                # module.backward: the callback's, a no-op in replay mode
+                self._hook(trainer, "on_after_backward")
+        inner._result = step_output
+        # Precision._wrap_closure, then its _after_closure
+        self._hook(trainer, "on_before_optimizer_step", optimizer)
+        # configure_gradient_clipping: the callback's, a no-op in replay mode (the graph clipped)
+        return step_output.loss
+
+    def _hook(self, trainer: Any, hook: str, *args: Any) -> None:
+        if hook in self._callback_hooks:
+            call._call_callback_hooks(trainer, hook, *args)
+        if hook in self._module_hooks:
+            call._call_lightning_module_hook(trainer, hook, *args)
