@@ -124,7 +124,11 @@ class StepDecision:
                 self._finish_gate()
             else:
                 self._gate_turn = gate.next_variant()
-                self._graph = gate.graph_for(self._gate_turn)
+                try:
+                    self._graph = gate.graph_for(self._gate_turn)
+                except RuntimeError as exc:  # the driver refused to switch a prefetch node
+                    self._graph = gate.graphs["prefetch"]
+                    self._abandon_gate(f"the prefetch kernel nodes could not be switched ({exc})")
         return "replay"
 
     def _recapture(self, cause: str) -> str:

@@ -202,6 +202,21 @@ def test_a_switched_trial_times_one_graph_with_prefetch_on_and_off_and_keeps_the
     assert_same(base, run)
 
 
+def test_a_switch_the_driver_refuses_ends_the_trial_without_prefetch_and_the_fit_goes_on(monkeypatch):
+    base = fit(baseline_of(TinyMLP), steps=30)
+    cb, hooks, switches, states = switched(monkeypatch, 0.9, 1.0, gate_pairs=8)
+
+    def refuse(self, enabled):
+        raise RuntimeError("cuGraphNodeSetEnabled failed with CUDA driver error 1")
+
+    monkeypatch.setattr(StandInSwitch, "set", refuse)
+    run = fit(TinyMLP, [cb], steps=30)
+    s = cb.summary()
+    assert s["captured"] and s["fallback_steps"] == 0 and s["prefetch_gate"]["kept"] == "off", s
+    assert "could not be switched" in s["prefetch_gate"]["reason"] and s["plans"] == []
+    assert_same(base, run)
+
+
 def test_without_a_switch_the_trial_captures_the_step_a_second_time(monkeypatch):
     cb, hooks = gated(monkeypatch, prefetch_ms=0.9, off_ms=1.0, gate_pairs=4)
     monkeypatch.setattr(L2GraphCallback, "_prefetch_switch", lambda self, graph: (None, "no driver"))
