@@ -289,6 +289,9 @@ def test_every_callback_option_instantiates(name, tmp_path):
         return
     (callback,) = build_callbacks(cfg, cfg.trainer, None, has_logger=True)
     assert type(callback).__name__ == entry._target_.rsplit(".", 1)[-1]
+    if name.endswith("progress_bar"):
+        # each refresh reads the prog_bar values back from the GPU: not at every step
+        assert callback.refresh_rate == 20
 
 
 @pytest.mark.parametrize("name", ["csv", "tensorboard"])
