@@ -16,8 +16,7 @@ dispatch, for the hooks that some callback or the module overrides, and skips th
 that remain are those that can change anything, in Lightning's order. It applies only where the
 closure's path is the stock one this mirrors (Lightning's ``Closure`` wrapped by
 ``Precision._wrap_closure``; a strategy and precision plugin whose backward adds nothing else: the
-single-device and DDP strategies, 32-bit, 16/bf16 without a gradient scaler) and no profiler is
-recording; anywhere else :func:`why_not_fast` says why and the real closure runs. In replay mode
+single-device strategy, 32-bit, 16/bf16 without a gradient scaler) and no profiler is recording; anywhere else :func:`why_not_fast` says why and the real closure runs. In replay mode
 the training step returns the graph's outputs, never None, so the closure's "returned None"
 warning has no counterpart here.
 """
@@ -32,7 +31,7 @@ from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.loops.optimization.automatic import Closure
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.profilers import PassThroughProfiler
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer import call
 
 # The hooks of one closure, in the order Lightning calls them (zero_grad, backward, after the closure)
@@ -54,10 +53,9 @@ def why_not_fast(trainer: Any) -> str | None:
     if not isinstance(getattr(trainer, "profiler", None), PassThroughProfiler):
         return "a profiler records every hook call"
     strategy = getattr(trainer, "strategy", None)
-    if (
-        type(strategy) not in (SingleDeviceStrategy, DDPStrategy)
-        or type(strategy).backward is not Strategy.backward
-    ):
+    # DDP's backward path is the same for automatic optimization, but no replay under DDP has run
+    # through this closure yet: it keeps Lightning's until one has
+    if type(strategy) is not SingleDeviceStrategy or type(strategy).backward is not Strategy.backward:
         return f"strategy {type(strategy).__name__}"
     precision = getattr(strategy, "precision_plugin", None)
     if not _stock_precision(precision):

@@ -160,6 +160,9 @@ def test_why_not_fast_names_what_it_does_not_mirror():
     assert why_not_fast(_Trainer(stock)) is None
     assert why_not_fast(_Trainer(stock, SimpleProfiler())) == "a profiler records every hook call"
     assert why_not_fast(_Trainer(_Strategy())) == "strategy _Strategy"
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert why_not_fast(_Trainer(DDPStrategy(precision_plugin=Precision()))) == "strategy DDPStrategy"
     bf16 = SingleDeviceStrategy(
         device=torch.device("cpu"), precision_plugin=MixedPrecision("bf16-mixed", "cpu")
     )
