@@ -8,8 +8,9 @@ free what it took, say so, and train eagerly; either way the fit is bit for bit 
 (fused AdamW: the capturable and the plain configuration give the same bits).
 
 On the H200 (2026-12-01) the callback's fit now needs no more PyTorch memory than plain training,
-so with 4% to spare it captures; the fallbacks themselves are exercised on the CPU
-(tests/test_callback_replay_cpu.py, out-of-memory in the capture and in tuning). A process's first
+so with 4% to spare it captures; the out-of-memory fallback in the capture is exercised on the CPU
+(tests/test_callback_replay_cpu.py), the one in tuning also here, with the tuner's memory budget
+lifted so that its throwaway chains cannot fit. A process's first
 kernel on a second CUDA stream takes 70 MiB outside PyTorch's allocator, which no fallback can avoid
 (every capture needs such a stream): the scenario pays it before sizing the filler.
 
@@ -68,7 +69,7 @@ gc.collect(); torch.cuda.empty_cache()
 free, _ = torch.cuda.mem_get_info()  # besides what the plain run's copied results still hold
 filler = torch.empty(int(free - plain_peak * HEADROOM), dtype=torch.uint8, device="cuda")
 out = {"plain_peak_mib": plain_peak / 2**20}
-cb = L2GraphCallback()
+cb = L2GraphCallback(**CALLBACK_KWARGS)
 # where the memory is when it runs out: the allocations alive at the peak of the recorded history
 torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
 try:
@@ -101,15 +102,19 @@ print("RESULT " + json.dumps(out, default=str))
 """
 
 
-def test_a_callback_fit_in_memory_that_only_plain_training_fits_falls_back_and_trains_like_plain():
+def run_scenario(callback_kwargs: dict) -> dict:
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", SCENARIO], cwd=root, capture_output=True, text=True, timeout=240
-    )
+    code = SCENARIO.replace("CALLBACK_KWARGS", repr(callback_kwargs))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT ") :])
     print(json.dumps(out, indent=1))
+    return out
+
+
+def test_a_callback_fit_in_memory_that_only_plain_training_fits_falls_back_and_trains_like_plain():
+    out = run_scenario({})
     assert "error" not in out, out  # the fit with the callback must not crash
     summary = out["summary"]
     if not summary["captured"]:
@@ -119,3 +124,15 @@ def test_a_callback_fit_in_memory_that_only_plain_training_fits_falls_back_and_t
     # captured or not, the fit trains bit for bit like the plain one
     assert out["losses_equal"] and out["params_equal"], out
     assert out["captured_afterwards"], out
+
+
+def test_tuning_that_runs_out_of_memory_is_dropped_with_one_warning_and_the_step_is_captured_without_prefetch():
+    """The tuner without its memory budget (``memory_budget=None``) wants far more than the 4% left
+    above plain training: its out-of-memory error frees what it took, one warning names it, and the
+    step is captured without prefetch, training bit for bit like plain."""
+    out = run_scenario({"autotune": {"memory_budget": None, "cache": None}})
+    assert "error" not in out, out
+    tuning = [m for m in out["warnings"] if "out of memory while tuning" in m]
+    assert len(tuning) == 1 and "GiB free" in tuning[0], out
+    assert out["summary"]["captured"] and out["summary"]["fallback_steps"] == 0, out
+    assert out["losses_equal"] and out["params_equal"] and out["captured_afterwards"], out
