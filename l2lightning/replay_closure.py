@@ -105,6 +105,7 @@ class ReplayClosure:
         self._key: tuple = ()
         self._callback_hooks: frozenset[str] = frozenset()
         self._module_hooks: frozenset[str] = frozenset()
+        self.calls = 0  # replays whose closure ran here (tests read it)
 
     def _refresh(self, trainer: Any, module: LightningModule) -> None:
         key = (id(module), *map(id, trainer.callbacks))
@@ -122,6 +123,7 @@ class ReplayClosure:
         """What ``closure()`` returns (the step's loss), with its ``ClosureResult`` kept for Lightning."""
         module, optimizer, inner = closure.args
         self._refresh(trainer, module)
+        self.calls += 1
         with torch.enable_grad():  # Closure.closure's
             step_output = inner._step_fn()
             if inner._zero_grad_fn is not None:

@@ -85,6 +85,7 @@ def test_replays_call_the_closure_hooks_as_lightnings_closure_does(monkeypatch):
     fast, ran, fast_shortcuts = fit_counting(monkeypatch, HookedModule, [cb_fast, LoggingHooks()], 20)
     s = cb_fast.summary()
     assert s["captured"] and s["fallback_steps"] == 0 and len(ran) == 20 - s["capture_step"] - 1, (s, ran)
+    assert cb_fast._replay_closure.calls == len(ran)
     with monkeypatch.context() as m:
         m.setattr("l2lightning.step_dispatch.is_stock_closure", lambda closure: False)
         cb_real = callback()
