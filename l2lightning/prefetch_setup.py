@@ -179,11 +179,13 @@ class PrefetchSetup:
 
     def _abandon_gate(self, reason: str) -> None:
         """A trial that cannot finish proves nothing: the fit goes on without prefetch."""
+        method = None
         if self._gate is not None:
             self._gate.settle("off")
+            method = self._gate.method
         self._gate = None
         self._gate_turn = None
-        self._gate_result = StepGateResult("off", None, None, None, reason)
+        self._gate_result = StepGateResult("off", None, None, None, reason, method)
         self._reject_prefetch()
 
     def _reject_prefetch(self) -> None:

@@ -216,6 +216,7 @@ class StepCapture:
                     None,
                     None,
                     f"the step without prefetch could not be captured: {first_line(exc)}",
+                    "second capture",
                 )
                 free_cached_memory()
                 return run(closure, **kwargs)

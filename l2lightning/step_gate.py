@@ -43,9 +43,9 @@ class StepGateResult:
     prefetch_ms: float | None
     off_ms: float | None
     reason: str
-    # how the step without prefetch was made: its kernel nodes switched off in the one graph, or a
-    # second capture (two graphs, two memory pools, during the trial)
-    method: str = "switch"
+    # how the step without prefetch was made: "switch" (its kernel nodes switched off in the one
+    # graph) or "second capture" (two graphs, two memory pools, during the trial); None before any
+    method: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         gain = self.gain

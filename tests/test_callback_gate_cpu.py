@@ -125,6 +125,7 @@ def test_a_capture_during_the_trial_ends_it_without_prefetch(monkeypatch):
     run = fit(SGDEpochSchedule, [cb], **kwargs)
     s = cb.summary()
     assert s["prefetch_gate"]["kept"] == "off" and "captured again" in s["prefetch_gate"]["reason"], s
+    assert s["prefetch_gate"]["method"] == "second capture"  # the emulator's graphs cannot be switched
     assert hooks[0].removed_at < 24 and hooks[0].scoped_captures == 1
     assert_same(plain, run)
 
@@ -214,6 +215,7 @@ def test_a_switch_the_driver_refuses_ends_the_trial_without_prefetch_and_the_fit
     s = cb.summary()
     assert s["captured"] and s["fallback_steps"] == 0 and s["prefetch_gate"]["kept"] == "off", s
     assert "could not be switched" in s["prefetch_gate"]["reason"] and s["plans"] == []
+    assert s["prefetch_gate"]["method"] == "switch"
     assert_same(base, run)
 
 
