@@ -179,6 +179,17 @@ def _family_trainer(cfg: Any, accelerator: str, device: int, max_steps: int, cal
     )
 
 
+def packaged_refresh_rate(family: str) -> int | None:
+    """The refresh rate of `family`'s packaged progress bar (None: the family trains without one)."""
+    from l2lightning.tools.bench import run as bench
+
+    cfg = bench.compose_family(family, 4, [])
+    bar = (cfg.get("callbacks") or {}).get("progress_bar")
+    if not cfg.trainer.get("enable_progress_bar", True) or bar is None:
+        return None
+    return int(bar.get("refresh_rate", 1))
+
+
 class FamilySetup:
     """One family at one batch: its composed config and host batches (drawn once, cycled every fit)."""
 
@@ -922,6 +933,8 @@ def main(argv: list[str] | None = None) -> int:
             "anchor_optimizer": f"AdamW({args.anchor_optimizer}=True, capturable=True) for raw_graph_loop_ms; "
             "AdamW(fused=True) for compile_ro_ms; the family's own configure_optimizers() in the fits",
             "trainer": "family's progress bar and loggers; checkpointing, model summary, validation off",
+            # each refresh reads every prog_bar value back from the GPU: the step times depend on it
+            "progress_bar_refresh_rate": {fam: packaged_refresh_rate(fam) for fam in args.families},
             "data": f"{bench.FAMILY_BATCHES} host batches drawn once from the family's data module, cycled",
         },
         "columns": list(CSV_COLUMNS),

@@ -54,6 +54,7 @@ def test_smoke_writes_csv_json_profile_and_plot(tmp_path: Path) -> None:
     assert result["machine"]["command"]
     assert result["machine"]["torch"] and result["machine"]["lightning"]
     assert {"replay_ms", "raw_graph_loop_ms", "compile_ro_ms"} <= set(result["empty_columns_why"])
+    assert result["settings"]["progress_bar_refresh_rate"] == {"mlp_stack": 20, "rl_policy": 20}
     assert not result["errors"]
     cost = result["log_cost"]["median"]
     for variant in ("plain", "callback"):
