@@ -156,7 +156,7 @@ class StepCapture:
         self._step_output = None
         memo = group.traces[-1].memo if group is not None and group.traces else self._memo
         self._memo = memo
-        tracer = StepTracer(self._device_type(), constants, memo)
+        tracer = StepTracer(self._device_type(), constants, memo, capture_stream=self._step_stream)
         self._mode = "capture"
         self._capture_graph = graph
         wrapped.sync_tensors()

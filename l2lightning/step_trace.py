@@ -233,12 +233,28 @@ class HostConstants:
 MEMOIZED: tuple[tuple[str, str], ...] = (("torch.nn.modules.transformer", "_detect_is_causal_mask"),)
 
 
+# where a graph capture records streams (CUDA); elsewhere there is no stream to check
+_STREAM_CAPTURED_DEVICES = ("cuda",)
+
+
+def stream_is_captured() -> bool:
+    """Whether the current CUDA stream records into the capture in progress (the capture's stream, or
+    one forked from it by waiting on it); work on any other stream runs once, now, and never in a replay."""
+    return torch.cuda.is_current_stream_capturing()
+
+
+def current_stream_handle() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
 class StepTracer(TorchDispatchMode):
     """Trace a step's ops (warm-up), or substitute host constants and refuse syncs (capture).
 
     Args:
         device_type: the device the step trains on ("cuda"); tensors elsewhere are host tensors.
         constants: for a capture, the host constants to substitute, in the order they occur.
+        capture_stream: for a capture, the stream it runs on (its ops are recorded whatever else
+            is asked); ops on any other stream must be recorded too, or the capture is refused.
     """
 
     def __init__(
@@ -246,9 +262,11 @@ class StepTracer(TorchDispatchMode):
         device_type: str = "cuda",
         constants: HostConstants | None = None,
         memo: Sequence[tuple[str, Any]] = (),
+        capture_stream: Any = None,
     ) -> None:
         super().__init__()
         self.device_type = device_type
+        self._capture_stream = getattr(capture_stream, "cuda_stream", None)
         self.constants = constants
         self._memo_replay = list(memo)
         self.trace = StepTrace()
@@ -333,6 +351,20 @@ class StepTracer(TorchDispatchMode):
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         on_device = any(t.device.type == self.device_type for t in tensors)
         frame = user_frame(2)
+        if (
+            self.constants is not None
+            and on_device
+            and self.device_type in _STREAM_CAPTURED_DEVICES
+            and current_stream_handle() != self._capture_stream
+            and not stream_is_captured()
+        ):
+            raise CaptureRefused(
+                f"`{_op_name(func)}` at {describe_frame(frame)} runs on a CUDA stream that takes no part in the "
+                "capture (a `torch.cuda.stream(s)` block whose stream did not first wait on the step's stream): "
+                "the graph would not record it and every replay would skip it. Let the stream wait first "
+                "(`s.wait_stream(torch.cuda.current_stream())`) and the step's stream wait on it after, or "
+                "drop the side stream"
+            )
         sync = self._sync_reason(func, args, kwargs, tensors) if on_device else None
         if sync is not None:
             if self.constants is not None:

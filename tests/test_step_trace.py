@@ -59,6 +59,33 @@ def test_a_sync_inside_a_capture_is_refused_before_it_runs():
             torch.ones(2).sum().item()
 
 
+def test_work_on_a_stream_outside_the_capture_is_refused_naming_the_line(monkeypatch):
+    from l2lightning import step_trace
+
+    # the check is CUDA's; on the CPU it is exercised on the meta device with the stream's answer set
+    monkeypatch.setattr(step_trace, "_STREAM_CAPTURED_DEVICES", ("meta",))
+    x = torch.ones(4, device="meta")
+    captured = [True]
+    monkeypatch.setattr(step_trace, "stream_is_captured", lambda: captured[0])
+    current = [7]
+    monkeypatch.setattr(step_trace, "current_stream_handle", lambda: current[0])
+    capture_stream = type("Stream", (), {"cuda_stream": 5})()
+    with StepTracer("meta", HostConstants([], torch.device("meta")), capture_stream=capture_stream):
+        (x * 2).sum()  # on a stream forked from the capture's: recorded
+    captured[0] = False
+    current[0] = 5
+    with StepTracer("meta", HostConstants([], torch.device("meta")), capture_stream=capture_stream):
+        (x * 2).sum()  # on the capture's own stream: recorded, whatever else is asked
+    current[0] = 7
+    with pytest.raises(
+        CaptureRefused, match=r"`mul.Tensor` at .*test_step_trace.py:\d+ \(`x \* 2`\) runs on a CUDA stream"
+    ):
+        with StepTracer("meta", HostConstants([], torch.device("meta")), capture_stream=capture_stream):
+            x * 2
+    with StepTracer("meta"):  # warm-up steps run eagerly: any stream is fine there
+        x * 2
+
+
 def test_host_constants_must_keep_their_bytes():
     same = [HostConstant("arg", torch.arange(3), None, ("f.py", 1))]
     other = [HostConstant("arg", torch.arange(1, 4), None, ("f.py", 1))]

@@ -349,3 +349,50 @@ def test_the_whole_step_gate_times_both_graphs_and_training_stays_bitwise_equal(
     assert gate["method"] == "switch", gate
     assert gate["pairs"] == 8 and gate["kept"] in ("prefetch", "off") and gate["prefetch_ms"] > 0, gate
     assert (gate["kept"] == "off") == (s["plans"] == []), (gate, s["plans"])
+
+
+class SideStreamScale(TinyMLP):
+    """A step that puts part of its work on a CUDA stream of its own: a scale read from a buffer
+    (never written, so no step races it), joined back before use; `fork` makes the stream first wait
+    on the step's stream, which is what lets a capture record it."""
+
+    def __init__(self, fork: bool = False, **kw):
+        super().__init__(**kw)
+        self.fork = fork
+        self.register_buffer("scale_source", torch.full((), 0.5))
+        self._side = None
+
+    def on_fit_start(self):
+        self._side = torch.cuda.Stream()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        main = torch.cuda.current_stream()
+        if self.fork:
+            self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            scale = self.scale_source * 2.0
+        main.wait_stream(self._side)
+        pred = self.head(self.net(x)).squeeze(-1) * scale
+        loss = (pred - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_work_on_a_stream_the_capture_does_not_record_is_refused_by_name_and_trains_like_plain():
+    plain = fit(SideStreamScale, [], steps=12, baseline=True)
+    cb = L2GraphCallback(prefetch="off")
+    with pytest.warns(UserWarning, match="takes no part in the capture"):
+        run = fit(SideStreamScale, [cb], steps=12)
+    s = cb.summary()
+    assert not s["captured"] and "test_callback_gpu.py" in s["reason"], s
+    assert_same_run(plain, run)
+
+
+def test_a_side_stream_forked_from_the_steps_stream_is_captured_and_replays_bitwise():
+    base = fit(SideStreamScale, [], steps=20, baseline=True, fork=True)
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(SideStreamScale, [cb], steps=20, fork=True)
+    s = cb.summary()
+    assert s["captured"] and s["fallback_steps"] == 0, s
+    assert_same_run(base, run)
