@@ -19,6 +19,10 @@ time (tuning and captures included); peak memory is ``torch.cuda.max_memory_allo
 after ``reset_peak_memory_stats`` and an emptied cache before each fit. From the callback's summary:
 the graph pool, tuning and capture seconds, and the gate's verdict.
 
+``--families mlp_stack@16,rl_policy@4,...`` adds the packaged model families (``l2lightning.app.models``)
+as cases: each family's module and precision, its data drawn once and cycled, no progress bar or
+logger.
+
 Output in ``--out``: ``default_cost.csv`` (columns ``CSV_COLUMNS``: medians over rounds) and
 ``default_cost.json`` (every fit, the command, the doctor's GPU check).
 
@@ -33,6 +37,7 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,22 +84,75 @@ def parse_variants(text: str) -> list[str]:
     return names
 
 
+def parse_families(text: str) -> list[tuple[str, int]]:
+    """``"mlp_stack@16,vit@4"`` -> [(family, batch), ...] (batch 16 when left out); "" -> []."""
+    from l2lightning.app.models import FAMILIES
+
+    out = []
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        name, _, batch = item.partition("@")
+        if name not in FAMILIES or (batch and not (batch.isdigit() and int(batch) > 0)):
+            raise ValueError(
+                f"`--families` takes FAMILY[@BATCH] items separated by commas, FAMILY from {sorted(FAMILIES)}, "
+                f"got {item!r}"
+            )
+        out.append((name, int(batch) if batch else 16))
+    return out
+
+
 def fit_once(variant: str, width: int, depth: int, batch: int, untimed: int, steps: int) -> dict:
+    """One fit of the bf16 MLP stack d`width` x `depth` at `batch`."""
+
+    def build() -> tuple:
+        model = MLP(width, depth, "fused").to(torch.bfloat16)
+        return model, random_data(width, batch, untimed + steps + 2)
+
+    return _measure(
+        variant, f"d{width}x{depth} b{batch}", build, lambda n, cbs: quiet_trainer(n, cbs), untimed, steps
+    )
+
+
+def fit_family_once(variant: str, family: str, batch: int, untimed: int, steps: int) -> dict:
+    """One fit of the packaged model family at `batch`: its module, its precision, its data drawn
+    once and cycled (no data pipeline timed), without its progress bar and loggers."""
+    from types import SimpleNamespace
+
+    from bench_host_overhead import FamilySetup
+
+    from l2lightning.tools.bench.lightning_runners import cycled_loader, lightning_trainer
+
+    with tempfile.TemporaryDirectory() as logs:
+        setup = FamilySetup(family, batch, [], Path(logs))
+        precision = setup.cfg.trainer.get("precision", "32-true")
+
+        def build() -> tuple:
+            return setup.module(), cycled_loader(setup.host_batches, untimed + steps + 2)
+
+        def trainer(max_steps: int, callbacks: list) -> object:
+            return lightning_trainer(SimpleNamespace(device=0), max_steps, callbacks, precision=precision)
+
+        return _measure(variant, f"{family} b{batch}", build, trainer, untimed, steps)
+
+
+def _measure(variant: str, case: str, build, make_trainer, untimed: int, steps: int) -> dict:
+    """Fit what `build()` returns (model, data) with `variant`'s callback; the step time, fit time,
+    peak memory and the callback's summary."""
     seed_everything(0)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = MLP(width, depth, "fused").to(torch.bfloat16)
-    data = random_data(width, batch, untimed + steps + 2)
+    model, data = build()
     timer = StepTimer()
     cb = L2GraphCallback(log_timing=False, **VARIANTS[variant]) if VARIANTS[variant] is not None else None
-    trainer = quiet_trainer(untimed + steps + 1, [timer] + ([cb] if cb is not None else []))
+    trainer = make_trainer(untimed + steps + 1, [timer] + ([cb] if cb is not None else []))
     started = time.perf_counter()
     trainer.fit(model, data)
     torch.cuda.synchronize()
     wall = time.perf_counter() - started
     row = {
-        "case": f"d{width}x{depth} b{batch}",
+        "case": case,
         "variant": variant,
         "step_ms": statistics.fmean(timer.window_ms(untimed, steps)),
         "fit_wall_s": wall,
@@ -120,10 +178,10 @@ def fit_once(variant: str, width: int, depth: int, batch: int, untimed: int, ste
     return row
 
 
-def medians(rows: list[dict], cases: list[tuple[int, int, int]], variants: list[str]) -> list[dict]:
+def medians(rows: list[dict], cases: list[str], variants: list[str]) -> list[dict]:
+    """Per case name and variant, the median of each CSV column over the rounds (None: every fit failed)."""
     table = []
-    for width, depth, batch in cases:
-        case = f"d{width}x{depth} b{batch}"
+    for case in cases:
         for variant in variants:
             mine = [r for r in rows if r["case"] == case and r["variant"] == variant and "error" not in r]
             entry = {"case": case, "variant": variant}
@@ -137,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--cases", default="1536x40x16,1024x60x8", help="WIDTHxDEPTHxBATCH, comma-separated")
+    parser.add_argument(
+        "--families",
+        default="",
+        help="packaged model families too, FAMILY[@BATCH] comma-separated (batch 16 when left out)",
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"from {sorted(VARIANTS)}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
@@ -146,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
     args = parser.parse_args(argv)
     try:
-        cases, variants = parse_cases(args.cases), parse_variants(args.variants)
+        cases, variants = parse_cases(args.cases) if args.cases else [], parse_variants(args.variants)
+        families = parse_families(args.families)
     except ValueError as exc:
         parser.error(str(exc))
     for name in ("rounds", "untimed", "steps"):
@@ -158,18 +222,23 @@ def main(argv: list[str] | None = None) -> int:
     check = doctor.check_before_timing(0, force=args.force, program="bench_default_cost")
     if check.refused:
         return 2
+    fits = [
+        (f"d{w}x{d} b{b}", lambda v, w=w, d=d, b=b: fit_once(v, w, d, b, args.untimed, args.steps))
+        for w, d, b in cases
+    ] + [
+        (f"{f} b{b}", lambda v, f=f, b=b: fit_family_once(v, f, b, args.untimed, args.steps))
+        for f, b in families
+    ]
     rows = []
     for _ in range(args.rounds):
-        for width, depth, batch in cases:
+        for case, fit in fits:
             for variant in variants:
                 try:
-                    rows.append(fit_once(variant, width, depth, batch, args.untimed, args.steps))
+                    rows.append(fit(variant))
                 except Exception as exc:  # a failing variant is a result too
-                    rows.append(
-                        {"case": f"d{width}x{depth} b{batch}", "variant": variant, "error": repr(exc)[:300]}
-                    )
+                    rows.append({"case": case, "variant": variant, "error": repr(exc)[:300]})
                 print(json.dumps(rows[-1], default=str), flush=True)
-    table = medians(rows, cases, variants)
+    table = medians(rows, [case for case, _ in fits], variants)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "default_cost.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)

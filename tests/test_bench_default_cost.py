@@ -42,5 +42,19 @@ def test_medians_over_rounds_per_case_and_variant():
         }
         for v in (1.0, 3.0, 2.0)
     ] + [{"case": "d8x2 b4", "variant": "plain", "error": "boom"}]
-    table = bench.medians(rows, [(8, 2, 4)], ["off", "plain"])
+    table = bench.medians(rows, ["d8x2 b4"], ["off", "plain"])
     assert table[0]["step_ms"] == 2.0 and table[1]["step_ms"] is None
+
+
+def test_families_parse_with_their_batch_and_bad_ones_name_the_option():
+    assert bench.parse_families("") == []
+    assert bench.parse_families("mlp_stack@4, rl_policy") == [("mlp_stack", 4), ("rl_policy", 16)]
+    for bad in ("mlp", "mlp_stack@0", "mlp_stack@x"):
+        with pytest.raises(ValueError, match=r"`--families` takes FAMILY\[@BATCH\] items.*mlp_stack"):
+            bench.parse_families(bad)
+
+
+def test_without_cuda_the_benchmark_says_so_and_exits_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--out", str(tmp_path), "--cases", "", "--families", "mlp_stack@4"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
