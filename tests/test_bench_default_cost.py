@@ -58,3 +58,26 @@ def test_without_cuda_the_benchmark_says_so_and_exits_2(tmp_path, capsys, monkey
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     assert bench.main(["--out", str(tmp_path), "--cases", "", "--families", "mlp_stack@4"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_a_family_case_fits_the_familys_module_on_its_data(monkeypatch):
+    """The family case's wiring on the CPU: its module and data, one fit, the row's fields (the
+    CUDA memory counters and the GPU Trainer replaced by stand-ins: the timing itself needs a GPU)."""
+    import l2lightning.tools.bench.lightning_runners as runners
+
+    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(bench.torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(bench.torch.cuda, "max_memory_allocated", lambda *a, **k: 1 << 30)
+    monkeypatch.setattr(bench.torch.cuda, "max_memory_reserved", lambda *a, **k: 2 << 30)
+    real = runners.lightning_trainer
+    made = []
+
+    def on_cpu(settings, max_steps, callbacks, accelerator="cuda", **overrides):
+        made.append((max_steps, overrides))
+        return real(settings, max_steps, callbacks, accelerator="cpu", **overrides)
+
+    monkeypatch.setattr(runners, "lightning_trainer", on_cpu)
+    row = bench.fit_family_once("plain", "rl_policy", 4, untimed=3, steps=3)
+    assert row["case"] == "rl_policy b4" and row["variant"] == "plain" and row["step_ms"] > 0, row
+    assert row["peak_alloc_gib"] == 1.0 and row["peak_reserved_gib"] == 2.0 and row["param_gib"] > 0
+    assert made == [(7, {"precision": "32-true"})]
