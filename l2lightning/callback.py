@@ -66,7 +66,7 @@ from l2lightning.optim import (
 from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.prefetch_setup import PrefetchSetup
 from l2lightning.progress_bar_reads import defer_progress_bar_reads
-from l2lightning.replay_closure import ReplayClosure, why_not_fast
+from l2lightning.replay_closure import CLOSURE_HOOKS, ReplayClosure, why_not_fast
 from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
@@ -79,13 +79,6 @@ from l2lightning.step_trace import (
 from l2lightning.warmup_steps import WarmupSteps, _Group
 
 PREFETCH_MODES = ("off", "default", "auto", "decoy")
-# Hooks inside the closure that the graph runs once at capture; a replay re-issues their log calls.
-CAPTURED_HOOKS = (
-    "on_before_zero_grad",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-)
 UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
 # Module methods replaced for the fit: replay mode skips them or answers from the graph.
 _MODULE_OVERRIDES = ("training_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping", "log")
@@ -397,13 +390,13 @@ class L2GraphCallback(
         if reason:
             self._disable(reason)
             return
-        user_hooks = tuple(h for h in CAPTURED_HOOKS if is_overridden(h, pl_module))
+        user_hooks = tuple(h for h in CLOSURE_HOOKS if is_overridden(h, pl_module))
         # every hook of the module that runs inside the captured step (analyse skips Lightning's own)
         self._source = analyse(
             pl_module,
             ("training_step", *user_hooks, "configure_gradient_clipping", "optimizer_zero_grad", "backward"),
         )
-        analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CAPTURED_HOOKS, self._source)
+        analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CLOSURE_HOOKS, self._source)
         if self._source.global_writes:
             self._disable(
                 f"the step assigns module-level or closure names ({'; '.join(self._source.global_writes[:3])}); a replayed "
@@ -429,7 +422,7 @@ class L2GraphCallback(
         for cb in trainer.callbacks:
             if cb is self:
                 continue
-            for hook in CAPTURED_HOOKS:
+            for hook in CLOSURE_HOOKS:
                 if is_overridden(hook, cb, parent=Callback):
                     setattr(cb, hook, self._captured_hook(hook, getattr(cb, hook)))
                     self._callback_overrides.append((cb, hook))

@@ -33,8 +33,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
-# The hooks of one closure, in the order Lightning calls them (zero_grad, backward, after the closure)
+# The hooks inside Lightning's optimizer closure, in the order it calls them (zero_grad, backward,
+# after the closure): a capture runs them once in the graph, a replay re-issues their log calls
 CLOSURE_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 # Precision-plugin methods on the closure's path that must be Lightning's base ones
 _PRECISION_PATH = (
@@ -89,11 +91,6 @@ def is_stock_closure(closure: Any) -> bool:
     )
 
 
-def overrides(obj: Any, base: type, hook: str) -> bool:
-    """Whether `obj`'s `hook` is anything but `base`'s (a subclass's method or one set on the instance)."""
-    return hook in vars(obj) or getattr(type(obj), hook) is not getattr(base, hook)
-
-
 class ReplayClosure:
     """Runs a replay's closure, calling the closure's hooks that some callback or the module overrides.
 
@@ -113,10 +110,12 @@ class ReplayClosure:
             return
         self._key = key
         self._callback_hooks = frozenset(
-            hook for hook in CLOSURE_HOOKS if any(overrides(cb, Callback, hook) for cb in trainer.callbacks)
+            hook
+            for hook in CLOSURE_HOOKS
+            if any(is_overridden(hook, cb, parent=Callback) for cb in trainer.callbacks)
         )
         self._module_hooks = frozenset(
-            hook for hook in CLOSURE_HOOKS if overrides(module, LightningModule, hook)
+            hook for hook in CLOSURE_HOOKS if is_overridden(hook, module, parent=LightningModule)
         )
 
     def __call__(self, trainer: Any, closure: functools.partial) -> Any:
