@@ -37,7 +37,7 @@ import gc
 import json
 import sys
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,73 +66,78 @@ def frame_label(frames: list[dict[str, Any]]) -> str:
     )
 
 
-def live_at_peak(trace: list[dict[str, Any]]) -> tuple[int, dict[int, dict[str, Any]]]:
-    """(peak bytes above the recording's start, the allocations alive at that moment) from one device's trace."""
+def _at_peak(trace: list[dict[str, Any]], added: str, removed: str) -> tuple[int, dict[int, dict[str, Any]]]:
+    """(the most bytes that `added` events minus `removed` ones reached, the `added` events alive then).
+
+    Two passes: the first finds the moment, the second replays the trace up to it (a copy of what is
+    alive at every new peak would cost a copy per allocation on a growing trace).
+    """
     live: dict[int, int] = {}
     total = peak = peak_at = 0
     for i, event in enumerate(trace):
         action = event["action"]
-        if action == "alloc":
+        if action == added:
             live[event["addr"]] = event["size"]
             total += event["size"]
             if total > peak:
                 peak, peak_at = total, i
-        elif action == "free_completed" and event["addr"] in live:
+        elif action == removed and event["addr"] in live:
             total -= live.pop(event["addr"])
     alive: dict[int, dict[str, Any]] = {}
     for event in trace[: peak_at + 1]:
-        if event["action"] == "alloc":
+        if event["action"] == added:
             alive[event["addr"]] = event
-        elif event["action"] == "free_completed":
+        elif event["action"] == removed:
             alive.pop(event["addr"], None)
     return peak, alive
 
 
+def live_at_peak(trace: list[dict[str, Any]]) -> tuple[int, dict[int, dict[str, Any]]]:
+    """(peak bytes above the recording's start, the allocations alive at that moment) from one device's trace."""
+    return _at_peak(trace, "alloc", "free_completed")
+
+
 def reserved_at_peak(trace: list[dict[str, Any]]) -> tuple[int, dict[int, dict[str, Any]]]:
     """(peak reserved bytes above the recording's start, the segments mapped at that moment)."""
-    live: dict[int, dict[str, Any]] = {}
-    total = peak = 0
-    at_peak: dict[int, dict[str, Any]] = {}
-    for event in trace:
-        action = event["action"]
-        if action == "segment_alloc":
-            live[event["addr"]] = event
-            total += event["size"]
-            if total > peak:
-                peak, at_peak = total, dict(live)
-        elif action == "segment_free" and event["addr"] in live:
-            total -= live.pop(event["addr"])["size"]
-    return peak, at_peak
+    return _at_peak(trace, "segment_alloc", "segment_free")
+
+
+def _ranked(labelled: Iterable[tuple[str, int]]) -> list[dict[str, Any]]:
+    """(label, bytes) pairs summed per label: the largest :data:`TOP_GROUPS`, in MiB with their counts."""
+    by: dict[str, list[int]] = defaultdict(list)
+    for label, size in labelled:
+        by[label].append(size)
+    rows = [{"where": k, "mib": sum(v) / MIB, "count": len(v)} for k, v in by.items()]
+    return sorted(rows, key=lambda r: -r["mib"])[:TOP_GROUPS]
 
 
 def segment_groups(segments: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    by: dict[str, list[int]] = defaultdict(list)
-    for event in segments.values():
-        by[f"stream {event.get('stream')}: {frame_label(event.get('frames', []))}"].append(event["size"])
-    rows = [{"where": k, "mib": sum(v) / MIB, "count": len(v)} for k, v in by.items()]
-    return sorted(rows, key=lambda r: -r["mib"])[:TOP_GROUPS]
+    return _ranked(
+        (f"stream {e.get('stream')}: {frame_label(e.get('frames', []))}", e["size"])
+        for e in segments.values()
+    )
 
 
 def capture_segments(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The segments mapped while a step was being captured (a frame in ``_capture_into``), grouped
     by stream and the innermost frame of the allocation that made each: what a graph's pool holds."""
-    by: dict[str, list[int]] = defaultdict(list)
-    for event in trace:
+
+    def label(event: dict[str, Any]) -> str:
         frames = event.get("frames", [])
-        if event["action"] == "segment_alloc" and any(f.get("name") == "_capture_into" for f in frames):
-            inner = frames[0] if frames else {}
-            where = f"{inner.get('filename', '?').rsplit('/site-packages/', 1)[-1]}:{inner.get('line')} {inner.get('name')}"
-            by[f"stream {event.get('stream')}: {where} (via {frame_label(frames)})"].append(event["size"])
-    rows = [{"where": k, "mib": sum(v) / MIB, "count": len(v)} for k, v in by.items()]
-    return sorted(rows, key=lambda r: -r["mib"])[:TOP_GROUPS]
+        inner = frames[0] if frames else {}
+        where = f"{inner.get('filename', '?').rsplit('/site-packages/', 1)[-1]}:{inner.get('line')} {inner.get('name')}"
+        return f"stream {event.get('stream')}: {where} (via {frame_label(frames)})"
+
+    return _ranked(
+        (label(e), e["size"])
+        for e in trace
+        if e["action"] == "segment_alloc"
+        and any(f.get("name") == "_capture_into" for f in e.get("frames", []))
+    )
 
 
 def groups(alive: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    by: dict[str, list[int]] = defaultdict(list)
-    for event in alive.values():
-        by[frame_label(event.get("frames", []))].append(event["size"])
-    rows = [{"where": k, "mib": sum(v) / MIB, "count": len(v)} for k, v in by.items()]
-    return sorted(rows, key=lambda r: -r["mib"])[:TOP_GROUPS]
+    return _ranked((frame_label(e.get("frames", [])), e["size"]) for e in alive.values())
 
 
 def recorded(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
