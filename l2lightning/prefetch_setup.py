@@ -165,8 +165,7 @@ class PrefetchSetup:
         self._gate_result = result
         self._graph = kept
         # the dropped graph's gradients must not keep its pool alive
-        for param, grad in zip(kept.params, kept.grad_tensors):
-            param.grad = grad
+        kept.bind_grads()
         if result.kept == "off":
             self._reject_prefetch()
         self._timing.graph.clear()  # graph_step_ms: the kept graph's replays from here on

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter, is_not
 from typing import Any
 
 import torch
@@ -45,6 +46,9 @@ STALE_GRAPH_HINT = (
 )
 
 
+_grad_of = attrgetter("grad")  # per parameter per replay: mapped in C, not a Python loop
+
+
 @dataclass
 class _Graph:
     """One captured step and what its replays need."""
@@ -79,6 +83,14 @@ class _Graph:
     counters: tuple = ()
     # the values the step reads through self that are Python numbers (StepSource.attribute_values)
     attributes: list = field(default_factory=list)
+
+    def bind_grads(self) -> None:
+        """Point every parameter's ``.grad`` at the tensor this graph writes for it (an eager step, the
+        user or the gate's other graph may have replaced it). Per replay: the check is mapped in C."""
+        if any(map(is_not, map(_grad_of, self.params), self.grad_tensors)):
+            for param, grad in zip(self.params, self.grad_tensors):
+                if param.grad is not grad:
+                    param.grad = grad
 
 
 class StepCapture:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from operator import attrgetter, is_not
 from typing import Any
 
 import torch
@@ -17,8 +16,6 @@ import torch
 from l2lightning.capture import loss_of
 from l2lightning.replay_closure import is_stock_closure
 from l2lightning.step_overrides import copied_element
-
-_grad_of = attrgetter("grad")  # per parameter per replay: mapped in C, not a Python loop
 
 
 class StepDispatch:
@@ -96,11 +93,7 @@ class StepDispatch:
     def _replay_step(self, closure: Any) -> Any:
         graph = self._graph
         graph.static.copy_tensors(self._pending_tensors)  # _decide flattened the batch, compared signatures
-        if any(map(is_not, map(_grad_of, graph.params), graph.grad_tensors)):
-            # an eager step (or the user) replaced them
-            for param, grad in zip(graph.params, graph.grad_tensors):
-                if param.grad is not grad:
-                    param.grad = grad
+        graph.bind_grads()
         if graph.binding is not None:
             graph.binding.bring_home()
         self._optimizer.sync_tensors()
