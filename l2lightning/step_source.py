@@ -213,12 +213,9 @@ def _analyse_object(
             obj if callback else None,
         )
         visitor.run(tree)
-        function = inspect.unwrap(getattr(method, "__func__", method))
-        namespace = getattr(function, "__globals__", None)
-        if isinstance(namespace, dict):
-            _record_globals(found, namespace, visitor.global_names, visitor.module_attributes)
-            _record_closure(found, function, visitor.global_names)
-            _follow_functions(found, namespace, visitor.called_names, depth + 1, seen_functions)
+        _record_outside_reads(
+            found, inspect.unwrap(getattr(method, "__func__", method)), visitor, depth, seen_functions
+        )
         if depth < HELPER_DEPTH:
             pending += [
                 (helper, depth + 1, position, None) for helper, position in sorted(visitor.helpers.items())
@@ -667,6 +664,19 @@ class _Visitor:
             self.found.log_values.setdefault(key.value, (self._line(node), evaluate))
 
 
+def _record_outside_reads(
+    found: StepSource, function: Any, visitor: _Visitor, depth: int, seen: set[int]
+) -> None:
+    """What `function` (its source read by `visitor`) reads from outside itself: module-level names,
+    imported modules' attributes and closure variables; then the user's functions it calls."""
+    namespace = getattr(function, "__globals__", None)
+    if not isinstance(namespace, dict):
+        return
+    _record_globals(found, namespace, visitor.global_names, visitor.module_attributes)
+    _record_closure(found, function, visitor.global_names)
+    _follow_functions(found, namespace, visitor.called_names, depth + 1, seen)
+
+
 def _record_globals(
     found: StepSource, namespace: dict, names: set[str], module_attributes: set[tuple[str, str]]
 ) -> None:
@@ -739,9 +749,7 @@ def _follow_functions(
             continue
         visitor = _Visitor(found, filename, first_line, "", None, (), set())
         visitor.run(tree)
-        _record_globals(found, target.__globals__, visitor.global_names, visitor.module_attributes)
-        _record_closure(found, target, visitor.global_names)
-        _follow_functions(found, target.__globals__, visitor.called_names, depth + 1, seen)
+        _record_outside_reads(found, target, visitor, depth, seen)
 
 
 def _is_user_code(obj: Any) -> bool:
