@@ -61,22 +61,26 @@ class PrefetchSetup:
             # peak. On the d1024x60 stack the defaults' reserved peak was tuning's 86 MiB on top of
             # 190 MiB of such segments, 80 MiB over `off` (benchmarks/memory_peak.py on the H200).
             free_cached_memory()
+        out_of_memory = None
         try:
             with _leaves_no_trace(pl_module, self._optimizer.optimizer if self._optimizer else None):
                 self._hooks = self._prefetch_hooks(pl_module)
         except torch.OutOfMemoryError as exc:
-            # The tuner's throwaway copies and timing graphs did not fit: free them and capture
-            # the step without prefetch (the graph alone is most of the gain).
+            # The tuner's throwaway copies and timing graphs did not fit: capture the step without
+            # prefetch (the graph alone is most of the gain). Only the message is kept: the
+            # traceback's frames hold the tuner's chains until the exception is gone.
             self._hooks = None
-            free_cached_memory()
+            out_of_memory = first_line(exc)
+        finally:
+            self._cost_s["tuning_s"] += time.perf_counter() - started
+        if out_of_memory is not None:
+            free_cached_memory()  # the chains are unreachable now: their blocks go back to the driver
             self._warn_once(
                 "prefetch-oom",
-                f"prefetch off: out of memory while tuning it ({memory_state()}; {first_line(exc)}); "
+                f"prefetch off: out of memory while tuning it ({memory_state()}; {out_of_memory}); "
                 "capturing the step without prefetch.",
             )
             self._prefetch_failed = True
-        finally:
-            self._cost_s["tuning_s"] += time.perf_counter() - started
         if self._hooks is not None:
             self._tuning_report = self._hooks.tuning_report
             self.plans = self._hooks.plan_summary()

@@ -146,6 +146,55 @@ def test_a_failing_candidate_is_dropped_not_fatal():
     assert report.rows[0].chosen and report.rows[0].plan.blocks == 8
 
 
+
+def test_out_of_memory_while_building_a_chain_reaches_the_caller():
+    """Unlike a shape that cannot be built, running out of memory is not the shape's fault: it
+    reaches the caller (L2GraphCallback captures without prefetch, with one warning)."""
+
+    def factory(layer, phase, device, max_copies):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    with pytest.raises(torch.OutOfMemoryError, match="64.00 MiB"):
+        tuner(FakeClock(), factory).tune([fake_layer()], "cpu", ("forward",))
+
+
+@pytest.mark.parametrize(
+    "when",
+    ["plain sample", "candidate race", "confirmation"],
+)
+def test_out_of_memory_while_timing_reaches_the_caller_with_the_bench_closed(when):
+    """An allocator error in any of the search's stages is not taken for a failing candidate (which
+    would leave the tuner trying every later shape in a full GPU): it propagates, and the bench
+    whose chain and graphs hold the memory is closed on the way out."""
+    clock = FakeClock()
+    factory = Factory(clock, hint8_wins)
+
+    def failing(layer, phase, device, max_copies):
+        bench = factory(layer, phase, device, max_copies)
+        sample = bench.sample
+        taken = {"plain": 0}
+
+        def sample_or_fail(plan, decoy=False):
+            if plan is None:
+                taken["plain"] += 1
+            stage = (
+                "plain sample" if plan is None and taken["plain"] == 1
+                else "candidate race" if plan is not None and not decoy
+                else "confirmation" if decoy
+                else None
+            )
+            if stage == when:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return sample(plan, decoy)
+
+        bench.sample = sample_or_fail
+        return bench
+
+    with pytest.raises(torch.OutOfMemoryError):
+        tuner(clock, failing).tune([fake_layer(), fake_layer(d=2048, index=1, name="b")], "cpu", ("forward",))
+    assert len(factory.benches) == 1 and factory.benches[0].closed  # no later shape was tried
+
+
 # ---------------------------------------------------------------------- budget
 @pytest.mark.parametrize("budget", [0.6, 0.3])
 def test_per_shape_budget_is_honoured_with_a_fake_clock(budget):

@@ -505,6 +505,11 @@ class Autotuner(StagedSearch):
             except SkipShape as exc:
                 row.reason = str(exc)
                 return
+            except torch.OutOfMemoryError:
+                # Out of memory is no fault of this shape: every later shape would run out too, and
+                # the caller (L2GraphCallback) frees what tuning took and captures without prefetch,
+                # with one warning. The chain's memory is released as the exception unwinds.
+                raise
             except Exception as exc:  # a layer we cannot rebuild runs plain rather than failing the run
                 row.reason = f"could not build a throwaway chain ({type(exc).__name__}: {exc})"
                 return

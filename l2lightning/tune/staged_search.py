@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import torch
+
 from l2lightning.prefetch.chain import Layer
 from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.tune.candidates import (
@@ -57,6 +59,8 @@ class StagedSearch:
             # Two plain samples: the first includes the capture and a cold start; the faster one
             # gives the op time that the issue-rate rule needs.
             t_plain = min(s.take(None), s.take(None))
+        except torch.OutOfMemoryError:
+            raise  # not this shape's failure: the tuner has no memory left (see Autotuner._measure)
         except Exception as exc:
             row.reason = f"the plain throwaway chain failed ({type(exc).__name__}: {exc})"
             return
@@ -150,6 +154,8 @@ class StagedSearch:
                     return self._survivors(alive, gains)
                 try:
                     gains[c].append(s.pair(c, plain_first=(rnd + i) % 2 == 0))
+                except torch.OutOfMemoryError:
+                    raise
                 except Exception as exc:  # a candidate that cannot be captured or run is out
                     failed[c] = f"{c.label} failed: {type(exc).__name__}: {exc}"
                     alive.remove(c)
@@ -201,6 +207,8 @@ class StagedSearch:
             try:
                 for v in variants[k % 3 :] + variants[: k % 3]:
                     times[v] = s.take(*v)
+            except torch.OutOfMemoryError:
+                raise
             except Exception as exc:
                 return None, f"{plan.label} failed in confirmation: {type(exc).__name__}: {exc}"
             plain.append(times[variants[0]])

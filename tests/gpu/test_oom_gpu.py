@@ -8,9 +8,12 @@ free what it took, say so, and train eagerly; either way the fit is bit for bit 
 (fused AdamW: the capturable and the plain configuration give the same bits).
 
 On the H200 (2026-12-01) the callback's fit now needs no more PyTorch memory than plain training,
-so with 4% to spare it captures; the out-of-memory fallback in the capture is exercised on the CPU
-(tests/test_callback_replay_cpu.py), the one in tuning also here, with the tuner's memory budget
-lifted so that its throwaway chains cannot fit. A process's first
+so with 4% to spare it captures; and the tuner sizes its throwaway chains to the free memory it
+finds (even with its memory budget lifted), so it skips the shapes it cannot fit instead of running
+out. The out-of-memory fallback in the capture is exercised on the CPU
+(tests/test_callback_replay_cpu.py); the one in tuning here, by a real allocator error inside a
+tuning capture: a bench that, once its chain is built, takes the memory that is still free (as
+another process on the GPU could) before capturing. A process's first
 kernel on a second CUDA stream takes 70 MiB outside PyTorch's allocator, which no fallback can avoid
 (every capture needs such a stream): the scenario pays it before sizing the filler.
 
@@ -37,6 +40,7 @@ from l2lightning import L2GraphCallback
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
 WIDTH, DEPTH, BATCH, STEPS, HEADROOM = 2048, 8, 64, 12, 1.04
+PRELUDE
 
 class Losses(Callback):
     def __init__(self):
@@ -78,6 +82,8 @@ try:
         model, losses = fit([cb])
     out["warnings"] = [str(w.message) for w in caught if "L2GraphCallback" in str(w.message)]
     out["summary"] = {k: cb.summary()[k] for k in ("captured", "reason", "fallback_steps", "captures")}
+    tuning = cb.summary()["tuning"]
+    out["tuning_reasons"] = [r["reason"] for r in tuning["rows"]] if tuning else None
     out["losses_equal"] = len(losses) == len(plain_losses) and all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
     out["params_equal"] = all(torch.equal(v, plain_state[k]) for k, v in model.state_dict().items())
 except Exception as exc:
@@ -102,9 +108,12 @@ print("RESULT " + json.dumps(out, default=str))
 """
 
 
-def run_scenario(callback_kwargs: dict) -> dict:
+def run_scenario(callback_kwargs: dict | str, prelude: str = "") -> dict:
+    """The scenario with the callback built from `callback_kwargs` (a dict, or the source of an
+    expression), after `prelude` (source run first)."""
     root = Path(__file__).resolve().parents[2]
-    code = SCENARIO.replace("CALLBACK_KWARGS", repr(callback_kwargs))
+    kwargs = callback_kwargs if isinstance(callback_kwargs, str) else repr(callback_kwargs)
+    code = SCENARIO.replace("PRELUDE", prelude).replace("CALLBACK_KWARGS", kwargs)
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -126,11 +135,49 @@ def test_a_callback_fit_in_memory_that_only_plain_training_fits_falls_back_and_t
     assert out["captured_afterwards"], out
 
 
-def test_tuning_that_runs_out_of_memory_is_dropped_with_one_warning_and_the_step_is_captured_without_prefetch():
-    """The tuner without its memory budget (``memory_budget=None``) wants far more than the 4% left
-    above plain training: its out-of-memory error frees what it took, one warning names it, and the
-    step is captured without prefetch, training bit for bit like plain."""
+def test_tuning_without_its_memory_budget_sizes_its_chains_to_free_memory_and_does_not_run_out():
+    """The tuner without its memory budget (``memory_budget=None``) next to a fit that leaves 4% over
+    plain training: it builds only the chains that fit in the memory it finds free, skips the rest
+    with the reason in its rows, and the step is captured, training bit for bit like plain."""
     out = run_scenario({"autotune": {"memory_budget": None, "cache": None}})
+    assert "error" not in out, out
+    assert not [m for m in out["warnings"] if "out of memory" in m], out
+    assert any("free memory" in (reason or "") for reason in out["tuning_reasons"]), out
+    assert out["summary"]["captured"] and out["summary"]["fallback_steps"] == 0, out
+    assert out["losses_equal"] and out["params_equal"] and out["captured_afterwards"], out
+
+
+# A tuning bench that, once its chain is built, takes what is still free before its first capture:
+# the capture's allocations then fail in the real allocator, inside a CUDA graph capture. The fit
+# gets room for the tuner's chains (HEADROOM, and no memory budget), so that tuning reaches its captures.
+MEMORY_TAKER = r"""
+HEADROOM = 4.0
+import torch
+from l2lightning.tune import search as _search
+from l2lightning.tune.timing import CudaShapeBench
+
+class MemoryTakenBench(CudaShapeBench):
+    taken = []
+    def _graph(self, plan, decoy):
+        if not MemoryTakenBench.taken:
+            # blocks PyTorch caches would be given back to the capture when it runs out: none left
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info()
+            MemoryTakenBench.taken.append(torch.empty(free - 2**20, dtype=torch.uint8, device="cuda"))
+        return super()._graph(plan, decoy)
+    def close(self):
+        MemoryTakenBench.taken.clear()
+        super().close()
+
+_search.CudaShapeBench = MemoryTakenBench
+"""
+
+
+def test_an_out_of_memory_error_inside_tuning_is_caught_freed_and_warned_once_and_the_step_is_captured_without_prefetch():
+    """An allocator error in a tuning capture (memory taken between sizing and capturing): the
+    tuner's chains and graphs are freed, one warning names the cause and the sizes, and the step
+    is captured without prefetch, training bit for bit like plain."""
+    out = run_scenario({"autotune": {"memory_budget": None, "cache": None}}, prelude=MEMORY_TAKER)
     assert "error" not in out, out
     tuning = [m for m in out["warnings"] if "out of memory while tuning" in m]
     assert len(tuning) == 1 and "GiB free" in tuning[0], out
