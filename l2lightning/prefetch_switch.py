@@ -86,7 +86,8 @@ class PrefetchSwitch:
             raise ValueError("`nodes` must name at least one prefetch kernel node")
         self.raw_exec = raw_exec
         self.nodes = list(nodes)
-        self._set_enabled = set_enabled or _driver_set_enabled
+        # the driver's entry point is resolved once: the gate's trial toggles every node per turn
+        self._set_enabled = set_enabled or _driver_set_enabled(_entry("cuGraphNodeSetEnabled"))
         self.enabled = True  # as captured
 
     def set(self, enabled: bool) -> None:
@@ -98,12 +99,16 @@ class PrefetchSwitch:
         self.enabled = enabled
 
 
-def _driver_set_enabled(raw_exec: int, node: int, enabled: bool) -> None:
-    set_enabled = _entry("cuGraphNodeSetEnabled")
-    _check(
-        set_enabled(ctypes.c_void_p(raw_exec), ctypes.c_void_p(node), ctypes.c_uint(1 if enabled else 0)),
-        "cuGraphNodeSetEnabled",
-    )
+def _driver_set_enabled(set_enabled: Any) -> Any:
+    """``(raw_exec, node, enabled) -> None`` through the driver's resolved ``cuGraphNodeSetEnabled``."""
+
+    def call(raw_exec: int, node: int, enabled: bool) -> None:
+        _check(
+            set_enabled(ctypes.c_void_p(raw_exec), ctypes.c_void_p(node), ctypes.c_uint(1 if enabled else 0)),
+            "cuGraphNodeSetEnabled",
+        )
+
+    return call
 
 
 def find_switch(graph: Any, functions: Iterable[int]) -> tuple[PrefetchSwitch | None, str]:
@@ -127,7 +132,10 @@ def find_switch(graph: Any, functions: Iterable[int]) -> tuple[PrefetchSwitch | 
         return None, f"the graph's nodes cannot be read ({exc})"
     if not nodes:
         return None, "no prefetch kernel node in the captured graph"
-    return PrefetchSwitch(raw_exec, nodes), f"{len(nodes)} prefetch kernel nodes"
+    try:
+        return PrefetchSwitch(raw_exec, nodes), f"{len(nodes)} prefetch kernel nodes"
+    except RuntimeError as exc:  # a driver older than CUDA 11.6 cannot switch nodes
+        return None, f"the graph's nodes cannot be switched ({exc})"
 
 
 def new_cuda_graph(keep_graph: bool = False) -> Any:

@@ -118,6 +118,14 @@ def test_a_driver_error_leaves_no_switch(monkeypatch):
     assert switch is None and "cuGraphGetNodes failed with CUDA driver error 1" in why
 
 
+def test_a_driver_that_cannot_switch_nodes_leaves_no_switch(monkeypatch):
+    driver = FakeDriver(ROWS)
+    del driver.cuGraphNodeSetEnabled  # before CUDA 11.6
+    monkeypatch.setattr(prefetch_switch, "_driver", lambda: driver)
+    switch, why = find_switch(FakeGraph(), [0xAA])
+    assert switch is None and "cannot be switched" in why and "cuGraphNodeSetEnabled" in why, why
+
+
 def test_a_failed_switch_raises_with_the_driver_error(monkeypatch):
     monkeypatch.setattr(prefetch_switch, "_driver", lambda: FakeDriver(ROWS, fail="cuGraphNodeSetEnabled"))
     switch = PrefetchSwitch(0x2000, [11])
