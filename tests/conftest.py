@@ -35,3 +35,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def emulated_cuda_graphs(monkeypatch, one_torch_thread):
+    """CUDA graph capture and replay stood in for on the CPU (tests/graph_emulator.py), for this test."""
+    from tests import graph_emulator
+
+    graph_emulator.install(monkeypatch.setattr)
+    yield

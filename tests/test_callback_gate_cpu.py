@@ -16,7 +16,6 @@ import pytest
 
 from l2lightning import L2GraphCallback, step_gate
 from l2lightning.step_gate import VARIANTS
-from tests import graph_emulator as emu
 from tests.lightning_models import TinyMLP
 from tests.test_callback_replay_cpu import SGDEpochSchedule, assert_same, baseline_of, fit
 
@@ -51,10 +50,8 @@ class StandInHooks:
         self.removed_at = int(self.callback._trainer.global_step)
 
 
-@pytest.fixture(autouse=True)
-def emulated_cuda_graphs(monkeypatch, one_torch_thread):
-    emu.install(monkeypatch.setattr)
-    yield
+# every test here runs on the CPU graph emulator (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
 
 def gated(monkeypatch, prefetch_ms, off_ms, **kwargs):

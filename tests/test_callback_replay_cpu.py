@@ -29,11 +29,8 @@ from tests.idiom_modules import IDIOMS
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike
 
-
-@pytest.fixture(autouse=True)
-def emulated_cuda_graphs(monkeypatch, one_torch_thread):
-    emu.install(monkeypatch.setattr)
-    yield
+# every test here runs on the CPU graph emulator (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
 
 def baseline_of(cls):

@@ -11,15 +11,8 @@ from lightning.pytorch.trainer.connectors.logger_connector.logger_connector impo
 
 from l2lightning import L2GraphCallback, make_capturable
 from l2lightning.progress_bar_reads import defer_progress_bar_reads
-from tests import graph_emulator as emu
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike
-
-
-@pytest.fixture
-def emulated(monkeypatch, one_torch_thread):
-    emu.install(monkeypatch.setattr)
-    yield
 
 
 class CountsBatchEndReads(Callback):
@@ -78,7 +71,7 @@ def capturable(cls):
 Baseline = capturable(ManyLogs)
 
 
-def test_the_batch_end_reads_nothing_and_every_read_sees_the_eager_numbers(emulated):
+def test_the_batch_end_reads_nothing_and_every_read_sees_the_eager_numbers(emulated_cuda_graphs):
     base_seen, base_reads = LoggedEverywhere(), CountsBatchEndReads()
     base = fit(Baseline, [base_reads, base_seen])
     cb = L2GraphCallback(prefetch="off", log_timing=False)
@@ -97,7 +90,7 @@ def test_the_batch_end_reads_nothing_and_every_read_sees_the_eager_numbers(emula
     assert all(isinstance(v, float) for v in got._logger_connector._progress_bar_metrics.values())
 
 
-def test_a_progress_bar_refreshed_every_few_steps_shows_what_eager_shows(emulated, tmp_path):
+def test_a_progress_bar_refreshed_every_few_steps_shows_what_eager_shows(emulated_cuda_graphs, tmp_path):
     class Shown(TQDMProgressBar):
         def __init__(self):
             super().__init__(refresh_rate=5)
@@ -153,7 +146,7 @@ def test_undo_reads_what_is_left_and_restores_the_class():
     assert type(connector) is _LoggerConnector
 
 
-def test_an_interrupted_fit_leaves_lightnings_connector(emulated):
+def test_an_interrupted_fit_leaves_lightnings_connector(emulated_cuda_graphs):
     class Stops(TinyMLP):
         def training_step(self, batch, batch_idx):
             if batch_idx == 6:
@@ -180,7 +173,7 @@ class LogsInValidation(ManyLogs):
         return loss
 
 
-def test_validation_progress_bar_values_read_later_are_the_eager_ones(emulated):
+def test_validation_progress_bar_values_read_later_are_the_eager_ones(emulated_cuda_graphs):
     def run(cls, callbacks):
         seen = LoggedEverywhere(callbacks[0] if callbacks else None)
         seed_everything(0)

@@ -17,15 +17,11 @@ from lightning.pytorch.trainer import call
 from l2lightning import L2GraphCallback, replay_closure
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.replay_closure import CLOSURE_HOOKS, is_stock_closure, why_not_fast
-from tests import graph_emulator as emu
 from tests.lightning_models import TinyMLP
 from tests.test_callback_replay_cpu import assert_same, baseline_of, callback, fit
 
-
-@pytest.fixture(autouse=True)
-def emulated_cuda_graphs(monkeypatch, one_torch_thread):
-    emu.install(monkeypatch.setattr)
-    yield
+# every test here runs on the CPU graph emulator (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
 
 class LoggingHooks(Callback):
