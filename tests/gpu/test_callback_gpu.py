@@ -122,13 +122,22 @@ def test_last_partial_batch_falls_back_and_training_continues():
     assert_same_run(base, run)
 
 
-def test_host_sync_in_training_step_is_refused_at_the_first_step_and_trains_like_plain():
-    base = fit(TinyMLP, [], steps=10, sync_in_step=True)  # plain Lightning
+def assert_refused_and_trains_like_plain(cls, warning: str, in_reason: str, **fit_kwargs) -> None:
+    """A fit the callback refuses to capture: it says so (`warning`, `in_reason` naming the cause) and
+    trains bit for bit like plain Lightning."""
+    plain = fit(cls, [], **fit_kwargs)
     cb = L2GraphCallback(prefetch="off")
-    with pytest.warns(UserWarning, match=r"lightning_models.py:\d+.*makes the host wait"):
-        run = fit(TinyMLP, [cb], steps=10, sync_in_step=True)
-    assert not cb.summary()["captured"] and "eager_steps" in cb.summary()["reason"]
-    assert_same_run(base, run)
+    with pytest.warns(UserWarning, match=warning):
+        run = fit(cls, [cb], **fit_kwargs)
+    s = cb.summary()
+    assert not s["captured"] and in_reason in s["reason"], s
+    assert_same_run(plain, run)
+
+
+def test_host_sync_in_training_step_is_refused_at_the_first_step_and_trains_like_plain():
+    assert_refused_and_trains_like_plain(
+        TinyMLP, r"lightning_models.py:\d+.*makes the host wait", "eager_steps", steps=10, sync_in_step=True
+    )
 
 
 class SyncsInsideCapture(TinyMLP):
@@ -380,13 +389,10 @@ class SideStreamScale(TinyMLP):
 
 
 def test_work_on_a_stream_the_capture_does_not_record_is_refused_by_name_and_trains_like_plain():
-    plain = fit(SideStreamScale, [], steps=12, fused=True)
-    cb = L2GraphCallback(prefetch="off")
-    with pytest.warns(UserWarning, match="takes no part in the capture"):
-        run = fit(SideStreamScale, [cb], steps=12, fused=True)
-    s = cb.summary()
-    assert not s["captured"] and "test_callback_gpu.py" in s["reason"], s
-    assert_same_run(plain, run)  # fused AdamW: capturable and configured steps agree bitwise
+    # fused AdamW: the capturable and the configured steps agree bitwise
+    assert_refused_and_trains_like_plain(
+        SideStreamScale, "takes no part in the capture", "test_callback_gpu.py", steps=12, fused=True
+    )
 
 
 def test_a_side_stream_forked_from_the_steps_stream_is_captured_and_replays_bitwise():
