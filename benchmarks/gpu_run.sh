@@ -21,10 +21,11 @@
 #                 Lightning eager vs the callback without and with autotuned prefetch, 10 steps per
 #                 repeat (default 3 repeats)
 #   decode-reference  benchmarks/decode_reference.py (FP32 reference, step reports) -> decode_reference.tgz
-#   host-overhead[=ARGS]  benchmarks/bench_host_overhead.py with ARGS (commas for spaces)
+#   host-overhead[=ARGS]  benchmarks/bench_host_overhead.py with ARGS (commas for spaces, semicolons
+#                 for the commas of a list: --families,mlp_stack;rl_policy)
 #                 -> host_overhead.tgz
 #   decode        the decode benchmark with the automatic attention choice (no attention sweep)
-#   default-cost[=ARGS]  benchmarks/bench_default_cost.py with ARGS (commas for spaces): step time,
+#   default-cost[=ARGS]  benchmarks/bench_default_cost.py with ARGS (as host-overhead's): step time,
 #                 fit wall time and peak memory of plain, prefetch off, the defaults and auto without
 #                 the whole-step gate -> default_cost.csv / default_cost.json
 #   memory-peak[=SCENARIO,...]  benchmarks/memory_peak.py: the allocations alive at the peak of the tuner's
@@ -48,6 +49,9 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,pstate,clocks.sm,clocks.mem,clocks_throttle_reasons.active,power.draw,power.limit --format=csv | tee "$OUT/gpu_state.txt"
 python3 -c "import torch, cupy, lightning; print('torch', torch.__version__, 'cupy', cupy.__version__, 'lightning', lightning.__version__)" | tee -a "$OUT/gpu_state.txt"
+# A stage's ARGS: commas separate arguments, semicolons separate a list inside one
+# (default-cost=--variants,plain;off,--rounds,2 -> --variants plain,off --rounds 2).
+stage_args() { local a=${1//,/ }; echo "${a//;/,}"; }
 PYTEST=(python3 -m pytest -m gpu -q --timeout 150 --no-header -p no:cacheprovider)
 for stage in "$@"; do
   echo "=== stage $stage ($(date +%T))"
@@ -109,12 +113,12 @@ for stage in "$@"; do
       tar czf "$OUT/decode_reference.tgz" -C /tmp decode_reference ;;
     host-overhead*)
       extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
-      timeout 330 python3 benchmarks/bench_host_overhead.py --out /tmp/host_overhead ${extra//,/ } > "$OUT/host_overhead.log" 2>&1
+      timeout 330 python3 benchmarks/bench_host_overhead.py --out /tmp/host_overhead $(stage_args "$extra") > "$OUT/host_overhead.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/host_overhead.log" | tail -40
       tar czf "$OUT/host_overhead.tgz" -C /tmp host_overhead ;;
     default-cost*)
       extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
-      timeout 300 python3 benchmarks/bench_default_cost.py --out "$OUT" ${extra//,/ } > "$OUT/default_cost.log" 2>&1
+      timeout 300 python3 benchmarks/bench_default_cost.py --out "$OUT" $(stage_args "$extra") > "$OUT/default_cost.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/default_cost.log" | tail -12 ;;
     memory-peak*)
       extra=""; [[ "$stage" == *=* ]] && extra="--scenarios ${stage#*=}"
