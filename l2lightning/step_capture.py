@@ -217,29 +217,37 @@ class StepCapture:
         except Exception as exc:  # a host sync or an op that cannot be captured
             self._undo_capture(saved, binding, saved_metrics)
             python_state.restore(python_before)  # the eager step below changes them once
+            # Only what the fallback needs is kept: the exception's frames hold the partial
+            # capture's tensors (in the graph's pool) until it is gone, and the eager step below
+            # must not run next to them (with little memory to spare it would run out itself).
+            failed = (
+                first_line(exc)
+                if gate_capture or isinstance(exc, torch.OutOfMemoryError)
+                else self._capture_failure_reason(exc)
+            )
+            out_of_memory = isinstance(exc, torch.OutOfMemoryError)
+        else:
+            failed = None
+        if failed is not None:
+            graph = self._capture_graph = None  # the partial graph's pool goes with it
             if gate_capture:
                 # the step with prefetch was captured; only the comparison failed: keep that graph
                 self._graph = self._gate.graphs["prefetch"]
-                self._capture_graph = graph = None
                 self._gate = None
                 self._gate_result = StepGateResult(
                     "prefetch",
                     None,
                     None,
                     None,
-                    f"the step without prefetch could not be captured: {first_line(exc)}",
+                    f"the step without prefetch could not be captured: {failed}",
                     "second capture",
                 )
                 free_cached_memory()
-                return run(closure, **kwargs)
-            if isinstance(exc, torch.OutOfMemoryError):
-                graph = self._capture_graph = None  # the partial graph's pool goes with them
+            elif out_of_memory:
                 free_cached_memory()
-                self._disable(
-                    f"the step could not be captured: out of memory ({memory_state()}; {first_line(exc)})"
-                )
+                self._disable(f"the step could not be captured: out of memory ({memory_state()}; {failed})")
             else:
-                self._disable(self._capture_failure_reason(exc))
+                self._disable(failed)
             return run(closure, **kwargs)
         graph.output = self._step_output
         graph.log_calls = self._capture_logs

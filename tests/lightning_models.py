@@ -64,6 +64,22 @@ class TinyMLP(LightningModule):
         return opt
 
 
+
+class RunsOutOfMemoryInCapture(TinyMLP):
+    """TinyMLP whose step, the first time a CUDA graph captures it in this process, asks for the
+    device's whole memory (as if something else had taken it mid-capture): a real allocator
+    out-of-memory error raised inside the capture. Eager steps, and later captures, allocate nothing."""
+
+    raised = [False]
+
+    def training_step(self, batch, batch_idx):
+        if not RunsOutOfMemoryInCapture.raised[0] and torch.cuda.is_current_stream_capturing():
+            RunsOutOfMemoryInCapture.raised[0] = True
+            _, total = torch.cuda.mem_get_info()
+            torch.empty(total, dtype=torch.uint8, device="cuda")
+        return super().training_step(batch, batch_idx)
+
+
 def quiet_trainer(**kwargs):
     """A Trainer without logger, checkpoints, progress bar or model summary; `kwargs` add or override."""
     from lightning.pytorch import Trainer

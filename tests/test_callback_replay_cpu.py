@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+import weakref
 from collections import namedtuple
 from dataclasses import dataclass
 
@@ -999,6 +1000,34 @@ def test_out_of_memory_in_the_capture_falls_back_to_eager_naming_it():
         run = fit(OOMInCapture, [cb], fused=True)
     assert not cb.summary()["captured"]
     assert_same(plain, run)
+
+
+class OOMHoldingCaptureTensors(TinyMLP):
+    """Runs out of memory in the capture with a tensor of the capture alive in its frame, and records,
+    at each later step, whether that tensor still exists."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.held = None  # a weak reference to the capture's tensor
+        self.alive_at_later_steps: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        if emu.CAPTURING[0]:
+            partial = torch.ones(1024)  # what a capture has allocated in its pool when it runs out
+            self.held = weakref.ref(partial)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if self.held is not None:
+            self.alive_at_later_steps.append(self.held() is not None)
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_eager_fallback_after_an_out_of_memory_capture_runs_without_the_captures_tensors():
+    """The exception's frames hold what the capture allocated; the fallback's eager step, which may
+    need that memory, must run after they are gone."""
+    cb = callback()
+    with pytest.warns(UserWarning, match="could not be captured: out of memory"):
+        model, _, _ = fit(OOMHoldingCaptureTensors, [cb], steps=8, fused=True)
+    assert model.alive_at_later_steps and not any(model.alive_at_later_steps), model.alive_at_later_steps
 
 
 def test_out_of_memory_while_tuning_captures_without_prefetch(monkeypatch):
