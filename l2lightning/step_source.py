@@ -563,7 +563,14 @@ class _Visitor:
         result = transformer.visit(ast.fix_missing_locations(ast.parse(ast.unparse(expr), mode="eval")).body)
         return result if transformer.ok else None
 
-    def _reads_step_counter(self, expr: ast.AST) -> bool:
+    def _reads_step_counter(self, expr: ast.AST, followed: set[str] | None = None) -> bool:
+        """Whether `expr` reads a step counter, directly or through the locals it reads.
+
+        `followed`: the locals whose values are already being read. A local assigned from itself
+        (``x = x.float()``, the one assignment the record keeps) or two that read each other would
+        otherwise be followed forever; each value is read once, which finds every counter they reach.
+        """
+        followed = set() if followed is None else followed
         for node in ast.walk(expr):
             if isinstance(node, ast.Attribute) and node.attr in STEP_COUNTERS:
                 return True
@@ -571,7 +578,10 @@ class _Visitor:
                 if node.id == self.batch_idx:
                     return True
                 value = self.assigned.get(node.id)
-                if value is not None and node.id != self.self_name and self._reads_step_counter(value):
+                if value is None or node.id == self.self_name or node.id in followed:
+                    continue
+                followed.add(node.id)
+                if self._reads_step_counter(value, followed):
                     return True
         return False
 

@@ -1074,6 +1074,23 @@ class AuxLossFlag(_Regressor):
         return loss
 
 
+
+class ReboundInput(_Regressor):
+    """The input rebound from itself (`x = x.float()`, how CleanRL and vision steps normalise their
+    observations) and read by a branch on its shape: the source reader once followed that local into
+    itself forever, and the fit crashed at setup."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x.float()
+        if x.shape[-1] != self.net[0].in_features:  # a user's own shape check
+            raise ValueError(f"expected {self.net[0].in_features} features, got {tuple(x.shape)}")
+        pred = self.net(x).squeeze(-1) + 0.1 * self.target(x).squeeze(-1)
+        loss = F.mse_loss(pred, y)
+        self.log("train_loss", loss)
+        return loss
+
+
 class OwnStepCounter(_Regressor):
     """A target sync every 10 steps of the module's own Python counter: no step counter to read."""
 
@@ -1222,6 +1239,13 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             _reg_loader,
             "capture",
             "one parameter's optimizer state replaced: that step runs eagerly, the next is captured again",
+        ),
+        Idiom(
+            "rebound_input",
+            ReboundInput,
+            _reg_loader,
+            "capture",
+            "a local rebound from itself and branched on: read once, captured",
         ),
         Idiom(
             "buffer_data_moved",

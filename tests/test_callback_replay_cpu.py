@@ -1872,6 +1872,7 @@ def test_python_state_set_once_at_the_first_step_is_allowed():
         "global_loss_weight",
         "momentum_reset_one_layer",
         "buffer_data_moved",
+        "rebound_input",
     ],
 )
 def test_idiom_variants_are_captured_and_equal_or_refused_and_plain(name):

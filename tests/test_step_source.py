@@ -45,6 +45,33 @@ def test_conditions_on_step_counters_are_found_and_evaluated_per_step():
     assert source.branch_key(Module(4), 50) == (False, False, True)
 
 
+
+class _ReassignsItsLocals:
+    """Locals assigned from themselves (``x = x.float()``: the one assignment the reader records) and
+    from each other, read by branch tests: one cycle reaches a step counter, one does not."""
+
+    def __init__(self, step=0):
+        self.global_step = step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x * 1.0
+        if x.shape[0] > 1:  # a tensor's shape, through a local that reads itself: no counter
+            pass
+        a = b + self.global_step  # noqa: F821 - read before assignment: only the source is analysed
+        b = a * 2
+        if b > 5:  # a counter reached through two locals that read each other
+            pass
+        return None
+
+
+def test_locals_that_read_themselves_or_each_other_are_followed_once():
+    found = analyse(_ReassignsItsLocals())
+    (condition,) = found.conditions
+    assert "if b > 5:" in condition.line and condition.on_counters
+    assert condition.evaluate is None  # a value without end cannot be computed before the step
+
+
 def test_logged_python_expressions_are_recomputed_where_they_only_read():
     source = analyse(Module())
     assert set(source.log_values) == {"lr", "twice"}  # a call to one's own method is not evaluated
