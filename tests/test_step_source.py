@@ -246,3 +246,28 @@ def test_values_read_through_self_are_compared_where_they_are_python_numbers():
     module.weights = [1.0, 3.0]  # a new list, element 0 the same, but `self.weights[i]` reads all of it
     changed = found.changed_attribute_values(snapshot, module, 1)
     assert len(changed) == 2 and any('self.hparams["kl"]' in line for line in changed)
+
+
+class _Curriculum:
+    """A sequence-length curriculum: the step counter inside a slice (`tokens[:, : 4 + step // 10]`)."""
+
+    global_step = 0
+
+    def training_step(self, batch, batch_idx):
+        tokens = batch[:, : 4 + self.global_step // 10]
+        return tokens.sum()
+
+
+def test_a_counter_read_inside_a_slice_is_compared_as_the_slices_bound():
+    """A slice's `:n` is no expression of its own (reading it once raised a SyntaxError and crashed the
+    fit at setup): the largest expression around the read that is one is the slice's bound."""
+    found = analyse(_Curriculum())
+    (value,) = found.counter_values
+    assert "tokens = batch[:, : 4 + self.global_step // 10]" in value.line
+    module = _Curriculum()
+    captured = found.counter_snapshot(module, 0)
+    assert captured == (4,)
+    module.global_step = 9
+    assert found.changed_counter_values(captured, module, 9) == []
+    module.global_step = 10
+    assert len(found.changed_counter_values(captured, module, 10)) == 1  # a longer sequence: captured again
