@@ -8,6 +8,7 @@ user's step: whatever it finds, it must return.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -15,11 +16,12 @@ import types
 
 import pytest
 
-from l2lightning.step_source import analyse
+from l2lightning.step_source import StepSource, analyse, analyse_callbacks
 
 PACKAGES = ("torch.nn.modules", "torch.optim", "torchmetrics.functional", "lightning.pytorch.loops")
 
 
+@functools.cache  # read once for both readers
 def _functions(package: str) -> list[tuple[str, types.FunctionType]]:
     root = importlib.import_module(package)
     modules = [root]
@@ -38,19 +40,29 @@ def _functions(package: str) -> list[tuple[str, types.FunctionType]]:
     return found
 
 
+def _read_as_training_step(hook: types.FunctionType) -> None:
+    analyse(type("UserModule", (), {"training_step": hook})())
+
+
+def _read_as_a_callbacks_hook(hook: types.FunctionType) -> None:
+    # a callback's hook inside the step: (self, trainer, pl_module, ...) for the reader
+    callback = type("UserCallback", (), {"on_before_optimizer_step": hook})()
+    analyse_callbacks([callback], ("on_before_optimizer_step",), StepSource())
+
+
+@pytest.mark.parametrize("read", [_read_as_training_step, _read_as_a_callbacks_hook])
 @pytest.mark.parametrize("package", PACKAGES)
-def test_reading_any_real_function_as_a_training_step_never_raises(package):
+def test_reading_any_real_function_as_a_step_hook_never_raises(package, read):
     functions = _functions(package)
     assert len(functions) > 100, package  # the package was read, not skipped
     failures = []
     for qualname, function in functions:
-        step = types.FunctionType(
-            function.__code__, function.__globals__, "training_step", function.__defaults__, function.__closure__
+        hook = types.FunctionType(
+            function.__code__, function.__globals__, "hook", function.__defaults__, function.__closure__
         )
-        step.__module__ = "user_code"  # read like a user's own step, not skipped as a library's
-        module = type("UserModule", (), {"training_step": step})()
+        hook.__module__ = "user_code"  # read like the user's own code, not skipped as a library's
         try:
-            analyse(module)
+            read(hook)
         except Exception as exc:
             failures.append(f"{qualname}: {type(exc).__name__}: {exc}")
     assert not failures, failures[:10]
