@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from l2lightning import python_state
-from l2lightning.capture import StaticBatch, TrainingState, graph_capture
+from l2lightning.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
 from l2lightning.cuda_memory import free_cached_memory, memory_state
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.metric_binding import (
@@ -325,6 +325,12 @@ class StepCapture:
         module.zero_grad(set_to_none=True)
         reserved = 0
         if torch.cuda.is_available():
+            # The eager steps' cuBLAS workspaces are dropped here, before the reading below, rather
+            # than only at the capture's start (graph_capture drops them to give the graph its own,
+            # and torch.cuda.graph then empties the cache): released after the reading, they were
+            # subtracted from the pool's size, which read 64 MiB (the graph's two workspaces) short
+            # on the H200 whenever no tuning had released them first.
+            clear_cublas_workspaces()
             # Collected too: a dead autograd graph in a reference cycle keeps AccumulateGrad nodes
             # bound to another stream, which would break the capture.
             free_cached_memory()
