@@ -1074,7 +1074,6 @@ class AuxLossFlag(_Regressor):
         return loss
 
 
-
 class ReboundInput(_Regressor):
     """The input rebound from itself (`x = x.float()`, how CleanRL and vision steps normalise their
     observations) and read by a branch on its shape: the source reader once followed that local into

@@ -64,7 +64,6 @@ class TinyMLP(LightningModule):
         return opt
 
 
-
 class RunsOutOfMemoryInCapture(TinyMLP):
     """TinyMLP whose step, the first time a CUDA graph captures it in this process, asks for the
     device's whole memory (as if something else had taken it mid-capture): a real allocator

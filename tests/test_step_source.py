@@ -45,7 +45,6 @@ def test_conditions_on_step_counters_are_found_and_evaluated_per_step():
     assert source.branch_key(Module(4), 50) == (False, False, True)
 
 
-
 class _ReassignsItsLocals:
     """Locals assigned from themselves (``x = x.float()``: the one assignment the reader records) and
     from each other, read by branch tests: one cycle reaches a step counter, one does not."""

@@ -34,7 +34,9 @@ def _functions(package: str) -> list[tuple[str, types.FunctionType]]:
     for module in modules:
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and obj.__module__ == module.__name__:
-                found += [(f"{obj.__qualname__}.{n}", f) for n, f in vars(obj).items() if inspect.isfunction(f)]
+                found += [
+                    (f"{obj.__qualname__}.{n}", f) for n, f in vars(obj).items() if inspect.isfunction(f)
+                ]
             elif inspect.isfunction(obj) and obj.__module__ == module.__name__:
                 found.append((name, obj))
     return found

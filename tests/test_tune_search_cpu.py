@@ -146,7 +146,6 @@ def test_a_failing_candidate_is_dropped_not_fatal():
     assert report.rows[0].chosen and report.rows[0].plan.blocks == 8
 
 
-
 def test_out_of_memory_while_building_a_chain_reaches_the_caller():
     """Unlike a shape that cannot be built, running out of memory is not the shape's fault: it
     reaches the caller (L2GraphCallback captures without prefetch, with one warning)."""
@@ -178,9 +177,12 @@ def test_out_of_memory_while_timing_reaches_the_caller_with_the_bench_closed(whe
             if plan is None:
                 taken["plain"] += 1
             stage = (
-                "plain sample" if plan is None and taken["plain"] == 1
-                else "candidate race" if plan is not None and not decoy
-                else "confirmation" if decoy
+                "plain sample"
+                if plan is None and taken["plain"] == 1
+                else "candidate race"
+                if plan is not None and not decoy
+                else "confirmation"
+                if decoy
                 else None
             )
             if stage == when:
