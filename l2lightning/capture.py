@@ -9,6 +9,7 @@ an eager run would start from.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -48,7 +49,9 @@ def _walk(obj: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(obj)
         return ("T", len(tensors) - 1)
     if isinstance(obj, Mapping):
-        return ("M", type(obj), tuple((k, _walk(v, tensors)) for k, v in obj.items()))
+        # a defaultdict is rebuilt with its factory (as Lightning's apply_to_collection does)
+        factory = obj.default_factory if isinstance(obj, collections.defaultdict) else None
+        return ("M", type(obj), tuple((k, _walk(v, tensors)) for k, v in obj.items()), factory)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return ("N", type(obj), tuple(_walk(v, tensors) for v in obj))
     if isinstance(obj, (list, tuple)):
@@ -65,7 +68,12 @@ def unflatten_batch(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
     if kind == "T":
         return tensors[spec[1]]
     if kind == "M":
-        return spec[1]((k, unflatten_batch(v, tensors)) for k, v in spec[2])
+        # built from a dict, as Lightning's apply_to_collection builds a mapping: every Mapping type
+        # takes one (a generator of pairs is refused by a mappingproxy, a defaultdict needs its factory)
+        items = {k: unflatten_batch(v, tensors) for k, v in spec[2]}
+        if issubclass(spec[1], collections.defaultdict):
+            return spec[1](spec[3], items)
+        return spec[1](items)
     if kind == "N":
         return spec[1](*(unflatten_batch(v, tensors) for v in spec[2]))
     if kind == "S":

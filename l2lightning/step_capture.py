@@ -136,7 +136,14 @@ class StepCapture:
             bound.update(self._graph.binding.metrics)
         self._graph = None  # a re-capture replaces the graph; a failed one leaves none
         binding = MetricBinding(bound) if bound else None
-        static = StaticBatch(batch)
+        try:
+            static = StaticBatch(batch)
+        except Exception as exc:  # a container type that cannot be rebuilt around other tensors
+            self._disable(
+                f"the batch ({type(batch).__name__}) cannot be rebuilt around the graph's static "
+                f"buffers: {type(exc).__name__}: {first_line(exc)}"
+            )
+            return run(closure, **kwargs)
         holders = self._python_holders()
         # The chain discovery's dry run and the verify step run training_step's Python too: what they
         # do to Python state (an appended output, a drawn random number) is undone like their tensors.

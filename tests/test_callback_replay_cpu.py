@@ -6,6 +6,7 @@ Every test compares a fit with the callback against the eager fit it must equal:
 
 from __future__ import annotations
 
+import collections
 import copy
 import re
 import warnings
@@ -981,6 +982,51 @@ def test_families_update_their_metrics_in_the_graph_and_log_like_eager(family):
     assert_logged_alike(base_seen, seen)
     for (name, p), q in zip(base_model.named_parameters(), model.parameters()):
         assert torch.equal(p, q), f"{family}: parameter {name} differs"
+
+
+def _mapping_loader(mapping_type):
+    """The regression batches as `mapping_type` instances, as a user's collate_fn might build them."""
+
+    def collate(samples):
+        batch = mapping_type()
+        batch["x"] = torch.stack([x for x, _ in samples])
+        batch["y"] = torch.stack([y for _, y in samples])
+        return batch
+
+    return DataLoader(regression_loader(n=240, width=32).dataset, batch_size=8, collate_fn=collate)
+
+
+class TakesMappingBatches(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        return super().training_step((batch["x"], batch["y"]), batch_idx)
+
+
+def test_a_defaultdict_batch_is_captured_and_replays_bitwise():
+    loader = lambda: _mapping_loader(lambda: collections.defaultdict(list))  # noqa: E731
+    base = fit(baseline_of(TakesMappingBatches), loader=loader())
+    cb = callback()
+    run = fit(TakesMappingBatches, [cb], loader=loader())
+    assert cb.summary()["captured"] and cb.summary()["fallback_steps"] == 0, cb.summary()
+    assert_same(base, run)
+
+
+def test_a_batch_the_static_buffers_cannot_rebuild_is_refused_by_name_and_trains_like_plain(monkeypatch):
+    """Whatever Lightning can move to the device the buffers rebuild the same way; should a type still
+    fail there, the capture is refused with the reason, and the fit goes on eagerly."""
+    from l2lightning import step_capture
+
+    def cannot_rebuild(batch):
+        raise TypeError("Exotic() takes no arguments")
+
+    plain = fit(TinyMLP, fused=True)
+    monkeypatch.setattr(step_capture, "StaticBatch", cannot_rebuild)
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"the batch \(list\) cannot be rebuilt .*Exotic\(\) takes no arguments"
+    ):
+        run = fit(TinyMLP, [cb], fused=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)  # fused AdamW: the capturable and the configured steps agree bitwise
 
 
 # --------------------------------------------------------------------------- what capturing costs, OOM

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -21,6 +24,25 @@ def test_nested_batch_round_trips():
     assert len(tensors) == 3
     rebuilt = unflatten_batch(spec, [t + 1 for t in tensors])
     assert rebuilt["tag"] == "train" and torch.equal(rebuilt["pair"][1][0], torch.arange(2) + 1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: collections.defaultdict(list, {"x": x, "n": 3}),
+        lambda x: types.MappingProxyType({"x": x, "n": 3}),
+        lambda x: collections.OrderedDict(x=x, n=3),
+    ],
+    ids=["defaultdict", "mappingproxy", "OrderedDict"],
+)
+def test_mapping_batches_are_rebuilt_as_their_own_type(make):
+    """Rebuilt from a dict, as Lightning's apply_to_collection rebuilds them (a defaultdict with its
+    factory): a collate_fn's defaultdict once made the capture raise a TypeError."""
+    batch = make(torch.ones(2))
+    static = StaticBatch(batch)
+    assert type(static.batch) is type(batch) and static.batch["n"] == 3
+    assert getattr(static.batch, "default_factory", None) is getattr(batch, "default_factory", None)
+    assert static.batch["x"] is static.tensors[0] and static.mismatch(make(torch.zeros(2))) is None
 
 
 def test_static_batch_copies_and_rejects_other_shapes_and_dtypes():
