@@ -563,10 +563,10 @@ class _Visitor:
         try:
             # a copy to transform; parsed back from text, so parts of an expression that cannot
             # stand alone (a slice's `:n`, a starred `*args`, `yield`, `await`) are not evaluable
-            copy = ast.parse(ast.unparse(expr), mode="eval")
+            parsed = ast.parse(ast.unparse(expr), mode="eval")
         except SyntaxError:
             return None
-        result = transformer.visit(ast.fix_missing_locations(copy).body)
+        result = transformer.visit(ast.fix_missing_locations(parsed).body)
         return result if transformer.ok else None
 
     def _reads_step_counter(self, expr: ast.AST, followed: set[str] | None = None) -> bool:
