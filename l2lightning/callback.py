@@ -404,6 +404,16 @@ class L2GraphCallback(
                 "(`on_train_batch_end` runs after every replay)"
             )
             return
+        if self._source.opaque_conditions and self.eager_steps is None:
+            # A replayed graph would take the capture step's branch at every step: refused rather than
+            # trained on the wrong branch; `eager_steps` tells the callback which steps take the other.
+            self._disable(
+                "training_step branches on the step counters in a way the callback cannot evaluate, at "
+                f"{'; '.join(self._source.opaque_conditions)}; a replayed graph would always take the branch "
+                "of the capture step. Pass `eager_steps=lambda trainer, batch_idx: ...` returning True for "
+                "the steps that take the other branch to capture the rest"
+            )
+            return
         self._module = pl_module
         self._trainer = trainer
         overrides: dict[str, Any] = {
@@ -510,13 +520,13 @@ class L2GraphCallback(
             if needs_sync_free_nan_check(metric) and "_cast_and_nan_check_input" not in vars(metric):
                 metric._cast_and_nan_check_input = sync_free_nan_check(metric)
                 self._nan_patched.append(metric)
-        if self._source.opaque_conditions:
+        if self._source.opaque_conditions:  # captured only because `eager_steps` was given (see setup)
             self._warn_once(
                 "opaque",
                 "training_step branches on the step counters in a way the callback cannot evaluate, at "
-                f"{'; '.join(self._source.opaque_conditions)}; a replayed graph always takes the branch of the capture "
-                "step. Pass "
-                "`eager_steps=lambda trainer, batch_idx: ...` returning True for the steps that take the other branch",
+                f"{'; '.join(self._source.opaque_conditions)}; replays take the branch of the capture step, "
+                "and the steps your `eager_steps` selects run eagerly: it must select every step that takes "
+                "the other branch",
             )
 
     # ------------------------------------------------------------------ per-step decision

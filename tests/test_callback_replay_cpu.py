@@ -526,6 +526,21 @@ def test_eager_steps_predicate_runs_those_steps_eagerly_and_an_opaque_branch_is_
     assert_same(base, run)
 
 
+def test_an_opaque_step_counter_branch_without_eager_steps_is_refused_by_name_and_trains_like_plain():
+    """Without `eager_steps` a replay would take the capture step's branch at every step (the other
+    branch's steps silently trained on the wrong one): the capture is refused, naming the line."""
+    plain = fit(LocalStepCondition, fused=True)
+    cb = callback()
+    with pytest.warns(
+        UserWarning,
+        match=r"cannot evaluate, at .*test_callback_replay_cpu.py:\d+ \(`if self.global_step % every == 0:`\).*"
+        r"training eagerly",
+    ):
+        run = fit(LocalStepCondition, [cb], fused=True)
+    assert not cb.summary()["captured"] and "eager_steps" in cb.summary()["reason"]
+    assert_same(plain, run)  # fused AdamW: the capturable and the configured steps agree bitwise
+
+
 class Annealed(TinyMLP):
     """A KL-annealing style weight computed in Python from the step counter."""
 
