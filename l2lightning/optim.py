@@ -74,6 +74,9 @@ def capture_support(optimizer: torch.optim.Optimizer) -> str | None:
     )
 
 
+_MISSING = object()  # a key a param group no longer has
+
+
 class CapturableOptimizer:
     """An optimizer switched to capturable mode by :func:`make_capturable`, and how to undo it.
 
@@ -103,6 +106,9 @@ class CapturableOptimizer:
         self._frozen = False
         self._released = False
         self._baked: list[dict[str, Any]] = []
+        # During a step (tensor_hyperparameters): per group, its hyperparameters and its LR tensor's
+        # version as the step found them, to see what the step's own code wrote (hyperparameter_writes)
+        self._entry: list[tuple[dict[str, Any], int | None]] | None = None
         # Called as handler(run, closure, kwargs) instead of the step when set (L2GraphCallback's capture/replay).
         self.handler: Callable[[Callable[..., Any], Any, dict], Any] | None = None
         self._inner_step: Callable[..., Any] | None = None
@@ -183,6 +189,44 @@ class CapturableOptimizer:
     def tensor_hyperparameters(self) -> _TensorHyperparameters:
         """Context: the groups hold the LR tensors (filled from their floats), then the floats again."""
         return _TensorHyperparameters(self)
+
+    def hyperparameter_writes(self) -> list[str]:
+        """What the code run so far inside this step (the closure: ``training_step`` and its hooks)
+        changed of the param groups' hyperparameters: an LR assigned, an LR tensor written in place (a
+        PyTorch LR scheduler stepped inside the step fills it), another hyperparameter replaced.
+
+        A replay runs no Python, so such a change would happen at the capture only; the callback
+        refuses the capture for it. Empty outside a step.
+        """
+        if self._entry is None:
+            return []
+        writes = []
+        for i, (group, (entry, version)) in enumerate(zip(self.optimizer.param_groups, self._entry)):
+            tensor = self.lr_tensors[i] if i < len(self.lr_tensors) else None
+            for key, was in entry.items():
+                now = group.get(key, _MISSING)
+                if key == "lr" and tensor is not None and was is tensor:
+                    if now is not tensor:
+                        writes.append(f"param group {i}'s `lr` (assigned)")
+                    elif tensor._version != version:
+                        writes.append(
+                            f"param group {i}'s `lr` (written in place, as an LR scheduler's step does)"
+                        )
+                elif now is not was and not (isinstance(was, (int, float, bool, str, tuple)) and now == was):
+                    writes.append(f"param group {i}'s `{key}`")
+        return writes
+
+    def _lr_now(self, i: int, saved: Any) -> Any:
+        """The float for group `i` once its LR tensor leaves the group: `saved` (what the group held),
+        or, when the step's code wrote the tensor in place (an LR scheduler stepped inside the step),
+        the value it wrote, read back (a host sync; never inside a capture)."""
+        tensor = self.lr_tensors[i]
+        entry = self._entry[i] if self._entry is not None and i < len(self._entry) else None
+        if entry is None or tensor is None or tensor._version == entry[1] or self._frozen:
+            return saved
+        value = float(tensor.item())
+        self._filled[i] = value
+        return value
 
     def freeze(self, frozen: bool) -> None:
         """While frozen (a capture), an LR change raises instead of filling a tensor inside the graph."""
@@ -288,7 +332,7 @@ class CapturableOptimizer:
                 group["capturable"] = original
             tensor = self.lr_tensors[i] if i < len(self.lr_tensors) else None
             if tensor is not None and group.get("lr") is tensor:  # released in the middle of a step
-                group["lr"] = self._filled[i]
+                group["lr"] = self._lr_now(i, self._filled[i])
         if not self._steps_stay_on_device():
             for state in self.optimizer.state.values():
                 step = state.get("step")
@@ -316,13 +360,24 @@ class _TensorHyperparameters:
             self.saved.append(group.get("lr"))
             if tensor is not None:
                 group["lr"] = tensor
+        owner._entry = [
+            (
+                {k: v for k, v in group.items() if k != "params"},
+                tensor._version if tensor is not None else None,
+            )
+            for group, tensor in zip(owner.optimizer.param_groups, owner.lr_tensors)
+        ]
 
     def __exit__(self, *exc: Any) -> None:
         owner = self.owner
-        for group, tensor, saved in zip(owner.optimizer.param_groups, owner.lr_tensors, self.saved):
-            # a float the step's closure set stays (it is the user's); our tensor goes back to the float
+        for i, (group, tensor, saved) in enumerate(
+            zip(owner.optimizer.param_groups, owner.lr_tensors, self.saved)
+        ):
+            # a float the step's closure set stays (it is the user's); our tensor goes back to the
+            # float, or to what the step's code wrote into it
             if tensor is not None and group.get("lr") is tensor:
-                group["lr"] = saved
+                group["lr"] = owner._lr_now(i, saved)
+        owner._entry = None
 
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:

@@ -188,6 +188,7 @@ class StepCapture:
             appended, python_changed = python_state.split_appends(
                 python_before, python_state.snapshot(holders, ours)
             )
+            python_changed += self._optimizer_writes()
             if python_changed and self._traced_steps >= 1:
                 raise CaptureRefused(self._python_problem(python_changed))
             graph.appends = [(a, a.current()[-1]) for a in appended]

@@ -130,6 +130,7 @@ class WarmupSteps:
             appended, python_changed = python_state.split_appends(
                 python_before, python_state.snapshot(holders)
             )
+            python_changed += self._optimizer_writes()
             group.appended.append(frozenset(a.label for a in appended))
             self._judge_trace(
                 group, tracer.trace, updated_between(before, update_counts(self._module)), python_changed
@@ -161,7 +162,18 @@ class WarmupSteps:
         callbacks = [cb for cb in getattr(self._trainer, "callbacks", []) if cb is not self]
         return python_state.owners(self._module, callbacks)
 
+    def _optimizer_writes(self) -> list[str]:
+        """The optimizer hyperparameters the step's own code has written so far (inside the step)."""
+        return self._optimizer.hyperparameter_writes() if self._optimizer is not None else []
+
     def _python_problem(self, changed: list[str]) -> str:
+        if any(label.startswith("param group") for label in changed):
+            return (
+                f"the step changes the optimizer's hyperparameters ({', '.join(changed)}), which a replay "
+                "(it runs no Python) would freeze at the capture's values; step LR schedulers through "
+                "Lightning (`configure_optimizers` returning the scheduler with `\"interval\": \"step\"`), "
+                "or set them in `on_train_batch_start`, not inside `training_step`"
+            )
         return (
             f"the step changes Python state ({', '.join(changed)}) at every step, "
             "which a replay (it runs no Python) would freeze; keep it in a tensor updated in place "
