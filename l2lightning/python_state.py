@@ -49,10 +49,51 @@ class _Value:
 Snapshot = dict[tuple[int, str], _Value]
 
 
+# Packages whose objects a module may hold (a tokenizer, a logger, a config) without them being the
+# step's own state: their public attributes are not snapshot or compared
+_LIBRARY_PACKAGES = frozenset(
+    {
+        "builtins", "torch", "torchvision", "torchaudio", "torchmetrics", "lightning", "pytorch_lightning",
+        "lightning_fabric", "lightning_utilities", "numpy", "omegaconf", "hydra", "l2lightning", "logging",
+        "tqdm", "transformers", "tokenizers", "datasets", "wandb", "tensorboard", "matplotlib",
+    }
+)  # fmt: skip
+# A held object with more public scalars than this is not a small loss or schedule object: left out
+# of the comparisons before each replay (they run per step)
+MAX_HELD_SCALARS = 32
+
+
+def held_objects(obj: Any) -> list[tuple[str, Any]]:
+    """(attribute name, object) for the plain Python objects `obj` holds in public attributes: instances
+    of the user's own classes that are not modules, tensors, containers, functions or classes (a loss
+    callable with a ``scale``, a schedule object). A replay runs no Python, so a number such an object
+    holds and the step reads (inside its ``__call__``) is baked into the graph like the module's own."""
+    found = []
+    for name, value in list(getattr(obj, "__dict__", {}).items()):
+        if name.startswith("_") or not _is_plain_object(value):
+            continue
+        found.append((name, value))
+    return found
+
+
+def _is_plain_object(value: Any) -> bool:
+    if isinstance(
+        value, (torch.Tensor, torch.nn.Module, type, list, tuple, dict, set, *_SCALARS)
+    ) or callable(getattr(value, "__func__", None)):
+        return False
+    if not hasattr(value, "__dict__") or type(value).__module__ is None:
+        return False
+    return type(value).__module__.split(".")[0] not in _LIBRARY_PACKAGES
+
+
 def owners(module: Any, callbacks: Iterable[Any] = ()) -> list[tuple[str, Any]]:
-    """(label prefix, object) for the module, its submodules and `callbacks`."""
+    """(label prefix, object) for the module, its submodules, the plain objects they hold
+    (:func:`held_objects`) and `callbacks`."""
     found = [("self", module)]
     found += [(f"self.{name}", sub) for name, sub in module.named_modules() if name]
+    found += [
+        (f"{prefix}.{name}", held) for prefix, holder in list(found) for name, held in held_objects(holder)
+    ]
     found += [(type(cb).__name__, cb) for cb in callbacks]
     return found
 
@@ -204,6 +245,8 @@ def baked_scalars(
     (`ran`: their ids; None for all). A submodule the step does not call (an EMA copy updated in
     ``on_train_batch_end``, with a counter of its own) is not checked. (attribute dict, name, value)."""
     checks, _ = _read_attributes(getattr(module, "__dict__", {}), reads)
+    for held in _read_held_objects(module, reads, ran):
+        checks += [(vars(held), name, value) for name, value in _public(held, _SCALARS)]
     for _, sub in module.named_modules():
         if sub is module or _is_metric(sub) or (ran is not None and id(sub) not in ran):
             continue
@@ -213,6 +256,22 @@ def baked_scalars(
             if isinstance(value, _SCALARS):
                 checks.append((vars(sub), name, value))
     return checks
+
+
+def _read_held_objects(module: Any, reads: Iterable[str], ran: set[int] | None) -> list[Any]:
+    """The plain objects (:func:`held_objects`) the step may read: those among the module's
+    attributes its source reads (``self.criterion(pred, y)``), and those of the submodules it called;
+    small ones only (:data:`MAX_HELD_SCALARS`)."""
+    names = set(reads)
+    found = [held for name, held in held_objects(module) if name in names]
+    for _, sub in module.named_modules():
+        if sub is not module and not _is_metric(sub) and (ran is None or id(sub) in ran):
+            found += [held for _, held in held_objects(sub)]
+    return [held for held in found if len(_public(held, _SCALARS)) <= MAX_HELD_SCALARS]
+
+
+def _public(obj: Any, kinds: tuple) -> list[tuple[str, Any]]:
+    return [(n, v) for n, v in vars(obj).items() if not n.startswith("_") and isinstance(v, kinds)]
 
 
 def _read_attributes(
@@ -254,6 +313,8 @@ def baked_tensors(
     keeps reading the tensor it was captured with, so ``self.weight = self.weight * 0.9`` between
     steps must be seen before the next replay. (attribute dict, name, tensor)."""
     _, checks = _read_attributes(getattr(module, "__dict__", {}), reads)
+    for held in _read_held_objects(module, reads, ran):
+        checks += [(vars(held), name, value) for name, value in _public(held, (torch.Tensor,))]
     for _, sub in module.named_modules():
         if sub is module or _is_metric(sub) or (ran is not None and id(sub) not in ran):
             continue

@@ -592,6 +592,58 @@ def test_a_learning_rate_changed_inside_training_step_is_refused_by_name(schedul
     # refused fit's LRs carry float32 rounding (README: Known problems), last bits apart from plain's
 
 
+class ScaledMSE:
+    """A plain Python loss object (not an nn.Module) with a number of its own, read in ``__call__``."""
+
+    def __init__(self, count_calls=False):
+        self.scale = 1.0
+        self.calls = 0
+        self.count_calls = count_calls
+
+    def __call__(self, pred, y):
+        if self.count_calls:
+            self.calls += 1  # its own counter, read below: what a replay would freeze
+            return (1.0 + 0.01 * self.calls) * (pred - y).square().mean()
+        return self.scale * (pred - y).square().mean()
+
+
+class HeldLossObject(TinyMLP):
+    def __init__(self, count_calls=False, **kw):
+        super().__init__(fused=True, **kw)
+        self.criterion = ScaledMSE(count_calls)
+
+    def on_train_epoch_start(self):
+        self.criterion.scale = 1.0 + self.current_epoch  # a per-epoch loss weight, set by a hook
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.criterion(self.head(self.net(x)).squeeze(-1), y)
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_a_number_held_by_a_plain_loss_object_is_compared_before_each_replay():
+    """The loss object's ``scale`` changes each epoch (a hook sets it): the graph baked the old value,
+    so each change captures again; once it went unseen and replays trained on epoch 0's weight."""
+    base = fit(baseline_of(HeldLossObject), steps=90)  # 30 batches per epoch: three epochs
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"capturing the step again: Python numbers the step reads changed \(scale\)"
+    ):
+        run = fit(HeldLossObject, [cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
+
+
+def test_a_plain_loss_object_that_counts_its_calls_inside_the_step_is_refused_by_name():
+    plain = fit(HeldLossObject, steps=12, count_calls=True)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"changes Python state \(`self.criterion.calls`"):
+        run = fit(HeldLossObject, [cb], steps=12, count_calls=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)  # fused AdamW: the capturable and the configured steps agree bitwise
+
+
 class Annealed(TinyMLP):
     """A KL-annealing style weight computed in Python from the step counter."""
 

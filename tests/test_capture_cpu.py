@@ -258,3 +258,32 @@ def test_flattening_a_batch_leaves_no_reference_cycle():
     finally:
         if collecting:
             gc.enable()
+
+
+def test_held_objects_are_the_users_plain_objects_only():
+    import logging
+    import random
+
+    from l2lightning.python_state import held_objects
+
+    class Schedule:
+        def __init__(self):
+            self.weight = 0.5
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.schedule = Schedule()  # the user's own plain object: held
+    holder.layer = nn.Linear(2, 2)  # a module: a submodule, not a held object
+    holder.table = {
+        "a": 1
+    }  # containers, tensors, numbers and functions are not objects with state of their own
+    holder.weights = torch.ones(2)
+    holder.rate = 0.1
+    holder.fn = lambda x: x
+    holder.log = logging.getLogger("x")  # a library's object
+    holder._private = Schedule()  # private attributes are the object's business
+    names = [name for name, _ in held_objects(holder)]
+    assert names == ["schedule"]
+    assert held_objects(random) == []  # a module object has no plain objects of the user's
