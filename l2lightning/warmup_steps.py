@@ -171,7 +171,7 @@ class WarmupSteps:
             return (
                 f"the step changes the optimizer's hyperparameters ({', '.join(changed)}), which a replay "
                 "(it runs no Python) would freeze at the capture's values; step LR schedulers through "
-                "Lightning (`configure_optimizers` returning the scheduler with `\"interval\": \"step\"`), "
+                'Lightning (`configure_optimizers` returning the scheduler with `"interval": "step"`), '
                 "or set them in `on_train_batch_start`, not inside `training_step`"
             )
         return (
