@@ -404,6 +404,15 @@ class L2GraphCallback(
                 "(`on_train_batch_end` runs after every replay)"
             )
             return
+        if self._source.trainer_metric_reads:
+            self._disable(
+                "the step reads the Trainer's metrics ("
+                + "; ".join(self._source.trainer_metric_reads[:3])
+                + "), whose values Lightning replaces as steps log and validations run; a replayed graph "
+                "would keep reading the values of the capture step. Pass them in through an attribute "
+                "updated in place (`self.w.copy_(value)` in `on_validation_end`) instead"
+            )
+            return
         if self._source.opaque_conditions and self.eager_steps is None:
             # A replayed graph would take the capture step's branch at every step: refused rather than
             # trained on the wrong branch; `eager_steps` tells the callback which steps take the other.

@@ -87,6 +87,9 @@ class StepSource:
     # module-level or closure names the step hooks assign (``global STEP; STEP += 1``, ``nonlocal``):
     # "`STEP` at file:line (...)"
     global_writes: list[str] = field(default_factory=list)
+    # reads of the Trainer's metric dictionaries (``self.trainer.callback_metrics["val_loss"]``) that
+    # reach the step's work: Lightning replaces those values between steps, a graph keeps the old ones
+    trainer_metric_reads: list[str] = field(default_factory=list)
 
     def attribute_snapshot(self, module: Any, batch_idx: int) -> list[tuple[AttributeValue, Any]]:
         """The attribute values that are Python numbers (or small containers of them) now, frozen;
@@ -141,6 +144,8 @@ class StepSource:
 # How deep calls from a step hook into the module's own methods are followed (`self.sync_target()`
 # calling `self._copy_weights()`...): a condition in a helper freezes in a replay like one in the hook.
 HELPER_DEPTH = 3
+# the Trainer's metric dictionaries: their values are replaced as steps log and validations run
+TRAINER_METRICS = frozenset({"callback_metrics", "logged_metrics", "progress_bar_metrics"})
 
 
 def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> StepSource:
@@ -369,6 +374,13 @@ class _Visitor:
             for node in ast.walk(func)
             if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in declared
         ]
+        self.found.trainer_metric_reads += [
+            self._line(node)
+            for node in ast.walk(func)
+            if self._reads_trainer_metrics(node)
+            and id(node) not in logged
+            and not self._host_only(node, parents)
+        ]
         for node in ast.walk(func):
             if isinstance(node, (ast.If, ast.While, ast.IfExp)):
                 self._condition(node.test)
@@ -497,6 +509,16 @@ class _Visitor:
             evaluate = self._compile(node, allow_methods=False)
             if evaluate is not None:
                 self.found.attribute_values.append(AttributeValue(self._line(node), evaluate))
+
+    def _reads_trainer_metrics(self, node: ast.AST) -> bool:
+        """`self.trainer.callback_metrics` (or ``logged_metrics``, ``progress_bar_metrics``), or in a
+        callback's hook the same attributes of its ``trainer`` argument."""
+        if not (isinstance(node, ast.Attribute) and node.attr in TRAINER_METRICS):
+            return False
+        owner = node.value
+        if isinstance(owner, ast.Attribute) and owner.attr == "trainer":
+            return isinstance(owner.value, ast.Name) and owner.value.id == self.self_name
+        return isinstance(owner, ast.Name) and bool(self.extra) and owner.id == self.extra[0]
 
     def _is_counter_read(self, node: ast.AST) -> bool:
         if isinstance(node, ast.Attribute) and node.attr in STEP_COUNTERS:

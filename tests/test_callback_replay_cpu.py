@@ -644,6 +644,47 @@ def test_a_plain_loss_object_that_counts_its_calls_inside_the_step_is_refused_by
     assert_same(plain, run)  # fused AdamW: the capturable and the configured steps agree bitwise
 
 
+class ValidationWeightedLoss(TinyMLP):
+    """The loss weighted by the last validation loss, read from the Trainer's metrics in the step."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", (self.head(self.net(x)).squeeze(-1) - y).square().mean())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        w = self.trainer.callback_metrics.get("val_loss", torch.tensor(1.0))
+        loss = (1 + w) * (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_a_step_reading_the_trainers_metrics_is_refused_by_name_and_trains_like_plain():
+    """Lightning replaces the validation loss after each validation; a graph would keep the value it
+    was captured with (the default 1.0 here, for the whole fit: silently, before this check)."""
+
+    def run(callbacks):
+        seed_everything(0)
+        model = ValidationWeightedLoss(width=32, depth=3, fused=True)
+        rec = Recorder()
+        trainer = quiet_trainer(
+            accelerator="cpu",
+            max_steps=40,
+            callbacks=[rec, *callbacks],
+            val_check_interval=10,
+            limit_val_batches=2,
+        )
+        trainer.fit(model, regression_loader(n=240, width=32), regression_loader(n=32, width=32))
+        return model, rec, trainer
+
+    plain = run([])
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"the step reads the Trainer's metrics \(.*callback_metrics"):
+        got = run([cb])
+    assert not cb.summary()["captured"]
+    assert_same(plain, got)
+
+
 class Annealed(TinyMLP):
     """A KL-annealing style weight computed in Python from the step counter."""
 

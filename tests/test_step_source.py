@@ -270,3 +270,36 @@ def test_a_counter_read_inside_a_slice_is_compared_as_the_slices_bound():
     assert found.changed_counter_values(captured, module, 9) == []
     module.global_step = 10
     assert len(found.changed_counter_values(captured, module, 10)) == 1  # a longer sequence: captured again
+
+
+class _ReadsTrainerMetrics:
+    """The Trainer's metric dictionaries read by the step: into the work, into a print, into a log."""
+
+    global_step = 0
+
+    def training_step(self, batch, batch_idx):
+        w = self.trainer.callback_metrics.get("val_loss", 1.0)  # reaches the loss: baked by a graph
+        print(f"{self.trainer.progress_bar_metrics}")  # host text only
+        self.log("seen", self.trainer.logged_metrics.get("x", 0.0))  # re-evaluated per replay
+        return batch * w
+
+
+def test_reads_of_the_trainers_metrics_that_reach_the_work_are_found():
+    found = analyse(_ReadsTrainerMetrics())
+    (line,) = found.trainer_metric_reads
+    assert 'w = self.trainer.callback_metrics.get("val_loss", 1.0)' in line
+
+
+def test_a_callbacks_hook_reading_its_trainers_metrics_is_found():
+    from l2lightning.step_source import StepSource, analyse_callbacks
+
+    class ScalesByValidation:
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            for p in pl_module.parameters():
+                p.grad.mul_(trainer.callback_metrics["val_acc"])
+
+    found = StepSource()
+    analyse_callbacks([ScalesByValidation()], ("on_before_optimizer_step",), found)
+    assert (
+        len(found.trainer_metric_reads) == 1 and "trainer.callback_metrics" in found.trainer_metric_reads[0]
+    )
