@@ -413,6 +413,15 @@ class L2GraphCallback(
                 "updated in place (`self.w.copy_(value)` in `on_validation_end`) instead"
             )
             return
+        if self._source.scheduler_reads:
+            self._disable(
+                "the step reads an LR scheduler's state ("
+                + "; ".join(self._source.scheduler_reads[:3])
+                + "), which each scheduler step changes; a replayed graph would keep the value of the "
+                "capture step. Read the learning rate from the optimizer (`self.optimizers().param_groups[0]"
+                '["lr"]`), which replays read as it is at each step'
+            )
+            return
         if self._source.opaque_conditions and self.eager_steps is None:
             # A replayed graph would take the capture step's branch at every step: refused rather than
             # trained on the wrong branch; `eager_steps` tells the callback which steps take the other.

@@ -87,9 +87,11 @@ class StepSource:
     # module-level or closure names the step hooks assign (``global STEP; STEP += 1``, ``nonlocal``):
     # "`STEP` at file:line (...)"
     global_writes: list[str] = field(default_factory=list)
-    # reads of the Trainer's metric dictionaries (``self.trainer.callback_metrics["val_loss"]``) that
-    # reach the step's work: Lightning replaces those values between steps, a graph keeps the old ones
+    # reads that reach the step's work of values Lightning changes between steps and no check before a
+    # replay can follow: the Trainer's metric dictionaries (``self.trainer.callback_metrics["val_loss"]``)
+    # and an LR scheduler's state (``self.lr_schedulers().get_last_lr()[0]``). "file:line (...)"
     trainer_metric_reads: list[str] = field(default_factory=list)
+    scheduler_reads: list[str] = field(default_factory=list)
 
     def attribute_snapshot(self, module: Any, batch_idx: int) -> list[tuple[AttributeValue, Any]]:
         """The attribute values that are Python numbers (or small containers of them) now, frozen;
@@ -146,6 +148,8 @@ class StepSource:
 HELPER_DEPTH = 3
 # the Trainer's metric dictionaries: their values are replaced as steps log and validations run
 TRAINER_METRICS = frozenset({"callback_metrics", "logged_metrics", "progress_bar_metrics"})
+# what an LR scheduler holds of its progress (PyTorch's LRScheduler): changed by each scheduler step
+SCHEDULER_STATE = frozenset({"get_last_lr", "_last_lr", "last_epoch"})
 
 
 def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> StepSource:
@@ -378,6 +382,14 @@ class _Visitor:
             self._line(node)
             for node in ast.walk(func)
             if self._reads_trainer_metrics(node)
+            and id(node) not in logged
+            and not self._host_only(node, parents)
+        ]
+        self.found.scheduler_reads += [
+            self._line(node)
+            for node in ast.walk(func)
+            if isinstance(node, ast.Attribute)
+            and node.attr in SCHEDULER_STATE
             and id(node) not in logged
             and not self._host_only(node, parents)
         ]

@@ -685,6 +685,33 @@ def test_a_step_reading_the_trainers_metrics_is_refused_by_name_and_trains_like_
     assert_same(plain, got)
 
 
+class LearningRateInTheLoss(TinyMLP):
+    """The scheduler's last LR read inside the step and used in the loss; StepLR moves it each epoch."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+        sch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "epoch"}}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        lr = self.lr_schedulers().get_last_lr()[0]
+        loss = (1 + lr) * (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_a_step_reading_its_schedulers_state_is_refused_by_name_and_trains_like_plain():
+    """The LR is constant within an epoch, so the warm-up steps agree; a graph would then keep epoch
+    0's value for the whole fit (silently, before this check)."""
+    plain = fit(LearningRateInTheLoss, steps=60)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"the step reads an LR scheduler's state \(.*get_last_lr"):
+        run = fit(LearningRateInTheLoss, [cb], steps=60)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+
+
 class Annealed(TinyMLP):
     """A KL-annealing style weight computed in Python from the step counter."""
 

@@ -303,3 +303,17 @@ def test_a_callbacks_hook_reading_its_trainers_metrics_is_found():
     assert (
         len(found.trainer_metric_reads) == 1 and "trainer.callback_metrics" in found.trainer_metric_reads[0]
     )
+
+
+class _ReadsSchedulerState:
+    global_step = 0
+
+    def training_step(self, batch, batch_idx):
+        lr = self.lr_schedulers().get_last_lr()[0]  # reaches the loss: baked by a graph
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])  # re-evaluated per replay
+        return batch * (1 + lr)
+
+
+def test_reads_of_an_lr_schedulers_state_that_reach_the_work_are_found():
+    (line,) = analyse(_ReadsSchedulerState()).scheduler_reads
+    assert "lr = self.lr_schedulers().get_last_lr()[0]" in line
