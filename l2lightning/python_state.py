@@ -28,9 +28,10 @@ from typing import Any
 import torch
 
 from l2lightning.metric_binding import metric_type
-from l2lightning.step_values import frozen
+from l2lightning.step_values import NUMPY_SCALARS, frozen
 
-_SCALARS = (int, float, bool, str)
+# the scalar attributes a step may bake in: Python's numbers and strings, and NumPy's scalars
+_SCALARS = (int, float, bool, str, *NUMPY_SCALARS)
 # public attributes that are not the step's own state: nn.Module's train/eval flag (the callback
 # checks it per step, and a change captures again)
 _IGNORED = frozenset({"training"})
@@ -176,9 +177,9 @@ def _differs(a: Any, b: Any, kind: str = "value") -> bool:
         return a is not b  # rebound, not changed in place
     if type(a) is not type(b):
         return True
-    if isinstance(a, float) and a != a:  # NaN: unchanged if it is still NaN
-        return not b != b
-    return a != b
+    if isinstance(a, (float, *NUMPY_SCALARS)) and bool(a != a):  # NaN: unchanged if it is still NaN
+        return not bool(b != b)
+    return bool(a != b)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,14 @@ class CounterValue:
         return value
 
 
-_PLAIN = (int, float, bool, str, type(None), tuple)
+try:  # NumPy's scalars (np.float32(0.5), np.int64(3)) are numbers a step computes with, like Python's
+    import numpy
+
+    NUMPY_SCALARS: tuple[type, ...] = (numpy.generic,)
+except ImportError:  # pragma: no cover - torch without NumPy
+    NUMPY_SCALARS = ()
+
+_PLAIN = (int, float, bool, str, type(None), tuple, *NUMPY_SCALARS)
 # The most scalars a list, tuple or dict read by the step may hold to be compared before each replay
 MAX_FROZEN_ITEMS = 64
 
@@ -56,9 +63,9 @@ def frozen(value: Any, budget: list[int] | None = None) -> Any:
     budget[0] -= 1  # every scalar and container counts
     if budget[0] < 0:
         return None
-    if isinstance(value, (bool, int, float, str, type(None))):
+    if isinstance(value, (bool, int, float, str, type(None), *NUMPY_SCALARS)):
         # NaN compares unequal to itself: it is the same value here
-        return ("scalar", type(value).__name__, "nan" if value != value else value)
+        return ("scalar", type(value).__name__, "nan" if bool(value != value) else value)
     if isinstance(value, (list, tuple)):
         items = [frozen(v, budget) for v in value]
         return None if any(i is None for i in items) else (type(value).__name__, tuple(items))

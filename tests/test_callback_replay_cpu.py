@@ -14,6 +14,7 @@ import weakref
 from collections import namedtuple
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 import torchmetrics
@@ -710,6 +711,33 @@ def test_a_step_reading_its_schedulers_state_is_refused_by_name_and_trains_like_
         run = fit(LearningRateInTheLoss, [cb], steps=60)
     assert not cb.summary()["captured"]
     assert_same(plain, run)
+
+
+class NumpyWeight(TinyMLP):
+    """A loss weight kept as a NumPy scalar, set per epoch by a hook (np.float32 is not a Python float)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.beta = np.float32(1.0)
+
+    def on_train_epoch_start(self):
+        self.beta = np.float32(1.0 + self.current_epoch)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean() * self.beta
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_a_numpy_scalar_the_step_reads_is_compared_before_each_replay():
+    """Once only Python's numbers were compared: the graph kept epoch 0's NumPy weight for the whole fit."""
+    base = fit(baseline_of(NumpyWeight), steps=90)  # three epochs
+    cb = callback()
+    with pytest.warns(UserWarning, match="capturing the step again"):
+        run = fit(NumpyWeight, [cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
 
 
 class Annealed(TinyMLP):
