@@ -513,11 +513,14 @@ class _Visitor:
                 base = base.value
             if not (isinstance(base, ast.Name) and base.id in roots):
                 continue
-            if any(
-                isinstance(n, ast.Attribute) and (n.attr in STEP_COUNTERS or n.attr == "trainer")
-                for n in chain
+            if any(isinstance(n, ast.Attribute) and n.attr in STEP_COUNTERS for n in chain):
+                continue  # the counters have their own check
+            if any(isinstance(n, ast.Attribute) and n.attr == "trainer" for n in chain) and not any(
+                _is_datamodule(n) for n in chain
             ):
-                continue  # the counters have their own check; the Trainer's state is not the step's
+                # the Trainer's own state is not the step's (and some of its properties compute);
+                # the datamodule's attributes are the user's (a curriculum's difficulty)
+                continue
             evaluate = self._compile(node, allow_methods=False)
             if evaluate is not None:
                 self.found.attribute_values.append(AttributeValue(self._line(node), evaluate))
@@ -800,6 +803,16 @@ def _follow_functions(
         visitor = _Visitor(found, filename, first_line, "", None, (), set())
         visitor.run(tree)
         _record_outside_reads(found, target, visitor, depth, seen)
+
+
+def _is_datamodule(node: ast.AST) -> bool:
+    """``<...>.trainer.datamodule``: the user's data module, reached through the Trainer."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "datamodule"
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "trainer"
+    )
 
 
 def _is_user_code(obj: Any) -> bool:

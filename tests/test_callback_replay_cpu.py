@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, seed_everything
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
@@ -738,6 +738,48 @@ def test_a_numpy_scalar_the_step_reads_is_compared_before_each_replay():
         run = fit(NumpyWeight, [cb], steps=90)
     assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
     assert_same(base, run)
+
+
+class CurriculumData(LightningDataModule):
+    """A data module whose difficulty rises each epoch (its loader is rebuilt every epoch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.difficulty = 1.0
+
+    def train_dataloader(self):
+        self.difficulty = 1.0 + self.trainer.current_epoch
+        return regression_loader(n=240, width=32)
+
+
+class ReadsTheDataModule(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.trainer.datamodule.difficulty * (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_a_number_the_step_reads_from_the_datamodule_is_compared_before_each_replay():
+    """Read through the Trainer, the data module's difficulty once went unchecked: the graph kept epoch
+    0's value for the whole fit."""
+
+    def run(cls, callbacks):
+        seed_everything(0)
+        model = cls(width=32, depth=3)
+        rec = Recorder()
+        trainer = quiet_trainer(
+            accelerator="cpu", max_steps=90, callbacks=[rec, *callbacks], reload_dataloaders_every_n_epochs=1
+        )
+        trainer.fit(model, datamodule=CurriculumData())
+        return model, rec, trainer
+
+    base = run(baseline_of(ReadsTheDataModule), [])
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"capturing the step again: values the step reads changed"):
+        got = run(ReadsTheDataModule, [cb])
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, got)
 
 
 class Annealed(TinyMLP):
