@@ -397,40 +397,9 @@ class L2GraphCallback(
             ("training_step", *user_hooks, "configure_gradient_clipping", "optimizer_zero_grad", "backward"),
         )
         analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CLOSURE_HOOKS, self._source)
-        if self._source.global_writes:
-            self._disable(
-                f"the step assigns module-level or closure names ({'; '.join(self._source.global_writes[:3])}); a replayed "
-                "graph runs no Python, so they would stop changing. Change them outside the step "
-                "(`on_train_batch_end` runs after every replay)"
-            )
-            return
-        if self._source.trainer_metric_reads:
-            self._disable(
-                "the step reads the Trainer's metrics ("
-                + "; ".join(self._source.trainer_metric_reads[:3])
-                + "), whose values Lightning replaces as steps log and validations run; a replayed graph "
-                "would keep reading the values of the capture step. Pass them in through an attribute "
-                "updated in place (`self.w.copy_(value)` in `on_validation_end`) instead"
-            )
-            return
-        if self._source.scheduler_reads:
-            self._disable(
-                "the step reads an LR scheduler's state ("
-                + "; ".join(self._source.scheduler_reads[:3])
-                + "), which each scheduler step changes; a replayed graph would keep the value of the "
-                "capture step. Read the learning rate from the optimizer (`self.optimizers().param_groups[0]"
-                '["lr"]`), which replays read as it is at each step'
-            )
-            return
-        if self._source.opaque_conditions and self.eager_steps is None:
-            # A replayed graph would take the capture step's branch at every step: refused rather than
-            # trained on the wrong branch; `eager_steps` tells the callback which steps take the other.
-            self._disable(
-                "training_step branches on the step counters in a way the callback cannot evaluate, at "
-                f"{'; '.join(self._source.opaque_conditions)}; a replayed graph would always take the branch "
-                "of the capture step. Pass `eager_steps=lambda trainer, batch_idx: ...` returning True for "
-                "the steps that take the other branch to capture the rest"
-            )
+        reason = self._source_refusal()
+        if reason:
+            self._disable(reason)
             return
         self._module = pl_module
         self._trainer = trainer
@@ -495,6 +464,42 @@ class L2GraphCallback(
         self._originals = {}
         self._module = None
         self._trainer = None
+
+    def _source_refusal(self) -> str | None:
+        """Why what the step's source does cannot be replayed (and the fit trains eagerly), or None."""
+        source = self._source
+        if source.global_writes:
+            return (
+                f"the step assigns module-level or closure names ({'; '.join(source.global_writes[:3])}); a replayed "
+                "graph runs no Python, so they would stop changing. Change them outside the step "
+                "(`on_train_batch_end` runs after every replay)"
+            )
+        if source.trainer_metric_reads:
+            return (
+                "the step reads the Trainer's metrics ("
+                + "; ".join(source.trainer_metric_reads[:3])
+                + "), whose values Lightning replaces as steps log and validations run; a replayed graph "
+                "would keep reading the values of the capture step. Pass them in through an attribute "
+                "updated in place (`self.w.copy_(value)` in `on_validation_end`) instead"
+            )
+        if source.scheduler_reads:
+            return (
+                "the step reads an LR scheduler's state ("
+                + "; ".join(source.scheduler_reads[:3])
+                + "), which each scheduler step changes; a replayed graph would keep the value of the "
+                "capture step. Read the learning rate from the optimizer (`self.optimizers().param_groups[0]"
+                '["lr"]`), which replays read as it is at each step'
+            )
+        if source.opaque_conditions and self.eager_steps is None:
+            # A replayed graph would take the capture step's branch at every step: refused rather than
+            # trained on the wrong branch; `eager_steps` tells the callback which steps take the other.
+            return (
+                "training_step branches on the step counters in a way the callback cannot evaluate, at "
+                f"{'; '.join(source.opaque_conditions)}; a replayed graph would always take the branch "
+                "of the capture step. Pass `eager_steps=lambda trainer, batch_idx: ...` returning True for "
+                "the steps that take the other branch to capture the rest"
+            )
+        return None
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -378,21 +378,17 @@ class _Visitor:
             for node in ast.walk(func)
             if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in declared
         ]
-        self.found.trainer_metric_reads += [
-            self._line(node)
-            for node in ast.walk(func)
-            if self._reads_trainer_metrics(node)
-            and id(node) not in logged
-            and not self._host_only(node, parents)
-        ]
-        self.found.scheduler_reads += [
-            self._line(node)
-            for node in ast.walk(func)
-            if isinstance(node, ast.Attribute)
-            and node.attr in SCHEDULER_STATE
-            and id(node) not in logged
-            and not self._host_only(node, parents)
-        ]
+        # values Lightning changes between steps, where they reach the step's work (not a log's
+        # argument, re-evaluated per replay, nor host text)
+        for node in ast.walk(func):
+            if self._reads_trainer_metrics(node):
+                reads = self.found.trainer_metric_reads
+            elif isinstance(node, ast.Attribute) and node.attr in SCHEDULER_STATE:
+                reads = self.found.scheduler_reads
+            else:
+                continue
+            if id(node) not in logged and not self._host_only(node, parents):
+                reads.append(self._line(node))
         for node in ast.walk(func):
             if isinstance(node, (ast.If, ast.While, ast.IfExp)):
                 self._condition(node.test)
