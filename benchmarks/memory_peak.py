@@ -21,6 +21,9 @@ Scenarios:
 - ``oom-fit-plain``, ``oom-fit-callback``: the fit of ``tests/gpu/test_oom_gpu.py`` (without the
   memory filler), plain and with the defaults, with the reserved memory per stream at the end and
   the device memory outside PyTorch's allocator at the fit's milestones;
+- ``oom-steps-plain``, ``oom-steps-capture-fails``: that fit plain, and with the defaults on a module
+  whose capture runs out of memory (the rest of the fit trains eagerly), with each step's peak and
+  the step's own allocations alive at it;
 - ``outside-torch``: what each thing the callback does before its first step (CuPy, the prefetch
   kernels, a new stream, the capturable optimizer, the op tracer) adds outside PyTorch's allocator.
 
@@ -140,7 +143,9 @@ def groups(alive: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     return _ranked((frame_label(e.get("frames", [])), e["size"]) for e in alive.values())
 
 
-def recorded(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def recorded(run: Callable[[], dict[str, Any]], step_starts: list[int] | None = None) -> dict[str, Any]:
+    """`run` with the memory history recorded; with `step_starts` (the trace's length at each step's
+    start, filled by `run`), each step's peak too (:func:`step_peaks`)."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -166,6 +171,7 @@ def recorded(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         "max_memory_allocated_mib": torch.cuda.max_memory_allocated() / MIB,
         "peak_over_before_mib": peak / MIB,
         "alive_at_peak": groups(alive),
+        **({"steps": step_peaks(snapshot["device_traces"][device], step_starts)} if step_starts else {}),
     }
 
 
@@ -222,15 +228,83 @@ def fit(variant: str, width: int = 1536, depth: int = 40, batch: int = 16) -> di
     return recorded(run)
 
 
-def tiny_mlp_fit(with_callback: bool) -> dict[str, Any]:
-    """tests/gpu/test_oom_gpu.py's fit (TinyMLP 2048 x 8, batch 64, fused AdamW, 12 steps), without filler."""
+def step_peaks(trace: list[dict[str, Any]], starts: list[int]) -> list[dict[str, Any]]:
+    """Per step (`starts`: the trace's length at each step's start), the allocated bytes above the
+    recording's start at the step's start and at its peak, and what was alive at that peak: grouped,
+    and the step's own allocations alive then, the largest first, with their stream and frames."""
+    bounds = list(zip(starts, [*starts[1:], len(trace)]))
+    live: dict[int, dict[str, Any]] = {}
+    total = 0
+    rows: list[dict[str, Any]] = []
+    step = -1
+    for i, event in enumerate(trace):
+        while step + 1 < len(bounds) and i >= bounds[step + 1][0]:
+            step += 1
+            rows.append({"start_mib": total / MIB, "peak_mib": total / MIB, "alive": dict(live)})
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if step >= 0 and total / MIB > rows[step]["peak_mib"]:
+                rows[step]["peak_mib"] = total / MIB
+                rows[step]["peak_at"] = i
+        elif event["action"] == "free_completed":
+            gone = live.pop(event["addr"], None)
+            total -= gone["size"] if gone else 0
+    # the alive sets at each peak: a second replay up to each peak (a copy per new peak would cost
+    # a copy per allocation)
+    for row, (start, _) in zip(rows, bounds):
+        at = row.pop("peak_at", None)
+        alive = row.pop("alive")
+        if at is None:
+            row["alive_at_peak"], row["own_at_peak"] = groups(alive), []
+            continue
+        for event in trace[start : at + 1]:
+            if event["action"] == "alloc":
+                alive[event["addr"]] = {**event, "own": True}
+            elif event["action"] == "free_completed":
+                alive.pop(event["addr"], None)
+        row["alive_at_peak"] = groups(alive)
+        own = sorted((e for e in alive.values() if e.get("own")), key=lambda e: -e["size"])[:8]
+        row["own_at_peak"] = [
+            {
+                "mib": e["size"] / MIB,
+                "stream": e.get("stream"),
+                "frames": [
+                    f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+                    for f in e.get("frames", [])[:4]
+                ],
+            }
+            for e in own
+        ]
+    return rows
+
+
+def tiny_mlp_fit(with_callback: bool, model_name: str = "TinyMLP", per_step: bool = False) -> dict[str, Any]:
+    """tests/gpu/test_oom_gpu.py's fit (TinyMLP 2048 x 8, batch 64, fused AdamW, 12 steps), without filler.
+
+    `model_name`: a class of tests/lightning_models.py (``RunsOutOfMemoryInCapture``: the capture
+    runs out of memory, the rest of the fit trains eagerly). `per_step`: also each step's peak.
+    """
     root = Path(__file__).resolve().parents[1]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     from lightning.pytorch import Callback, seed_everything
 
     from l2lightning import L2GraphCallback
-    from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
+    from tests import lightning_models
+    from tests.lightning_models import quiet_trainer, regression_loader
+
+    model_cls = getattr(lightning_models, model_name)
+    trace_starts: list[int] = []
+
+    class StepStarts(Callback):
+        """The memory trace's length at each step's start (a snapshot: cheap enough for 12 steps)."""
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
+            torch.cuda.synchronize()
+            trace_starts.append(
+                len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
+            )
 
     class OutsideTorch(Callback):
         """Memory outside PyTorch's allocator at the fit's milestones (it shrinks what a fit may allocate)."""
@@ -247,11 +321,12 @@ def tiny_mlp_fit(with_callback: bool) -> dict[str, Any]:
 
     def run() -> dict[str, Any]:
         seed_everything(0)
-        model = TinyMLP(width=2048, depth=8, fused=True)
+        model = model_cls(width=2048, depth=8, fused=True)
         cb = L2GraphCallback() if with_callback else None
         outside = OutsideTorch()
+        starts = [StepStarts()] if per_step else []
         trainer = quiet_trainer(
-            accelerator="gpu", devices=1, max_steps=12, callbacks=[outside, *([cb] if cb else [])]
+            accelerator="gpu", devices=1, max_steps=12, callbacks=[*starts, outside, *([cb] if cb else [])]
         )
         trainer.fit(model, regression_loader(n=64 * 13, width=2048, batch_size=64))
         segments: dict[str, float] = defaultdict(float)
@@ -262,9 +337,10 @@ def tiny_mlp_fit(with_callback: bool) -> dict[str, Any]:
             "reserved_by_stream_at_end_mib": dict(segments),
             "outside_torch_mib": outside.seen,
             "captured": cb.summary()["captured"] if cb else None,
+            "reason": cb.summary()["reason"] if cb else None,
         }
 
-    return recorded(run)
+    return recorded(run, trace_starts if per_step else None)
 
 
 def outside_torch_mib() -> float:
@@ -375,6 +451,8 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "outside-torch": outside_torch_steps,
     "oom-fit-plain": lambda: tiny_mlp_fit(False),
     "oom-fit-callback": lambda: tiny_mlp_fit(True),
+    "oom-steps-plain": lambda: tiny_mlp_fit(False, per_step=True),
+    "oom-steps-capture-fails": lambda: tiny_mlp_fit(True, "RunsOutOfMemoryInCapture", per_step=True),
     "tune-training": tune_training,
     "fit-plain": lambda: fit("plain"),
     "fit-off": lambda: fit("off"),
@@ -410,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = {
             k: v
             for k, v in r.items()
-            if k not in ("alive_at_peak", "segments_at_reserved_peak", "segments_made_by_captures")
+            if k not in ("alive_at_peak", "segments_at_reserved_peak", "segments_made_by_captures", "steps")
         }
         print(f"== {name}: " + json.dumps(shown, default=str))
         for g in r.get("alive_at_peak", []):
@@ -419,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
             print("   segments mapped at the reserved peak:")
         for g in r.get("segments_at_reserved_peak", []):
             print(f"   {g['mib']:9.1f} MiB  x{g['count']:<5} {g['where']}")
+        for i, step in enumerate(r.get("steps", [])):
+            print(
+                f"   step {i}: {step['start_mib']:.1f} MiB at its start, {step['peak_mib']:.1f} at its peak"
+            )
+            for own in step["own_at_peak"][:4]:
+                print(f"      {own['mib']:8.1f} MiB  stream {own['stream']}  {' < '.join(own['frames'])}")
         if r.get("segments_made_by_captures"):
             print("   segments mapped by captures:")
         for g in r.get("segments_made_by_captures", []):

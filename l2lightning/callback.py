@@ -559,6 +559,7 @@ class L2GraphCallback(
     ) -> None:
         if self.disabled_reason or self._module is None:
             self._pending = None
+            self._give_back_step_stream()  # once, after the step that disabled the callback
             return
         self._pending = (batch, batch_idx)
         if self.compile and not self._compiled_children:

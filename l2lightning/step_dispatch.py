@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from l2lightning.capture import loss_of
+from l2lightning.capture import clear_cublas_workspaces, loss_of
+from l2lightning.cuda_memory import free_cached_memory
 from l2lightning.replay_closure import is_stock_closure
 from l2lightning.step_overrides import copied_element
 
@@ -89,6 +90,22 @@ class StepDispatch:
                 yield
         finally:
             caller.wait_stream(self._step_stream)
+
+    def _give_back_step_stream(self) -> None:
+        """Free what the capture's stream holds once the rest of the fit trains plain on the caller's.
+
+        The steps the callback ran on its stream left cuBLAS workspaces keyed to it (one per thread
+        that ran a GEMM: the step's and autograd's) and freed blocks cached for it; plain steps on
+        the caller's stream can use neither and allocate their own beside them. On the H200, with 4%
+        more memory free than plain training needs, the second plain step after a capture that ran
+        out of memory ran out itself: 96 MiB of the stream's workspaces stayed beside the caller's
+        (tests/gpu/test_oom_gpu.py).
+        """
+        if self._step_stream is None:
+            return
+        self._step_stream = None
+        clear_cublas_workspaces()
+        free_cached_memory()
 
     def _replay_step(self, closure: Any) -> Any:
         graph = self._graph

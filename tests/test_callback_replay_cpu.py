@@ -13,6 +13,7 @@ import warnings
 import weakref
 from collections import namedtuple
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1330,6 +1331,71 @@ def test_the_eager_fallback_after_an_out_of_memory_capture_runs_without_the_capt
     with pytest.warns(UserWarning, match="could not be captured: out of memory"):
         model, _, _ = fit(OOMHoldingCaptureTensors, [cb], steps=8, fused=True)
     assert model.alive_at_later_steps and not any(model.alive_at_later_steps), model.alive_at_later_steps
+
+
+class StreamLedger:
+    """Stands in for the capture's CUDA stream on the CPU: which steps ran on it, and when what it
+    holds (cuBLAS workspaces, cached blocks) was freed, by global step."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+
+        from l2lightning import step_dispatch
+
+        self.on_stream: list[int] = []
+        self.freed: list[tuple[str, int]] = []
+        ledger = self
+
+        @contextlib.contextmanager
+        def on_step_stream(cb):
+            cb._step_stream = "the capture's stream"
+            ledger.on_stream.append(cb._trainer.global_step)
+            yield
+
+        monkeypatch.setattr(L2GraphCallback, "_on_step_stream", on_step_stream)
+        self.trainer: Any = None
+        for name in ("clear_cublas_workspaces", "free_cached_memory"):
+            monkeypatch.setattr(
+                step_dispatch, name, lambda name=name: ledger.freed.append((name, ledger.step()))
+            )
+
+    def step(self) -> int:
+        return self.trainer.global_step
+
+
+def test_after_a_failed_capture_the_captures_stream_gives_back_its_memory_once_before_the_plain_steps(
+    monkeypatch,
+):
+    """The steps the callback ran on its stream left cuBLAS workspaces and cached blocks there that
+    the plain steps on Lightning's stream cannot use: freed once, before the first plain step, so
+    that a fit with little memory to spare does not hold both (an H200 fit with 4% spare ran out)."""
+    ledger = StreamLedger(monkeypatch)
+    cb = callback()
+    trainer = quiet_trainer(accelerator="cpu", max_steps=8, callbacks=[Recorder(), cb])
+    ledger.trainer = trainer
+    seed_everything(0)
+    with pytest.warns(UserWarning, match="could not be captured: out of memory"):
+        trainer.fit(OOMInCapture(width=32, depth=3, fused=True), regression_loader(n=240, width=32))
+    capture_step = cb.warmup_steps
+    # the warm-up steps and the failed capture's eager step ran on the stream, no later step did
+    assert ledger.on_stream == list(range(capture_step + 1)), ledger.on_stream
+    # freed once, after that step and before the next (global_step has counted it)
+    assert ledger.freed == [
+        ("clear_cublas_workspaces", capture_step + 1),
+        ("free_cached_memory", capture_step + 1),
+    ], ledger.freed
+    assert cb._step_stream is None
+
+
+def test_a_captured_fit_keeps_its_stream_and_frees_nothing_between_steps(monkeypatch):
+    ledger = StreamLedger(monkeypatch)
+    cb = callback()
+    trainer = quiet_trainer(accelerator="cpu", max_steps=8, callbacks=[Recorder(), cb])
+    ledger.trainer = trainer
+    seed_everything(0)
+    trainer.fit(TinyMLP(width=32, depth=3), regression_loader(n=240, width=32))
+    assert cb.summary()["captured"]
+    assert ledger.freed == [] and ledger.on_stream == list(range(cb.warmup_steps + 1))
 
 
 def test_out_of_memory_while_tuning_captures_without_prefetch(monkeypatch):

@@ -98,3 +98,24 @@ def test_unknown_scenarios_are_refused_by_name(capsys):
         memory_peak.main(["--out", "/tmp/unused", "--scenarios", "fit-off,nope"])
     err = capsys.readouterr().err
     assert "unknown ['nope']" in err and "fit-off" in err
+
+
+def test_each_steps_peak_counts_what_earlier_steps_left_alive_and_lists_the_steps_own_allocations():
+    mib = 1 << 20
+    trace = [
+        event("alloc", 1, 10 * mib),  # before the first step: alive throughout
+        # step 0 starts at index 1
+        event("alloc", 2, 4 * mib),
+        event("alloc", 3, 2 * mib),  # step 0's peak: 16 MiB
+        event("free_completed", 3, 2 * mib),
+        # step 1 starts at index 4, with 14 MiB alive (block 2 outlived step 0)
+        {**event("alloc", 4, 8 * mib, name="workspace"), "stream": 7},  # step 1's peak: 22 MiB
+        event("free_completed", 4, 8 * mib),
+        event("alloc", 5, 1 * mib),
+    ]
+    steps = memory_peak.step_peaks(trace, [1, 4])
+    assert [(s["start_mib"], s["peak_mib"]) for s in steps] == [(10.0, 16.0), (14.0, 22.0)]
+    # at step 1's peak: block 1 (before the fit), 2 (step 0's) and 4 (its own, the only one listed)
+    assert sum(g["count"] for g in steps[1]["alive_at_peak"]) == 3
+    assert steps[1]["own_at_peak"] == [{"mib": 8.0, "stream": 7, "frames": ["throwaway.py:42 workspace"]}]
+    assert [o["mib"] for o in steps[0]["own_at_peak"]] == [4.0, 2.0]

@@ -185,15 +185,6 @@ def test_an_out_of_memory_error_inside_tuning_is_caught_freed_and_warned_once_an
     assert out["losses_equal"] and out["params_equal"] and out["captured_afterwards"], out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known defect (H200, benchmarks/results/h200/pytest_gpu_run_ab.log): the capture's out-of-memory "
-        "error is caught and warned once, but the first eager fallback step then needs about 230 MiB "
-        "with 225 MiB free and runs out itself, uncaught; where the difference to plain's step comes "
-        "from is not found yet"
-    ),
-)
 def test_an_out_of_memory_error_inside_the_steps_capture_falls_back_to_eager_steps_that_train_like_plain():
     """An allocator error raised inside the step's CUDA graph capture, next to a fit that leaves 4%
     over plain training: the partial graph is dropped, one warning names the cause and the sizes, the
