@@ -109,13 +109,15 @@ class FitReport:
     def _log_timing_once_known(self, trainer: Trainer) -> None:
         """Log the l2/* metrics as soon as a captured run has timed replays, once per fit.
 
-        Only when the replays' end events have completed (``query``, no host sync), so the step
-        path never waits for the device; until then each batch end checks again.
+        Only when the first ``TIMED_REPLAYS_BEFORE_LOG`` timed replays have completed (``query``, no
+        host sync), so the step path never waits for the device; until then each batch end checks
+        again. Not the latest replay: a host that runs ahead of the device (no sync per step) would
+        find it pending at every batch end (seen on the H200: logged only at the epoch's end).
         """
         if self._timing_logged or self._graph is None or not self._logs_timing(trainer):
             return
         replays = self._timing.graph
-        if self._timing.graph_count < TIMED_REPLAYS_BEFORE_LOG or not replays[-1][1].query():
+        if len(replays) < TIMED_REPLAYS_BEFORE_LOG or not replays[TIMED_REPLAYS_BEFORE_LOG - 1][1].query():
             return
         self._timing_logged = True
         self._emit_timing(trainer)

@@ -313,6 +313,21 @@ def test_l2_metrics_wait_for_the_replays_to_finish_without_syncing():
     assert len(logger.rows) == 1
 
 
+def test_l2_metrics_are_logged_once_enough_replays_completed_though_the_host_runs_ahead():
+    """A host that does not wait for the device finds the latest replay pending at every batch end;
+    the metrics go out once the first replays are done, over the done ones."""
+    n = fit_report.TIMED_REPLAYS_BEFORE_LOG
+    cb, trainer, logger = _logging_state(replays=n + 3)
+    for _, end in list(cb._timing.graph)[n - 1 :]:
+        end.done = False  # the device is 4 replays behind
+    _batch_end(cb, trainer)
+    assert logger.rows == []
+    cb._timing.graph[n - 1][1].done = True
+    cb._timing.graph[n - 1][1].ms = 4.0  # the median over the n done: of [2.0] * (n - 1) + [4.0]
+    _batch_end(cb, trainer)
+    assert len(logger.rows) == 1 and logger.rows[0][1]["l2/graph_step_ms"] == 2.0
+
+
 @pytest.mark.parametrize("case", ["not rank zero", "log_timing off", "no graph"])
 def test_l2_metrics_are_not_logged_early_off_rank_zero_without_opt_in_or_graph(case):
     cb, trainer, logger = _logging_state(
