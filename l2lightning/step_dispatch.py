@@ -95,11 +95,12 @@ class StepDispatch:
         """Free what the capture's stream holds once the rest of the fit trains plain on the caller's.
 
         The steps the callback ran on its stream left cuBLAS workspaces keyed to it (one per thread
-        that ran a GEMM: the step's and autograd's) and freed blocks cached for it; plain steps on
-        the caller's stream can use neither and allocate their own beside them. On the H200, with 4%
-        more memory free than plain training needs, the second plain step after a capture that ran
-        out of memory ran out itself: 96 MiB of the stream's workspaces stayed beside the caller's
-        (tests/gpu/test_oom_gpu.py).
+        that ran a GEMM: the step's and autograd's, 32 MiB each on the H200) and freed blocks cached
+        for it; plain steps on the caller's stream can use neither and allocate their own beside
+        them. On the H200, with 4% more memory free than plain training needs, the first plain step
+        after a capture that ran out of memory ran out itself (tests/gpu/test_oom_gpu.py); given
+        back here, that fit's steps peak at plain's allocated bytes (benchmarks/memory_peak.py,
+        scenario ``oom-steps-capture-fails``).
         """
         if self._step_stream is None:
             return
