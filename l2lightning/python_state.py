@@ -325,6 +325,32 @@ def baked_tensors(
     return checks
 
 
+def baked_callables(
+    module: Any, reads: Iterable[str], ran: set[int] | None = None, skip: Iterable[str] = ()
+) -> list[tuple[dict, str, Any]]:
+    """The code a captured step calls through attributes, to compare by identity before each replay:
+    the module's attributes that its step source reads and that hold a function or another callable
+    (``self.loss_fn = F.l1_loss``, a ``functools.partial``), and every binding of a submodule the step
+    called (`ran`, as in :func:`baked_scalars`) in its parent (``self.criterion = nn.HuberLoss(0.5)``,
+    ``self.act = nn.GELU()``). A graph replays the ops of the code it was captured with; one rebound
+    between steps (an epoch-start hook switching the loss) must be seen, or the replays keep the old
+    one. `skip`: attributes that are not the user's (the callback's own overrides). (attribute dict,
+    name, object)."""
+    attributes = getattr(module, "__dict__", {})
+    checks = [
+        (attributes, name, value)
+        for name in sorted(set(reads) - set(skip))
+        if not name.startswith("_")
+        and callable(value := attributes.get(name))
+        and not isinstance(value, (torch.Tensor, type))
+    ]
+    for parent in module.modules():
+        for name, child in vars(parent).get("_modules", {}).items():
+            if child is not None and (id(child) in ran if ran is not None else True):
+                checks.append((parent._modules, name, child))
+    return checks
+
+
 def baked_callback_attributes(
     callback_reads: Iterable[tuple[Any, set[str]]],
 ) -> tuple[list[tuple[dict, str, Any]], list[tuple[dict, str, torch.Tensor]]]:
@@ -376,8 +402,9 @@ def changed_containers(checks: list[tuple[dict, str, Any]]) -> list[str]:
     return [name for namespace, name, snapshot in checks if frozen(namespace.get(name)) != snapshot]
 
 
-def rebound_tensors(checks: list[tuple[dict, str, torch.Tensor]]) -> list[str]:
-    """Names of the attributes in `checks` (from :func:`baked_tensors`) that hold another object now."""
+def rebound(checks: list[tuple[dict, str, Any]]) -> list[str]:
+    """Names of the attributes in `checks` (from :func:`baked_tensors`, :func:`baked_callables`) that
+    hold another object now."""
     return [name for attributes, name, tensor in checks if attributes.get(name) is not tensor]
 
 

@@ -73,6 +73,8 @@ class _Graph:
     containers: list[tuple[dict, str, Any]] = field(default_factory=list)
     # tensors it reads from plain attributes (python_state.baked_tensors), checked before each replay
     tensors: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
+    # the functions and submodules it calls through attributes (python_state.baked_callables), likewise
+    callables: list[tuple[dict, str, Any]] = field(default_factory=list)
     # its parameters and buffers (ModuleFlags.tensors), compared after any registration (generation);
     # the graph reads and writes their data at these addresses, compared before each replay
     registered: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -264,6 +266,7 @@ class StepCapture:
         graph.flags = self._module_flags()
         graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)
+        graph.callables = python_state.baked_callables(module, self._source.reads, ran, self._installed)
         graph.counters = self._source.counter_snapshot(module, batch_idx)
         graph.attributes = self._source.attribute_snapshot(module, batch_idx)
         scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)

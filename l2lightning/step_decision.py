@@ -103,7 +103,12 @@ class StepDecision:
         attributes = self._source.changed_attribute_values(graph.attributes, module, batch_idx)
         if attributes:
             return self._recapture(f"values the step reads changed ({'; '.join(attributes)})")
-        rebound = python_state.rebound_tensors(graph.tensors)
+        replaced = python_state.rebound(graph.callables)
+        if replaced:
+            return self._recapture(
+                f"the functions or submodules the step calls were replaced since capture ({', '.join(replaced)})"
+            )
+        rebound = python_state.rebound(graph.tensors)
         if self._flags.generation != graph.generation:
             # something was registered since capture: a parameter or buffer may be a new tensor
             rebound += self._flags.rebound(graph.registered)

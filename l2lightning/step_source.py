@@ -50,7 +50,8 @@ from l2lightning.step_values import AttributeValue, CounterValue, guarded, unrea
 # What changes from step to step on the module and its Trainer: the step counters, and the fit
 # loop's flag for an epoch's last batch (``if self.trainer.is_last_batch:``)
 STEP_COUNTERS = ("global_step", "current_epoch", "is_last_batch")
-_SAFE_BUILTINS = {"min", "max", "abs", "int", "float", "bool", "len", "round", "divmod", "pow"}
+# getattr only with a constant, non-dunder name (see _constant_getattr)
+_SAFE_BUILTINS = {"min", "max", "abs", "int", "float", "bool", "len", "round", "divmod", "pow", "getattr"}
 _SAFE_METHODS = {"lr_schedulers", "optimizers", "get_last_lr"}
 _BRANCH_ERROR = object()
 
@@ -485,7 +486,10 @@ class _Visitor:
         """
         roots = (self.self_name, *self.extra)
         for node in ast.walk(func):
-            if not isinstance(node, (ast.Attribute, ast.Subscript)) or not isinstance(node.ctx, ast.Load):
+            by_getattr = _constant_getattr(node)  # getattr(self.cfg, "w", 1.0) reads like self.cfg.w
+            if not by_getattr and (
+                not isinstance(node, (ast.Attribute, ast.Subscript)) or not isinstance(node.ctx, ast.Load)
+            ):
                 continue
             parent = parents.get(id(node))
             indexed_by_a_local = isinstance(parent, ast.Subscript) and not isinstance(
@@ -502,7 +506,7 @@ class _Visitor:
             if id(node) in tests or id(node) in logged or self._host_only(node, parents):
                 continue
             chain = [n for n in ast.walk(node) if isinstance(n, (ast.Attribute, ast.Subscript, ast.Name))]
-            base = node
+            base = node.args[0] if by_getattr else node
             while isinstance(base, (ast.Attribute, ast.Subscript)):
                 if isinstance(base, ast.Subscript) and not isinstance(base.slice, ast.Constant):
                     break
@@ -512,10 +516,11 @@ class _Visitor:
             if any(isinstance(n, ast.Attribute) and n.attr in STEP_COUNTERS for n in chain):
                 continue  # the counters have their own check
             if any(isinstance(n, ast.Attribute) and n.attr == "trainer" for n in chain) and not any(
-                _is_datamodule(n) for n in chain
+                _is_users_object_on_trainer(n) for n in chain
             ):
                 # the Trainer's own state is not the step's (and some of its properties compute);
-                # the datamodule's attributes are the user's (a curriculum's difficulty)
+                # the objects the user gave it are the user's (a curriculum's difficulty on the
+                # data module or the dataset, a weight a callback holds)
                 continue
             evaluate = self._compile(node, allow_methods=False)
             if evaluate is not None:
@@ -801,11 +806,17 @@ def _follow_functions(
         _record_outside_reads(found, target, visitor, depth, seen)
 
 
-def _is_datamodule(node: ast.AST) -> bool:
-    """``<...>.trainer.datamodule``: the user's data module, reached through the Trainer."""
+# Trainer attributes that hand back the user's own objects, cheaply (a property that returns what the
+# fit loop holds): chains through them are the user's state, compared before each replay
+USERS_OBJECTS_ON_TRAINER = frozenset({"datamodule", "train_dataloader", "callbacks"})
+
+
+def _is_users_object_on_trainer(node: ast.AST) -> bool:
+    """``<...>.trainer.datamodule`` (or ``train_dataloader``, ``callbacks``): the user's objects,
+    reached through the Trainer."""
     return (
         isinstance(node, ast.Attribute)
-        and node.attr == "datamodule"
+        and node.attr in USERS_OBJECTS_ON_TRAINER
         and isinstance(node.value, ast.Attribute)
         and node.value.attr == "trainer"
     )
@@ -867,6 +878,21 @@ def _is_super_call(func: ast.expr) -> bool:
     )
 
 
+def _constant_getattr(node: ast.AST) -> bool:
+    """``getattr(obj, "name")`` or ``getattr(obj, "name", default)``: an attribute read by a constant
+    name (not a dunder), which reads like ``obj.name``."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and 2 <= len(node.args) <= 3
+        and not node.keywords
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+        and not node.args[1].value.startswith("__")
+    )
+
+
 def _safe(expr: ast.expr, allow_methods: bool) -> bool:
     """Only reads: names, attributes, subscripts, constants, arithmetic; whitelisted calls."""
     allowed = (
@@ -879,6 +905,8 @@ def _safe(expr: ast.expr, allow_methods: bool) -> bool:
             return False
         if isinstance(node, ast.Call):
             f = node.func
+            if isinstance(f, ast.Name) and f.id == "getattr" and not _constant_getattr(node):
+                return False
             if isinstance(f, ast.Name) and f.id in _SAFE_BUILTINS:
                 continue
             if allow_methods and isinstance(f, ast.Attribute) and f.attr in _SAFE_METHODS:

@@ -29,6 +29,13 @@ from l2lightning import L2GraphCallback, make_capturable
 from l2lightning.fit_report import TIMING_WINDOW
 from tests import graph_emulator as emu
 from tests import user_step_config
+from tests.between_step_models import (
+    NoisyDataset,
+    ReadsACallback,
+    ReadsTheDataset,
+    SwitchesItsLoss,
+    WeightOnACallback,
+)
 from tests.idiom_modules import IDIOMS
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike
@@ -781,6 +788,40 @@ def test_a_number_the_step_reads_from_the_datamodule_is_compared_before_each_rep
         got = run(ReadsTheDataModule, [cb])
     assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
     assert_same(base, got)
+
+
+@pytest.mark.parametrize("case", ["dataset (getattr)", "callback"])
+def test_numbers_the_step_reads_through_the_trainer_from_the_users_objects_are_compared_before_each_replay(
+    case,
+):
+    """The dataset behind ``trainer.train_dataloader`` and the Trainer's callbacks are the user's
+    objects: values read from them once went unchecked, and the graph kept epoch 0's for the fit."""
+    if case == "callback":
+        cls, loader, extra = ReadsACallback, None, WeightOnACallback
+    else:
+        cls, loader, extra = ReadsTheDataset, DataLoader(NoisyDataset(), batch_size=8), None
+
+    def callbacks():
+        return [extra()] if extra else []
+
+    base = fit(baseline_of(cls), callbacks(), steps=90, loader=loader)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"capturing the step again: values the step reads changed"):
+        run = fit(cls, [*callbacks(), cb], steps=90, loader=loader)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
+
+
+@pytest.mark.parametrize("what", ["function", "partial", "loss module", "activation module"])
+def test_a_function_or_submodule_the_step_calls_replaced_between_steps_is_captured_again(what):
+    """A graph replays the ops of the code it was captured with: the replays once kept epoch 0's loss
+    (or activation) for the whole fit, silently."""
+    base = fit(baseline_of(SwitchesItsLoss), steps=90, what=what)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"the functions or submodules the step calls were replaced"):
+        run = fit(SwitchesItsLoss, [cb], steps=90, what=what)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
 
 
 class Annealed(TinyMLP):

@@ -317,3 +317,33 @@ class _ReadsSchedulerState:
 def test_reads_of_an_lr_schedulers_state_that_reach_the_work_are_found():
     (line,) = analyse(_ReadsSchedulerState()).scheduler_reads
     assert "lr = self.lr_schedulers().get_last_lr()[0]" in line
+
+
+class _ReadsByGetattr:
+    """getattr with a constant name reads like an attribute; with a computed or dunder name it is not
+    evaluated (a dunder could reach anything, a computed name is not known before the step runs)."""
+
+    def __init__(self):
+        self.cfg = SimpleNamespace(w=1.0)
+        self.use_aux = False
+
+    def training_step(self, batch, batch_idx):
+        name = batch.name
+        loss = batch.x * getattr(self.cfg, "w", 1.0)
+        if getattr(self, "use_aux", False):
+            loss = loss * 2
+        loss = loss * getattr(self.cfg, name) * getattr(self, "__class__").scale  # noqa: B009
+        return loss
+
+
+def test_getattr_with_a_constant_name_is_compared_like_an_attribute_and_no_other_getattr_is_evaluated():
+    found = analyse(_ReadsByGetattr())
+    module = _ReadsByGetattr()
+    # what is evaluated: getattr(self.cfg, "w", 1.0), and self.cfg (twice: the objects are not
+    # compared, only numbers and small containers are); neither the computed name nor the dunder
+    values = [a.evaluate(module, 0) for a in found.attribute_values]
+    assert values == [1.0, module.cfg, module.cfg], values
+    assert [c.line.split("(`", 1)[1] for c in found.conditions] == ['if getattr(self, "use_aux", False):`)']
+    snapshot = found.attribute_snapshot(module, 0)
+    module.cfg.w = 2.0
+    assert any("getattr(self.cfg" in line for line in found.changed_attribute_values(snapshot, module, 0))

@@ -8,6 +8,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 
 from l2lightning import EquivalenceError, L2GraphCallback, make_capturable
+from tests.between_step_models import ReadsACallback, SwitchesItsLoss, WeightOnACallback
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
 pytestmark = pytest.mark.gpu
@@ -401,4 +402,25 @@ def test_a_side_stream_forked_from_the_steps_stream_is_captured_and_replays_bitw
     run = fit(SideStreamScale, [cb], steps=20, fork=True)
     s = cb.summary()
     assert s["captured"] and s["fallback_steps"] == 0, s
+    assert_same_run(base, run)
+
+
+@pytest.mark.parametrize("what", ["function", "loss module"])
+def test_a_loss_an_epoch_hook_switches_is_captured_again_and_the_fit_is_bitwise_the_baseline(what):
+    """A graph replays the code it was captured with: a loss function or loss module rebound between
+    epochs must be seen before the next replay (the replays once kept epoch 0's loss, silently)."""
+    base = fit(SwitchesItsLoss, [], steps=90, baseline=True, what=what)
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(SwitchesItsLoss, [cb], steps=90, what=what)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
+    assert_same_run(base, run)
+
+
+def test_a_number_the_step_reads_from_another_callback_is_compared_before_each_replay():
+    base = fit(ReadsACallback, [WeightOnACallback()], steps=90, baseline=True)
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(ReadsACallback, [WeightOnACallback(), cb], steps=90)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
     assert_same_run(base, run)

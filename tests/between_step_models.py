@@ -1,0 +1,85 @@
+"""User-style modules whose step reads state that hooks change between steps: the callback must see
+each change before a replay (CPU emulator tests and GPU tests share them)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from lightning.pytorch import Callback
+from torch import nn
+
+from tests.lightning_models import TinyMLP, regression_loader
+
+
+class NoisyDataset(torch.utils.data.Dataset):
+    """A dataset carrying a curriculum's noise level, which a hook raises each epoch."""
+
+    def __init__(self):
+        self.data = regression_loader(n=240, width=32).dataset
+        self.noise = 0.0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+class ReadsTheDataset(TinyMLP):
+    def on_train_epoch_start(self):
+        self.trainer.train_dataloader.dataset.noise = 0.1 * self.current_epoch
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        noise = getattr(self.trainer.train_dataloader.dataset, "noise", 0.0)
+        loss = (1 + noise) * (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+class WeightOnACallback(Callback):
+    def __init__(self):
+        self.alpha = 1.0
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.alpha = 1.0 + trainer.current_epoch
+
+
+class ReadsACallback(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.trainer.callbacks[1].alpha * (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+class SwitchesItsLoss(TinyMLP):
+    """An epoch-start hook switches what the step calls: a loss function, a partial, a loss module,
+    an activation module (parameterless: no parameter or buffer registration changes)."""
+
+    def __init__(self, what="function", **kw):
+        super().__init__(**kw)
+        self.what = what
+        self.on_train_epoch_start()
+
+    def on_train_epoch_start(self):
+        epoch = self.current_epoch if self._trainer is not None else 0
+        if self.what == "function":
+            self.loss_fn = torch.nn.functional.l1_loss if epoch % 2 else torch.nn.functional.mse_loss
+        elif self.what == "partial":
+            self.loss_fn = functools.partial(torch.nn.functional.huber_loss, delta=1.0 / (1 + epoch))
+        elif self.what == "loss module":
+            self.loss_fn = nn.HuberLoss(delta=1.0 / (1 + epoch))
+        else:
+            self.act = nn.GELU() if epoch % 2 else nn.ReLU()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net(x)
+        if self.what == "activation module":
+            loss = (self.head(self.act(h)).squeeze(-1) - y).square().mean()
+        else:
+            loss = self.loss_fn(self.head(h).squeeze(-1), y)
+        self.log("train/loss", loss)
+        return loss
