@@ -196,6 +196,20 @@ class Append:
         return value if isinstance(value, list) else None
 
 
+def read_appended_elements(appended: list[Append], read_ids: set[int]) -> list[str]:
+    """Problems for the lists the step appends to whose earlier elements the step's ops read
+    (``prev = self.history[-1]``; `read_ids`: the ids of the tensors the ops read, alive throughout
+    the step as the list holds them): a replay would read the element it was captured with forever,
+    while an eager step reads the one the last step appended."""
+    return [
+        f"the step reads tensors of {a.label}, a list it appends to (`prev = self.history[-1]`): a replay runs "
+        "no Python, so it would read the element it was captured with at every step; keep the value in "
+        "a tensor the step updates in place"
+        for a in appended
+        if any(id(t) in read_ids for t in (a.current() or [])[:-1] if isinstance(t, torch.Tensor))
+    ]
+
+
 def split_appends(before: Snapshot, after: Snapshot) -> tuple[list[Append], list[str]]:
     """The changes between snapshots, as lists that grew by exactly one element, and the other changes."""
     appends, other = [], set()
@@ -373,16 +387,19 @@ class BakedGlobals:
     tensors: list[tuple[dict, str, torch.Tensor]]
     # small lists, tuples and dicts of Python scalars (``CONFIG["w"]``), as step_values.frozen snapshots
     containers: list[tuple[dict, str, Any]]
+    # functions and other callables (``LOSS_FN = focal_loss``), compared by identity
+    callables: list[tuple[dict, str, Any]]
 
 
 def baked_globals(global_reads: Iterable[tuple[Any, set[str]]]) -> BakedGlobals:
     """The module-level names the step source reads (``loss * LOSS_WEIGHT``, ``if USE_AUX:``,
     ``CONFIG["w"]``): a number, a flag or the entries of a small container are baked into the graph
-    and a tensor's address is, so a new value between steps must capture again. Modules, functions,
-    classes and large containers read by name are not followed. `global_reads`: (namespace, names),
+    and a tensor's address is, so a new value between steps must capture again; a function or other
+    callable read by name is compared by identity (the graph replays the one it was captured with).
+    Modules, classes and large containers read by name are not followed. `global_reads`: (namespace, names),
     the namespace a function's ``__globals__`` or its closure variables
     (:class:`l2lightning.step_source.ClosureCells`)."""
-    baked = BakedGlobals([], [], [])
+    baked = BakedGlobals([], [], [], [])
     for namespace, names in global_reads:
         for name in sorted(names):
             if name.startswith("__") or name not in namespace:
@@ -394,6 +411,8 @@ def baked_globals(global_reads: Iterable[tuple[Any, set[str]]]) -> BakedGlobals:
                 baked.tensors.append((namespace, name, value))
             elif isinstance(value, (list, tuple, dict)) and (snapshot := frozen(value)) is not None:
                 baked.containers.append((namespace, name, snapshot))
+            elif callable(value) and not isinstance(value, type):
+                baked.callables.append((namespace, name, value))
     return baked
 
 

@@ -276,6 +276,7 @@ class StepCapture:
         graph.scalars += baked.scalars
         graph.tensors += baked.tensors
         graph.containers = baked.containers
+        graph.callables += baked.callables
         # the Trainer's clipping settings, which Lightning passes to `configure_gradient_clipping` as
         # numbers (a callback that changes `trainer.gradient_clip_val` mid-fit)
         trainer_attributes = vars(self._trainer)

@@ -739,9 +739,15 @@ def _record_globals(
     if names:
         found.global_reads.setdefault(id(namespace), (namespace, set()))[1].update(names)
     for root, attr in module_attributes:
-        module = namespace.get(root)
-        if isinstance(module, types.ModuleType) and _is_user_code(module):
-            attributes = vars(module)
+        held = namespace.get(root)
+        # an imported module of the user's (``cfg.LOSS_W``), or a module-level object of one of the
+        # user's classes (``CONFIG.weight``, a config instance a callback updates)
+        if (isinstance(held, types.ModuleType) and _is_user_code(held)) or (
+            not isinstance(held, (types.ModuleType, type, types.FunctionType))
+            and isinstance(getattr(held, "__dict__", None), dict)
+            and _is_user_code(type(held))
+        ):
+            attributes = vars(held)
             found.global_reads.setdefault(id(attributes), (attributes, set()))[1].add(attr)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -154,6 +155,8 @@ class StepTrace:
     memo: list[tuple[str, Any]] = field(default_factory=list)  # results of MEMOIZED calls, in order
     constants: list[HostConstant] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # what can never be captured, each naming its line
+    # ids of the tensor objects the step's ops read (which of them a Python list held before the step)
+    read_ids: set[int] = field(default_factory=set)
 
 
 def first_difference(
@@ -230,6 +233,17 @@ class HostConstants:
 # Library functions that sync only to decide a Python value from a tensor that a step builds the
 # same way every time (nn.Transformer* checking whether a mask is causal: `bool((mask == causal).all())`).
 # Traced steps record their results; a capture returns the recorded ones instead of syncing.
+# torch's functions that seed or set its random generators' state: a step that calls them cannot be
+# replayed (a replay would draw on from where the last one left off); `lightning.seed_everything`
+# calls torch.manual_seed
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+SEEDING: tuple[tuple[str, str], ...] = (
+    *((m, f) for m in ("torch", "torch.random") for f in ("manual_seed", "seed", "set_rng_state")),
+    *(
+        ("torch.cuda", f)
+        for f in ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all")
+    ),
+)
 MEMOIZED: tuple[tuple[str, str], ...] = (("torch.nn.modules.transformer", "_detect_is_causal_mask"),)
 
 
@@ -295,6 +309,41 @@ class StepTracer(TorchDispatchMode):
             for module, attr, original in patched:
                 setattr(module, attr, original)
 
+    @contextlib.contextmanager
+    def watching_seeds(self) -> Iterator[None]:
+        """Patch torch's seeding functions to note each call inside the step as a problem, then seed."""
+        import importlib
+
+        patched = []
+        for module_name, attr in SEEDING:
+            module = importlib.import_module(module_name)
+            original = getattr(module, attr, None)
+            if original is None:
+                continue
+            patched.append((module, attr, original))
+            setattr(module, attr, self._seeding(f"{module_name}.{attr}", original))
+        try:
+            yield
+        finally:
+            for module, attr, original in patched:
+                setattr(module, attr, original)
+
+    def _seeding(self, name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
+                # torch's own save-and-restore (activation checkpointing's recomputation, fork_rng)
+                # puts back a state it took in the same step: captured, it replays exactly
+                return original(*args, **kwargs)
+            self.trace.problems.append(
+                f"`{name}` at {describe_frame(user_frame(2))} seeds torch's random generators inside the "
+                "step; a replay runs no Python, so it would not seed them again, and the step's random ops "
+                "(dropout, `torch.rand`) would draw other numbers than in an eager step; seed once before "
+                "`fit`"
+            )
+            return original(*args, **kwargs)
+
+        return call
+
     def _memoize(self, name: str, original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.constants is not None:  # capturing
@@ -351,6 +400,7 @@ class StepTracer(TorchDispatchMode):
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         on_device = any(t.device.type == self.device_type for t in tensors)
         frame = user_frame(2)
+        self.trace.read_ids.update(map(id, tensors))
         if (
             self.constants is not None
             and on_device

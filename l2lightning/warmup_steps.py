@@ -132,6 +132,7 @@ class WarmupSteps:
             )
             python_changed += self._optimizer_writes()
             group.appended.append(frozenset(a.label for a in appended))
+            tracer.trace.problems += python_state.read_appended_elements(appended, tracer.trace.read_ids)
             self._judge_trace(
                 group, tracer.trace, updated_between(before, update_counts(self._module)), python_changed
             )
@@ -151,7 +152,7 @@ class WarmupSteps:
         """Lightning's closure under `tracer` (the captured hooks and ``self.log`` consult it)."""
         self._tracer = tracer
         try:
-            with tracer, tracer.memoized():
+            with tracer, tracer.memoized(), tracer.watching_seeds():
                 return closure() if closure is not None else None
         finally:
             self._tracer = None

@@ -83,3 +83,37 @@ class SwitchesItsLoss(TinyMLP):
             loss = self.loss_fn(self.head(h).squeeze(-1), y)
         self.log("train/loss", loss)
         return loss
+
+
+class SeedsInTheStep(TinyMLP):
+    """Seeds torch inside the step before its dropout (to make a step "reproducible"): per step from
+    the counter, or with one constant. A replay would not seed again."""
+
+    def __init__(self, constant=False, **kw):
+        super().__init__(**kw)
+        self.constant = constant
+        self.drop = nn.Dropout(0.3)
+
+    def training_step(self, batch, batch_idx):
+        torch.manual_seed(1234 if self.constant else 1000 + self.global_step)
+        x, y = batch
+        loss = (self.head(self.drop(self.net(x))).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+class ReadsWhatItAppended(TinyMLP):
+    """Penalises the change from the previous step's loss, kept in a list the step appends to."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.history = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        prev = self.history[-1] if self.history else loss.detach()
+        self.history.append(loss.detach())
+        out = loss + 0.1 * (loss - prev).abs()
+        self.log("train/loss", out)
+        return out

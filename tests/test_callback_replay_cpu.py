@@ -33,6 +33,8 @@ from tests.between_step_models import (
     NoisyDataset,
     ReadsACallback,
     ReadsTheDataset,
+    ReadsWhatItAppended,
+    SeedsInTheStep,
     SwitchesItsLoss,
     WeightOnACallback,
 )
@@ -822,6 +824,30 @@ def test_a_function_or_submodule_the_step_calls_replaced_between_steps_is_captur
         run = fit(SwitchesItsLoss, [cb], steps=90, what=what)
     assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
     assert_same(base, run)
+
+
+@pytest.mark.parametrize("constant", [False, True], ids=["seed-per-step", "constant-seed"])
+def test_a_step_that_seeds_torch_is_refused_by_name_and_trains_like_plain(constant):
+    """Replays do not seed: their dropout masks differed from an eager step's (silently, with a
+    constant seed the warm-up steps agree on)."""
+    plain = fit(SeedsInTheStep, steps=20, constant=constant, fused=True)
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"`torch.manual_seed` at .*between_step_models.py:\d+ .* seeds torch"
+    ):
+        run = fit(SeedsInTheStep, [cb], steps=20, constant=constant, fused=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+
+
+def test_a_step_reading_an_element_of_a_list_it_appends_to_is_refused_by_name_and_trains_like_plain():
+    """The graph read the element it was captured with at every replay (silently before)."""
+    plain = fit(ReadsWhatItAppended, steps=20, fused=True)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"the step reads tensors of `self.history`, a list it appends to"):
+        run = fit(ReadsWhatItAppended, [cb], steps=20, fused=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
 
 
 class Annealed(TinyMLP):
@@ -1708,13 +1734,32 @@ OFFSET = torch.zeros(())
 CONFIG = {"aux_weight": 0.0, "name": "run"}
 
 
+class Settings:
+    """A config object of the user's own class, held at module level."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+
+def plain_penalty(w):
+    return w.square().mean()
+
+
+def abs_penalty(w):
+    return w.abs().mean()
+
+
+SETTINGS = Settings(1.0)
+PENALTY = plain_penalty
+
+
 class ReadsModuleGlobals(MomentumRegressor):
     def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx) * LOSS_WEIGHT
+        loss = super().training_step(batch, batch_idx) * LOSS_WEIGHT * SETTINGS.scale
         if USE_AUX:
             loss = loss + self.head.weight.square().mean()
         loss = loss + CONFIG["aux_weight"] * self.head.bias.square().sum()
-        return loss + OFFSET
+        return loss + OFFSET + 0.01 * PENALTY(self.head.weight)
 
 
 class ChangesAGlobal(Callback):
@@ -1725,6 +1770,9 @@ class ChangesAGlobal(Callback):
         if batch_idx == 10:
             if isinstance(self.value, dict):
                 globals()[self.name].update(self.value)  # entries changed in place
+            elif "." in self.name:  # an attribute of a module-level object
+                holder, attribute = self.name.split(".")
+                setattr(globals()[holder], attribute, self.value)
             else:
                 globals()[self.name] = self.value
 
@@ -1736,16 +1784,22 @@ class ChangesAGlobal(Callback):
         ("USE_AUX", True),
         ("OFFSET", torch.full((), 0.25)),
         ("CONFIG", {"aux_weight": 0.1}),
+        ("SETTINGS.scale", 0.5),
+        ("PENALTY", abs_penalty),
     ],
-    ids=["number", "flag", "tensor-rebound", "dict-entry"],
+    ids=["number", "flag", "tensor-rebound", "dict-entry", "object-attribute", "function"],
 )
 def test_a_module_global_the_step_reads_changed_between_steps_is_captured_again(name, value, monkeypatch):
+    """The object attribute and the function were once silently kept at their capture-time values."""
+
     def defaults():
         return {
             "LOSS_WEIGHT": 1.0,
             "USE_AUX": False,
             "OFFSET": torch.zeros(()),
             "CONFIG": {"aux_weight": 0.0, "name": "run"},
+            "SETTINGS": Settings(1.0),
+            "PENALTY": plain_penalty,
         }
 
     for key, default in defaults().items():
@@ -1753,7 +1807,7 @@ def test_a_module_global_the_step_reads_changed_between_steps_is_captured_again(
     plain = fit(ReadsModuleGlobals, [ChangesAGlobal(name, value)])
     globals().update(defaults())
     cb = callback()
-    with pytest.warns(UserWarning, match=rf"capturing the step again: .*{name}"):
+    with pytest.warns(UserWarning, match=rf"capturing the step again: .*{name.split('.')[-1]}"):
         run = fit(ReadsModuleGlobals, [ChangesAGlobal(name, value), cb])
     assert cb.summary()["captured"] and cb.summary()["captures"] == 2, cb.summary()
     assert_same(plain, run)

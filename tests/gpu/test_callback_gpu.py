@@ -8,7 +8,13 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 
 from l2lightning import EquivalenceError, L2GraphCallback, make_capturable
-from tests.between_step_models import ReadsACallback, SwitchesItsLoss, WeightOnACallback
+from tests.between_step_models import (
+    ReadsACallback,
+    ReadsWhatItAppended,
+    SeedsInTheStep,
+    SwitchesItsLoss,
+    WeightOnACallback,
+)
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
 pytestmark = pytest.mark.gpu
@@ -424,3 +430,18 @@ def test_a_number_the_step_reads_from_another_callback_is_compared_before_each_r
     summary = cb.summary()
     assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
     assert_same_run(base, run)
+
+
+@pytest.mark.parametrize("constant", [False, True], ids=["seed-per-step", "constant-seed"])
+def test_a_step_that_seeds_torch_is_refused_by_name_and_trains_like_plain(constant):
+    """A replay would not seed the CUDA generator again: its dropout masks would differ from an eager
+    step's (with a constant seed the capture itself succeeds, so only the refusal keeps it exact)."""
+    assert_refused_and_trains_like_plain(
+        SeedsInTheStep, r"`torch.manual_seed` at .* seeds torch", "seeds torch", constant=constant, fused=True
+    )
+
+
+def test_a_step_reading_an_element_of_a_list_it_appends_to_is_refused_by_name_and_trains_like_plain():
+    assert_refused_and_trains_like_plain(
+        ReadsWhatItAppended, "a list it appends to", "`self.history`", steps=20, fused=True
+    )
