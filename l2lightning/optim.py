@@ -21,6 +21,7 @@ baseline for their own checks.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from itertools import chain
 from operator import is_not
@@ -125,13 +126,15 @@ class CapturableOptimizer:
         self._previous_step = vars(opt).get("step")
         self._inner_step = opt.step
 
-        def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        def step(_opt: Any, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
             return self._step(closure, **kwargs)
 
         # LR schedulers warn unless optimizer.step carries the marker their own wrapper sets
         if hasattr(self._inner_step, "_wrapped_by_lr_sched"):
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        opt.step = step  # type: ignore[method-assign]
+        # A bound method, as optimizer.step is: a scheduler made later in the fit (Lightning's
+        # StochasticWeightAveraging makes SWALR at its first epoch) wraps it through `step.__func__`
+        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
         setattr(opt, _INSTALLED, self)
 
     def uninstall(self) -> None:

@@ -2459,3 +2459,22 @@ def test_every_idiom_gets_its_verdict_on_the_cpu_stand_in(name):
         assert summary["captured"] and summary["reason"] is None, summary["reason"]
     else:
         assert not summary["captured"] and summary["reason"], summary
+
+
+@pytest.mark.parametrize("which", ["swa", "lr_finder"])
+def test_lightning_callbacks_that_make_a_scheduler_mid_fit_train_like_the_baseline(which):
+    """StochasticWeightAveraging (SWALR at its first epoch) and LearningRateFinder (its own scheduler
+    for the search) made their schedulers after the callback had wrapped the optimizer's step: the
+    fit crashed (AttributeError: 'function' object has no attribute '__func__')."""
+    from lightning.pytorch.callbacks import LearningRateFinder, StochasticWeightAveraging
+
+    def made():
+        if which == "swa":
+            return StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)
+        return LearningRateFinder(num_training_steps=20, early_stop_threshold=None)
+
+    base = fit(baseline_of(TinyMLP), [made()], steps=90, fused=True)
+    cb = callback()
+    run = fit(TinyMLP, [made(), cb], steps=90, fused=True)
+    assert cb.summary()["captured"], cb.summary()
+    assert_same(base, run)

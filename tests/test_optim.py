@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -76,3 +78,24 @@ def test_make_capturable_sets_the_flag_once_and_release_restores_it(monkeypatch)
     assert all(group["capturable"] is False for group in opt.param_groups)
     assert installed_capturable(opt) is None
     assert isinstance(opt.param_groups[0]["lr"], float)
+
+
+def test_a_scheduler_made_after_make_capturable_wraps_the_step_and_the_step_still_reaches_the_handler(
+    monkeypatch,
+):
+    """Lightning's StochasticWeightAveraging and LearningRateFinder make their schedulers mid-fit; the
+    scheduler's constructor wraps ``optimizer.step`` through ``step.__func__``, which the installed
+    step once lacked (AttributeError: 'function' object has no attribute '__func__')."""
+    monkeypatch.setattr(optim, "CAPTURABLE_DEVICE_TYPES", ("cuda", "cpu"))
+    opt = torch.optim.SGD(params(), lr=0.1)
+    wrapped = make_capturable(opt)
+    calls = []
+    wrapped.handler = lambda run, closure, kwargs: calls.append("handler") or run(closure, **kwargs)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        scheduler.step()
+    assert calls == ["handler"] and opt.param_groups[0]["lr"] == 0.05
+    wrapped.release()
+    assert "step" not in vars(opt)  # the class's step again, the scheduler's wrapper with ours

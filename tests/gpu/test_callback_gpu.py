@@ -445,3 +445,18 @@ def test_a_step_reading_an_element_of_a_list_it_appends_to_is_refused_by_name_an
     assert_refused_and_trains_like_plain(
         ReadsWhatItAppended, "a list it appends to", "`self.history`", steps=20, fused=True
     )
+
+
+def test_stochastic_weight_averaging_makes_its_scheduler_mid_fit_and_the_fit_is_bitwise_the_baseline():
+    """SWALR, made at SWA's first epoch, wraps the optimizer's step after the callback did (a crash
+    once); its annealed LR reaches the replays through the LR tensors."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    def swa():
+        return StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1, annealing_epochs=2)
+
+    base = fit(TinyMLP, [swa()], steps=90, baseline=True, fused=True)
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(TinyMLP, [swa(), cb], steps=90, fused=True)
+    assert cb.summary()["captured"], cb.summary()
+    assert_same_run(base, run)
