@@ -310,7 +310,7 @@ class StepCapture:
                 current[-1] = copied_element(element)
         if binding is not None:
             binding.fresh_forward_caches()
-        self._live_log_values = self._python_log_sources(graph.log_calls)
+        self._live_log_values, frozen_log = self._python_log_sources(graph.log_calls)
         self._mode = "replay"
         self._reissued = set()
         result = closure() if closure is not None else None
@@ -325,6 +325,9 @@ class StepCapture:
                 "from the captured step's "
                 f"({[c.line for c in self._source.conditions]}) run eagerly."
             )
+        if frozen_log is not None:
+            # this step's own log was right (the capture ran its Python); the next ones would not be
+            self._disable(frozen_log)
         return result
 
     def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:

@@ -171,8 +171,9 @@ class StepOverrides:
             value = self._source.log_value(call.name, self._module, self._pending[1] if self._pending else 0)
         call.issue(self._module, self._originals["log"], value)
 
-    def _python_log_sources(self, calls: list[ReissuedLog]) -> set[str]:
-        """Keys of logged Python numbers to re-evaluate at each replay; warn about the ones that would freeze."""
+    def _python_log_sources(self, calls: list[ReissuedLog]) -> tuple[set[str], str | None]:
+        """(keys of logged Python numbers to re-evaluate at each replay, why the capture cannot stay:
+        a logged number that changed between the warm-up steps and that a replay cannot recompute)."""
         live = set()
         batch_idx = self._pending[1] if self._pending else 0
         for call in calls:
@@ -189,12 +190,14 @@ class StepOverrides:
             seen = self._step_logs.get(name, [])
             if seen and all(v == value for v in seen):
                 continue  # the same number at every traced step: a constant
-            self._warn_once(
-                f"frozen-log:{name}",
-                f"`self.log({name!r}, ...)` in {call.fx} logs a Python number that a replay cannot recompute, so "
-                "it would repeat the capture step's value; log a tensor, or log it in `on_train_batch_end`",
+            # Replays would log the capture step's number for the rest of the fit: wrong curves, and a
+            # ModelCheckpoint or EarlyStopping monitoring it would decide on a frozen value.
+            return live, (
+                f"`self.log({name!r}, ...)` in {call.fx} logs a Python number that changes from step to step "
+                "and that a replay cannot recompute (it would repeat the capture step's value); log a tensor, "
+                "or log it in `on_train_batch_end`"
             )
-        return live
+        return live, None
 
 
 def shallow_copy(value: Any) -> Any:

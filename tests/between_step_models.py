@@ -117,3 +117,15 @@ class ReadsWhatItAppended(TinyMLP):
         out = loss + 0.1 * (loss - prev).abs()
         self.log("train/loss", out)
         return out
+
+
+class LogsAnUnrecomputableNumber(TinyMLP):
+    """Logs a Python number computed from the batch (a local): it changes from step to step, and a
+    replay, which runs no Python, cannot compute it again."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        self.log("examples_seen", float(x.shape[0] * (batch_idx + 1)))
+        return loss

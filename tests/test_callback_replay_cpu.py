@@ -30,6 +30,7 @@ from l2lightning.fit_report import TIMING_WINDOW
 from tests import graph_emulator as emu
 from tests import user_step_config
 from tests.between_step_models import (
+    LogsAnUnrecomputableNumber,
     NoisyDataset,
     ReadsACallback,
     ReadsTheDataset,
@@ -848,6 +849,22 @@ def test_a_step_reading_an_element_of_a_list_it_appends_to_is_refused_by_name_an
         run = fit(ReadsWhatItAppended, [cb], steps=20, fused=True)
     assert not cb.summary()["captured"]
     assert_same(plain, run)
+
+
+def test_a_logged_python_number_a_replay_cannot_recompute_ends_the_capture_and_every_logged_value_is_plains():
+    """Replays once logged the capture step's number for the rest of the fit (with a warning): wrong
+    curves, and a ModelCheckpoint or EarlyStopping monitoring it deciding on a frozen value."""
+    plain = fit(LogsAnUnrecomputableNumber, steps=20, fused=True)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"`self.log\('examples_seen', ...\)` .* cannot recompute"):
+        run = fit(LogsAnUnrecomputableNumber, [cb], steps=20, fused=True)
+    assert "examples_seen" in cb.summary()["reason"] and cb.captures == 1
+    # every step logs its own number, as plain Lightning does (the losses match plain's to float
+    # precision here: the CPU stand-in's capturable AdamW is not bitwise its plain one; on the GPU
+    # they are, tests/gpu/test_callback_gpu.py)
+    assert [r["examples_seen"] for r in run[1].logged] == [r["examples_seen"] for r in plain[1].logged]
+    assert [r["examples_seen"] for r in run[1].logged] == [8.0 * (i + 1) for i in range(20)]
+    assert all(torch.allclose(a, b) for a, b in zip(plain[1].losses, run[1].losses))
 
 
 class Annealed(TinyMLP):

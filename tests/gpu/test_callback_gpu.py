@@ -9,6 +9,7 @@ from lightning.pytorch.loggers import Logger
 
 from l2lightning import EquivalenceError, L2GraphCallback, make_capturable
 from tests.between_step_models import (
+    LogsAnUnrecomputableNumber,
     ReadsACallback,
     ReadsWhatItAppended,
     SeedsInTheStep,
@@ -460,3 +461,13 @@ def test_stochastic_weight_averaging_makes_its_scheduler_mid_fit_and_the_fit_is_
     run = fit(TinyMLP, [swa(), cb], steps=90, fused=True)
     assert cb.summary()["captured"], cb.summary()
     assert_same_run(base, run)
+
+
+def test_a_logged_number_a_replay_cannot_recompute_ends_the_capture_and_the_fit_is_bitwise_plain():
+    """The capture step logs its own number; the steps after it run eagerly (replays would repeat it)."""
+    plain = fit(LogsAnUnrecomputableNumber, [], steps=20, fused=True)
+    cb = L2GraphCallback(prefetch="off")
+    with pytest.warns(UserWarning, match="cannot recompute"):
+        run = fit(LogsAnUnrecomputableNumber, [cb], steps=20, fused=True)
+    assert "examples_seen" in cb.summary()["reason"] and cb.captures == 1, cb.summary()
+    assert_same_run(plain, run)
