@@ -42,7 +42,7 @@ class _Value:
     label: str  # "`self.n`", "`self.head.calls`", "`MyCallback.count`", "Python's global `random` generator"
     owner: Any
     name: str
-    # "value", "len", "tensor" (which object), "rng" or "dict" ((what to compare, what to restore))
+    # "value", "len", "tensor" (which object), "rng", "held_rng" or "dict" ((what to compare, what to restore))
     kind: str
     value: Any
 
@@ -134,6 +134,13 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "dict", (entries, dict(value)))
             elif tracks_tensors and isinstance(value, torch.Tensor):
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "tensor", value)
+            elif (state := _held_generator_state(value)) is not None:
+                # a random generator of the step's own (`self.rng = random.Random(0)`): a draw that
+                # only steers a rarely taken branch leaves the traced steps alike, so its state is
+                # what shows that the step draws from it
+                out[id(obj), name] = _Value(
+                    f"`{prefix}.{name}` (a random generator)", obj, name, "held_rng", state
+                )
         if tracks_tensors:
             # `self.running = 0.9 * self.running + ...`: a new tensor bound each step. The graph keeps
             # reading the tensor it was captured with, so the value would stop moving.
@@ -142,6 +149,40 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
                     if isinstance(value, torch.Tensor) and (id(obj), name) not in skip:
                         out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "tensor", value)
     return out
+
+
+def _held_generator_state(value: Any) -> tuple[Any, Any] | None:
+    """(what to compare, what to restore) of a random generator object held in an attribute: Python's
+    ``random.Random``, NumPy's ``Generator`` or ``RandomState``, a CPU ``torch.Generator``; else None."""
+    if isinstance(value, random.Random):
+        state = value.getstate()
+        return state, state
+    if isinstance(value, torch.Generator):
+        if value.device.type != "cpu":
+            return None  # a device generator's draws are ops in the graph, advanced by each replay
+        state = value.get_state()
+        return bytes(state.numpy()), state
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return None
+    if isinstance(value, numpy.random.Generator):
+        state = value.bit_generator.state
+        return repr(state), state
+    if isinstance(value, numpy.random.RandomState):
+        state = value.get_state()
+        return (state[0], state[1].tobytes(), *state[2:]), state
+    return None
+
+
+def _set_held_generator_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, random.Random):
+        generator.setstate(state)
+    elif isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    elif hasattr(generator, "bit_generator"):
+        generator.bit_generator.state = state
+    elif hasattr(generator, "set_state"):
+        generator.set_state(state)
 
 
 def _is_metric(obj: Any) -> bool:
@@ -171,7 +212,7 @@ def changed(before: Snapshot, after: Snapshot) -> list[str]:
 
 
 def _differs(a: Any, b: Any, kind: str = "value") -> bool:
-    if kind in ("rng", "dict"):
+    if kind in ("rng", "dict", "held_rng"):
         return a[0] != b[0]
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is not b  # rebound, not changed in place
@@ -231,7 +272,9 @@ def restore(before: Snapshot) -> None:
                 sys.modules["numpy"].random.set_state(entry.value[1])
             continue
         attributes = getattr(entry.owner, "__dict__", {})
-        if entry.kind == "tensor":
+        if entry.kind == "held_rng":
+            _set_held_generator_state(attributes.get(entry.name), entry.value[1])
+        elif entry.kind == "tensor":
             for store in (attributes.get("_buffers"), attributes.get("_parameters")):
                 if store is not None and entry.name in store:
                     store[entry.name] = entry.value

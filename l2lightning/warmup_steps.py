@@ -175,11 +175,20 @@ class WarmupSteps:
                 'Lightning (`configure_optimizers` returning the scheduler with `"interval": "step"`), '
                 "or set them in `on_train_batch_start`, not inside `training_step`"
             )
+        if any("generator" in label for label in changed):
+            advice = (
+                "draw with torch on the device instead (`torch.rand(..., device=self.device)`: each replay "
+                "draws anew)"
+            )
+        else:
+            advice = (
+                "keep it in a tensor updated in place (`self.running.mul_(0.9).add_(x)`, not "
+                "`self.running = 0.9 * self.running + x`), change it in `on_train_batch_end`"
+            )
         return (
             f"the step changes Python state ({', '.join(changed)}) at every step, "
-            "which a replay (it runs no Python) would freeze; keep it in a tensor updated in place "
-            "(`self.running.mul_(0.9).add_(x)`, not `self.running = 0.9 * self.running + x`), change it in "
-            "`on_train_batch_end`, or run such steps eagerly with `eager_steps=lambda trainer, batch_idx: ...`"
+            f"which a replay (it runs no Python) would freeze; {advice}, or run such steps eagerly with "
+            "`eager_steps=lambda trainer, batch_idx: ...`"
         )
 
     def _judge_trace(

@@ -2265,6 +2265,21 @@ class PythonRandomBranch(TinyMLP):
         return loss * 2 if random.random() < 0.5 else loss
 
 
+class HeldGeneratorRareBranch(TinyMLP):
+    """A branch taken on 10% of steps, drawn from a generator the module holds (a replay runs no Python:
+    all three warm-up steps here miss the branch, so their traces agree, and the replays never took it)."""
+
+    def __init__(self, kind="random", **kw):
+        import random
+
+        super().__init__(**kw)
+        self.rng = random.Random(3) if kind == "random" else np.random.default_rng(3)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 2 if self.rng.random() < 0.1 else loss
+
+
 class RebindsRunningMean(TinyMLP):
     """A running baseline bound anew each step (REINFORCE style): a graph keeps reading the old tensor."""
 
@@ -2305,10 +2320,18 @@ def test_a_weight_recomputed_every_forward_is_captured():
         (OwnCounterSync, "`self.calls`"),
         (KeepsTwoOutputs, "`self.training_step_outputs`"),
         (PythonRandomBranch, "Python's global `random` generator"),
+        (HeldGeneratorRareBranch, "`self.rng` (a random generator)"),
         (RebindsRunningMean, "`self.running`"),
         (RebindsRunningBuffer, "`self.running`"),
     ],
-    ids=["own-counter", "two-appends-per-step", "python-random", "rebound-tensor", "rebound-buffer"],
+    ids=[
+        "own-counter",
+        "two-appends-per-step",
+        "python-random",
+        "held-generator",
+        "rebound-tensor",
+        "rebound-buffer",
+    ],
 )
 def test_python_state_the_step_changes_is_refused_by_name_and_trains_like_plain(cls, named):
     import random
