@@ -310,9 +310,8 @@ class L2GraphCallback(
             "fallback_causes": sorted(self._fallback_causes),
             "graph_pool_mib": self._pool_mib,
             "prefetch_gate": self._gate_result.to_dict() if self._gate_result is not None else None,
-            **{
-                key: round(value, 6) for key, value in self._cost_s.items()
-            },  # to the microsecond: a fast one is not 0
+            # wall seconds to the microsecond (a tuning that gives up at once is not 0)
+            **{key: round(value, 6) for key, value in self._cost_s.items()},
             "tuning": self._tuning_report.to_dict() if self._tuning_report is not None else None,
             "step_report": self.step_report.to_dict() if self.step_report is not None else None,
         }

@@ -403,7 +403,7 @@ def baked_callables(
     ]
     for parent in module.modules():
         for name, child in vars(parent).get("_modules", {}).items():
-            if child is not None and (id(child) in ran if ran is not None else True):
+            if child is not None and (ran is None or id(child) in ran):
                 checks.append((parent._modules, name, child))
     return checks
 
@@ -467,7 +467,7 @@ def changed_containers(checks: list[tuple[dict, str, Any]]) -> list[str]:
 def rebound(checks: list[tuple[dict, str, Any]]) -> list[str]:
     """Names of the attributes in `checks` (from :func:`baked_tensors`, :func:`baked_callables`) that
     hold another object now."""
-    return [name for attributes, name, tensor in checks if attributes.get(name) is not tensor]
+    return [name for attributes, name, held in checks if attributes.get(name) is not held]
 
 
 def changed_scalars(checks: list[tuple[dict, str, Any]]) -> list[str]:

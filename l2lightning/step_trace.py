@@ -233,6 +233,8 @@ class HostConstants:
 # Library functions that sync only to decide a Python value from a tensor that a step builds the
 # same way every time (nn.Transformer* checking whether a mask is causal: `bool((mask == causal).all())`).
 # Traced steps record their results; a capture returns the recorded ones instead of syncing.
+MEMOIZED: tuple[tuple[str, str], ...] = (("torch.nn.modules.transformer", "_detect_is_causal_mask"),)
+
 # torch's functions that seed or set its random generators' state: a step that calls them cannot be
 # replayed (a replay would draw on from where the last one left off); `lightning.seed_everything`
 # calls torch.manual_seed
@@ -244,7 +246,6 @@ SEEDING: tuple[tuple[str, str], ...] = (
         for f in ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all")
     ),
 )
-MEMOIZED: tuple[tuple[str, str], ...] = (("torch.nn.modules.transformer", "_detect_is_causal_mask"),)
 
 
 # where a graph capture records streams (CUDA); elsewhere there is no stream to check
