@@ -96,6 +96,19 @@ def callback(**kwargs):
     return L2GraphCallback(prefetch="off", log_timing=False, **kwargs)
 
 
+def assert_refused_like_plain(cls, match, steps=20, **model_kwargs):
+    """The callback refuses `cls`'s step with a warning matching `match`, and the fit trains bit for
+    bit like plain Lightning (pass ``fused=True``: the warm-up steps' capturable AdamW updates equal
+    the plain ones only when fused)."""
+    plain = fit(cls, steps=steps, **model_kwargs)
+    cb = callback()
+    with pytest.warns(UserWarning, match=match):
+        run = fit(cls, [cb], steps=steps, **model_kwargs)
+    assert not cb.summary()["captured"], cb.summary()
+    assert_same(plain, run)
+    return cb
+
+
 def assert_same(a, b):
     """Same losses, same logged values, same parameters: bit for bit."""
     (ma, ra, _), (mb, rb, _) = a, b
@@ -648,12 +661,9 @@ def test_a_number_held_by_a_plain_loss_object_is_compared_before_each_replay():
 
 
 def test_a_plain_loss_object_that_counts_its_calls_inside_the_step_is_refused_by_name():
-    plain = fit(HeldLossObject, steps=12, count_calls=True)
-    cb = callback()
-    with pytest.warns(UserWarning, match=r"changes Python state \(`self.criterion.calls`"):
-        run = fit(HeldLossObject, [cb], steps=12, count_calls=True)
-    assert not cb.summary()["captured"]
-    assert_same(plain, run)  # fused AdamW: the capturable and the configured steps agree bitwise
+    assert_refused_like_plain(
+        HeldLossObject, r"changes Python state \(`self.criterion.calls`", steps=12, count_calls=True
+    )
 
 
 class ValidationWeightedLoss(TinyMLP):
@@ -831,24 +841,19 @@ def test_a_function_or_submodule_the_step_calls_replaced_between_steps_is_captur
 def test_a_step_that_seeds_torch_is_refused_by_name_and_trains_like_plain(constant):
     """Replays do not seed: their dropout masks differed from an eager step's (silently, with a
     constant seed the warm-up steps agree on)."""
-    plain = fit(SeedsInTheStep, steps=20, constant=constant, fused=True)
-    cb = callback()
-    with pytest.warns(
-        UserWarning, match=r"`torch.manual_seed` at .*between_step_models.py:\d+ .* seeds torch"
-    ):
-        run = fit(SeedsInTheStep, [cb], steps=20, constant=constant, fused=True)
-    assert not cb.summary()["captured"]
-    assert_same(plain, run)
+    assert_refused_like_plain(
+        SeedsInTheStep,
+        r"`torch.manual_seed` at .*between_step_models.py:\d+ .* seeds torch",
+        constant=constant,
+        fused=True,
+    )
 
 
 def test_a_step_reading_an_element_of_a_list_it_appends_to_is_refused_by_name_and_trains_like_plain():
     """The graph read the element it was captured with at every replay (silently before)."""
-    plain = fit(ReadsWhatItAppended, steps=20, fused=True)
-    cb = callback()
-    with pytest.warns(UserWarning, match=r"the step reads tensors of `self.history`, a list it appends to"):
-        run = fit(ReadsWhatItAppended, [cb], steps=20, fused=True)
-    assert not cb.summary()["captured"]
-    assert_same(plain, run)
+    assert_refused_like_plain(
+        ReadsWhatItAppended, r"the step reads tensors of `self.history`, a list it appends to", fused=True
+    )
 
 
 def test_a_logged_python_number_a_replay_cannot_recompute_ends_the_capture_and_every_logged_value_is_plains():
