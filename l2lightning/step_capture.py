@@ -200,6 +200,10 @@ class StepCapture:
         validating = [m for m in bound.values() if getattr(m, "validate_args", False)]
         for m in validating:
             m.validate_args = False  # input checks sync with the host; the warm-up steps ran them
+        # torch.distributions checks its arguments by default (`Categorical(logits=...)` syncs on
+        # `valid.all()`): the same, for the distributions the step makes without `validate_args=True`
+        distributions_validate = torch.distributions.Distribution._validate_args
+        torch.distributions.Distribution.set_default_validate_args(False)
         # Which submodules the step calls: their Python numbers (nn.Dropout.p) are baked into the graph.
         # Not with compile=True: a global hook would make dynamo recompile inside the capture.
         ran: set[int] | None = None if self.compile else set()
@@ -217,6 +221,7 @@ class StepCapture:
                 wrapped.freeze(False)
                 for m in validating:
                     m.validate_args = True
+                torch.distributions.Distribution.set_default_validate_args(distributions_validate)
         except _Defer:
             self._undo_capture(saved, binding, saved_metrics)
             python_state.restore(python_before)

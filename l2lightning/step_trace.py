@@ -422,7 +422,7 @@ class StepTracer(TorchDispatchMode):
                 raise CaptureRefused(
                     f"{sync} at {describe_frame(frame)} waits for the GPU inside the captured step"
                 )
-            if not _in_metric_validation():
+            if not _in_input_validation():
                 self.trace.syncs.append((sync, frame, self._hook))
         if self._hook is not None:
             self._note_hook_writes(func, args, kwargs)
@@ -606,12 +606,20 @@ class StepTracer(TorchDispatchMode):
         return func(*tree_map(swap, args), **tree_map(swap, kwargs))
 
 
-def _in_metric_validation() -> bool:
-    """Whether the caller is a torchmetrics input check (``*_validation``): eager-only, skipped in a capture."""
+_DISTRIBUTION_CHECKS = frozenset({"__init__", "_validate_sample"})
+_DISTRIBUTION_FILE = os.path.join("torch", "distributions", "distribution.py")
+
+
+def _in_input_validation() -> bool:
+    """Whether the caller is an input check that runs in eager steps and is switched off for a capture:
+    torchmetrics' (``*_validation``) and torch.distributions' argument and sample checks
+    (``Distribution.__init__``, ``_validate_sample``)."""
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
         if code.co_name.endswith("_validation") and "/torchmetrics/" in code.co_filename:
+            return True
+        if code.co_name in _DISTRIBUTION_CHECKS and code.co_filename.endswith(_DISTRIBUTION_FILE):
             return True
         frame = frame.f_back
     return False

@@ -129,3 +129,19 @@ class LogsAnUnrecomputableNumber(TinyMLP):
         self.log("train/loss", loss)
         self.log("examples_seen", float(x.shape[0] * (batch_idx + 1)))
         return loss
+
+
+class ValidatedDistribution(TinyMLP):
+    """A policy head whose Categorical asks for its argument checks (``validate_args=True``): they
+    sync with the host, in a replay too, so the step cannot be captured."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.pi = nn.Linear(32, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        dist = torch.distributions.Categorical(logits=self.pi(x), validate_args=True)
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean() - 0.01 * dist.entropy().mean()
+        self.log("train/loss", loss)
+        return loss

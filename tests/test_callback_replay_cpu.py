@@ -37,6 +37,7 @@ from tests.between_step_models import (
     ReadsWhatItAppended,
     SeedsInTheStep,
     SwitchesItsLoss,
+    ValidatedDistribution,
     WeightOnACallback,
 )
 from tests.idiom_modules import IDIOMS
@@ -870,6 +871,15 @@ def test_a_logged_python_number_a_replay_cannot_recompute_ends_the_capture_and_e
     assert [r["examples_seen"] for r in run[1].logged] == [r["examples_seen"] for r in plain[1].logged]
     assert [r["examples_seen"] for r in run[1].logged] == [8.0 * (i + 1) for i in range(20)]
     assert all(torch.allclose(a, b) for a, b in zip(plain[1].losses, run[1].losses))
+
+
+def test_a_distribution_that_asks_for_its_argument_checks_is_refused_and_trains_like_plain():
+    """The default checks are switched off for the capture (the cleanrl_ppo idiom is captured); an
+    explicit ``validate_args=True`` keeps them, and they sync inside the capture."""
+    cb = assert_refused_like_plain(
+        ValidatedDistribution, "waits for the GPU inside the captured step", fused=True
+    )
+    assert "Categorical(logits=self.pi(x), validate_args=True)" in cb.summary()["reason"], cb.summary()
 
 
 class Annealed(TinyMLP):

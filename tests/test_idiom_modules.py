@@ -30,11 +30,12 @@ EXPECTED = [
     "grad_checkpointing",
     "ema_on_batch_end",
     "bf16_true_lambdalr",
+    "cleanrl_ppo",
     "manual_gan",
 ]
 
 
-def test_registry_has_the_sixteen_idioms():
+def test_registry_has_the_seventeen_idioms():
     assert list(IDIOMS) == EXPECTED
     for name, idiom in IDIOMS.items():
         assert idiom.name == name
@@ -42,7 +43,7 @@ def test_registry_has_the_sixteen_idioms():
         assert idiom.why
         assert idiom.callback_kwargs == {}
         assert idiom.trainer_kwargs["max_steps"] == 60 * idiom.optimizer_steps_per_batch
-    assert sum(idiom.expect == "capture" for idiom in IDIOMS.values()) == 14
+    assert sum(idiom.expect == "capture" for idiom in IDIOMS.values()) == 15
 
 
 @pytest.mark.parametrize("name", EXPECTED)
