@@ -248,6 +248,45 @@ SEEDING: tuple[tuple[str, str], ...] = (
 )
 
 
+@contextlib.contextmanager
+def sync_free_bincount() -> Iterator[None]:
+    """While the step is traced or captured, torchmetrics counts without a host sync.
+
+    torchmetrics' ``_bincount`` (macro-averaged classification metrics, confusion matrices, AUROC
+    with thresholds) calls ``torch.bincount``, whose output size depends on the data: the host
+    waits for the GPU, which a graph cannot hold. With ``minlength`` given, which torchmetrics always
+    passes with the number of classes, the same counts come from ``index_add_`` into ``minlength``
+    zeros: integers, so equal bit for bit, without the wait (an index out of range, which bincount
+    would count in a longer output, fails loudly instead). Outside the traced and captured steps
+    torchmetrics runs as it is.
+    """
+    data = sys.modules.get("torchmetrics.utilities.data")
+    original = getattr(data, "_bincount", None)
+    if original is None:
+        yield
+        return
+
+    def bincount(x: torch.Tensor, minlength: int | None = None) -> torch.Tensor:
+        if minlength is None or torch.are_deterministic_algorithms_enabled():
+            return original(x, minlength)  # the unique count syncs anyway; the mesh path does not
+        flat = x.reshape(-1).long()
+        counts = torch.zeros(minlength, dtype=torch.long, device=x.device)
+        return counts.index_add_(0, flat, torch.ones_like(flat))
+
+    patched = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("torchmetrics") and getattr(m, "_bincount", None) is original
+    ]
+    for m in patched:
+        m._bincount = bincount
+    try:
+        yield
+    finally:
+        for m in patched:
+            m._bincount = original
+
+
 # where a graph capture records streams (CUDA); elsewhere there is no stream to check
 _STREAM_CAPTURED_DEVICES = ("cuda",)
 

@@ -24,6 +24,7 @@ from l2lightning.step_trace import (
     StepTracer,
     describe_frame,
     first_difference,
+    sync_free_bincount,
 )
 
 # Traced warm-up steps after which a fit that found no capturable stretch stops trying.
@@ -152,7 +153,7 @@ class WarmupSteps:
         """Lightning's closure under `tracer` (the captured hooks and ``self.log`` consult it)."""
         self._tracer = tracer
         try:
-            with tracer, tracer.memoized(), tracer.watching_seeds():
+            with tracer, tracer.memoized(), tracer.watching_seeds(), sync_free_bincount():
                 return closure() if closure is not None else None
         finally:
             self._tracer = None

@@ -882,6 +882,23 @@ def test_a_distribution_that_asks_for_its_argument_checks_is_refused_and_trains_
     assert "Categorical(logits=self.pi(x), validate_args=True)" in cb.summary()["reason"], cb.summary()
 
 
+def test_macro_averaged_metrics_counted_with_bincount_are_captured_and_log_what_the_baseline_logs():
+    """torch.bincount syncs (its output size depends on the data): the macro-averaged metrics of
+    torchmetrics were refused; traced and captured, their counts come from index_add_ alike."""
+    from tests.idiom_modules import MacroMetricCollection, _digits_loader
+
+    def made(cls):
+        seed_everything(0)  # the same initial weights for both
+        return cls()
+
+    base = fit(None, steps=30, model=made(baseline_of(MacroMetricCollection)), loader=_digits_loader())
+    cb = callback()
+    run = fit(None, [cb], steps=30, model=made(MacroMetricCollection), loader=_digits_loader())
+    assert cb.summary()["captured"] and cb.fallback_steps == 0, cb.summary()
+    assert {"train/acc_step", "train/f1_step", "train/precision_step"} <= set(run[1].logged[-1])
+    assert_same(base, run)  # losses, every logged value at every step, parameters
+
+
 class Annealed(TinyMLP):
     """A KL-annealing style weight computed in Python from the step counter."""
 

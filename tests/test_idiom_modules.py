@@ -23,6 +23,7 @@ EXPECTED = [
     "print_item_every_50",
     "hydra_template_mnist",
     "torchmetrics_docs_forward",
+    "macro_metric_collection",
     "cpu_causal_mask_transformer",
     "dlrm_cpu_indices",
     "grad_norm_logging",
@@ -35,7 +36,7 @@ EXPECTED = [
 ]
 
 
-def test_registry_has_the_seventeen_idioms():
+def test_registry_has_the_eighteen_idioms():
     assert list(IDIOMS) == EXPECTED
     for name, idiom in IDIOMS.items():
         assert idiom.name == name
@@ -43,7 +44,7 @@ def test_registry_has_the_seventeen_idioms():
         assert idiom.why
         assert idiom.callback_kwargs == {}
         assert idiom.trainer_kwargs["max_steps"] == 60 * idiom.optimizer_steps_per_batch
-    assert sum(idiom.expect == "capture" for idiom in IDIOMS.values()) == 15
+    assert sum(idiom.expect == "capture" for idiom in IDIOMS.values()) == 16
 
 
 @pytest.mark.parametrize("name", EXPECTED)
