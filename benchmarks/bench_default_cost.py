@@ -2,7 +2,7 @@
 
 Per case (bf16 MLP stacks of ``bench_callback.py``: LayerNorm, Linear, GELU x depth, fused AdamW;
 default d1536x40 b16 and d1024x60 b8), one full ``Trainer.fit`` per variant, interleaved over
-``--rounds`` rounds in one process:
+``--rounds`` rounds in one process (the variants' order reversed in every other round):
 
 - ``plain``: Lightning without the callback;
 - ``off``: ``L2GraphCallback(prefetch="off")``, the graph alone;
@@ -191,6 +191,13 @@ def medians(rows: list[dict], cases: list[str], variants: list[str]) -> list[dic
     return table
 
 
+def round_order(variants: list[str], round_index: int) -> list[str]:
+    """The variants in the order one round fits them: as given in even rounds, reversed in odd ones,
+    so that no variant always runs right after the same other one (a fit started just after another
+    ran up to 50% slower on the H200: benchmarks/results/h200/ab_host_path_between_step_checks.json)."""
+    return list(variants) if round_index % 2 == 0 else list(reversed(variants))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
@@ -230,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         for f, b in families
     ]
     rows = []
-    for _ in range(args.rounds):
+    for round_index in range(args.rounds):
         for case, fit in fits:
-            for variant in variants:
+            for variant in round_order(variants, round_index):
                 try:
                     rows.append(fit(variant))
                 except Exception as exc:  # a failing variant is a result too

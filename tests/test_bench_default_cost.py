@@ -81,3 +81,9 @@ def test_a_family_case_fits_the_familys_module_on_its_data(monkeypatch):
     assert row["case"] == "rl_policy b4" and row["variant"] == "plain" and row["step_ms"] > 0, row
     assert row["peak_alloc_gib"] == 1.0 and row["peak_reserved_gib"] == 2.0 and row["param_gib"] > 0
     assert made == [(7, {"precision": "32-true"})]
+
+
+def test_rounds_alternate_the_order_of_the_variants():
+    assert bench.round_order(["plain", "off", "default"], 0) == ["plain", "off", "default"]
+    assert bench.round_order(["plain", "off", "default"], 1) == ["default", "off", "plain"]
+    assert bench.round_order(["off", "default"], 2) == ["off", "default"]
