@@ -152,36 +152,40 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
 
 
 def _held_generator_state(value: Any) -> tuple[Any, Any] | None:
-    """(what to compare, what to restore) of a random generator object held in an attribute: Python's
-    ``random.Random``, NumPy's ``Generator`` or ``RandomState``, a CPU ``torch.Generator``; else None."""
+    """(what to compare, what to restore: the generator and its state) of a random generator object
+    held in an attribute: Python's ``random.Random``, NumPy's ``Generator`` or ``RandomState``, a CPU
+    ``torch.Generator``; else None."""
     if isinstance(value, random.Random):
         state = value.getstate()
-        return state, state
+        return state, (value, state)
     if isinstance(value, torch.Generator):
         if value.device.type != "cpu":
             return None  # a device generator's draws are ops in the graph, advanced by each replay
         state = value.get_state()
-        return bytes(state.numpy()), state
+        return bytes(state.numpy()), (value, state)
     numpy = sys.modules.get("numpy")
     if numpy is None:
         return None
     if isinstance(value, numpy.random.Generator):
         state = value.bit_generator.state
-        return repr(state), state
+        return repr(state), (value, state)
     if isinstance(value, numpy.random.RandomState):
         state = value.get_state()
-        return (state[0], state[1].tobytes(), *state[2:]), state
+        return (state[0], state[1].tobytes(), *state[2:]), (value, state)
     return None
 
 
-def _set_held_generator_state(generator: Any, state: Any) -> None:
+def _set_held_generator_state(saved: tuple[Any, Any]) -> None:
+    """Put a held generator's state back, into the generator it was read from (the attribute may hold
+    another object by now)."""
+    generator, state = saved
     if isinstance(generator, random.Random):
         generator.setstate(state)
     elif isinstance(generator, torch.Generator):
         generator.set_state(state)
     elif hasattr(generator, "bit_generator"):
         generator.bit_generator.state = state
-    elif hasattr(generator, "set_state"):
+    else:
         generator.set_state(state)
 
 
@@ -273,7 +277,7 @@ def restore(before: Snapshot) -> None:
             continue
         attributes = getattr(entry.owner, "__dict__", {})
         if entry.kind == "held_rng":
-            _set_held_generator_state(attributes.get(entry.name), entry.value[1])
+            _set_held_generator_state(entry.value[1])
         elif entry.kind == "tensor":
             for store in (attributes.get("_buffers"), attributes.get("_parameters")):
                 if store is not None and entry.name in store:

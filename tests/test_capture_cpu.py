@@ -287,3 +287,40 @@ def test_held_objects_are_the_users_plain_objects_only():
     names = [name for name, _ in held_objects(holder)]
     assert names == ["schedule"]
     assert held_objects(random) == []  # a module object has no plain objects of the user's
+
+
+@pytest.mark.parametrize("kind", ["random", "numpy", "numpy_legacy", "torch_cpu"])
+def test_a_held_generators_draw_is_a_change_and_restore_puts_its_state_back(kind):
+    """Random generators held in attributes are snapshot by state: a draw is a change (the callback
+    refuses a step that draws), and restore (around the chain discovery's dry run) undoes the draw."""
+    import random
+
+    import numpy as np
+
+    from l2lightning import python_state
+
+    made = {
+        "random": lambda: random.Random(3),
+        "numpy": lambda: np.random.default_rng(3),
+        "numpy_legacy": lambda: np.random.RandomState(3),
+        "torch_cpu": lambda: torch.Generator().manual_seed(3),
+    }[kind]
+
+    def draw(g):
+        return (
+            float(torch.rand(1, generator=g))
+            if kind == "torch_cpu"
+            else g.random()
+            if kind != "numpy_legacy"
+            else g.random_sample()
+        )
+
+    module = nn.Linear(2, 2)
+    module.rng = made()
+    holders = python_state.owners(module)
+    before = python_state.snapshot(holders)
+    assert python_state.changed(before, python_state.snapshot(holders)) == []
+    first = draw(module.rng)
+    assert python_state.changed(before, python_state.snapshot(holders)) == ["`self.rng` (a random generator)"]
+    python_state.restore(before)
+    assert draw(module.rng) == first  # the same draw again
