@@ -432,7 +432,8 @@ class BakedGlobals:
 
     scalars: list[tuple[dict, str, Any]]
     tensors: list[tuple[dict, str, torch.Tensor]]
-    # small lists, tuples and dicts of Python scalars (``CONFIG["w"]``), as step_values.frozen snapshots
+    # small lists, tuples and dicts of Python scalars and tensors (``CONFIG["w"]``), as step_values.frozen
+    # snapshots (tensors by identity)
     containers: list[tuple[dict, str, Any]]
     # functions and other callables (``LOSS_FN = focal_loss``), compared by identity
     callables: list[tuple[dict, str, Any]]
@@ -456,7 +457,10 @@ def baked_globals(global_reads: Iterable[tuple[Any, set[str]]]) -> BakedGlobals:
                 baked.scalars.append((namespace, name, value))
             elif isinstance(value, torch.Tensor):
                 baked.tensors.append((namespace, name, value))
-            elif isinstance(value, (list, tuple, dict)) and (snapshot := frozen(value)) is not None:
+            elif (
+                isinstance(value, (list, tuple, dict))
+                and (snapshot := frozen(value, tensors=True)) is not None
+            ):
                 baked.containers.append((namespace, name, snapshot))
             elif callable(value) and not isinstance(value, type):
                 baked.callables.append((namespace, name, value))
@@ -465,7 +469,9 @@ def baked_globals(global_reads: Iterable[tuple[Any, set[str]]]) -> BakedGlobals:
 
 def changed_containers(checks: list[tuple[dict, str, Any]]) -> list[str]:
     """Names of the containers in `checks` (:attr:`BakedGlobals.containers`) whose entries changed."""
-    return [name for namespace, name, snapshot in checks if frozen(namespace.get(name)) != snapshot]
+    return [
+        name for namespace, name, snapshot in checks if frozen(namespace.get(name), tensors=True) != snapshot
+    ]
 
 
 def rebound(checks: list[tuple[dict, str, Any]]) -> list[str]:

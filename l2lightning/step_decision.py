@@ -95,14 +95,6 @@ class StepDecision:
                 f"parameters' or buffers' data moved since capture ({', '.join(moved[:3])}"
                 f"{', ...' if len(moved) > 3 else ''}: `tensor.data = ...`, a dtype change)"
             )
-        counters = self._source.changed_counter_values(graph.counters, module, batch_idx)
-        if counters:
-            return self._recapture(
-                f"numbers the step computes from the step counters changed ({'; '.join(counters)})"
-            )
-        attributes = self._source.changed_attribute_values(graph.attributes, module, batch_idx)
-        if attributes:
-            return self._recapture(f"values the step reads changed ({'; '.join(attributes)})")
         replaced = python_state.rebound(graph.callables)
         if replaced:
             return self._recapture(
@@ -119,6 +111,15 @@ class StepDecision:
                 f"the module's tensors {', '.join(rebound)} are other objects than at capture (the graph reads "
                 "the old ones; update them in place, `self.w.mul_(0.9)`, to keep one graph)"
             )
+        # after the tensors' own check, whose message is the more specific for an attribute's tensor
+        counters = self._source.changed_counter_values(graph.counters, module, batch_idx)
+        if counters:
+            return self._recapture(
+                f"numbers the step computes from the step counters changed ({'; '.join(counters)})"
+            )
+        attributes = self._source.changed_attribute_values(graph.attributes, module, batch_idx)
+        if attributes:
+            return self._recapture(f"values the step reads changed ({'; '.join(attributes)})")
         self._recapture_streak = 0
         gate = self._gate
         if gate is not None:

@@ -11,7 +11,8 @@
   change in place between steps.
 
 A reader that raises gives :data:`unreadable`, never equal to a captured value. :func:`frozen`
-turns a value into something comparable (Python scalars and small containers of them).
+turns a value into something comparable (Python scalars and small containers of them; with
+``tensors=True`` tensors too, by identity: a graph reads the tensor it was captured with).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 # A value that could not be read: never equal to another, so the step is captured again
 unreadable = object()
@@ -56,9 +59,27 @@ _PLAIN = (int, float, bool, str, type(None), tuple, *NUMPY_SCALARS)
 MAX_FROZEN_ITEMS = 64
 
 
-def frozen(value: Any, budget: list[int] | None = None) -> Any:
+class Same:
+    """A tensor in a snapshot, equal only to a snapshot of the same tensor object (it holds it, so its
+    id cannot be taken by another tensor while the snapshot lives)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def frozen(value: Any, budget: list[int] | None = None, tensors: bool = False) -> Any:
     """`value` as a comparable snapshot if it is a Python scalar, or a list, tuple or dict of them (at
-    most ``MAX_FROZEN_ITEMS`` in all, nested too); else None (a tensor, a module, a large container)."""
+    most ``MAX_FROZEN_ITEMS`` in all, nested too); with `tensors`, a tensor too (by identity, for
+    values a graph reads: ``self.weights["w"] = torch.full(...)`` between steps binds another one);
+    else None (a module, a large container, a tensor without `tensors`)."""
     budget = [MAX_FROZEN_ITEMS] if budget is None else budget
     budget[0] -= 1  # every scalar and container counts
     if budget[0] < 0:
@@ -66,11 +87,13 @@ def frozen(value: Any, budget: list[int] | None = None) -> Any:
     if isinstance(value, (bool, int, float, str, type(None), *NUMPY_SCALARS)):
         # NaN compares unequal to itself: it is the same value here
         return ("scalar", type(value).__name__, "nan" if bool(value != value) else value)
+    if tensors and isinstance(value, torch.Tensor):
+        return ("tensor", Same(value))
     if isinstance(value, (list, tuple)):
-        items = [frozen(v, budget) for v in value]
+        items = [frozen(v, budget, tensors) for v in value]
         return None if any(i is None for i in items) else (type(value).__name__, tuple(items))
     if isinstance(value, dict):
-        items = [(k, frozen(v, budget)) for k, v in value.items()]
+        items = [(k, frozen(v, budget, tensors)) for k, v in value.items()]
         if any(i is None for _, i in items) or not all(isinstance(k, (str, int)) for k, _ in items):
             return None
         return ("dict", tuple(sorted(items, key=lambda kv: str(kv[0]))))
@@ -89,7 +112,7 @@ class AttributeValue:
         """The value now, :func:`frozen` (None: not a Python number or a small container of them), or
         :data:`unreadable`."""
         try:
-            return frozen(self.evaluate(module, batch_idx))
+            return frozen(self.evaluate(module, batch_idx), tensors=True)
         except Exception:
             return unreadable
 

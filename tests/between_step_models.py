@@ -145,3 +145,24 @@ class ValidatedDistribution(TinyMLP):
         loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean() - 0.01 * dist.entropy().mean()
         self.log("train/loss", loss)
         return loss
+
+
+class TensorInAContainer(TinyMLP):
+    """A loss weight kept as a tensor in a dict or list attribute, replaced by a new tensor per epoch
+    (``self.weights["w"] = torch.full(...)``): the graph reads the tensor it was captured with."""
+
+    def __init__(self, container="dict", **kw):
+        super().__init__(**kw)
+        self.container = container
+        self.weights = {"w": torch.ones(())} if container == "dict" else [torch.ones(())]
+
+    def on_train_epoch_start(self):
+        key = "w" if self.container == "dict" else 0
+        self.weights[key] = torch.full((), 1.0 + self.current_epoch)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        w = self.weights["w"] if self.container == "dict" else self.weights[0]
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean() * w
+        self.log("train/loss", loss)
+        return loss

@@ -37,6 +37,7 @@ from tests.between_step_models import (
     ReadsWhatItAppended,
     SeedsInTheStep,
     SwitchesItsLoss,
+    TensorInAContainer,
     ValidatedDistribution,
     WeightOnACallback,
 )
@@ -897,6 +898,17 @@ def test_macro_averaged_metrics_counted_with_bincount_are_captured_and_log_what_
     assert cb.summary()["captured"] and cb.fallback_steps == 0, cb.summary()
     assert {"train/acc_step", "train/f1_step", "train/precision_step"} <= set(run[1].logged[-1])
     assert_same(base, run)  # losses, every logged value at every step, parameters
+
+
+@pytest.mark.parametrize("container", ["dict", "list"])
+def test_a_tensor_in_a_container_attribute_replaced_between_steps_is_captured_again(container):
+    """Only numbers in containers were compared: the replays kept reading epoch 0's tensor, silently."""
+    base = fit(baseline_of(TensorInAContainer), steps=90, container=container)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"capturing the step again: values the step reads changed"):
+        run = fit(TensorInAContainer, [cb], steps=90, container=container)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
 
 
 class Annealed(TinyMLP):
@@ -1800,6 +1812,7 @@ def abs_penalty(w):
 
 SETTINGS = Settings(1.0)
 PENALTY = plain_penalty
+SCALES = {"w": torch.ones(())}
 
 
 class ReadsModuleGlobals(MomentumRegressor):
@@ -1808,7 +1821,7 @@ class ReadsModuleGlobals(MomentumRegressor):
         if USE_AUX:
             loss = loss + self.head.weight.square().mean()
         loss = loss + CONFIG["aux_weight"] * self.head.bias.square().sum()
-        return loss + OFFSET + 0.01 * PENALTY(self.head.weight)
+        return (loss + OFFSET + 0.01 * PENALTY(self.head.weight)) * SCALES["w"]
 
 
 class ChangesAGlobal(Callback):
@@ -1835,8 +1848,17 @@ class ChangesAGlobal(Callback):
         ("CONFIG", {"aux_weight": 0.1}),
         ("SETTINGS.scale", 0.5),
         ("PENALTY", abs_penalty),
+        ("SCALES", {"w": torch.full((), 0.5)}),
     ],
-    ids=["number", "flag", "tensor-rebound", "dict-entry", "object-attribute", "function"],
+    ids=[
+        "number",
+        "flag",
+        "tensor-rebound",
+        "dict-entry",
+        "object-attribute",
+        "function",
+        "dict-tensor-entry",
+    ],
 )
 def test_a_module_global_the_step_reads_changed_between_steps_is_captured_again(name, value, monkeypatch):
     """The object attribute and the function were once silently kept at their capture-time values."""
@@ -1849,6 +1871,7 @@ def test_a_module_global_the_step_reads_changed_between_steps_is_captured_again(
             "CONFIG": {"aux_weight": 0.0, "name": "run"},
             "SETTINGS": Settings(1.0),
             "PENALTY": plain_penalty,
+            "SCALES": {"w": torch.ones(())},
         }
 
     for key, default in defaults().items():
