@@ -111,6 +111,17 @@ def assert_refused_like_plain(cls, match, steps=20, **model_kwargs):
     return cb
 
 
+def assert_captured_again_like_baseline(cls, match, captures=3, steps=90, **model_kwargs):
+    """`cls`'s step is captured again when what it reads changes (a warning matching `match`, once per
+    epoch with 30 batches an epoch: `captures` in all), and the fit is bit for bit its baseline."""
+    base = fit(baseline_of(cls), steps=steps, **model_kwargs)
+    cb = callback()
+    with pytest.warns(UserWarning, match=match):
+        run = fit(cls, [cb], steps=steps, **model_kwargs)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == captures, cb.summary()
+    assert_same(base, run)
+
+
 def assert_same(a, b):
     """Same losses, same logged values, same parameters: bit for bit."""
     (ma, ra, _), (mb, rb, _) = a, b
@@ -755,12 +766,7 @@ class NumpyWeight(TinyMLP):
 
 def test_a_numpy_scalar_the_step_reads_is_compared_before_each_replay():
     """Once only Python's numbers were compared: the graph kept epoch 0's NumPy weight for the whole fit."""
-    base = fit(baseline_of(NumpyWeight), steps=90)  # three epochs
-    cb = callback()
-    with pytest.warns(UserWarning, match="capturing the step again"):
-        run = fit(NumpyWeight, [cb], steps=90)
-    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
-    assert_same(base, run)
+    assert_captured_again_like_baseline(NumpyWeight, "capturing the step again")
 
 
 class CurriculumData(LightningDataModule):
@@ -831,12 +837,9 @@ def test_numbers_the_step_reads_through_the_trainer_from_the_users_objects_are_c
 def test_a_function_or_submodule_the_step_calls_replaced_between_steps_is_captured_again(what):
     """A graph replays the ops of the code it was captured with: the replays once kept epoch 0's loss
     (or activation) for the whole fit, silently."""
-    base = fit(baseline_of(SwitchesItsLoss), steps=90, what=what)
-    cb = callback()
-    with pytest.warns(UserWarning, match=r"the functions or submodules the step calls were replaced"):
-        run = fit(SwitchesItsLoss, [cb], steps=90, what=what)
-    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
-    assert_same(base, run)
+    assert_captured_again_like_baseline(
+        SwitchesItsLoss, r"the functions or submodules the step calls were replaced", what=what
+    )
 
 
 @pytest.mark.parametrize("constant", [False, True], ids=["seed-per-step", "constant-seed"])
@@ -903,12 +906,9 @@ def test_macro_averaged_metrics_counted_with_bincount_are_captured_and_log_what_
 @pytest.mark.parametrize("container", ["dict", "list"])
 def test_a_tensor_in_a_container_attribute_replaced_between_steps_is_captured_again(container):
     """Only numbers in containers were compared: the replays kept reading epoch 0's tensor, silently."""
-    base = fit(baseline_of(TensorInAContainer), steps=90, container=container)
-    cb = callback()
-    with pytest.warns(UserWarning, match=r"capturing the step again: values the step reads changed"):
-        run = fit(TensorInAContainer, [cb], steps=90, container=container)
-    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
-    assert_same(base, run)
+    assert_captured_again_like_baseline(
+        TensorInAContainer, r"capturing the step again: values the step reads changed", container=container
+    )
 
 
 class Annealed(TinyMLP):
