@@ -1,5 +1,6 @@
-"""User-style modules whose step reads state that hooks change between steps: the callback must see
-each change before a replay (CPU emulator tests and GPU tests share them)."""
+"""User-style modules for the callback's checks around replays, shared by the CPU emulator tests and the
+GPU tests: steps that read state a hook changes between steps (the callback must see each change
+before a replay and capture again), and steps that cannot be replayed (refused by name)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class NoisyDataset(torch.utils.data.Dataset):
 
 
 class ReadsTheDataset(TinyMLP):
+    """Reads the curriculum's noise from its dataset through the Trainer, by getattr."""
+
     def on_train_epoch_start(self):
         self.trainer.train_dataloader.dataset.noise = 0.1 * self.current_epoch
 
@@ -39,6 +42,8 @@ class ReadsTheDataset(TinyMLP):
 
 
 class WeightOnACallback(Callback):
+    """Holds a loss weight it raises each epoch."""
+
     def __init__(self):
         self.alpha = 1.0
 
@@ -47,6 +52,8 @@ class WeightOnACallback(Callback):
 
 
 class ReadsACallback(TinyMLP):
+    """Weights its loss by a number another callback holds (``self.trainer.callbacks[1].alpha``)."""
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = self.trainer.callbacks[1].alpha * (self.head(self.net(x)).squeeze(-1) - y).square().mean()
