@@ -49,6 +49,16 @@ class _Value:
 
 Snapshot = dict[tuple[int, str], _Value]
 
+# The labels of random generators' states: the global ones, and the suffix of one held in an attribute
+PYTHON_RANDOM_LABEL = "Python's global `random` generator"
+NUMPY_RANDOM_LABEL = "NumPy's global `np.random` generator"
+HELD_GENERATOR_SUFFIX = " (a random generator)"
+
+
+def names_a_generator(label: str) -> bool:
+    """Whether a change's label (:func:`changed`) is a random generator's state."""
+    return label in (PYTHON_RANDOM_LABEL, NUMPY_RANDOM_LABEL) or label.endswith(HELD_GENERATOR_SUFFIX)
+
 
 # Packages whose objects a module may hold (a tokenizer, a logger, a config) without them being the
 # step's own state: their public attributes are not snapshot or compared
@@ -106,17 +116,13 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
     pairs left out (attributes the callback itself sets around a capture)."""
     # a generator's value: (what to compare, what to restore)
     state = random.getstate()
-    out: Snapshot = {
-        (0, "random"): _Value("Python's global `random` generator", None, "random", "rng", (state, state))
-    }
+    out: Snapshot = {(0, "random"): _Value(PYTHON_RANDOM_LABEL, None, "random", "rng", (state, state))}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         state = numpy.random.get_state()
         kind, keys, position, has_gauss, cached = state[:5]
         comparable = (kind, keys.tobytes(), position, has_gauss, cached)
-        out[0, "numpy"] = _Value(
-            "NumPy's global `np.random` generator", None, "numpy", "rng", (comparable, state)
-        )
+        out[0, "numpy"] = _Value(NUMPY_RANDOM_LABEL, None, "numpy", "rng", (comparable, state))
     for prefix, obj in objects:
         attributes = getattr(obj, "__dict__", None)
         if not attributes:
@@ -139,7 +145,7 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
                 # only steers a rarely taken branch leaves the traced steps alike, so its state is
                 # what shows that the step draws from it
                 out[id(obj), name] = _Value(
-                    f"`{prefix}.{name}` (a random generator)", obj, name, "held_rng", state
+                    f"`{prefix}.{name}`{HELD_GENERATOR_SUFFIX}", obj, name, "held_rng", state
                 )
         if tracks_tensors:
             # `self.running = 0.9 * self.running + ...`: a new tensor bound each step. The graph keeps
@@ -403,7 +409,7 @@ def baked_callables(
         for name in sorted(set(reads) - set(skip))
         if not name.startswith("_")
         and callable(value := attributes.get(name))
-        and not isinstance(value, (torch.Tensor, type))
+        and not isinstance(value, type)
     ]
     for parent in module.modules():
         for name, child in vars(parent).get("_modules", {}).items():

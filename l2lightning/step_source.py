@@ -741,12 +741,11 @@ def _record_globals(
     for root, attr in module_attributes:
         held = namespace.get(root)
         # an imported module of the user's (``cfg.LOSS_W``), or a module-level object of one of the
-        # user's classes (``CONFIG.weight``, a config instance a callback updates)
-        if (isinstance(held, types.ModuleType) and _is_user_code(held)) or (
-            not isinstance(held, (types.ModuleType, type, types.FunctionType))
-            and isinstance(getattr(held, "__dict__", None), dict)
-            and _is_user_code(type(held))
-        ):
+        # user's classes (``CONFIG.weight``, a config instance a callback updates; a module's, a
+        # function's or a class's type is not the user's code)
+        user_module = isinstance(held, types.ModuleType) and _is_user_code(held)
+        user_object = _is_user_code(type(held)) and isinstance(getattr(held, "__dict__", None), dict)
+        if user_module or user_object:
             attributes = vars(held)
             found.global_reads.setdefault(id(attributes), (attributes, set()))[1].add(attr)
 

@@ -176,7 +176,7 @@ class WarmupSteps:
                 'Lightning (`configure_optimizers` returning the scheduler with `"interval": "step"`), '
                 "or set them in `on_train_batch_start`, not inside `training_step`"
             )
-        if any("generator" in label for label in changed):
+        if any(map(python_state.names_a_generator, changed)):
             advice = (
                 "draw with torch on the device instead (`torch.rand(..., device=self.device)`: each replay "
                 "draws anew)"
