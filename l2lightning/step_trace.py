@@ -248,6 +248,40 @@ SEEDING: tuple[tuple[str, str], ...] = (
 )
 
 
+def _torch_function_name(frame: Any) -> str | None:
+    """``torch.random.manual_seed`` for a frame of that function; None for a decorator's inner function
+    (torch.manual_seed runs inside two: dynamo's ``_fn`` and ``_compile``'s ``inner``), which its module
+    does not hold by that name."""
+    site = os.path.dirname(_TORCH_DIR.rstrip(os.sep))
+    module = os.path.splitext(os.path.relpath(frame.f_code.co_filename, site))[0].replace(os.sep, ".")
+    held = getattr(sys.modules.get(module), frame.f_code.co_name, None)
+    return f"{module}.{frame.f_code.co_name}" if callable(held) else None
+
+
+def _seeding_called_by_user(caller: Any, name: str) -> str | None:
+    """What the step's code called to seed torch (`name` when it called the watched function itself),
+    or None when activation checkpointing did it.
+
+    The watched functions are module attributes, so the step reaches them directly
+    (``torch.manual_seed``) or through torch's own code: a name imported from torch before the patch
+    (``from torch import manual_seed``, whose body seeds CUDA through ``torch.cuda.manual_seed_all``),
+    ``torch.random.fork_rng``'s put-back. Only ``torch.utils.checkpoint``'s recomputation puts back a
+    state the same step took for a replay to repeat exactly; anything else is the step's own seeding,
+    named by the outermost torch function below the step's line.
+    """
+    frame, outermost = caller, None
+    while frame is not None and _is_library(frame.f_code.co_filename):
+        filename = frame.f_code.co_filename
+        if filename.startswith(_TORCH_DIR):
+            if filename.endswith(os.path.join("utils", "checkpoint.py")):
+                return None
+            named = _torch_function_name(frame)
+            if named is not None:
+                outermost = named
+        frame = frame.f_back
+    return outermost or name
+
+
 @contextlib.contextmanager
 def sync_free_bincount() -> Iterator[None]:
     """While the step is traced or captured, torchmetrics counts without a host sync.
@@ -287,6 +321,32 @@ def sync_free_bincount() -> Iterator[None]:
             m._bincount = original
 
 
+def _fills_through_mask(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``x[mask] = number`` runs as ``masked_fill_``, which waits for nothing.
+
+    ATen's ``index_put_`` takes that path (``canDispatchToMaskedFill``) when nothing accumulates, the
+    only index is one boolean or byte mask on ``x``'s device and the value is one number held on the
+    host (a Python number becomes such a tensor). torchmetrics' macro averages zero the weights of
+    absent classes this way. Any other boolean-mask indexing counts the mask's true entries first.
+    """
+    if func is aten.index.Tensor:
+        return False
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    self, value = bound.get("self"), bound.get("values")
+    masks = [i for i in bound.get("indices") or () if i is not None]
+    return (
+        not bound.get("accumulate", False)
+        and isinstance(self, torch.Tensor)
+        and isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value.device.type == "cpu"
+        and len(masks) == 1
+        and masks[0].dtype in (torch.bool, torch.uint8)
+        and masks[0].device == self.device
+    )
+
+
 # where a graph capture records streams (CUDA); elsewhere there is no stream to check
 _STREAM_CAPTURED_DEVICES = ("cuda",)
 
@@ -323,6 +383,7 @@ class StepTracer(TorchDispatchMode):
         self._capture_stream = getattr(capture_stream, "cuda_stream", None)
         self.constants = constants
         self._memo_replay = list(memo)
+        self._seeding_depth = 0  # watched seeding calls under way (their inner watched calls are theirs)
         self.trace = StepTrace()
         self._paused = 0
         self._hook: str | None = None
@@ -370,17 +431,22 @@ class StepTracer(TorchDispatchMode):
 
     def _seeding(self, name: str, original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
-                # torch's own save-and-restore (activation checkpointing's recomputation, fork_rng)
-                # puts back a state it took in the same step: captured, it replays exactly
+            if self._seeding_depth:  # inside another watched call (torch.manual_seed seeds CUDA too)
                 return original(*args, **kwargs)
-            self.trace.problems.append(
-                f"`{name}` at {describe_frame(user_frame(2))} seeds torch's random generators inside the "
-                "step; a replay runs no Python, so it would not seed them again, and the step's random ops "
-                "(dropout, `torch.rand`) would draw other numbers than in an eager step; seed once before "
-                "`fit`"
+            called = _seeding_called_by_user(sys._getframe(1), name)
+            problem = called and (
+                f"`{called}` at {describe_frame(user_frame(2))} seeds torch's random generators (or "
+                "puts back their state) inside the step; a replay runs no Python, so it would not do "
+                "it again, and the step's random ops (dropout, `torch.rand`) would draw other numbers "
+                "than in an eager step; seed once before `fit`"
             )
-            return original(*args, **kwargs)
+            if problem and problem not in self.trace.problems:  # fork_rng puts back CPU and CUDA states
+                self.trace.problems.append(problem)
+            self._seeding_depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._seeding_depth -= 1
 
         return call
 
@@ -531,7 +597,7 @@ class StepTracer(TorchDispatchMode):
             indices = args[1] if len(args) > 1 else ()
             if any(
                 isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()
-            ):
+            ) and not _fills_through_mask(func, args, kwargs):
                 return "indexing with a boolean mask (`x[mask]`; use `torch.where`)"
         if func in _REPEAT_INTERLEAVE and kwargs.get("output_size") is None:
             return "`repeat_interleave` without `output_size`"

@@ -8,7 +8,7 @@ import functools
 
 import torch
 from lightning.pytorch import Callback
-from torch import nn
+from torch import manual_seed, nn
 
 from tests.lightning_models import TinyMLP, regression_loader
 
@@ -94,17 +94,26 @@ class SwitchesItsLoss(TinyMLP):
 
 class SeedsInTheStep(TinyMLP):
     """Seeds torch inside the step before its dropout (to make a step "reproducible"): per step from
-    the counter, or with one constant. A replay would not seed again."""
+    the counter, or with one constant, through `torch.manual_seed` or a name imported from torch; or
+    draws its dropout inside `torch.random.fork_rng`, which puts the state back (every eager step then
+    draws the same mask). A replay would not seed or put back again."""
 
-    def __init__(self, constant=False, **kw):
+    def __init__(self, constant=False, how="torch.manual_seed", **kw):
         super().__init__(**kw)
         self.constant = constant
+        self.how = how
         self.drop = nn.Dropout(0.3)
 
     def training_step(self, batch, batch_idx):
-        torch.manual_seed(1234 if self.constant else 1000 + self.global_step)
+        seed = 1234 if self.constant else 1000 + self.global_step
         x, y = batch
-        loss = (self.head(self.drop(self.net(x))).squeeze(-1) - y).square().mean()
+        if self.how == "fork_rng":
+            with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
+                hidden = self.drop(self.net(x))
+        else:
+            (torch.manual_seed if self.how == "torch.manual_seed" else manual_seed)(seed)
+            hidden = self.drop(self.net(x))
+        loss = (self.head(hidden).squeeze(-1) - y).square().mean()
         self.log("train/loss", loss)
         return loss
 

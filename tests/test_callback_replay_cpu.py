@@ -842,14 +842,25 @@ def test_a_function_or_submodule_the_step_calls_replaced_between_steps_is_captur
     )
 
 
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [
+        ("torch.manual_seed", "torch.manual_seed"),
+        # bound at import: not the patched module attribute; seen as torch's call inside it
+        ("imported manual_seed", "torch.random.manual_seed"),
+        ("fork_rng", "torch.random.fork_rng"),
+    ],
+)
 @pytest.mark.parametrize("constant", [False, True], ids=["seed-per-step", "constant-seed"])
-def test_a_step_that_seeds_torch_is_refused_by_name_and_trains_like_plain(constant):
+def test_a_step_that_seeds_torch_is_refused_by_name_and_trains_like_plain(constant, how, named):
     """Replays do not seed: their dropout masks differed from an eager step's (silently, with a
-    constant seed the warm-up steps agree on)."""
+    constant seed the warm-up steps agree on). A name imported from torch and a fork_rng block in the
+    step were not seen at all."""
     assert_refused_like_plain(
         SeedsInTheStep,
-        r"`torch.manual_seed` at .*between_step_models.py:\d+ .* seeds torch",
+        rf"`{named}` at .*between_step_models.py:\d+ .* seeds torch",
         constant=constant,
+        how=how,
         fused=True,
     )
 

@@ -100,3 +100,24 @@ def test_host_constants_must_keep_their_bytes():
     constants.used = 0
     with pytest.raises(CaptureRefused, match="changed since the warm-up steps"):
         tracer._next_constant(torch.arange(4, 7), ("f.py", 1))
+
+
+def test_a_boolean_mask_filled_with_one_host_number_is_no_sync_other_mask_indexing_is():
+    # ATen runs `x[mask] = 0.0` as masked_fill_ (torchmetrics' macro averages do it); reading
+    # x[mask] or writing a tensor through it counts the mask first. Meta stands in for the device.
+    tracer = StepTracer("meta")
+    aten = torch.ops.aten
+    x = torch.ones(4, device="meta")
+    mask = torch.ones(4, dtype=torch.bool, device="meta")
+    number = torch.tensor(0.0)
+    reason = tracer._sync_reason
+    assert reason(aten.index_put_.default, (x, [mask], number), {}, [x, mask, number]) is None
+    assert reason(aten.index_put.default, (x, [mask], number, False), {}, [x, mask, number]) is None
+    accumulating = reason(aten.index_put_.default, (x, [mask], number, True), {}, [x, mask, number])
+    on_device = torch.tensor(0.0, device="meta")
+    from_device = reason(aten.index_put_.default, (x, [mask], on_device), {}, [x, mask, on_device])
+    values = torch.zeros(4)
+    many = reason(aten.index_put_.default, (x, [mask], values), {}, [x, mask, values])
+    read = reason(aten.index.Tensor, (x, [mask]), {}, [x, mask])
+    for what in (accumulating, from_device, many, read):
+        assert what is not None and "boolean mask" in what

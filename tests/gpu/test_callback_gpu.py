@@ -177,6 +177,35 @@ def test_a_failed_capture_leaves_the_rng_usable_and_later_fits_train_like_plain(
     assert_same_run(again, first)
 
 
+class DrawsOnTheDevice(TinyMLP):
+    """Random draws on the device inside the step, as RL and data-efficient training code does them:
+    a minibatch order from ``torch.randperm`` and sampled actions from ``torch.multinomial``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        order = torch.randperm(x.shape[0], device=x.device)
+        pred = self.head(self.net(x[order])).squeeze(-1)
+        picked = torch.multinomial(torch.softmax(pred.detach(), 0), 2, replacement=True)
+        loss = (pred.float() - y[order].float()).square().mean() + 1e-3 * pred[picked].float().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_randperm_and_multinomial_in_the_step_replay_the_draws_of_eager_steps():
+    """The graph's random ops draw from the CUDA generator's Philox state, advanced per replay as an
+    eager step advances it; captured, the fit must equal its eager baseline bit for bit (refused, plain)."""
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(DrawsOnTheDevice, [cb], steps=30, fused=True)
+    summary = cb.summary()
+    if summary["captured"]:
+        assert summary["fallback_steps"] == 0, summary
+        assert_same_run(fit(DrawsOnTheDevice, [], steps=30, fused=True, baseline=True), run)
+    else:  # a refusal must name its cause and train like plain Lightning
+        assert summary["reason"], summary
+        assert_same_run(fit(DrawsOnTheDevice, [], steps=30, fused=True), run)
+    print("DrawsOnTheDevice:", "captured" if summary["captured"] else f"refused: {summary['reason']}")
+
+
 def test_verify_passes_and_is_reported():
     cb = L2GraphCallback(prefetch="default", verify=True)
     fit(TinyMLP, [cb], steps=6)
@@ -433,12 +462,21 @@ def test_a_number_the_step_reads_from_another_callback_is_compared_before_each_r
     assert_same_run(base, run)
 
 
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [
+        ("torch.manual_seed", "torch.manual_seed"),
+        ("imported manual_seed", "torch.random.manual_seed"),
+        ("fork_rng", "torch.random.fork_rng"),
+    ],
+)
 @pytest.mark.parametrize("constant", [False, True], ids=["seed-per-step", "constant-seed"])
-def test_a_step_that_seeds_torch_is_refused_by_name_and_trains_like_plain(constant):
-    """A replay would not seed the CUDA generator again: its dropout masks would differ from an eager
-    step's (with a constant seed the capture itself succeeds, so only the refusal keeps it exact)."""
+def test_a_step_that_seeds_torch_is_refused_by_name_and_trains_like_plain(constant, how, named):
+    """A replay would not seed the CUDA generator again (or put back its state, as fork_rng does): its
+    dropout masks would differ from an eager step's (with a constant seed the capture itself succeeds,
+    so only the refusal keeps it exact)."""
     assert_refused_and_trains_like_plain(
-        SeedsInTheStep, r"`torch.manual_seed` at .* seeds torch", "seeds torch", constant=constant, fused=True
+        SeedsInTheStep, rf"`{named}` at .* seeds torch", "seeds torch", constant=constant, how=how, fused=True
     )
 
 
