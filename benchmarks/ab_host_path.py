@@ -14,10 +14,17 @@ tree has none of its own. ``--emulate`` runs on the CPU with the graph emulator 
 (``tests/graph_emulator.py``) and a replay that runs nothing: the callback's host path and Lightning's
 loop alone, no GPU. On a GPU the fits are real.
 
-    python3 benchmarks/ab_host_path.py --a OLD_TREE --b . --out DIR [--emulate]
+With ``--a . --b .`` both trees are this checkout and the script measures the fit-to-fit spread
+itself: every fit's ratio to the median of its family's fits, and whether the fit that ran first or
+second in its pair is the slower one. ``--pause S`` waits S seconds before each fit and
+``--hash-seed N`` fixes ``PYTHONHASHSEED`` in every fit's process (dict and set layouts then repeat
+from one process to the next), to test two causes of that spread.
 
-Output: ``ab_host_path.json`` in ``--out`` (every fit, the medians and ratios, the command line) and
-a table on stdout.
+    python3 benchmarks/ab_host_path.py --a OLD_TREE --b . --out DIR [--emulate] [--pause S] [--hash-seed N]
+
+Output: ``ab_host_path.json`` in ``--out`` (every fit with its position in its pair, the host's
+one-minute load before it and its process's wall time; the medians, ratios and spread; the command
+line) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SKIP = 20  # steps left out after the capture (as bench_host_overhead's SKIP)
@@ -74,14 +82,38 @@ def child(args: argparse.Namespace) -> int:
         json.dumps(
             {
                 "step_ms": statistics.median(steps) if steps else None,
+                # within the fit: is a slow fit slow at every step, or at some?
+                "step_ms_p10_p90": statistics.quantiles(steps, n=10)[::8] if len(steps) > 1 else None,
                 "steps": len(steps),
+                "torch_threads": torch.get_num_threads(),
                 "captured": summary.get("captured"),
                 "replay_ms": summary.get("graph_step_ms"),
                 "l2lightning": l2lightning.__file__,
+                "python_hash_seed": os.environ.get("PYTHONHASHSEED"),
             }
         )
     )
     return 0
+
+
+def spread(fits: list[dict]) -> dict[str, dict]:
+    """Per family and tree: every fit's median step as a ratio to the median of those fits, and the
+    medians of the fits run first and second in their pairs (the order effect, when A and B are one tree)."""
+    out: dict[str, dict] = {}
+    for family in sorted({f["family"] for f in fits}):
+        mine = [f for f in fits if f["family"] == family and f.get("step_ms") is not None]
+        if not mine:
+            continue
+        middle = statistics.median(f["step_ms"] for f in mine)
+        by_position = {str(p): [f["step_ms"] for f in mine if f.get("position") == p] for p in (0, 1)}
+        out[family] = {
+            "median_ms": middle,
+            "ratio_to_median": [round(f["step_ms"] / middle, 4) for f in mine],
+            "max_deviation": max(abs(f["step_ms"] / middle - 1) for f in mine),
+            "first_in_pair_median_ms": statistics.median(by_position["0"]) if by_position["0"] else None,
+            "second_in_pair_median_ms": statistics.median(by_position["1"]) if by_position["1"] else None,
+        }
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,6 +126,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=5, help="fits per tree and family, in alternating pairs")
     p.add_argument("--steps", type=int, default=300, help="timed steps per fit")
     p.add_argument("--emulate", action="store_true", help="CPU graph emulator, replay runs nothing")
+    p.add_argument("--pause", type=float, default=0.0, help="seconds to wait before each fit (default 0)")
+    p.add_argument(
+        "--hash-seed",
+        default=None,
+        help="PYTHONHASHSEED of every fit's process (default: each process draws its own, as Python does)",
+    )
     # the child process's own arguments
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tree", help=argparse.SUPPRESS)
@@ -106,10 +144,61 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--a and --out are required")
         if args.pairs < 1 or args.steps < 1:
             p.error(f"--pairs and --steps must be positive (got {args.pairs}, {args.steps})")
+        if args.pause < 0:
+            p.error(f"--pause must be >= 0 seconds (got {args.pause})")
+        if args.hash_seed is not None and not (
+            args.hash_seed.isdigit() and int(args.hash_seed) <= 4294967295
+        ):
+            p.error(f"--hash-seed must be an integer in [0, 4294967295] (got {args.hash_seed!r})")
         for name in ("a", "b"):
             if not (Path(getattr(args, name)) / "l2lightning").is_dir():
                 p.error(f"--{name} {getattr(args, name)!r} has no l2lightning/ package")
     return args
+
+
+def write_results(args: argparse.Namespace, trees: dict[str, str], fits: list[dict], final: bool) -> None:
+    """``ab_host_path.json`` from the fits so far (written after every fit: a run cut short keeps
+    them); the table on stdout once all are done."""
+    summary = {}
+    for family in sorted({f["family"] for f in fits}):
+        per = {t: [f.get("step_ms") for f in fits if f["family"] == family and f["tree"] == t] for t in "AB"}
+        ratios = [b / a for a, b in zip(per["A"], per["B"]) if a is not None and b is not None and a > 0]
+        summary[family] = {
+            "A_ms": per["A"],
+            "B_ms": per["B"],
+            "A_median_ms": statistics.median([x for x in per["A"] if x is not None])
+            if any(per["A"])
+            else None,
+            "B_median_ms": statistics.median([x for x in per["B"] if x is not None])
+            if any(per["B"])
+            else None,
+            "ratio_B_over_A_per_pair": ratios,
+            "ratio_B_over_A_median": statistics.median(ratios) if ratios else None,
+        }
+        s = summary[family]
+        if final:
+            print(
+                f"{family:12s} b{args.batch}  A {s['A_median_ms']} ms  B {s['B_median_ms']} ms  "
+                f"B/A per pair {[round(r, 3) for r in ratios]}  median {s['ratio_B_over_A_median']}"
+            )
+    (args.out / "ab_host_path.json").write_text(
+        json.dumps(
+            {
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "trees": trees,
+                "emulate": args.emulate,
+                "batch": args.batch,
+                "steps": args.steps,
+                "pause_s": args.pause,
+                "hash_seed": args.hash_seed,
+                "complete": final,
+                "spread": spread(fits),
+                "summary": summary,
+                "fits": fits,
+            },
+            indent=2,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,51 +229,33 @@ def main(argv: list[str] | None = None) -> int:
                     "--log-dir",
                     str(args.out / "logs" / f"{family}_{name}_{pair}"),
                 ] + (["--emulate"] if args.emulate else [])
-                done = subprocess.run(cmd, capture_output=True, text=True, cwd=trees[name])
+                time.sleep(args.pause)
+                env = dict(os.environ)
+                if args.hash_seed is not None:
+                    env["PYTHONHASHSEED"] = args.hash_seed
+                load = os.getloadavg()[0]
+                started = time.perf_counter()
+                done = subprocess.run(cmd, capture_output=True, text=True, cwd=trees[name], env=env)
                 lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
                 record = (
                     json.loads(lines[-1])
                     if done.returncode == 0 and lines
                     else {"error": done.stderr[-2000:]}
                 )
-                record.update(tree=name, family=family, pair=pair)
+                # where in its pair the fit ran, and how loaded the host was just before it: the
+                # fit-to-fit spread is read against these
+                record.update(
+                    tree=name,
+                    family=family,
+                    pair=pair,
+                    position=order.index(name),
+                    load_1min=load,
+                    process_s=round(time.perf_counter() - started, 2),
+                )
                 fits.append(record)
                 print(json.dumps(record), flush=True)
-    summary = {}
-    for family in sorted({f["family"] for f in fits}):
-        per = {t: [f.get("step_ms") for f in fits if f["family"] == family and f["tree"] == t] for t in "AB"}
-        ratios = [b / a for a, b in zip(per["A"], per["B"]) if a is not None and b is not None and a > 0]
-        summary[family] = {
-            "A_ms": per["A"],
-            "B_ms": per["B"],
-            "A_median_ms": statistics.median([x for x in per["A"] if x is not None])
-            if any(per["A"])
-            else None,
-            "B_median_ms": statistics.median([x for x in per["B"] if x is not None])
-            if any(per["B"])
-            else None,
-            "ratio_B_over_A_per_pair": ratios,
-            "ratio_B_over_A_median": statistics.median(ratios) if ratios else None,
-        }
-        s = summary[family]
-        print(
-            f"{family:12s} b{args.batch}  A {s['A_median_ms']} ms  B {s['B_median_ms']} ms  "
-            f"B/A per pair {[round(r, 3) for r in ratios]}  median {s['ratio_B_over_A_median']}"
-        )
-    (args.out / "ab_host_path.json").write_text(
-        json.dumps(
-            {
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "trees": trees,
-                "emulate": args.emulate,
-                "batch": args.batch,
-                "steps": args.steps,
-                "summary": summary,
-                "fits": fits,
-            },
-            indent=2,
-        )
-    )
+                write_results(args, trees, fits, final=False)
+    write_results(args, trees, fits, final=True)
     return 0 if all("error" not in f for f in fits) else 1
 
 

@@ -30,6 +30,30 @@ def test_arguments_are_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ab.parse_args(["--a", str(ROOT), "--out", str(tmp_path), "--pairs", "0"])
     assert "--pairs and --steps must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--a", str(ROOT), "--out", str(tmp_path), "--pause", "-1"])
+    assert "--pause must be >= 0 seconds (got -1.0)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--a", str(ROOT), "--out", str(tmp_path), "--hash-seed", "random"])
+    assert "--hash-seed must be an integer in [0, 4294967295] (got 'random')" in capsys.readouterr().err
+
+
+def test_the_spread_is_each_fits_ratio_to_the_median_and_the_medians_by_position_in_the_pair():
+    ab = load()
+    fits = [
+        {"family": "f", "tree": "A", "position": 0, "step_ms": 1.0},
+        {"family": "f", "tree": "B", "position": 1, "step_ms": 1.5},
+        {"family": "f", "tree": "B", "position": 0, "step_ms": 1.0},
+        {"family": "f", "tree": "A", "position": 1, "step_ms": 1.4},
+        {"family": "g", "tree": "A", "position": 0, "error": "crashed"},
+    ]
+    out = ab.spread(fits)
+    assert set(out) == {"f"}
+    f = out["f"]
+    assert f["median_ms"] == 1.2
+    assert f["ratio_to_median"] == [round(1 / 1.2, 4), 1.25, round(1 / 1.2, 4), round(1.4 / 1.2, 4)]
+    assert f["max_deviation"] == pytest.approx(0.25)
+    assert f["first_in_pair_median_ms"] == 1.0 and f["second_in_pair_median_ms"] == pytest.approx(1.45)
 
 
 def test_one_emulated_pair_runs_each_tree_in_its_own_process(tmp_path):
@@ -50,11 +74,18 @@ def test_one_emulated_pair_runs_each_tree_in_its_own_process(tmp_path):
             "5",
             "--families",
             "mlp_stack",
+            "--hash-seed",
+            "0",
         ]
     )
     result = json.loads((out / "ab_host_path.json").read_text())
     assert code == 0, result["fits"]
     assert [f["tree"] for f in result["fits"]] == ["A", "B"]
+    assert [f["position"] for f in result["fits"]] == [0, 1] and result["hash_seed"] == "0"
+    assert all(f["python_hash_seed"] == "0" for f in result["fits"])
+    assert result["spread"]["mlp_stack"]["median_ms"] > 0 and result["complete"] is True
+    p10, p90 = result["fits"][0]["step_ms_p10_p90"]
+    assert p10 <= result["fits"][0]["step_ms"] <= p90
     for fit in result["fits"]:
         assert fit["captured"] is True and fit["steps"] == 5
         assert fit["l2lightning"].startswith(str(ROOT))
