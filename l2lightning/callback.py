@@ -48,6 +48,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason
+from l2lightning.batch_reads import BatchReads, batch_reads
 from l2lightning.capture import StaticBatch
 from l2lightning.fit_report import FitReport, _NoPhaseEvents, _Timing
 from l2lightning.log_replay import ReissuedLog
@@ -254,6 +255,7 @@ class L2GraphCallback(
         self._originals: dict[str, Any] = {}
         self._capture_graph: _Graph | None = None
         self._source = StepSource()
+        self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
         self._hooks: Any = None
         self._timing = _Timing()
         self._pool_mib: float | None = None
@@ -398,6 +400,7 @@ class L2GraphCallback(
             ("training_step", *user_hooks, "configure_gradient_clipping", "optimizer_zero_grad", "backward"),
         )
         analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CLOSURE_HOOKS, self._source)
+        self._batch_reads = batch_reads(pl_module)
         reason = self._source_refusal()
         if reason:
             self._disable(reason)

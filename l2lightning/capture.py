@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from l2lightning.batch_reads import BatchReads
+
 
 class BatchMismatchError(ValueError):
     """A batch does not match the static buffers the graph was captured with."""
@@ -113,6 +115,39 @@ def batch_signature(batch: Any) -> tuple:
     return signature_of(*flatten_batch(batch))
 
 
+# what an unread part's non-tensor values become in a batch's signature (compared by identity)
+_UNREAD = object()
+
+
+def without_unread_values(spec: Any, parts: frozenset) -> Any:
+    """`spec` with the non-tensor values inside the top-level `parts` (indices, or a mapping's keys)
+    replaced by one marker: values the step never reads (a batch's file names) then no longer make
+    two batches differ. Tensors stay as they are (still compared by shape and copied)."""
+    if not parts:
+        return spec
+    kind = spec[0]
+    if kind == "M":
+        return (kind, spec[1], tuple((k, _masked(v) if k in parts else v) for k, v in spec[2]), spec[3])
+    if kind in ("N", "S"):
+        return (kind, spec[1], tuple(_masked(v) if i in parts else v for i, v in enumerate(spec[2])))
+    if kind == "D":
+        return (kind, spec[1], spec[2], tuple(_masked(v) if i in parts else v for i, v in enumerate(spec[3])))
+    return spec
+
+
+def _masked(spec: Any) -> Any:
+    kind = spec[0]
+    if kind == "T":
+        return spec
+    if kind == "C":
+        return ("C", _UNREAD)
+    if kind == "M":
+        return (kind, spec[1], tuple((k, _masked(v)) for k, v in spec[2]), spec[3])
+    if kind in ("N", "S"):
+        return (kind, spec[1], tuple(_masked(v) for v in spec[2]))
+    return (kind, spec[1], spec[2], tuple(_masked(v) for v in spec[3]))
+
+
 def signature_of(tensors: list[torch.Tensor], spec: Any) -> tuple:
     """:func:`batch_signature` of a batch already flattened by :func:`flatten_batch`."""
     return (_structure(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
@@ -131,15 +166,23 @@ def describe_mismatch(expected: tuple, got: tuple) -> str:
 class StaticBatch:
     """Static input buffers: the graph reads them, each new batch is copied into them."""
 
-    def __init__(self, batch: Any) -> None:
+    def __init__(self, batch: Any, reads: BatchReads | None = None) -> None:
+        """`reads`: what the step reads of its batch; the values of parts it never reads may differ
+        from batch to batch (the signature leaves them out)."""
+        self.reads = reads if reads is not None else BatchReads()
         tensors, self.spec = flatten_batch(batch)
-        self.signature = signature_of(tensors, self.spec)
+        self.signature = self.signature_of(batch, tensors, self.spec)
         self.tensors = [t.detach().clone() for t in tensors]
         self.batch = unflatten_batch(self.spec, self.tensors)
 
+    def signature_of(self, batch: Any, tensors: list[torch.Tensor], spec: Any) -> tuple:
+        """The signature of `batch` (flattened into `tensors` and `spec`) as these buffers compare it."""
+        return signature_of(tensors, without_unread_values(spec, self.reads.unread_parts(batch)))
+
     def mismatch(self, batch: Any) -> str | None:
         """None if `batch` fits the buffers, else why not."""
-        signature = batch_signature(batch)
+        tensors, spec = flatten_batch(batch)
+        signature = self.signature_of(batch, tensors, spec)
         if signature == self.signature:
             return None
         return describe_mismatch(self.signature, signature)
@@ -154,7 +197,7 @@ class StaticBatch:
         """
         tensors, spec = flatten_batch(batch)
         if not checked:
-            signature = signature_of(tensors, spec)
+            signature = self.signature_of(batch, tensors, spec)
             if signature != self.signature:
                 raise BatchMismatchError(describe_mismatch(self.signature, signature))
         self.copy_tensors(tensors)

@@ -42,7 +42,7 @@ class PrefetchSetup:
         (l2lightning.prefetch.ops) that dynamo traces into the compiled graph; they act only inside
         the capture's scope, checked at run time, so the warm-up steps run the same compiled code.
         """
-        self._static_for_prefetch = StaticBatch(batch)
+        self._static_for_prefetch = StaticBatch(batch, self._batch_reads)
         self._install_prefetch(pl_module)
         for child in pl_module.children():
             self._compiled_children.append(child)

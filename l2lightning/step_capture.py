@@ -139,7 +139,7 @@ class StepCapture:
         self._graph = None  # a re-capture replaces the graph; a failed one leaves none
         binding = MetricBinding(bound) if bound else None
         try:
-            static = StaticBatch(batch)
+            static = StaticBatch(batch, self._batch_reads)
         except Exception as exc:  # a container type that cannot be rebuilt around other tensors
             self._disable(
                 f"the batch ({type(batch).__name__}) cannot be rebuilt around the graph's static "

@@ -56,6 +56,18 @@ class _Group:
 class WarmupSteps:
     """Warm-up steps: traced and compared before anything is captured, or timed."""
 
+    def _why_no_two_batches_agree(self) -> str:
+        """When only the batches' non-tensor values kept the warm-up steps apart, say so."""
+        keys = list(self._groups)
+        same_shapes_and_branch = len({(k[0], k[1][1]) for k in keys}) == 1
+        if len(keys) > 1 and same_shapes_and_branch:
+            return (
+                ": every batch held other non-tensor values (strings, numbers) and the step reads them "
+                "(a replay runs no Python, so it could not see them); compute what the step needs from "
+                "them in the dataset, as tensors, or stop reading them in training_step"
+            )
+        return ""
+
     def _warmup_decision(self, key: tuple) -> str:
         group = self._groups.setdefault(key, _Group())
         self._baked_history.append(self._optimizer.baked_snapshot())
@@ -64,7 +76,7 @@ class WarmupSteps:
             if self._traced_steps >= MAX_TRACED_STEPS:
                 self._disable(
                     f"no {traced_needed} warm-up steps in the first {MAX_TRACED_STEPS} shared a batch shape and a "
-                    "branch through training_step"
+                    f"branch through training_step{self._why_no_two_batches_agree()}"
                 )
                 return "eager"
             return "trace"

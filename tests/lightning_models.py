@@ -96,3 +96,35 @@ def regression_loader(
     x = torch.randn(n, width, generator=g).to(dtype)
     y = torch.randn(n, generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+class NamedSamples(torch.utils.data.Dataset):
+    """Regression samples that carry their file name, as image and text datasets often do."""
+
+    def __init__(self, n=240, width=32):
+        self.data = regression_loader(n=n, width=width).dataset
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return x, y, f"sample_{i:04d}.png"
+
+
+class IgnoresTheNames(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        x, y, paths = batch
+        return super().training_step((x, y), batch_idx)
+
+
+class ReadsTheNames(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        x, y, paths = batch
+        loss = super().training_step((x, y), batch_idx)
+        return loss * 2 if paths[0].endswith("0.png") else loss
+
+    def configure_optimizers(self):
+        # SGD: its capturable configuration (the 24 traced steps') updates like the plain one, bit for
+        # bit on the CPU too (fused AdamW's tensor LR rounds otherwise there)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)

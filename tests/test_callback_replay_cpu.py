@@ -42,7 +42,14 @@ from tests.between_step_models import (
     WeightOnACallback,
 )
 from tests.idiom_modules import IDIOMS
-from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
+from tests.lightning_models import (
+    IgnoresTheNames,
+    NamedSamples,
+    ReadsTheNames,
+    TinyMLP,
+    quiet_trainer,
+    regression_loader,
+)
 from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike
 
 # every test here runs on the CPU graph emulator (tests/conftest.py)
@@ -1392,6 +1399,27 @@ def _mapping_loader(mapping_type):
     return DataLoader(regression_loader(n=240, width=32).dataset, batch_size=8, collate_fn=collate)
 
 
+def test_names_in_the_batch_the_step_never_reads_are_captured_and_replay_bitwise():
+    """Every batch's file names differ, and the batch's non-tensor values are compared before each
+    replay: every step ran eagerly. Unread (the source says so), they are left out of the comparison."""
+    loader = lambda: DataLoader(NamedSamples(), batch_size=8)  # noqa: E731
+    base, run, cb = captured_pair(IgnoresTheNames, loader=loader())
+    s = cb.summary()
+    assert s["captured"] and s["fallback_steps"] == 0 and s["captures"] == 1, s
+    assert_same(base, run)
+
+
+def test_names_in_the_batch_the_step_reads_keep_their_steps_eager_and_like_plain():
+    loader = lambda: DataLoader(NamedSamples(), batch_size=8)  # noqa: E731
+    plain = fit(ReadsTheNames, loader=loader())
+    cb = callback()
+    with pytest.warns(UserWarning, match="every batch held other non-tensor values .* the step reads them"):
+        run = fit(ReadsTheNames, [cb], loader=loader())
+    s = cb.summary()
+    assert not s["captured"], s
+    assert_same(plain, run)
+
+
 class TakesMappingBatches(TinyMLP):
     def training_step(self, batch, batch_idx):
         return super().training_step((batch["x"], batch["y"]), batch_idx)
@@ -1411,7 +1439,7 @@ def test_a_batch_the_static_buffers_cannot_rebuild_is_refused_by_name_and_trains
     fail there, the capture is refused with the reason, and the fit goes on eagerly."""
     from l2lightning import step_capture
 
-    def cannot_rebuild(batch):
+    def cannot_rebuild(batch, reads=None):
         raise TypeError("Exotic() takes no arguments")
 
     plain = fit(TinyMLP, fused=True)

@@ -16,7 +16,14 @@ from tests.between_step_models import (
     SwitchesItsLoss,
     WeightOnACallback,
 )
-from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
+from tests.lightning_models import (
+    IgnoresTheNames,
+    NamedSamples,
+    ReadsTheNames,
+    TinyMLP,
+    quiet_trainer,
+    regression_loader,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +70,7 @@ def fit(
     trainer_out=None,
     max_epochs=None,
     baseline=False,
+    loader=None,
     **model_kwargs,
 ):
     seed_everything(0)
@@ -80,7 +88,8 @@ def fit(
         deterministic=True,
         max_epochs=max_epochs,
     )
-    trainer.fit(model, regression_loader(n=n, width=512, batch_size=batch_size), ckpt_path=ckpt_path)
+    data = loader() if loader is not None else regression_loader(n=n, width=512, batch_size=batch_size)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     if trainer_out is not None:
         trainer_out.append(trainer)
     return model, rec
@@ -199,6 +208,38 @@ def test_randperm_and_multinomial_in_the_step_replay_the_draws_of_eager_steps():
     summary = cb.summary()
     assert summary["captured"] and summary["fallback_steps"] == 0, summary
     assert_same_run(fit(DrawsOnTheDevice, [], steps=30, fused=True, baseline=True), run)
+
+
+def named_samples():
+    return torch.utils.data.DataLoader(NamedSamples(width=512), batch_size=8)
+
+
+def test_file_names_in_the_batch_the_step_never_reads_are_captured_and_replay_bitwise():
+    """Each batch carries other file names; unread, they no longer keep every step eager."""
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(IgnoresTheNames, [cb], loader=named_samples, fused=True)
+    summary = cb.summary()
+    assert summary["captured"] and summary["fallback_steps"] == 0, summary
+    assert_same_run(fit(IgnoresTheNames, [], loader=named_samples, fused=True, baseline=True), run)
+
+
+class ReadsTheNamesAdamW(ReadsTheNames):
+    """The step reads its file names; fused AdamW as configured by TinyMLP."""
+
+    configure_optimizers = TinyMLP.configure_optimizers
+
+
+def test_file_names_the_step_reads_are_refused_after_the_warm_up_limit_and_the_fit_is_plains():
+    """Refused after 24 traced warm-up steps with make_capturable's configuration: with fused AdamW
+    the fit is still bitwise the plain one (on the CPU stand-in it is not: its fused kernel rounds a
+    tensor LR otherwise)."""
+    assert_refused_and_trains_like_plain(
+        ReadsTheNamesAdamW,
+        "every batch held other non-tensor values",
+        "the step reads them",
+        loader=named_samples,
+        fused=True,
+    )
 
 
 def test_verify_passes_and_is_reported():
