@@ -76,7 +76,7 @@ class BatchReads:
 
 def batch_reads(module: Any) -> BatchReads:
     """What ``type(module).training_step`` reads of its batch argument (everything, if unsure)."""
-    read = _reads_of_parameter(type(module), "training_step", 0, depth=0)
+    read = _reads_of_parameter(module, "training_step", 0, depth=0)
     if read is EVERY_PART:
         return BatchReads()
     items, attributes = read
@@ -102,13 +102,15 @@ def _function_ast(owner: type, name: str) -> ast.FunctionDef | ast.AsyncFunction
     return node
 
 
-def _reads_of_parameter(cls: type, name: str, position: int, depth: int, after: type | None = None) -> Any:
+def _reads_of_parameter(module: Any, name: str, position: int, depth: int, after: type | None = None) -> Any:
     """(items, attributes) read through positional parameter `position` (after ``self``) of method
-    `name` as `cls` resolves it, or EVERY_PART. `after`: resolve it from the class after this one in
-    `cls`'s MRO (a ``super()`` call)."""
+    `name` as `module`'s class resolves it, or EVERY_PART. `after`: resolve it from the class after
+    this one in the MRO (a ``super()`` call)."""
     if depth > _MAX_DEPTH:
         return EVERY_PART
-    mro = cls.__mro__
+    if after is None and depth > 0 and name in vars(module):
+        return EVERY_PART  # an instance attribute in place of the method: not the class's code
+    mro = type(module).__mro__
     start = mro.index(after) + 1 if after is not None and after in mro else 0
     owner = next((c for c in mro[start:] if name in vars(c)), None)
     func = _function_ast(owner, name) if owner is not None else None
@@ -118,14 +120,16 @@ def _reads_of_parameter(cls: type, name: str, position: int, depth: int, after: 
     positional = [a.arg for a in (*args.posonlyargs, *args.args)]
     if len(positional) <= position + 1:
         return EVERY_PART  # the batch arrives in *args
-    return _FunctionReads(cls, owner, func, positional[position + 1], positional[0], depth).reads()
+    return _FunctionReads(module, owner, func, positional[position + 1], positional[0], depth).reads()
 
 
 class _FunctionReads:
     """What the function `func` reads of its parameter `param`."""
 
-    def __init__(self, cls: type, owner: type, func: ast.AST, param: str, self_name: str, depth: int) -> None:
-        self.cls, self.owner, self.func = cls, owner, func
+    def __init__(
+        self, module: Any, owner: type, func: ast.AST, param: str, self_name: str, depth: int
+    ) -> None:
+        self.module, self.owner, self.func = module, owner, func
         self.param, self.self_name, self.depth = param, self_name, depth
         self.parents: dict[int, ast.AST] = {}
         for node in ast.walk(func):
@@ -189,9 +193,9 @@ class _FunctionReads:
         ):
             return EVERY_PART
         if isinstance(func.value, ast.Name) and func.value.id == self.self_name:
-            return _reads_of_parameter(self.cls, func.attr, position, self.depth + 1)
+            return _reads_of_parameter(self.module, func.attr, position, self.depth + 1)
         if _is_super_call(func.value):
-            return _reads_of_parameter(self.cls, func.attr, position, self.depth + 1, after=self.owner)
+            return _reads_of_parameter(self.module, func.attr, position, self.depth + 1, after=self.owner)
         return EVERY_PART
 
 
@@ -206,5 +210,11 @@ def _constant_key(node: ast.AST) -> int | str | None:
 
 
 def _is_super_call(node: ast.AST) -> bool:
-    """``super()`` or ``super(Class, self)``."""
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    """``super()`` without arguments (``super(Other, self)`` may start anywhere in the MRO: not followed)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "super"
+        and not node.args
+        and not node.keywords
+    )

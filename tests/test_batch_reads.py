@@ -118,6 +118,17 @@ class StarArgs(LightningModule):
         return (x - y).sum()
 
 
+class ExplicitSuper(Base):
+    def training_step(self, batch, batch_idx):
+        return super(Base, self).training_step(batch, batch_idx)
+
+
+class HelperReplacedOnTheInstance(ThroughAHelper):
+    def __init__(self):
+        super().__init__()
+        self.model_step = lambda batch: batch[2]
+
+
 ESCAPES = {
     "stored": "self.last = batch",
     "len": "n = len(batch)",
@@ -168,6 +179,8 @@ def t(*shape):
         (DataclassMethod, Record(t(2), "p"), set()),
         (Decorated, (t(2), t(2), ["a"]), set()),
         (StarArgs, (t(2), t(2), ["a"]), set()),
+        (ExplicitSuper, Sample(t(2), t(2), "p"), set()),
+        (HelperReplacedOnTheInstance, (t(2), t(2), {"id": 3}), set()),
     ],
 )
 def test_the_parts_a_step_never_reads(cls, batch, unread):
