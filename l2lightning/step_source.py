@@ -384,7 +384,11 @@ class _Visitor:
         for node in ast.walk(func):
             if self._reads_trainer_metrics(node):
                 reads = self.found.trainer_metric_reads
-            elif isinstance(node, ast.Attribute) and node.attr in SCHEDULER_STATE:
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr in SCHEDULER_STATE
+                and not self._own_attribute(node)
+            ):
                 reads = self.found.scheduler_reads
             else:
                 continue
@@ -525,6 +529,11 @@ class _Visitor:
             evaluate = self._compile(node, allow_methods=False)
             if evaluate is not None:
                 self.found.attribute_values.append(AttributeValue(self._line(node), evaluate))
+
+    def _own_attribute(self, node: ast.Attribute) -> bool:
+        """``self.last_epoch``: the module's own attribute (a LightningModule has no scheduler state of
+        its own), compared before each replay like any other, not a scheduler's."""
+        return isinstance(node.value, ast.Name) and node.value.id == self.self_name
 
     def _reads_trainer_metrics(self, node: ast.AST) -> bool:
         """`self.trainer.callback_metrics` (or ``logged_metrics``, ``progress_bar_metrics``), or in a

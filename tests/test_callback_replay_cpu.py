@@ -754,6 +754,31 @@ def test_a_step_reading_its_schedulers_state_is_refused_by_name_and_trains_like_
     assert_same(plain, run)
 
 
+class TracksItsLastEpoch(TinyMLP):
+    """A number of its own named like a scheduler's state, set per epoch and read in the loss."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.last_epoch = 0
+
+    def on_train_epoch_start(self):
+        self.last_epoch = self.current_epoch
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (1 + 0.5 * self.last_epoch) * (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_the_modules_own_last_epoch_is_a_value_captured_again_not_a_schedulers_state():
+    """`self.last_epoch` was refused as an LR scheduler's state; it is the module's number, compared
+    before each replay: captured again per epoch, bitwise the baseline."""
+    assert_captured_again_like_baseline(
+        TracksItsLastEpoch, r"Python numbers the step reads changed \(last_epoch\)"
+    )
+
+
 class NumpyWeight(TinyMLP):
     """A loss weight kept as a NumPy scalar, set per epoch by a hook (np.float32 is not a Python float)."""
 
