@@ -15,7 +15,8 @@ that is not one of the module's own methods, stored, returned, iterated, ``len(b
 in the step, a ``*args`` parameter, source that cannot be read) makes every part count as read, and
 a name bound by unpacking counts as read wherever that name is loaded in the function. Methods of the
 module the batch is passed to (``self.model_step(batch)``, ``super().training_step(batch, i)``) are
-read the same way, three calls deep.
+read the same way, three calls deep; ``super(Other, self)`` calls and methods shadowed by an instance
+attribute are not followed (the code read would not be the code that runs).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class BatchReads:
             read = {i % n for i in self.items if isinstance(i, int) and -n <= i < n}
             return frozenset(i for i in range(n) if i not in read)
         if isinstance(batch, Mapping):
+            if any(isinstance(i, int) and i not in batch for i in self.items):
+                return frozenset()  # unpacked or indexed by position: a mapping of unusual iteration
             return frozenset(k for k in batch if k not in self.items)
         return frozenset()
 

@@ -193,6 +193,12 @@ def test_a_batch_that_escapes_where_the_reading_cannot_follow_counts_as_read_eve
     assert reads.everything and reads.unread_parts((t(2), t(2), ["a"])) == frozenset()
 
 
+def test_a_mapping_taken_by_position_counts_as_read_everywhere():
+    # `a, b = batch` on a dict binds its keys; a Mapping that iterates otherwise could bind values
+    reads = batch_reads(UnpacksUnderscore())
+    assert reads.unread_parts({"x": t(2), "y": t(2), "path": "p"}) == frozenset()
+
+
 def test_attributes_of_a_plain_tuple_or_dict_read_every_part():
     # `batch.count(...)`, `batch.get("x")`: methods of the container, which can reach any part
     reads = BatchReads(items=frozenset({0}), attributes=frozenset({"get"}), everything=False)
