@@ -248,6 +248,32 @@ SEEDING: tuple[tuple[str, str], ...] = (
 )
 
 
+_CHECKPOINT_FILE = os.path.join("utils", "checkpoint.py")
+
+# aten ops that draw from a random generator without a `generator` argument of their own (the others
+# have one: bernoulli_, normal_, multinomial, ...)
+_RANDOM_WITHOUT_GENERATOR_ARG = frozenset(
+    {
+        "aten::native_dropout",
+        "aten::randn_like",
+        "aten::rand_like",
+        "aten::randint_like",
+        "aten::randperm",
+        "aten::rand",
+        "aten::randn",
+        "aten::randint",
+    }
+)
+
+
+def draws_random_numbers(func: Any) -> bool:
+    """Whether the aten op `func` draws from a random generator (dropout's bernoulli_, randn_like, ...)."""
+    schema = func._schema
+    return schema.name in _RANDOM_WITHOUT_GENERATOR_ARG or any(
+        a.name == "generator" for a in schema.arguments
+    )
+
+
 def _torch_function_name(frame: Any) -> str | None:
     """``torch.random.manual_seed`` for a frame of that function; None for a decorator's inner function
     (torch.manual_seed runs inside two: dynamo's ``_fn`` and ``_compile``'s ``inner``), which its module
@@ -273,7 +299,7 @@ def _seeding_called_by_user(caller: Any, name: str) -> str | None:
     while frame is not None and _is_library(frame.f_code.co_filename):
         filename = frame.f_code.co_filename
         if filename.startswith(_TORCH_DIR):
-            if filename.endswith(os.path.join("utils", "checkpoint.py")):
+            if filename.endswith(_CHECKPOINT_FILE):
                 return None
             named = _torch_function_name(frame)
             if named is not None:
@@ -384,6 +410,8 @@ class StepTracer(TorchDispatchMode):
         self.constants = constants
         self._memo_replay = list(memo)
         self._seeding_depth = 0  # watched seeding calls under way (their inner watched calls are theirs)
+        # inside activation checkpointing's recomputation with the forward's random state put back
+        self._recomputing_with_forward_rng = False
         self.trace = StepTrace()
         self._paused = 0
         self._hook: str | None = None
@@ -434,6 +462,12 @@ class StepTracer(TorchDispatchMode):
             if self._seeding_depth:  # inside another watched call (torch.manual_seed seeds CUDA too)
                 return original(*args, **kwargs)
             called = _seeding_called_by_user(sys._getframe(1), name)
+            if called is None:
+                # activation checkpointing's recomputation puts the forward's state back (called from
+                # checkpoint.py) and fork_rng then restores the one before it (called from random.py):
+                # random ops in between redraw the forward's numbers
+                caller = sys._getframe(1).f_code.co_filename
+                self._recomputing_with_forward_rng = caller.endswith(_CHECKPOINT_FILE)
             problem = called and (
                 f"`{called}` at {describe_frame(user_frame(2))} seeds torch's random generators (or "
                 "puts back their state) inside the step; a replay runs no Python, so it would not do "
@@ -529,6 +563,16 @@ class StepTracer(TorchDispatchMode):
                 )
             if not _in_input_validation():
                 self.trace.syncs.append((sync, frame, self._hook))
+        if self._recomputing_with_forward_rng and draws_random_numbers(func):
+            problem = (
+                f"`{_op_name(func)}` at {describe_frame(frame)} draws random numbers (dropout) inside a block "
+                "that `torch.utils.checkpoint` recomputes with the forward's random state put back; that a "
+                "replay's recomputation draws its own forward's numbers again is not established for CUDA "
+                "graphs (were it not, the gradients would be wrong), so the step trains eagerly. Keep the "
+                "dropout outside the checkpointed block, or pass `preserve_rng_state=False`"
+            )
+            if problem not in self.trace.problems:
+                self.trace.problems.append(problem)
         if self._hook is not None:
             self._note_hook_writes(func, args, kwargs)
             if self._reads_updated(tensors):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -128,3 +129,44 @@ class ReadsTheNames(TinyMLP):
         # SGD: its capturable configuration (the 24 traced steps') updates like the plain one, bit for
         # bit on the CPU too (fused AdamW's tensor LR rounds otherwise there)
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class CheckpointedDropout(TinyMLP):
+    """Activation checkpointing around blocks with dropout (Hugging Face and timm transformer blocks):
+    the recomputation in backward must draw the forward's masks again, which torch.utils.checkpoint
+    does by saving the random generators' state and putting it back (`preserve_rng_state=True`)."""
+
+    preserve_rng_state = True
+    dropout_inside = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.drop = nn.Dropout(0.2)
+
+    def block(self, i, x):
+        x = self.net[i](x)
+        return self.drop(x) if self.dropout_inside else x
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for i in range(len(self.net)):
+            x = torch.utils.checkpoint.checkpoint(
+                self.block, i, x, use_reentrant=False, preserve_rng_state=self.preserve_rng_state
+            )
+        if not self.dropout_inside:
+            x = self.drop(x)
+        loss = (self.head(x).squeeze(-1).float() - y.float()).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+class CheckpointedDropoutUnpreserved(CheckpointedDropout):
+    """The same without the put-back: the recomputation draws masks of its own, in eager steps too."""
+
+    preserve_rng_state = False
+
+
+class DropoutOutsideCheckpoint(CheckpointedDropout):
+    """Checkpointed blocks without dropout (their random state is still put back), dropout after them."""
+
+    dropout_inside = False

@@ -43,6 +43,9 @@ from tests.between_step_models import (
 )
 from tests.idiom_modules import IDIOMS
 from tests.lightning_models import (
+    CheckpointedDropout,
+    CheckpointedDropoutUnpreserved,
+    DropoutOutsideCheckpoint,
     IgnoresTheNames,
     NamedSamples,
     ReadsTheNames,
@@ -895,6 +898,25 @@ def test_a_step_that_seeds_torch_is_refused_by_name_and_trains_like_plain(consta
         how=how,
         fused=True,
     )
+
+
+def test_dropout_in_a_block_checkpointing_recomputes_with_the_forwards_rng_is_refused_by_name():
+    """On the CPU stand-in the replays' recomputation drew other masks than their forward (its replay
+    does not put the generator's state back): captured, the fit left the baseline at the first replay.
+    On CUDA graphs it is not established either, so the step is refused by name."""
+    assert_refused_like_plain(
+        CheckpointedDropout,
+        r"`bernoulli_.float` at .*lightning_models.py:\d+ .* draws random numbers .* inside a block "
+        r"that `torch.utils.checkpoint` recomputes",
+        fused=True,
+    )
+
+
+@pytest.mark.parametrize("cls", [CheckpointedDropoutUnpreserved, DropoutOutsideCheckpoint])
+def test_checkpointed_blocks_without_a_put_back_rng_or_without_dropout_are_captured_bitwise(cls):
+    base, run, cb = captured_pair(cls, fused=True)
+    assert cb.summary()["captured"] and cb.summary()["fallback_steps"] == 0, cb.summary()
+    assert_same(base, run)
 
 
 def test_a_step_reading_an_element_of_a_list_it_appends_to_is_refused_by_name_and_trains_like_plain():

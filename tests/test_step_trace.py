@@ -121,3 +121,18 @@ def test_a_boolean_mask_filled_with_one_host_number_is_no_sync_other_mask_indexi
     read = reason(aten.index.Tensor, (x, [mask]), {}, [x, mask])
     for what in (accumulating, from_device, many, read):
         assert what is not None and "boolean mask" in what
+
+
+def test_random_ops_are_told_apart_by_their_generator_or_by_name():
+    from l2lightning.step_trace import draws_random_numbers
+
+    aten = torch.ops.aten
+    for op in (
+        aten.bernoulli_.float,
+        aten.native_dropout.default,
+        aten.randn_like.default,
+        aten.randperm.default,
+    ):
+        assert draws_random_numbers(op), op
+    for op in (aten.mul.Tensor, aten.dropout.default, aten.empty_like.default):
+        assert not draws_random_numbers(op), op

@@ -17,6 +17,9 @@ from tests.between_step_models import (
     WeightOnACallback,
 )
 from tests.lightning_models import (
+    CheckpointedDropout,
+    CheckpointedDropoutUnpreserved,
+    DropoutOutsideCheckpoint,
     IgnoresTheNames,
     NamedSamples,
     ReadsTheNames,
@@ -208,6 +211,30 @@ def test_randperm_and_multinomial_in_the_step_replay_the_draws_of_eager_steps():
     summary = cb.summary()
     assert summary["captured"] and summary["fallback_steps"] == 0, summary
     assert_same_run(fit(DrawsOnTheDevice, [], steps=30, fused=True, baseline=True), run)
+
+
+@pytest.mark.parametrize(
+    ("cls", "captured"),
+    [(CheckpointedDropout, False), (CheckpointedDropoutUnpreserved, True), (DropoutOutsideCheckpoint, True)],
+    ids=["dropout-inside-preserved", "dropout-inside-unpreserved", "dropout-outside"],
+)
+def test_activation_checkpointing_with_dropout_is_refused_where_the_recomputation_puts_the_rng_back(
+    cls, captured
+):
+    """Dropout inside a block recomputed with the forward's random state put back is refused by name
+    (that a replay's recomputation redraws its forward's masks is not established; a mismatch would
+    train on wrong gradients silently); without the put-back, or with the dropout outside the block,
+    the step is captured and bitwise its baseline."""
+    if not captured:
+        assert_refused_and_trains_like_plain(
+            cls, "torch.utils.checkpoint", "recomputes", steps=30, fused=True
+        )
+        return
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(cls, [cb], steps=30, fused=True)
+    summary = cb.summary()
+    assert summary["captured"] and summary["fallback_steps"] == 0, summary
+    assert_same_run(fit(cls, [], steps=30, fused=True, baseline=True), run)
 
 
 def named_samples():
