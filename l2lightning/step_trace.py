@@ -8,6 +8,9 @@ callback traces its eager warm-up steps (:class:`StepTracer`) and learns:
   graph, and :func:`first_difference` names the op and the user's line;
 * host syncs (``.item()``, ``print(tensor)``, ``if tensor:``, ``.cpu()``, boolean masks): a capture
   cannot contain them, so they are named (file:line) before any capture is tried;
+* seeding and random-state put-backs (``torch.manual_seed`` however imported, ``fork_rng``, dropout
+  inside a block activation checkpointing recomputes with the forward's state put back): a replay
+  runs no Python, so it would not do them again;
 * host-made constants: CPU tensors that reach the device inside the step (a causal mask built with
   ``torch.triu`` on the CPU and ``.to(device)``; index tensors built on the CPU). If their bytes are
   the same at every traced step, the capture substitutes a device-resident copy made beforehand
@@ -291,9 +294,10 @@ def _seeding_called_by_user(caller: Any, name: str) -> str | None:
     The watched functions are module attributes, so the step reaches them directly
     (``torch.manual_seed``) or through torch's own code: a name imported from torch before the patch
     (``from torch import manual_seed``, whose body seeds CUDA through ``torch.cuda.manual_seed_all``),
-    ``torch.random.fork_rng``'s put-back. Only ``torch.utils.checkpoint``'s recomputation puts back a
-    state the same step took for a replay to repeat exactly; anything else is the step's own seeding,
-    named by the outermost torch function below the step's line.
+    ``torch.random.fork_rng``'s put-back. Only ``torch.utils.checkpoint``'s recomputation is exempt: it
+    puts back a state the same step took (a random op drawn while it is put back is refused on its
+    own, :func:`draws_random_numbers`); anything else is the step's own seeding, named by the
+    outermost torch function below the step's line.
     """
     frame, outermost = caller, None
     while frame is not None and _is_library(frame.f_code.co_filename):
