@@ -118,10 +118,9 @@ def test_training_step_is_capture_safe(family, forbid_host_syncs, monkeypatch):
     assert model.train_metric._computed is None
     # one pass through the module's own forward (the prefetch hooks are scoped to it)
     assert len(forward_calls) == 1
-    assert set(out) == {"loss", "preds", "target"}
-    assert out["loss"].requires_grad and out["loss"].ndim == 0
-    assert not out["preds"].requires_grad
-    out["loss"].backward()
+    # the loss alone: a tensor returned besides it would be copied at every replayed step
+    assert isinstance(out, torch.Tensor) and out.requires_grad and out.ndim == 0
+    out.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 

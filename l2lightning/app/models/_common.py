@@ -76,11 +76,11 @@ def mlp(
 
 
 class FamilyModule(pl.LightningModule):
-    """Base of every model family: AdamW from config, the training metric updated outside the step.
+    """Base of every model family: AdamW from config, the training metric updated inside the step.
 
     Subclasses set ``self.train_metric`` / ``self.val_metric`` (torchmetrics) and ``self.metric_name``,
-    and return ``self.with_train_metric({"loss": loss, "preds": ..., "target": ...})`` (detached preds
-    and target) from ``training_step``.
+    and return ``self.with_train_metric(loss, preds, target)`` (detached preds and target) from
+    ``training_step``.
     """
 
     metric_name = "metric"
@@ -111,16 +111,19 @@ class FamilyModule(pl.LightningModule):
         # foreach=True: a handful of multi-tensor kernels per step, and capturable by the callback.
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, foreach=True)
 
-    def with_train_metric(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Update the training metric from the step's detached ``preds``/``target``; return `out`.
+    def with_train_metric(
+        self, loss: torch.Tensor, preds: torch.Tensor, target: torch.Tensor
+    ) -> torch.Tensor:
+        """Update the training metric from the step's detached `preds` and `target`; return `loss`.
 
         Called at the end of ``training_step``, the idiomatic place: the metric's tensor states update
         inside the captured graph, and ``L2GraphCallback`` re-applies its Python-side state per replay.
         Only ``update`` runs per step (no per-step ``compute``: some metrics, such as
         ``ExplainedVariance``, compute with boolean indexing, a host sync); the value is logged per epoch.
+        The step returns the loss alone: nothing reads predictions from the step's outputs, and each
+        tensor returned besides the loss costs a copy per replayed step (the graph overwrites its own).
         """
-        preds = out["preds"]
-        self.train_metric.update(preds, out["target"])
+        self.train_metric.update(preds, target)
         self.log(
             f"train/{self.metric_name}",
             self.train_metric,
@@ -128,7 +131,7 @@ class FamilyModule(pl.LightningModule):
             on_epoch=True,
             batch_size=preds.shape[0],
         )
-        return out
+        return loss
 
     def log_validation(self, loss: torch.Tensor, preds: torch.Tensor, target: torch.Tensor) -> None:
         """Validation loss and metric, accumulated over the epoch."""
@@ -148,12 +151,12 @@ class ClassifierFamily(FamilyModule):
 
     class_ids: torch.Tensor
 
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, labels = batch
         logits = self(inputs)
         loss = cross_entropy(logits, labels, self.class_ids)
         self.log("train/loss", loss, batch_size=inputs.shape[0])
-        return self.with_train_metric({"loss": loss, "preds": logits.detach().float(), "target": labels})
+        return self.with_train_metric(loss, logits.detach().float(), labels)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         inputs, labels = batch

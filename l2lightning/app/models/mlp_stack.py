@@ -103,12 +103,12 @@ class MLPStack(FamilyModule):
             return cross_entropy(out, target, self.class_ids)
         return F.mse_loss(out.float(), target)
 
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, target = batch
         out = self(x)
         loss = self._loss(out, target)
         self.log("train/loss", loss, batch_size=x.shape[0])
-        return self.with_train_metric({"loss": loss, "preds": out.detach().float(), "target": target})
+        return self.with_train_metric(loss, out.detach().float(), target)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, target = batch

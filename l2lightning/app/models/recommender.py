@@ -111,15 +111,13 @@ class Recommender(FamilyModule):
         pairs = dots.flatten(1) @ self.pair_select  # (B, F*(F-1)/2)
         return self.top(torch.cat([bottom, pairs], dim=1)).squeeze(-1)
 
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         dense, sparse, clicks = batch
         logits = self(dense, sparse).float()
         loss = F.binary_cross_entropy_with_logits(logits, clicks)
         self.log("train/loss", loss, batch_size=dense.shape[0])
         # hard predictions: a float input would make torchmetrics check its range on the host
-        return self.with_train_metric(
-            {"loss": loss, "preds": (logits.detach() > 0).long(), "target": clicks.long()}
-        )
+        return self.with_train_metric(loss, (logits.detach() > 0).long(), clicks.long())
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         dense, sparse, clicks = batch

@@ -330,7 +330,7 @@ class RLPolicy(FamilyModule):
         logits = self.actor(torch.as_tensor(obs, device=self.device))
         return torch.softmax(logits.float(), dim=-1).cpu().numpy()
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         obs, next_obs = batch["obs"], batch["next_obs"]
         n = obs.shape[0]
         # one forward over s and s' together: the prefetch hooks see one pass through each network
@@ -348,4 +348,4 @@ class RLPolicy(FamilyModule):
         self.log("train/entropy", entropy, batch_size=n)
         self.episode_return(batch["recent_return"])
         self.log("train/episode_return", self.episode_return, on_step=True, on_epoch=False, batch_size=1)
-        return self.with_train_metric({"loss": loss, "preds": value.detach(), "target": target.detach()})
+        return self.with_train_metric(loss, value.detach(), target.detach())
