@@ -48,11 +48,25 @@ class BatchReads:
     items: frozenset = frozenset()
     attributes: frozenset = frozenset()
     everything: bool = True
+    # unread parts per batch layout (type, and length or keys): asked once per step, the same answer
+    _by_layout: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def unread_parts(self, batch: Any) -> frozenset:
         """The top-level parts of `batch` (indices, or keys of a mapping) that the step never reads."""
         if self.everything:
             return frozenset()
+        if isinstance(batch, Mapping):
+            layout: Any = (type(batch), tuple(batch))
+        elif isinstance(batch, (list, tuple)):
+            layout = (type(batch), len(batch))
+        else:
+            layout = type(batch)
+        parts = self._by_layout.get(layout)
+        if parts is None:
+            parts = self._by_layout[layout] = self._unread_parts(batch)
+        return parts
+
+    def _unread_parts(self, batch: Any) -> frozenset:
         if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
             return self._unread_fields(list(batch._fields), items_allowed=True)
         if dataclasses.is_dataclass(batch) and not isinstance(batch, type):

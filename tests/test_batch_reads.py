@@ -227,3 +227,14 @@ def test_the_signature_leaves_out_unread_values_only():
     assert static.mismatch({**one, "path": "q", "id": 5}) is None
     tensors, spec = flatten_batch({**one, "y": 1.5})
     assert signature_of(tensors, spec) != static.signature
+
+
+def test_the_answer_is_kept_per_batch_layout_and_not_shared_across_layouts():
+    keys = batch_reads(ReadsKeys())
+    assert keys.unread_parts({"x": t(2), "y": t(2), "path": "p"}) == {"path"}
+    assert keys.unread_parts({"x": t(2), "y": t(2), "id": 3}) == {"id"}
+    assert keys.unread_parts({"x": t(2), "y": t(2), "path": "q"}) == {"path"}
+    starred = batch_reads(UnpacksStarred())
+    assert starred.unread_parts((t(2), t(2), "p")) == {2}
+    assert starred.unread_parts((t(2), t(2), "p", 4)) == {2, 3}
+    assert starred.unread_parts([t(2), t(2), "p"]) == {2}
