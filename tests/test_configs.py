@@ -139,10 +139,9 @@ def test_model_config_instantiates_with_its_data(family):
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     with torch.no_grad():
-        out = model.training_step(batch, 0)
-    assert out["loss"].ndim == 0 and torch.isfinite(out["loss"])
-    assert out["preds"].shape[0] == 2
-    assert not out["preds"].requires_grad
+        loss = model.training_step(batch, 0)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert model.train_metric._update_count == 1  # the step updated its training metric once
 
 
 def test_vit_default_has_197_tokens():
