@@ -443,6 +443,86 @@ class StepTracer(TorchDispatchMode):
                 setattr(module, attr, original)
 
     @contextlib.contextmanager
+    def watching_output(self, loggers: Sequence[Any] = ()) -> Iterator[None]:
+        """Note what the step's own code writes out: ``print``, Python logging, the Trainer's loggers.
+
+        A replay runs no Python, so such output would appear only in the warm-up and eager steps:
+        every replayed step's line, histogram or metric would be missing, silently. Each call from
+        the user's code (not from torch, Lightning or this package) is noted as a problem of the step,
+        then made as usual.
+        """
+        import builtins
+        import logging
+
+        patched: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, owner had it)
+
+        def patch(owner: Any, name: str, replacement: Any) -> None:
+            had = name in vars(owner)
+            patched.append((owner, name, getattr(owner, name), had))
+            setattr(owner, name, replacement)
+
+        original_print = builtins.print
+
+        def watched_print(*args: Any, **kwargs: Any) -> Any:
+            self._note_output("`print`", sys._getframe(1))
+            return original_print(*args, **kwargs)
+
+        patch(builtins, "print", watched_print)
+        original_log = logging.Logger._log
+
+        def watched_log(logger: logging.Logger, *args: Any, **kwargs: Any) -> Any:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename == logging.__file__:
+                frame = frame.f_back  # Logger.info and its kin, LoggerAdapter.log
+            self._note_output(f"logging to `{logger.name}`", frame)
+            return original_log(logger, *args, **kwargs)
+
+        patch(logging.Logger, "_log", watched_log)
+        for logger in loggers:
+            for name in ("log_metrics", "log_hyperparams", "log_graph"):
+                method = getattr(logger, name, None)
+                if callable(method):
+                    patch(
+                        logger, name, self._watched_logger_call(f"`{type(logger).__name__}.{name}`", method)
+                    )
+            cls = type(logger)
+            prop = getattr(cls, "experiment", None)
+            if isinstance(prop, property) and prop.fget is not None:
+                patch(
+                    cls,
+                    "experiment",
+                    property(self._watched_logger_call(f"`{cls.__name__}.experiment`", prop.fget)),
+                )
+        try:
+            yield
+        finally:
+            for owner, name, original, had in reversed(patched):
+                if had:
+                    setattr(owner, name, original)
+                else:
+                    delattr(owner, name)
+
+    def _watched_logger_call(self, what: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._note_output(f"a write to the Trainer's logger ({what})", sys._getframe(1))
+            return original(*args, **kwargs)
+
+        return call
+
+    def _note_output(self, what: str, caller: Any) -> None:
+        """A problem for output the step's own code makes (`caller`: the frame that made the call)."""
+        if caller is None or _is_library(caller.f_code.co_filename):
+            return  # torch's, Lightning's, torchmetrics' or this package's own messages
+        problem = (
+            f"{what} at {describe_frame((caller.f_code.co_filename, caller.f_lineno))} runs in the step; a "
+            "replay runs no Python, so it would happen only in the warm-up and eager steps. Move it to "
+            "`on_train_batch_end`, which runs after every replay, or under a condition on `batch_idx` or "
+            "`self.global_step` (the steps it holds for run eagerly)"
+        )
+        if problem not in self.trace.problems:
+            self.trace.problems.append(problem)
+
+    @contextlib.contextmanager
     def watching_seeds(self) -> Iterator[None]:
         """Patch torch's seeding functions to note each call inside the step as a problem, then seed."""
         import importlib

@@ -165,7 +165,14 @@ class WarmupSteps:
         """Lightning's closure under `tracer` (the captured hooks and ``self.log`` consult it)."""
         self._tracer = tracer
         try:
-            with tracer, tracer.memoized(), tracer.watching_seeds(), sync_free_bincount():
+            loggers = self._trainer.loggers if self._trainer is not None else ()
+            with (
+                tracer,
+                tracer.memoized(),
+                tracer.watching_seeds(),
+                tracer.watching_output(loggers),
+                sync_free_bincount(),
+            ):
                 return closure() if closure is not None else None
         finally:
             self._tracer = None

@@ -5,6 +5,7 @@ before a replay and capture again), and steps that cannot be replayed (refused b
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from lightning.pytorch import Callback
@@ -181,4 +182,28 @@ class TensorInAContainer(TinyMLP):
         w = self.weights["w"] if self.container == "dict" else self.weights[0]
         loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean() * w
         self.log("train/loss", loss)
+        return loss
+
+
+_log = logging.getLogger("between_step_models")
+
+
+class WritesOutEveryStep(TinyMLP):
+    """Writes a line per step from training_step: a print, Python logging, or the Trainer's logger
+    (its `log_metrics`, or its `experiment` object). A replay would write nothing."""
+
+    def __init__(self, how="print", **kw):
+        super().__init__(**kw)
+        self.how = how
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.how == "print":
+            print(f"step {self.global_step}")
+        elif self.how == "logging":
+            _log.warning("step %d", self.global_step)
+        elif self.how == "log_metrics":
+            self.logger.log_metrics({"seen": 1.0}, step=self.global_step)
+        else:
+            self.logger.experiment.log_metrics({"seen": 1.0}, step=self.global_step)
         return loss

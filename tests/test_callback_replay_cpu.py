@@ -40,6 +40,7 @@ from tests.between_step_models import (
     TensorInAContainer,
     ValidatedDistribution,
     WeightOnACallback,
+    WritesOutEveryStep,
 )
 from tests.idiom_modules import IDIOMS
 from tests.lightning_models import (
@@ -917,6 +918,36 @@ def test_checkpointed_blocks_without_a_put_back_rng_or_without_dropout_are_captu
     base, run, cb = captured_pair(cls, fused=True)
     assert cb.summary()["captured"] and cb.summary()["fallback_steps"] == 0, cb.summary()
     assert_same(base, run)
+
+
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [
+        ("print", "`print`"),
+        ("logging", "logging to `between_step_models`"),
+        ("log_metrics", r"a write to the Trainer's logger \(`CSVLogger.log_metrics`\)"),
+        ("experiment", r"a write to the Trainer's logger \(`CSVLogger.experiment`\)"),
+    ],
+)
+def test_a_step_that_writes_out_every_step_is_refused_by_name_and_every_line_is_written(how, named, tmp_path):
+    """Replays wrote nothing: every replayed step's print, log line or logger row was missing, silently."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    def logger(name):
+        return {"logger": CSVLogger(tmp_path / name)}
+
+    plain = fit(WritesOutEveryStep, how=how, fused=True, trainer_kwargs=logger("plain"))
+    cb = callback()
+    with pytest.warns(UserWarning, match=rf"{named} at .*between_step_models.py:\d+ .* runs in the step"):
+        run = fit(WritesOutEveryStep, [cb], how=how, fused=True, trainer_kwargs=logger("callback"))
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
+    if how in ("log_metrics", "experiment"):
+        rows = [
+            (tmp_path / name).glob("**/metrics.csv").__next__().read_text().count("\n")
+            for name in ("plain", "callback")
+        ]
+        assert rows[0] == rows[1] > 20
 
 
 def test_a_step_reading_an_element_of_a_list_it_appends_to_is_refused_by_name_and_trains_like_plain():

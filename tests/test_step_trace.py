@@ -136,3 +136,27 @@ def test_random_ops_are_told_apart_by_their_generator_or_by_name():
         assert draws_random_numbers(op), op
     for op in (aten.mul.Tensor, aten.dropout.default, aten.empty_like.default):
         assert not draws_random_numbers(op), op
+
+
+def test_output_is_the_steps_only_when_its_own_code_makes_it(tmp_path):
+    """print and logging from the user's code are noted; from a library's code (here a module whose
+    path looks like torch's) they are not; nothing is noted outside the watched block."""
+    import logging
+
+    library = tmp_path / "site-packages" / "torch" / "fake.py"
+    library.parent.mkdir(parents=True)
+    library.write_text(
+        "import logging\ndef chatty():\n    print('lib')\n    logging.getLogger('lib').warning('lib')\n"
+    )
+    namespace: dict = {}
+    exec(compile(library.read_text(), str(library), "exec"), namespace)
+    tracer = StepTracer("cpu")
+    with tracer.watching_output():
+        namespace["chatty"]()
+    assert tracer.trace.problems == []
+    with tracer.watching_output():
+        print("mine")
+        logging.getLogger("mine").warning("mine")
+    assert [p.split(" at ")[0] for p in tracer.trace.problems] == ["`print`", "logging to `mine`"]
+    print("after")
+    assert len(tracer.trace.problems) == 2

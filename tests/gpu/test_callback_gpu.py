@@ -15,6 +15,7 @@ from tests.between_step_models import (
     SeedsInTheStep,
     SwitchesItsLoss,
     WeightOnACallback,
+    WritesOutEveryStep,
 )
 from tests.lightning_models import (
     CheckpointedDropout,
@@ -235,6 +236,14 @@ def test_activation_checkpointing_with_dropout_is_refused_where_the_recomputatio
     summary = cb.summary()
     assert summary["captured"] and summary["fallback_steps"] == 0, summary
     assert_same_run(fit(cls, [], steps=30, fused=True, baseline=True), run)
+
+
+@pytest.mark.parametrize("how", ["print", "logging"])
+def test_a_step_that_writes_out_every_step_is_refused_by_name_and_trains_like_plain(how):
+    """Replays write nothing: a print or a log line per step would go missing."""
+    assert_refused_and_trains_like_plain(
+        WritesOutEveryStep, "runs in the step", "a replay runs no Python", how=how, fused=True
+    )
 
 
 def named_samples():
