@@ -277,6 +277,25 @@ def draws_random_numbers(func: Any) -> bool:
     )
 
 
+# Helpers that only pass a message on: the call that counts is the one made to them (Logger.info and
+# its kin, LightningModule.print, rank_zero_info / rank_zero_warn and their rank_zero_only wrapper)
+_OUTPUT_HELPERS = (
+    (os.path.join("logging", "__init__.py"), None),
+    (os.path.join("lightning", "pytorch", "core", "module.py"), "print"),
+    (os.path.join("lightning_utilities", "core", "rank_zero.py"), None),
+)
+
+
+def _output_caller(frame: Any) -> Any:
+    """The frame that asked for a print or a log line, past the helpers that pass it on."""
+    while frame is not None and any(
+        frame.f_code.co_filename.endswith(path) and name in (None, frame.f_code.co_name)
+        for path, name in _OUTPUT_HELPERS
+    ):
+        frame = frame.f_back
+    return frame
+
+
 def _torch_function_name(frame: Any) -> str | None:
     """``torch.random.manual_seed`` for a frame of that function; None for a decorator's inner function
     (torch.manual_seed runs inside two: dynamo's ``_fn`` and ``_compile``'s ``inner``), which its module
@@ -464,17 +483,14 @@ class StepTracer(TorchDispatchMode):
         original_print = builtins.print
 
         def watched_print(*args: Any, **kwargs: Any) -> Any:
-            self._note_output("`print`", sys._getframe(1))
+            self._note_output("`print`", _output_caller(sys._getframe(1)))
             return original_print(*args, **kwargs)
 
         patch(builtins, "print", watched_print)
         original_log = logging.Logger._log
 
         def watched_log(logger: logging.Logger, *args: Any, **kwargs: Any) -> Any:
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_code.co_filename == logging.__file__:
-                frame = frame.f_back  # Logger.info and its kin, LoggerAdapter.log
-            self._note_output(f"logging to `{logger.name}`", frame)
+            self._note_output(f"logging to `{logger.name}`", _output_caller(sys._getframe(1)))
             return original_log(logger, *args, **kwargs)
 
         patch(logging.Logger, "_log", watched_log)

@@ -200,6 +200,8 @@ class WritesOutEveryStep(TinyMLP):
         loss = super().training_step(batch, batch_idx)
         if self.how == "print":
             print(f"step {self.global_step}")
+        elif self.how == "self.print":
+            self.print(f"step {self.global_step}")
         elif self.how == "logging":
             _log.warning("step %d", self.global_step)
         elif self.how == "log_metrics":

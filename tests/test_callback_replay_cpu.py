@@ -924,6 +924,7 @@ def test_checkpointed_blocks_without_a_put_back_rng_or_without_dropout_are_captu
     ("how", "named"),
     [
         ("print", "`print`"),
+        ("self.print", "`print`"),  # LightningModule.print passes it on
         ("logging", "logging to `between_step_models`"),
         ("log_metrics", r"a write to the Trainer's logger \(`CSVLogger.log_metrics`\)"),
         ("experiment", r"a write to the Trainer's logger \(`CSVLogger.experiment`\)"),
