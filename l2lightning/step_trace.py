@@ -28,6 +28,7 @@ import linecache
 import math
 import os
 import sys
+import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -286,6 +287,20 @@ _OUTPUT_HELPERS = (
 )
 
 
+def _is_users_file(filename: str) -> bool:
+    """Whether code in `filename` is the user's own: not torch, Lightning, torchmetrics or this
+    package, not an installed package (a model library's one-time warning) and not the standard
+    library. A notebook cell (``<ipython-input-...>``) is the user's."""
+    if _is_library(filename):
+        return False
+    if any(part in filename for part in ("site-packages", "dist-packages")):
+        return False
+    return not filename.startswith(_STDLIB_DIR)
+
+
+_STDLIB_DIR = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
 def _output_caller(frame: Any) -> Any:
     """The frame that asked for a print or a log line, past the helpers that pass it on."""
     while frame is not None and any(
@@ -527,8 +542,8 @@ class StepTracer(TorchDispatchMode):
 
     def _note_output(self, what: str, caller: Any) -> None:
         """A problem for output the step's own code makes (`caller`: the frame that made the call)."""
-        if caller is None or _is_library(caller.f_code.co_filename):
-            return  # torch's, Lightning's, torchmetrics' or this package's own messages
+        if caller is None or not _is_users_file(caller.f_code.co_filename):
+            return  # an installed package's or the standard library's own messages (a warning once)
         problem = (
             f"{what} at {describe_frame((caller.f_code.co_filename, caller.f_lineno))} runs in the step; a "
             "replay runs no Python, so it would happen only in the warm-up and eager steps. Move it to "

@@ -139,20 +139,21 @@ def test_random_ops_are_told_apart_by_their_generator_or_by_name():
 
 
 def test_output_is_the_steps_only_when_its_own_code_makes_it(tmp_path):
-    """print and logging from the user's code are noted; from a library's code (here a module whose
-    path looks like torch's) they are not; nothing is noted outside the watched block."""
+    """print and logging from the user's code are noted; from torch's or an installed package's code
+    (a model library's one-time warning) they are not; nothing is noted outside the watched block."""
     import logging
 
-    library = tmp_path / "site-packages" / "torch" / "fake.py"
-    library.parent.mkdir(parents=True)
-    library.write_text(
-        "import logging\ndef chatty():\n    print('lib')\n    logging.getLogger('lib').warning('lib')\n"
-    )
-    namespace: dict = {}
-    exec(compile(library.read_text(), str(library), "exec"), namespace)
     tracer = StepTracer("cpu")
-    with tracer.watching_output():
-        namespace["chatty"]()
+    for package in ("torch", "modellib"):
+        library = tmp_path / "site-packages" / package / "chatty.py"
+        library.parent.mkdir(parents=True)
+        library.write_text(
+            "import logging\ndef chatty():\n    print('lib')\n    logging.getLogger('lib').warning('lib')\n"
+        )
+        namespace: dict = {}
+        exec(compile(library.read_text(), str(library), "exec"), namespace)
+        with tracer.watching_output():
+            namespace["chatty"]()
     assert tracer.trace.problems == []
     with tracer.watching_output():
         print("mine")
