@@ -21,7 +21,13 @@ class StepOverrides:
         mode = self._mode
         if mode == "replay":
             self._reissue("training_step")
-            return fresh_extras(self._graph.output)
+            output = fresh_extras(self._graph.output)
+            if self._source.output_values and isinstance(output, dict):
+                # numbers from the step counters returned beside the loss: this step's, not the capture's
+                batch_idx = self._pending[1] if self._pending else 0
+                for key, (_, evaluate) in self._source.output_values.items():
+                    output[key] = evaluate(self._module, batch_idx)
+            return output
         accumulating = self._trainer is not None and self._trainer.accumulate_grad_batches != 1
         if (
             not self._in_step

@@ -72,6 +72,9 @@ class StepSource:
 
     conditions: list[Condition] = field(default_factory=list)
     log_values: dict[str, tuple[str, Callable[[Any, int], Any]]] = field(default_factory=dict)
+    # numbers training_step returns beside its loss, computed from the step counters
+    # (``return {"loss": loss, "step": self.global_step}``): re-evaluated for each replay's outputs
+    output_values: dict[str, tuple[str, Callable[[Any, int], Any]]] = field(default_factory=dict)
     # names X of every `self.X` the step hooks and their helpers read: a Python number among them
     # (`loss * self.beta`) is baked into the graph, so a change between steps must capture again
     reads: set[str] = field(default_factory=set)
@@ -221,6 +224,7 @@ def _analyse_object(
             extra,
             reads,
             obj if callback else None,
+            returns_step_output=not callback and depth == 0 and name == "training_step",
         )
         visitor.run(tree)
         _record_outside_reads(
@@ -284,8 +288,11 @@ class _Visitor:
         extra: tuple[str, ...] = (),
         reads: set[str] | None = None,
         callback: Any = None,
+        returns_step_output: bool = False,
     ):
         self.found = found
+        # training_step itself: what its return statement holds is the step's output
+        self.returns_step_output = returns_step_output
         self.filename = filename
         self.first_line = first_line
         self.self_name = self_name
@@ -350,6 +357,8 @@ class _Visitor:
             )
             for inner in ast.walk(test)
         }
+        if self.returns_step_output:
+            logged |= self._output_values(func, parents)
         self._counter_values(func, logged, parents, tests)
         self._attribute_values(func, logged, parents, tests)
         self.global_names = _free_names(func) - {
@@ -712,6 +721,31 @@ class _Visitor:
         )
         if helpers.get(name) is None:
             helpers[name] = position
+
+    def _output_values(self, func: ast.AST, parents: dict[int, ast.AST]) -> set[int]:
+        """Record the numbers ``return {"loss": loss, "step": self.global_step}`` returns beside the
+        loss that the module alone evaluates from the step counters, and return the ids of their
+        nodes: they reach the step's output, never the graph, so instead of capturing again when they
+        change they are evaluated anew for each replay's outputs. Only one return statement at the
+        top of the function, holding a dict with constant string keys, is read this way."""
+        returns = [node for node in ast.walk(func) if isinstance(node, ast.Return)]
+        if len(returns) != 1 or parents.get(id(returns[0])) is not func:
+            return set()
+        value = returns[0].value
+        if not isinstance(value, ast.Dict) or not all(
+            isinstance(k, ast.Constant) and isinstance(k.value, str) for k in value.keys
+        ):
+            return set()
+        ids: set[int] = set()
+        for key, entry in zip(value.keys, value.values):
+            if key.value == "loss" or not self._reads_step_counter(entry):
+                continue
+            evaluate = self._compile(entry, allow_methods=False)
+            if evaluate is None:
+                continue  # it needs the step's own values (a tensor): baked in, compared as before
+            self.found.output_values[key.value] = (self._line(entry), evaluate)
+            ids |= {id(inner) for inner in ast.walk(entry)}
+        return ids
 
     def _log_call(self, node: ast.Call) -> None:
         func = node.func

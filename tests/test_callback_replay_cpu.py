@@ -951,6 +951,25 @@ def test_a_step_that_writes_out_every_step_is_refused_by_name_and_every_line_is_
         assert rows[0] == rows[1] > 20
 
 
+class ReturnsItsStep(TinyMLP):
+    """Returns the step counters beside the loss (for a callback that reads them from the outputs)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return {"loss": loss, "step": self.global_step, "epoch": self.current_epoch, "seen": batch_idx * 8}
+
+
+def test_step_counters_returned_beside_the_loss_are_each_replays_own_and_capture_once():
+    """They reach the outputs, not the graph: the step captured again at every step until the callback
+    gave up and trained eagerly (correct, but no replay); now each replay's outputs get its own."""
+    base, run, cb = captured_pair(ReturnsItsStep, steps=70)
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 1 and s["fallback_steps"] == 0, s
+    assert_same(base, run)
+    numbers = [[(o["step"], o["epoch"], o["seen"]) for o in rec.outputs] for rec in (base[1], run[1])]
+    assert numbers[0] == numbers[1] and numbers[1][40] == (40, 1, 80)
+
+
 def test_a_step_reading_an_element_of_a_list_it_appends_to_is_refused_by_name_and_trains_like_plain():
     """The graph read the element it was captured with at every replay (silently before)."""
     assert_refused_like_plain(

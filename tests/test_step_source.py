@@ -347,3 +347,39 @@ def test_getattr_with_a_constant_name_is_compared_like_an_attribute_and_no_other
     snapshot = found.attribute_snapshot(module, 0)
     module.cfg.w = 2.0
     assert any("getattr(self.cfg" in line for line in found.changed_attribute_values(snapshot, module, 0))
+
+
+class ReturnsCounters:
+    def __init__(self):
+        self.global_step = 7
+        self.current_epoch = 1
+
+    def training_step(self, batch, batch_idx):
+        loss = batch * 2
+        return {
+            "loss": loss,
+            "step": self.global_step,
+            "seen": (batch_idx + 1) * 8,
+            "scaled": loss * self.current_epoch,  # needs the step's tensor: baked in the graph
+        }
+
+
+def test_counter_numbers_returned_beside_the_loss_are_evaluated_not_compared():
+    found = analyse(ReturnsCounters())
+    assert set(found.output_values) == {"step", "seen"}
+    assert found.output_values["seen"][1](ReturnsCounters(), 4) == 40
+    assert found.output_values["step"][1](ReturnsCounters(), 0) == 7
+    baked = [c.line for c in found.counter_values]
+    assert len(baked) == 1 and "self.current_epoch" in baked[0]
+
+
+class ReturnsInABranch(ReturnsCounters):
+    def training_step(self, batch, batch_idx):
+        if batch_idx:
+            return {"loss": batch, "step": self.global_step}
+        return {"loss": batch, "step": self.global_step}
+
+
+def test_counters_in_returns_other_than_one_at_the_top_stay_compared():
+    found = analyse(ReturnsInABranch())
+    assert found.output_values == {} and len(found.counter_values) == 2
