@@ -246,6 +246,20 @@ def test_a_step_that_writes_out_every_step_is_refused_by_name_and_trains_like_pl
     )
 
 
+class ReturnsItsStep(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return {"loss": loss, "step": self.global_step, "seen": batch_idx * 8}
+
+
+def test_step_counters_returned_beside_the_loss_are_evaluated_per_replay_and_capture_once():
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(ReturnsItsStep, [cb], steps=40, fused=True)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 1 and summary["fallback_steps"] == 0, summary
+    assert_same_run(fit(ReturnsItsStep, [], steps=40, fused=True, baseline=True), run)
+
+
 def named_samples():
     return torch.utils.data.DataLoader(NamedSamples(width=512), batch_size=8)
 
