@@ -162,6 +162,12 @@ class StepTrace:
     # ids of the tensor objects the step's ops read (which of them a Python list held before the step)
     read_ids: set[int] = field(default_factory=set)
 
+    def add_problem(self, problem: str) -> None:
+        """Note `problem` once (a step may run the same call many times: each recomputed block, each
+        put-back of a generator)."""
+        if problem not in self.problems:
+            self.problems.append(problem)
+
 
 def first_difference(
     a: StepTrace, b: StepTrace, skip_hooks: set[str] | frozenset = frozenset()
@@ -550,8 +556,7 @@ class StepTracer(TorchDispatchMode):
             "`on_train_batch_end`, which runs after every replay, or under a condition on `batch_idx` or "
             "`self.global_step` (the steps it holds for run eagerly)"
         )
-        if problem not in self.trace.problems:
-            self.trace.problems.append(problem)
+        self.trace.add_problem(problem)
 
     @contextlib.contextmanager
     def watching_seeds(self) -> Iterator[None]:
@@ -589,8 +594,8 @@ class StepTracer(TorchDispatchMode):
                 "it again, and the step's random ops (dropout, `torch.rand`) would draw other numbers "
                 "than in an eager step; seed once before `fit`"
             )
-            if problem and problem not in self.trace.problems:  # fork_rng puts back CPU and CUDA states
-                self.trace.problems.append(problem)
+            if problem:
+                self.trace.add_problem(problem)  # fork_rng puts back CPU and CUDA states: one problem
             self._seeding_depth += 1
             try:
                 return original(*args, **kwargs)
@@ -686,8 +691,7 @@ class StepTracer(TorchDispatchMode):
                 "graphs (were it not, the gradients would be wrong), so the step trains eagerly. Keep the "
                 "dropout outside the checkpointed block, or pass `preserve_rng_state=False`"
             )
-            if problem not in self.trace.problems:
-                self.trace.problems.append(problem)
+            self.trace.add_problem(problem)
         if self._hook is not None:
             self._note_hook_writes(func, args, kwargs)
             if self._reads_updated(tensors):
