@@ -417,6 +417,28 @@ def _fills_through_mask(func: Any, args: tuple, kwargs: dict) -> bool:
     )
 
 
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def _replaced(replacements: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Set each ``owner.name`` to its replacement for the block, then put back what was there; a name
+    the owner only inherited (a logger's method, a base class's property) is deleted again, so the
+    inherited one shows through."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for owner, name, replacement in replacements:
+            saved.append((owner, name, vars(owner).get(name, _ABSENT)))
+            setattr(owner, name, replacement)
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            if original is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
 # where a graph capture records streams (CUDA); elsewhere there is no stream to check
 _STREAM_CAPTURED_DEVICES = ("cuda",)
 
@@ -470,17 +492,12 @@ class StepTracer(TorchDispatchMode):
         """Patch the MEMOIZED functions: record their results (trace) or return the recorded ones (capture)."""
         import importlib
 
-        patched = []
+        replacements = []
         for module_name, attr in MEMOIZED:
             module = importlib.import_module(module_name)
-            original = getattr(module, attr)
-            patched.append((module, attr, original))
-            setattr(module, attr, self._memoize(attr, original))
-        try:
+            replacements.append((module, attr, self._memoize(attr, getattr(module, attr))))
+        with _replaced(replacements):
             yield
-        finally:
-            for module, attr, original in patched:
-                setattr(module, attr, original)
 
     @contextlib.contextmanager
     def watching_output(self, loggers: Sequence[Any] = ()) -> Iterator[None]:
@@ -494,50 +511,32 @@ class StepTracer(TorchDispatchMode):
         import builtins
         import logging
 
-        patched: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, owner had it)
-
-        def patch(owner: Any, name: str, replacement: Any) -> None:
-            had = name in vars(owner)
-            patched.append((owner, name, getattr(owner, name), had))
-            setattr(owner, name, replacement)
-
         original_print = builtins.print
 
         def watched_print(*args: Any, **kwargs: Any) -> Any:
             self._note_output("`print`", _output_caller(sys._getframe(1)))
             return original_print(*args, **kwargs)
 
-        patch(builtins, "print", watched_print)
         original_log = logging.Logger._log
 
         def watched_log(logger: logging.Logger, *args: Any, **kwargs: Any) -> Any:
             self._note_output(f"logging to `{logger.name}`", _output_caller(sys._getframe(1)))
             return original_log(logger, *args, **kwargs)
 
-        patch(logging.Logger, "_log", watched_log)
+        replacements = [(builtins, "print", watched_print), (logging.Logger, "_log", watched_log)]
         for logger in loggers:
             for name in ("log_metrics", "log_hyperparams", "log_graph"):
                 method = getattr(logger, name, None)
                 if callable(method):
-                    patch(
-                        logger, name, self._watched_logger_call(f"`{type(logger).__name__}.{name}`", method)
-                    )
+                    what = f"`{type(logger).__name__}.{name}`"
+                    replacements.append((logger, name, self._watched_logger_call(what, method)))
             cls = type(logger)
             prop = getattr(cls, "experiment", None)
             if isinstance(prop, property) and prop.fget is not None:
-                patch(
-                    cls,
-                    "experiment",
-                    property(self._watched_logger_call(f"`{cls.__name__}.experiment`", prop.fget)),
-                )
-        try:
+                watched = self._watched_logger_call(f"`{cls.__name__}.experiment`", prop.fget)
+                replacements.append((cls, "experiment", property(watched)))
+        with _replaced(replacements):
             yield
-        finally:
-            for owner, name, original, had in reversed(patched):
-                if had:
-                    setattr(owner, name, original)
-                else:
-                    delattr(owner, name)
 
     def _watched_logger_call(self, what: str, original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -563,19 +562,14 @@ class StepTracer(TorchDispatchMode):
         """Patch torch's seeding functions to note each call inside the step as a problem, then seed."""
         import importlib
 
-        patched = []
+        replacements = []
         for module_name, attr in SEEDING:
             module = importlib.import_module(module_name)
             original = getattr(module, attr, None)
-            if original is None:
-                continue
-            patched.append((module, attr, original))
-            setattr(module, attr, self._seeding(f"{module_name}.{attr}", original))
-        try:
+            if original is not None:
+                replacements.append((module, attr, self._seeding(f"{module_name}.{attr}", original)))
+        with _replaced(replacements):
             yield
-        finally:
-            for module, attr, original in patched:
-                setattr(module, attr, original)
 
     def _seeding(self, name: str, original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
