@@ -85,6 +85,15 @@ UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStr
 _MODULE_OVERRIDES = ("training_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping", "log")
 
 
+def _stale_read(what: str, lines: list[str], changes: str, kept: str, advice: str) -> str:
+    """The refusal of a step that reads `what` (at `lines`), a value that changes between steps where
+    a replayed graph cannot see it."""
+    return (
+        f"the step reads {what} ({'; '.join(lines[:3])}), {changes}; a replayed graph would keep "
+        f"{kept}. {advice}"
+    )
+
+
 class L2GraphCallback(
     StepDispatch, StepDecision, StepCapture, WarmupSteps, StepOverrides, PrefetchSetup, FitReport, Callback
 ):
@@ -479,20 +488,22 @@ class L2GraphCallback(
                 "(`on_train_batch_end` runs after every replay)"
             )
         if source.trainer_metric_reads:
-            return (
-                "the step reads the Trainer's metrics ("
-                + "; ".join(source.trainer_metric_reads[:3])
-                + "), whose values Lightning replaces as steps log and validations run; a replayed graph "
-                "would keep reading the values of the capture step. Pass them in through an attribute "
-                "updated in place (`self.w.copy_(value)` in `on_validation_end`) instead"
+            return _stale_read(
+                "the Trainer's metrics",
+                source.trainer_metric_reads,
+                "whose values Lightning replaces as steps log and validations run",
+                "reading the values of the capture step",
+                "Pass them in through an attribute updated in place (`self.w.copy_(value)` in "
+                "`on_validation_end`) instead",
             )
         if source.scheduler_reads:
-            return (
-                "the step reads an LR scheduler's state ("
-                + "; ".join(source.scheduler_reads[:3])
-                + "), which each scheduler step changes; a replayed graph would keep the value of the "
-                "capture step. Read the learning rate from the optimizer (`self.optimizers().param_groups[0]"
-                '["lr"]`), which replays read as it is at each step'
+            return _stale_read(
+                "an LR scheduler's state",
+                source.scheduler_reads,
+                "which each scheduler step changes",
+                "the value of the capture step",
+                'Read the learning rate from the optimizer (`self.optimizers().param_groups[0]["lr"]`), '
+                "which replays read as it is at each step",
             )
         if source.opaque_conditions and self.eager_steps is None:
             # A replayed graph would take the capture step's branch at every step: refused rather than
