@@ -74,9 +74,8 @@ class BatchReads:
         if self.attributes:  # a method of a list or dict (`batch.items()`) reads every part
             return frozenset()
         if isinstance(batch, (list, tuple)):
-            n = len(batch)
-            read = {i % n for i in self.items if isinstance(i, int) and -n <= i < n}
-            return frozenset(i for i in range(n) if i not in read)
+            read = self._positions_read(len(batch))
+            return frozenset(i for i in range(len(batch)) if i not in read)
         if isinstance(batch, Mapping):
             if any(isinstance(i, int) and i not in batch for i in self.items):
                 return frozenset()  # unpacked or indexed by position: a mapping of unusual iteration
@@ -86,9 +85,12 @@ class BatchReads:
     def _unread_fields(self, fields: list[str], items_allowed: bool) -> frozenset:
         if not self.attributes <= set(fields) or (self.items and not items_allowed):
             return frozenset()  # a method (`batch.to(device)`, `batch._asdict()`) reads every field
-        n = len(fields)
-        read = {i % n for i in self.items if isinstance(i, int) and -n <= i < n}
+        read = self._positions_read(len(fields))
         return frozenset(i for i, name in enumerate(fields) if i not in read and name not in self.attributes)
+
+    def _positions_read(self, n: int) -> set[int]:
+        """The positions among `n` that the step's integer subscripts reach (``batch[-1]`` is ``n - 1``)."""
+        return {i % n for i in self.items if isinstance(i, int) and -n <= i < n}
 
 
 def batch_reads(module: Any) -> BatchReads:
