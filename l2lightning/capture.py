@@ -153,6 +153,12 @@ def signature_of(tensors: list[torch.Tensor], spec: Any) -> tuple:
     return (_structure(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
 
 
+def read_signature(batch: Any, tensors: list[torch.Tensor], spec: Any, reads: BatchReads) -> tuple:
+    """The signature of `batch` (flattened into `tensors` and `spec`) without the values of the parts
+    the step never reads (`reads`): what the step's graph depends on."""
+    return signature_of(tensors, without_unread_values(spec, reads.unread_parts(batch)))
+
+
 def describe_mismatch(expected: tuple, got: tuple) -> str:
     """One line saying how a batch differs from the captured one."""
     if expected[0] != got[0]:
@@ -171,18 +177,14 @@ class StaticBatch:
         from batch to batch (the signature leaves them out)."""
         self.reads = reads if reads is not None else BatchReads()
         tensors, self.spec = flatten_batch(batch)
-        self.signature = self.signature_of(batch, tensors, self.spec)
+        self.signature = read_signature(batch, tensors, self.spec, self.reads)
         self.tensors = [t.detach().clone() for t in tensors]
         self.batch = unflatten_batch(self.spec, self.tensors)
-
-    def signature_of(self, batch: Any, tensors: list[torch.Tensor], spec: Any) -> tuple:
-        """The signature of `batch` (flattened into `tensors` and `spec`) as these buffers compare it."""
-        return signature_of(tensors, without_unread_values(spec, self.reads.unread_parts(batch)))
 
     def mismatch(self, batch: Any) -> str | None:
         """None if `batch` fits the buffers, else why not."""
         tensors, spec = flatten_batch(batch)
-        signature = self.signature_of(batch, tensors, spec)
+        signature = read_signature(batch, tensors, spec, self.reads)
         if signature == self.signature:
             return None
         return describe_mismatch(self.signature, signature)
@@ -197,7 +199,7 @@ class StaticBatch:
         """
         tensors, spec = flatten_batch(batch)
         if not checked:
-            signature = self.signature_of(batch, tensors, spec)
+            signature = read_signature(batch, tensors, spec, self.reads)
             if signature != self.signature:
                 raise BatchMismatchError(describe_mismatch(self.signature, signature))
         self.copy_tensors(tensors)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from l2lightning import python_state
-from l2lightning.capture import flatten_batch, signature_of, without_unread_values
+from l2lightning.capture import flatten_batch, read_signature
 from l2lightning.module_flags import ModuleFlags
 
 _data_ptr = torch.Tensor.data_ptr  # per parameter per step: mapped in C, not a Python loop
@@ -40,8 +40,10 @@ class StepDecision:
         tensors, spec = flatten_batch(batch)
         self._pending_tensors = tensors  # a replay copies them into the static batch
         # values in parts of the batch the step never reads (file names, ids) may change
-        spec = without_unread_values(spec, self._batch_reads.unread_parts(batch))
-        key = (self._source.branch_key(module, batch_idx), signature_of(tensors, spec))
+        key = (
+            self._source.branch_key(module, batch_idx),
+            read_signature(batch, tensors, spec, self._batch_reads),
+        )
         self._pending_key = key
         graph = self._graph
         if graph is None:
