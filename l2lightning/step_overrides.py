@@ -24,7 +24,7 @@ class StepOverrides:
             output = fresh_extras(self._graph.output)
             if self._source.output_values and isinstance(output, dict):
                 # numbers from the step counters returned beside the loss: this step's, not the capture's
-                batch_idx = self._pending[1] if self._pending else 0
+                batch_idx = self._pending_batch_idx()
                 for key, (_, evaluate) in self._source.output_values.items():
                     output[key] = evaluate(self._module, batch_idx)
             return output
@@ -174,14 +174,18 @@ class StepOverrides:
             and not isinstance(value, bool)
             and call.name in self._live_log_values
         ):
-            value = self._source.log_value(call.name, self._module, self._pending[1] if self._pending else 0)
+            value = self._source.log_value(call.name, self._module, self._pending_batch_idx())
         call.issue(self._module, self._originals["log"], value)
+
+    def _pending_batch_idx(self) -> int:
+        """This step's ``batch_idx`` (0 outside a step): what re-evaluated logs and outputs read."""
+        return self._pending[1] if self._pending else 0
 
     def _python_log_sources(self, calls: list[ReissuedLog]) -> tuple[set[str], str | None]:
         """(keys of logged Python numbers to re-evaluate at each replay, why the capture cannot stay:
         a logged number that changed between the warm-up steps and that a replay cannot recompute)."""
         live = set()
-        batch_idx = self._pending[1] if self._pending else 0
+        batch_idx = self._pending_batch_idx()
         for call in calls:
             name, value = call.args[0], call.args[1]
             if not isinstance(value, (int, float)) or isinstance(value, bool):
