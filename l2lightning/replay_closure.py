@@ -23,7 +23,9 @@ warning has no counterpart here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -91,6 +93,34 @@ def is_stock_closure(closure: Any) -> bool:
     )
 
 
+def zero_grad_progress(trainer: Any) -> Any:
+    """Automatic optimization's ``zero_grad`` progress counters (saved in checkpoints under ``loops``)."""
+    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
+
+
+@contextlib.contextmanager
+def one_closure_count(trainer: Any, closure: Any) -> Iterator[None]:
+    """Leave Lightning's ``zero_grad`` progress as one run of `closure` leaves it, however often it ran.
+
+    The capture step runs the step's closure more than once (the verify step, the capture, the
+    replay that performs the update); an eager step runs it once, and the counters a checkpoint
+    saves must read the same. Only for the stock closure, whose ``zero_grad_fn`` is known.
+    """
+    if trainer is None or not is_stock_closure(closure):
+        yield
+        return
+    progress = zero_grad_progress(trainer)
+    before = progress.state_dict()
+    try:
+        yield
+    finally:
+        progress.load_state_dict(before)
+        if closure.args[2]._zero_grad_fn is not None:
+            progress.increment_ready()
+            progress.increment_started()
+            progress.increment_completed()
+
+
 class ReplayClosure:
     """Runs a replay's closure, calling the closure's hooks that some callback or the module overrides.
 
@@ -126,8 +156,14 @@ class ReplayClosure:
         with torch.enable_grad():  # Closure.closure's
             step_output = inner._step_fn()
             if inner._zero_grad_fn is not None:
+                # _AutomaticOptimization's zero_grad_fn: its progress counters are checkpointed
+                # (`loops` in the checkpoint), so they advance as in an eager step
+                progress = zero_grad_progress(trainer)
+                progress.increment_ready()
                 self._hook(trainer, "on_before_zero_grad", optimizer)
+                progress.increment_started()
                 # optimizer_zero_grad: the callback's, a no-op in replay mode
+                progress.increment_completed()
             loss = step_output.closure_loss
             if inner._backward_fn is not None and loss is not None:
                 self._hook(trainer, "on_before_backward", loss)

@@ -15,7 +15,7 @@ import torch
 
 from l2lightning.capture import clear_cublas_workspaces, loss_of
 from l2lightning.cuda_memory import free_cached_memory
-from l2lightning.replay_closure import is_stock_closure
+from l2lightning.replay_closure import is_stock_closure, one_closure_count
 from l2lightning.step_overrides import copied_element
 
 
@@ -33,7 +33,7 @@ class StepDispatch:
             compiling, self._compile_pending = self._compile_pending, False
             started = time.perf_counter()
             try:
-                with self._on_step_stream():
+                with self._on_step_stream(), one_closure_count(self._trainer, closure):
                     return self._eager_modes(mode, run, closure, kwargs)
             finally:
                 if compiling:

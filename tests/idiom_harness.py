@@ -68,10 +68,26 @@ class IdiomRun:
     summary: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     note: str | None = None  # e.g. make_capturable skipped off CUDA
+    loops: dict[str, Any] = field(default_factory=dict)  # loop_state(trainer) after the fit
 
     @property
     def steps(self) -> int:
         return len(self.losses)
+
+
+def loop_state(trainer: Trainer) -> dict[str, Any]:
+    """The fit loop's progress (what a checkpoint saves under `loops`) as {dotted key: value}."""
+
+    def flat(state: dict[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    return flat(trainer.fit_loop.state_dict(), "")
 
 
 def _sync(device: torch.device) -> None:
@@ -268,6 +284,7 @@ def _run_idiom(name: str, variant: str, steps: int, accelerator: str) -> IdiomRu
     run.losses = _cpu(recorder.losses)
     run.metrics = _cpu(recorder.metrics)
     run.params = _cpu(dict(module.state_dict()))
+    run.loops = loop_state(trainer)
     run.step_ms, run.timed_steps = recorder.step_ms()
     if baseline is not None:
         run.note = baseline.note
@@ -365,6 +382,11 @@ def compare(a: IdiomRun, b: IdiomRun) -> str | None:
                 delta = (x.double() - y.double()).abs().max().item()
                 return f"final {key!r} differs (max abs diff {delta:.3g})"
             return f"final {key!r} differs"
+    for key in sorted(a.loops.keys() | b.loops.keys()):
+        if a.loops.get(key) != b.loops.get(key):
+            return (
+                f"loop progress {key}: {a.loops.get(key)} ({a.variant}) vs {b.loops.get(key)} ({b.variant})"
+            )
     if a.stdout != b.stdout:
         la, lb = a.stdout.splitlines(), b.stdout.splitlines()
         for i in range(max(len(la), len(lb))):

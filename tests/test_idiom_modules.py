@@ -95,6 +95,11 @@ def test_compare_is_bitwise_and_nan_aware(one_torch_thread):
     c = run_idiom("autoencoder", "plain", steps=4, accelerator="cpu")
     c.metrics[3][1]["train_loss"] = c.metrics[3][1]["train_loss"].nextafter(torch.tensor(1.0))
     assert "train_loss" in compare(a, c)
+    c = run_idiom("autoencoder", "plain", steps=4, accelerator="cpu")
+    key = "epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad.total.completed"
+    assert c.loops[key] == 4  # one zero_grad per step
+    c.loops[key] += 1
+    assert f"loop progress {key}: 4 (plain) vs 5 (plain)" == compare(a, c)
     c = run_idiom("autoencoder", "plain", steps=5, accelerator="cpu")
     assert "steps" in compare(a, c)
 
