@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from lightning.pytorch import Callback, LightningDataModule, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, seed_everything
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
@@ -167,6 +167,80 @@ def test_capture_replays_bitwise_equal_to_the_baseline(scheduler):
     assert emu.FakeGraph.replays == 30 - 3
     assert_same(base, run)
     assert len({float(v["train/loss"]) for v in run[1].logged[4:]}) > 5  # logged values follow the replays
+
+
+# Hooks Lightning calls inside the optimizer closure: a replay runs their tensor work in the graph,
+# so they are counted with a tensor, which counts what the graph did (a Python list appended there
+# would be refused as step state; tests/test_replay_closure_cpu.py checks their Python calls)
+IN_STEP_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+
+
+def _counting(name, owner):
+    """An in-step hook: counts its calls in a tensor (a replay adds in the graph)."""
+
+    def count(self, *args, **kwargs):
+        self.in_step[name].add_(1)
+        return getattr(LightningModule, name)(self, *args, **kwargs) if owner == "module" else None
+
+    return count
+
+
+def _recording(name, owner):
+    """A hook outside the step: appends (its name, the global step)."""
+
+    def record(self, *args, **kwargs):
+        if owner == "module":
+            self.hook_calls.append((name, self.trainer.global_step))
+            return getattr(LightningModule, name)(self, *args, **kwargs)
+        self.calls.append((name, args[0].global_step))
+        return None
+
+    return record
+
+
+class HookCalls(Callback):
+    """Every Callback hook: the order and global step of those outside the step, counts of those in it."""
+
+    def __init__(self):
+        self.calls = []
+        self.in_step = {name: torch.zeros(()) for name in IN_STEP_HOOKS}
+
+
+class HookCallsMLP(TinyMLP):
+    """Every LightningModule `on_*` hook, recorded as HookCalls records the callback's."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.hook_calls = []
+        self.in_step = {name: torch.zeros(()) for name in IN_STEP_HOOKS}
+
+
+for _name in dir(Callback):
+    if _name.startswith("on_") or _name in ("setup", "teardown"):
+        make = _counting if _name in IN_STEP_HOOKS else _recording
+        setattr(HookCalls, _name, make(_name, "callback"))
+for _name in dir(LightningModule):
+    if _name.startswith("on_") and callable(getattr(LightningModule, _name)) and _name not in vars(TinyMLP):
+        make = _counting if _name in IN_STEP_HOOKS else _recording
+        setattr(HookCallsMLP, _name, make(_name, "module"))
+
+
+def test_every_hook_is_called_as_in_the_baseline_fit():
+    """The same Callback and LightningModule hooks, in the same order at the same steps, as the eager fit."""
+    runs = []
+    for cls, callbacks in ((baseline_of(HookCallsMLP), []), (HookCallsMLP, [callback()])):
+        hooks = HookCalls()
+        model, _, _ = fit(cls, [hooks, *callbacks], steps=12)
+        in_step = {
+            k: int(v)
+            for k, v in {**hooks.in_step, **{f"module.{k}": v for k, v in model.in_step.items()}}.items()
+        }
+        runs.append((hooks.calls, model.hook_calls, in_step))
+    assert callbacks[0].summary()["captured"] and emu.FakeGraph.replays >= 6, callbacks[0].summary()
+    (calls, module_calls, in_step), (calls_cb, module_calls_cb, in_step_cb) = runs
+    assert ("on_train_batch_end", 12) in calls and ("on_train_batch_start", 11) in module_calls
+    assert calls_cb == calls and module_calls_cb == module_calls
+    assert in_step == in_step_cb and set(in_step.values()) == {12}
 
 
 # --------------------------------------------------------------------------- 1. faults leave nothing behind
