@@ -13,6 +13,7 @@ import warnings
 import weakref
 from collections import namedtuple
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,13 @@ import pytest
 import torch
 import torchmetrics
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, seed_everything
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader
@@ -167,6 +174,83 @@ def test_capture_replays_bitwise_equal_to_the_baseline(scheduler):
     assert emu.FakeGraph.replays == 30 - 3
     assert_same(base, run)
     assert len({float(v["train/loss"]) for v in run[1].logged[4:]}) > 5  # logged values follow the replays
+
+
+class ValidatedMLP(TinyMLP):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("val/loss", loss, on_epoch=True)
+
+
+def _fit_with_lightnings_callbacks(cls, callbacks, root, scheduler):
+    """Two epochs with ModelCheckpoint (every 7 steps, top 2 on a logged metric, last), a per-step
+    LearningRateMonitor, EarlyStopping on a training metric, a CSVLogger every 3 steps and a validation
+    every 10 batches."""
+    seed_everything(0)
+    checkpoints = ModelCheckpoint(
+        dirpath=root / "ck", every_n_train_steps=7, save_last=True, monitor="train/loss", save_top_k=2
+    )
+    stop = EarlyStopping(monitor="train/loss", check_on_train_epoch_end=True, patience=1, min_delta=10.0)
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        max_epochs=4,
+        callbacks=[checkpoints, LearningRateMonitor("step"), stop, *callbacks],
+        logger=CSVLogger(root, name="log"),
+        enable_checkpointing=True,
+        val_check_interval=10,
+        log_every_n_steps=3,
+    )
+    trainer.fit(cls(scheduler=scheduler), regression_loader(n=240), regression_loader(n=48, seed=1))
+    return trainer, checkpoints
+
+
+def _saved(path):
+    """A checkpoint file's contents that a plain fit's must share: the callback's own state and the
+    paths (another directory) left out, the optimizer's `capturable` as saved."""
+    ckpt = torch.load(path, weights_only=False)
+    ckpt["callbacks"] = {
+        k: (
+            {**v, "best_k_models": sorted(Path(p).name for p in v["best_k_models"])}
+            if "best_k_models" in v
+            else v
+        )
+        for k, v in ckpt["callbacks"].items()
+        if k != "L2GraphCallback"
+    }
+    for v in ckpt["callbacks"].values():
+        for key in ("dirpath", "best_model_path", "last_model_path", "kth_best_model_path"):
+            if key in v:
+                v[key] = Path(v[key]).name
+    for group in ckpt["optimizer_states"][0]["param_groups"]:
+        group.pop("capturable")
+    return ckpt
+
+
+@pytest.mark.parametrize("scheduler", [None, "step"])
+def test_checkpoints_logs_and_early_stopping_are_those_of_the_baseline_fit(tmp_path, scheduler):
+    plain, plain_ck = _fit_with_lightnings_callbacks(baseline_of(ValidatedMLP), [], tmp_path / "a", scheduler)
+    cb = callback()
+    run, run_ck = _fit_with_lightnings_callbacks(ValidatedMLP, [cb], tmp_path / "b", scheduler)
+    assert cb.summary()["captured"] and emu.FakeGraph.replays > 40, cb.summary()
+    assert run.global_step == plain.global_step and run.should_stop and plain.should_stop  # stopped early
+    assert torch.equal(run_ck.best_model_score, plain_ck.best_model_score)
+    files = sorted(p.name for p in (tmp_path / "a" / "ck").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "b" / "ck").iterdir()) and len(files) == 3
+    csv = [(tmp_path / d / "log" / "version_0" / "metrics.csv").read_text() for d in "ab"]
+    assert csv[0] == csv[1] and "lr-AdamW" in csv[0] and ",val/loss" in csv[0]
+    for name in files:
+        a, b = _saved(tmp_path / "a" / "ck" / name), _saved(tmp_path / "b" / "ck" / name)
+        assert a.keys() == b.keys()
+        for key in a:
+            if key == "state_dict":
+                assert (
+                    all(torch.equal(a[key][k], b[key][k]) for k in a[key]) and a[key].keys() == b[key].keys()
+                )
+            elif key == "optimizer_states":
+                assert repr(a[key]) == repr(b[key])  # the same tensors print the same
+            else:
+                assert a[key] == b[key], key
 
 
 # Hooks Lightning calls inside the optimizer closure: a replay runs their tensor work in the graph,
