@@ -156,6 +156,8 @@ class CapturableOptimizer:
         return self._inner_step if self._inner_step is not None else self.optimizer.step
 
     def _step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        if len(self.optimizer.param_groups) > len(self.lr_tensors):
+            self.adopt_new_groups()
         if self.handler is not None:
             return self.handler(self.run, closure, kwargs)
         return self.run(closure, **kwargs)
@@ -167,6 +169,28 @@ class CapturableOptimizer:
             return inner(closure, **kwargs)
         with self.tensor_hyperparameters():
             return inner(closure, **kwargs)
+
+    def adopt_new_groups(self) -> None:
+        """Make param groups added since :func:`make_capturable` capturable as it made the first ones.
+
+        Fine-tuning callbacks add groups mid-fit (Lightning's ``BaseFinetuning``
+        ``unfreeze_and_add_param_group``, through ``optimizer.add_param_group``), which gives them the
+        optimizer's defaults: ``capturable=False``, whose step reads its counters on the host and so
+        cannot be captured. Adopted before their first step, they run as the first groups do, here and
+        in a ``make_capturable`` baseline alike, and :meth:`release` gives them their own flag back.
+        """
+        groups = self.optimizer.param_groups
+        device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
+        for group in groups[len(self.lr_tensors) :]:
+            self.original_capturable.append(group.get("capturable"))
+            if "capturable" in group:
+                group["capturable"] = True
+            lr = group.get("lr")
+            tensor = None
+            if self.tensor_lr and not isinstance(lr, torch.Tensor):
+                tensor = torch.tensor(float(lr), dtype=torch.float32, device=device)
+            self.lr_tensors.append(tensor)
+            self._filled.append(lr if tensor is not None else None)
 
     def sync_tensors(self) -> None:
         """Copy each group's float LR into its device tensor where it changed (a fill, no host sync)."""

@@ -22,6 +22,7 @@ import torch
 import torchmetrics
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, seed_everything
 from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
     EarlyStopping,
     GradientAccumulationScheduler,
     LearningRateMonitor,
@@ -251,6 +252,35 @@ def test_checkpoints_logs_and_early_stopping_are_those_of_the_baseline_fit(tmp_p
                 assert repr(a[key]) == repr(b[key])  # the same tensors print the same
             else:
                 assert a[key] == b[key], key
+
+
+class Finetuned(TinyMLP):
+    """A backbone frozen until epoch 1 by Lightning's BackboneFinetuning, which then adds its
+    parameters to the optimizer as a new param group (with the optimizer's defaults)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.backbone = self.net
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, foreach=True)
+
+
+def test_a_backbone_unfrozen_mid_fit_is_captured_again_and_trains_like_the_baseline():
+    def unfreezing():
+        return BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)
+
+    base = fit(baseline_of(Finetuned), [unfreezing()], steps=90)
+    cb = callback()
+    with pytest.warns(UserWarning, match="requires_grad"):
+        run = fit(Finetuned, [unfreezing(), cb], steps=90)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 2 and emu.FakeGraph.replays > 80, summary
+    assert (
+        len(run[2].optimizers[0].param_groups) == 2
+        and run[2].optimizers[0].param_groups[1]["capturable"] is False
+    )
+    assert_same(base, run)
 
 
 # Hooks Lightning calls inside the optimizer closure: a replay runs their tensor work in the graph,

@@ -80,6 +80,25 @@ def test_make_capturable_sets_the_flag_once_and_release_restores_it(monkeypatch)
     assert isinstance(opt.param_groups[0]["lr"], float)
 
 
+@pytest.mark.usefixtures("emulated_cuda_graphs")  # capturable AdamW steps on CPU parameters
+def test_a_param_group_added_mid_fit_is_made_capturable_before_its_first_step():
+    first, added = params(), [torch.nn.Parameter(torch.ones(3))]
+    opt = torch.optim.AdamW(first, lr=0.1)
+    wrapped = make_capturable(opt)
+    opt.add_param_group({"params": added, "lr": 0.01})  # what BaseFinetuning does when it unfreezes
+    assert opt.param_groups[1]["capturable"] is False  # the optimizer's default
+    added[0].grad = torch.ones(3)
+    opt.step()
+    assert opt.param_groups[1]["capturable"] is True and opt.state[added[0]]["step"].device == added[0].device
+    assert wrapped.lr_tensors[1] is not None and wrapped.lr_tensors[1].item() == torch.tensor(0.01).item()
+    assert isinstance(opt.param_groups[1]["lr"], float)  # the group keeps its float between steps
+    opt.param_groups[1]["lr"] = 0.5  # a fine-tuning schedule's change reaches the group's tensor
+    opt.step()
+    assert float(wrapped.lr_tensors[1]) == 0.5
+    wrapped.release()
+    assert [g["capturable"] for g in opt.param_groups] == [False, False]
+
+
 def test_a_scheduler_made_after_make_capturable_wraps_the_step_and_the_step_still_reaches_the_handler(
     monkeypatch,
 ):
