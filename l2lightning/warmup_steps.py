@@ -108,8 +108,7 @@ class WarmupSteps:
         name = type(self._optimizer.optimizer).__name__
         return (
             f"{name}'s {changed} changed at every warm-up step (a per-step schedule such as OneCycleLR); {name} bakes "
-            "them into the graph as numbers, so every step would need a new capture. Use Adam or AdamW (their "
-            "learning rate is read from a tensor), or step the schedule per epoch"
+            f"them into the graph as numbers, so every step would need a new capture. {_baked_schedule_advice(changed)}"
         )
 
     def _timed_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
@@ -305,3 +304,23 @@ class WarmupSteps:
             return False
         self._eager_hooks.add(hook)
         return True
+
+
+def _baked_schedule_advice(changed: list[str]) -> str:
+    """What keeps one graph when a per-step schedule changes the baked hyperparameters `changed`."""
+    advice = []
+    if "lr" in changed:
+        advice.append("use Adam or AdamW (their learning rate is read from a tensor)")
+    if {"betas", "momentum"} & set(changed):
+        # OneCycleLR and CyclicLR cycle the momentum (Adam's beta1) unless told not to
+        advice.append(
+            "pass `cycle_momentum=False` to OneCycleLR or CyclicLR (it cycles the momentum by default)"
+        )
+    advice.append("step the schedule per epoch")
+    if len(advice) == 1:
+        text = advice[0]
+    elif len(advice) == 2:
+        text = " or ".join(advice)
+    else:
+        text = ", ".join(advice[:-1]) + ", or " + advice[-1]
+    return text[0].upper() + text[1:]

@@ -19,7 +19,7 @@ from l2lightning.metric_binding import (
     update_counts,
     updated_between,
 )
-from l2lightning.warmup_steps import metric_update_reason
+from l2lightning.warmup_steps import _baked_schedule_advice, metric_update_reason
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
 
@@ -391,3 +391,27 @@ def test_autotune_argument_is_checked_up_front_and_reaches_the_tuner(monkeypatch
     cb._originals = {"training_step": None, "log": None}
     cb._prefetch_hooks(torch.nn.Linear(1, 1))
     assert seen["autotune"] == {"budget_s": 0.2, "cache": None} and seen["plans"] == "auto"
+
+
+@pytest.mark.parametrize(
+    "changed, advice",
+    [
+        (
+            ["lr"],
+            "Use Adam or AdamW (their learning rate is read from a tensor) or step the schedule per epoch",
+        ),
+        (
+            ["lr", "momentum"],
+            "Use Adam or AdamW (their learning rate is read from a tensor), pass `cycle_momentum=False` to "
+            "OneCycleLR or CyclicLR (it cycles the momentum by default), or step the schedule per epoch",
+        ),
+        (
+            ["betas"],
+            "Pass `cycle_momentum=False` to OneCycleLR or CyclicLR (it cycles the momentum by default) or step "
+            "the schedule per epoch",
+        ),
+        (["weight_decay"], "Step the schedule per epoch"),
+    ],
+)
+def test_a_per_step_schedule_of_baked_hyperparameters_gets_advice_for_what_it_changes(changed, advice):
+    assert _baked_schedule_advice(changed) == advice

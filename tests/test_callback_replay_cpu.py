@@ -582,6 +582,34 @@ def test_onecycle_sgd_momentum_and_clipping_is_refused_by_name_and_equals_plain(
     assert_same(plain, run)
 
 
+class OneCycleAdamW(TinyMLP):
+    cycle_momentum = True  # OneCycleLR's default: beta1 cycles with the learning rate
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, foreach=True)
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=1e-2, total_steps=40, cycle_momentum=self.cycle_momentum
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class OneCycleAdamWConstantBetas(OneCycleAdamW):
+    cycle_momentum = False
+
+
+def test_onecycle_adamw_cycling_its_betas_is_refused_naming_the_option_that_keeps_one_graph():
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"AdamW's \['betas'\] changed at every warm-up step") as caught:
+        fit(OneCycleAdamW, [cb])
+    message = next(str(w.message) for w in caught if "betas" in str(w.message))
+    assert "`cycle_momentum=False`" in message and "use Adam or AdamW" not in message.lower()
+    assert not cb.summary()["captured"]
+    # without the momentum cycle, only the learning rate moves: read from a tensor, one graph
+    base, run, cb = captured_pair(OneCycleAdamWConstantBetas)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 1, cb.summary()
+    assert_same(base, run)
+
+
 def test_gradient_accumulation_scheduler_steps_run_eagerly_and_match():
     kw = dict(steps=-1, n=64, trainer_kwargs={"max_epochs": 3})
     base = fit(baseline_of(TinyMLP), [GradientAccumulationScheduler({0: 1, 1: 2})], **kw)
