@@ -8,6 +8,10 @@ effect on pre-existing state. Host syncs (.item(), bool(tensor), equal) raise, l
 Replay: re-runs the recorded ops in order; out-of-place results are copied into the tensors recorded
 at capture (static addresses), in-place ops re-run on the same tensors. Python code does NOT run at
 replay -- exactly the property of CUDA graphs the callback has to cope with.
+
+Only what goes through the dispatcher is recorded: code torch.compile's inductor generated for the
+CPU calls its C++ kernels directly, so a replay here skips it (a user-compiled submodule trains wrong
+under the emulator only; tests/gpu/test_callback_gpu.py checks that case on the GPU).
 """
 
 from __future__ import annotations

@@ -377,6 +377,24 @@ def test_compile_with_prefetch_is_captured_verified_and_equals_compile_without_p
     assert_same_run(plain, run)
 
 
+class UserCompiled(TinyMLP):
+    """A submodule the user compiled (inductor): its generated kernels launch on the capture stream."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = torch.compile(self.net)
+
+
+def test_a_submodule_the_user_compiled_is_captured_and_the_fit_is_bitwise_the_baseline():
+    torch._dynamo.reset()
+    base = fit(UserCompiled, [], steps=20, baseline=True)
+    torch._dynamo.reset()
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(UserCompiled, [cb], steps=20)
+    assert cb.summary()["captured"], cb.summary()
+    assert_same_run(base, run)
+
+
 def test_report_times_phases_inside_the_graph_and_counts_kernels():
     cb = L2GraphCallback(prefetch="default", report=True)
     fit(TinyMLP, [cb], steps=6)
