@@ -480,10 +480,15 @@ def changed_containers(checks: list[tuple[dict, str, Any]]) -> list[str]:
     ]
 
 
-def rebound(checks: list[tuple[dict, str, Any]]) -> list[str]:
+def rebound(checks: list[tuple[dict, str, Any]], module: Any = None) -> list[str]:
     """Names of the attributes in `checks` (from :func:`baked_tensors`, :func:`baked_callables`) that
-    hold another object now."""
-    return [name for attributes, name, held in checks if attributes.get(name) is not held]
+    hold another object now; given the `module`, a submodule's attribute is named by its path in it
+    (``net.0.weight``, not a bare ``weight`` per pruned layer)."""
+    found = [(attributes, name) for attributes, name, held in checks if attributes.get(name) is not held]
+    if not found or module is None:
+        return [name for _, name in found]
+    paths = {id(vars(sub)): path for path, sub in module.named_modules() if path}
+    return [f"{paths[id(a)]}.{name}" if id(a) in paths else name for a, name in found]
 
 
 def changed_scalars(checks: list[tuple[dict, str, Any]]) -> list[str]:

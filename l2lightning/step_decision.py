@@ -104,7 +104,7 @@ class StepDecision:
             return self._recapture(
                 f"the functions or submodules the step calls were replaced since capture ({', '.join(replaced)})"
             )
-        rebound = python_state.rebound(graph.tensors)
+        rebound = python_state.rebound(graph.tensors, module)
         if self._flags.generation != graph.generation:
             # something was registered since capture: a parameter or buffer may be a new tensor
             rebound += self._flags.rebound(graph.registered)
@@ -112,7 +112,7 @@ class StepDecision:
                 graph.generation = self._flags.generation
         if rebound:
             return self._recapture(
-                f"the module's tensors {', '.join(rebound)} are other objects than at capture (the graph reads "
+                f"the module's tensors {_first_names(rebound)} are other objects than at capture (the graph reads "
                 "the old ones; update them in place, `self.w.mul_(0.9)`, to keep one graph)"
             )
         # after the tensors' own check, whose message is the more specific for an attribute's tensor
@@ -167,3 +167,10 @@ class StepDecision:
         self._warn_once(
             f"fallback:{kind}", f"running this step eagerly ({cause}); the graph is kept for later steps."
         )
+
+
+def _first_names(names: list[str], shown: int = 6) -> str:
+    """The first `shown` of `names`, and how many there are in all when that is more."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])}, ... ({len(names)} in all)"

@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import (
     GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
+    ModelPruning,
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import grad_norm
@@ -280,6 +281,23 @@ def test_a_backbone_unfrozen_mid_fit_is_captured_again_and_trains_like_the_basel
         len(run[2].optimizers[0].param_groups) == 2
         and run[2].optimizers[0].param_groups[1]["capturable"] is False
     )
+    assert_same(base, run)
+
+
+def test_weights_pruned_at_each_epoch_end_are_captured_again_naming_them_and_train_like_the_baseline():
+    """Lightning's ModelPruning re-parametrizes every Linear at each epoch end (``weight`` becomes a
+    plain attribute computed from ``weight_orig`` and a mask): new tensors the graph does not read."""
+
+    def pruning():
+        return ModelPruning("l1_unstructured", amount=0.3)
+
+    base = fit(baseline_of(TinyMLP), [pruning()], steps=90)
+    cb = callback()
+    with pytest.warns(UserWarning, match="capturing the step again") as caught:
+        run = fit(TinyMLP, [pruning(), cb], steps=90)
+    message = next(str(w.message) for w in caught if "other objects than at capture" in str(w.message))
+    assert "net.0.0.weight, net.0.0.bias, net.0.1.weight" in message and "in all)" in message
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
     assert_same(base, run)
 
 
