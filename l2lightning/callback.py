@@ -49,6 +49,7 @@ from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason
 from l2lightning.batch_reads import BatchReads, batch_reads
+from l2lightning.called_code import analyse_called_code
 from l2lightning.capture import StaticBatch
 from l2lightning.fit_report import FitReport, _NoPhaseEvents, _Timing
 from l2lightning.log_replay import ReissuedLog
@@ -264,6 +265,8 @@ class L2GraphCallback(
         self._originals: dict[str, Any] = {}
         self._capture_graph: _Graph | None = None
         self._source = StepSource()
+        # objects of the user's whose methods run as hooks inside the step (l2lightning.called_code)
+        self._hook_owners: list[Any] = []
         self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
         self._hooks: Any = None
         self._timing = _Timing()
@@ -530,6 +533,13 @@ class L2GraphCallback(
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.disabled_reason or self._module is None:
+            return
+        # Submodules (configure_model builds them after setup) and hooks registered up to now: what
+        # their code reads joins the comparisons before each replay, what it assigns is refused
+        self._hook_owners = analyse_called_code(pl_module, self._source)
+        reason = self._source_refusal()
+        if reason:
+            self._disable(reason)
             return
         if len(trainer.optimizers) != 1:
             self._disable(

@@ -109,6 +109,20 @@ def owners(module: Any, callbacks: Iterable[Any] = ()) -> list[tuple[str, Any]]:
     return found
 
 
+def global_namespaces(global_reads: Iterable[tuple[Any, set[str]]]) -> list[tuple[str, Any]]:
+    """(module name, module) for the Python modules whose globals `global_reads` (the step source's
+    ``(namespace, names)``) come from: the step's code reads their names, so a module-level list it
+    appends to or a number it assigns is the step's Python state too. Closure variables and the
+    attributes of the user's objects are left out."""
+    found = []
+    for namespace, _ in global_reads:
+        name = namespace.get("__name__") if isinstance(namespace, dict) else None
+        module = sys.modules.get(name) if isinstance(name, str) else None
+        if module is not None and vars(module) is namespace and all(module is not m for _, m in found):
+            found.append((name, module))
+    return found
+
+
 def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]] = frozenset()) -> Snapshot:
     """The public scalar attributes, list lengths and small dicts of numbers of `objects`, and the state
     of Python's and NumPy's global random generators (a step that draws from them, an epsilon-greedy

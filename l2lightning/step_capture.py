@@ -280,7 +280,10 @@ class StepCapture:
         baked = python_state.baked_globals(self._source.global_reads.values())
         graph.scalars += baked.scalars
         graph.tensors += baked.tensors
-        graph.containers = baked.containers
+        # a module-level list the step appends to is the step's Python state, re-appended after each
+        # replay (graph.appends), not a container whose entries the graph baked in
+        appended = {(id(vars(a.owner)), a.name) for a, _ in graph.appends if hasattr(a.owner, "__dict__")}
+        graph.containers = [c for c in baked.containers if (id(c[0]), c[1]) not in appended]
         graph.callables += baked.callables
         # the Trainer's clipping settings, which Lightning passes to `configure_gradient_clipping` as
         # numbers (a callback that changes `trainer.gradient_clip_val` mid-fit)

@@ -177,10 +177,13 @@ class WarmupSteps:
             self._tracer = None
 
     def _python_holders(self) -> list[tuple[str, Any]]:
-        """The objects whose Python state a captured step could change: the module, its submodules and
-        the Trainer's other callbacks (their hooks inside the step are captured with it)."""
+        """The objects whose Python state a captured step could change: the module, its submodules,
+        the Trainer's other callbacks (their hooks inside the step are captured with it), the objects
+        whose methods run as hooks, and the Python modules whose globals the step's code reads (a
+        module-level list it appends to)."""
         callbacks = [cb for cb in getattr(self._trainer, "callbacks", []) if cb is not self]
-        return python_state.owners(self._module, callbacks)
+        holders = python_state.owners(self._module, [*callbacks, *self._hook_owners])
+        return holders + python_state.global_namespaces(self._source.global_reads.values())
 
     def _optimizer_writes(self) -> list[str]:
         """The optimizer hyperparameters the step's own code has written so far (inside the step)."""

@@ -301,6 +301,90 @@ def test_weights_pruned_at_each_epoch_end_are_captured_again_naming_them_and_tra
     assert_same(base, run)
 
 
+# --------------------------------------------------------------------------- code beyond the step's source
+@pytest.fixture
+def called_code():
+    from tests import called_code_models
+
+    called_code_models.reset()
+    yield called_code_models
+    called_code_models.reset()
+
+
+def test_a_custom_layer_reading_a_module_level_number_is_captured_again_when_it_changes(called_code):
+    """Silent before: the layer's forward (through a helper method) multiplies by SCALE, which an epoch
+    hook raises; the graph kept the capture's SCALE and the fit left its baseline at the first epoch."""
+    base = fit(baseline_of(called_code.ScaledHead), [called_code.Raise()], steps=90)
+    called_code.reset()
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"Python numbers the step reads changed \(SCALE\)"):
+        run = fit(called_code.ScaledHead, [called_code.Raise(), cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
+
+
+@pytest.mark.parametrize(
+    "hook, name",
+    [
+        ("tensor", "CLIP"),
+        ("tensor-lambda", "CLIP"),
+        ("post-accumulate", "CLIP"),
+        ("forward", "SCALE"),
+        ("full-backward", "SCALE"),
+        ("global-forward", "SCALE"),
+        ("object", "limit"),
+    ],
+)
+def test_hooks_reading_a_value_that_changes_are_captured_again_when_it_does(called_code, hook, name):
+    """Silent before: a hook registered on a parameter, on a layer or as nn.Module's global hook ran
+    at the capture only, so its reads were baked in and kept after the value changed."""
+    cls, kwargs = (
+        (called_code.GlobalForwardHook, {})
+        if hook == "global-forward"
+        else (called_code.Hooked, {"hook": hook})
+    )
+    changes = called_code.WidenClipper if hook == "object" else called_code.Raise
+    base = fit(baseline_of(cls), [changes()], steps=90, **kwargs)
+    called_code.reset()
+    cb = callback()
+    with pytest.warns(UserWarning, match=rf"Python numbers the step reads changed \({name}\)"):
+        run = fit(cls, [changes(), cb], steps=90, **kwargs)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
+
+
+def test_a_hook_that_assigns_a_module_level_name_is_refused_by_name(called_code):
+    plain = fit(called_code.Hooked, steps=20, hook="counts")
+    assert called_code.CALLS == 20
+    called_code.reset()
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"assigns module-level or closure names \(`CALLS` at .*called_code_models"
+    ):
+        run = fit(called_code.Hooked, [cb], steps=20, hook="counts")
+    assert not cb.summary()["captured"] and called_code.CALLS == 20
+    assert_same(plain, run)
+
+
+@pytest.mark.parametrize("where", ["training_step", "hook"])
+def test_a_module_level_list_the_step_appends_to_gets_every_steps_element(called_code, where):
+    """Lost before: replays appended nothing, so the list held the warm-up steps' elements only."""
+    cls, kwargs = (
+        (called_code.AppendsToAModuleList, {})
+        if where == "training_step"
+        else (called_code.Hooked, {"hook": "appends"})
+    )
+    base = fit(baseline_of(cls), steps=30, **kwargs)
+    expected = list(called_code.SEEN)
+    called_code.reset()
+    cb = callback()
+    run = fit(cls, [cb], steps=30, **kwargs)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 1, cb.summary()
+    assert len(expected) == 30 and len(called_code.SEEN) == 30
+    assert all(torch.equal(a, b) for a, b in zip(expected, called_code.SEEN))
+    assert_same(base, run)
+
+
 # Hooks Lightning calls inside the optimizer closure: a replay runs their tensor work in the graph,
 # so they are counted with a tensor, which counts what the graph did (a Python list appended there
 # would be refused as step state; tests/test_replay_closure_cpu.py checks their Python calls)

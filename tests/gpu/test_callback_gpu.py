@@ -632,6 +632,30 @@ def test_a_backbone_unfrozen_mid_fit_is_captured_again_and_the_fit_is_bitwise_th
     assert_same_run(base, run)
 
 
+@pytest.mark.parametrize("what", ["layer", "grad-hook", "appends"])
+def test_code_beyond_the_steps_source_is_followed_and_the_fit_is_bitwise_the_baseline(what):
+    """A custom layer's forward and a gradient hook read module-level numbers an epoch hook raises
+    (captured again each epoch), and a hook appends to a module-level list (re-appended per replay)."""
+    from tests import called_code_models as models
+
+    cls, kwargs, callbacks = {
+        "layer": (models.ScaledHead, {}, [models.Raise]),
+        "grad-hook": (models.Hooked, {"hook": "tensor"}, [models.Raise]),
+        "appends": (models.Hooked, {"hook": "appends"}, []),
+    }[what]
+    models.reset()
+    base = fit(cls, [c() for c in callbacks], steps=90, baseline=True, **kwargs)
+    expected = list(models.SEEN)
+    models.reset()
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(cls, [*(c() for c in callbacks), cb], steps=90, **kwargs)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == (1 if what == "appends" else 3), summary
+    assert_same_run(base, run)
+    assert len(models.SEEN) == len(expected) and all(torch.equal(a, b) for a, b in zip(expected, models.SEEN))
+    models.reset()
+
+
 def test_a_logged_number_a_replay_cannot_recompute_ends_the_capture_and_the_fit_is_bitwise_plain():
     """The capture step logs its own number; the steps after it run eagerly (replays would repeat it)."""
     plain = fit(LogsAnUnrecomputableNumber, [], steps=20, fused=True)

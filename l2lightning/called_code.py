@@ -1,0 +1,150 @@
+"""The user's code a step runs beyond the step hooks' own source, read for what a replay would freeze.
+
+:func:`l2lightning.step_source.analyse` reads ``training_step``, the hooks inside the step and the
+module's own methods they call. A step runs more of the user's Python than that: the ``forward`` of
+every submodule of the user's own classes (``x * SCALE`` in a custom layer), and the hooks registered
+on the module tree, on its parameters and as nn.Module's global hooks (``p.register_hook(clip)``,
+``layer.register_forward_hook(lambda m, i, o: o * ALPHA)``). A replay runs none of it, so a
+module-level number or a closure variable it reads is baked into the graph exactly like one
+``training_step`` reads, and a module-level name it assigns stops changing.
+
+:func:`analyse_called_code` adds what that code reads from outside itself to the step source's
+``global_reads`` (compared before each replay: a new value captures the step again) and what it
+assigns with ``global``/``nonlocal`` to ``global_writes`` (refused). Its conditions and ``self.``
+reads are not the LightningModule's, so they stay out of the step source: a submodule's public
+scalars are compared before each replay anyway (every submodule the step calls), and the objects
+whose methods run as hooks are returned so that their Python state is watched like the module's.
+Code it cannot read (no source: a lambda on a line that does not parse alone) is read from its
+bytecode: every name it loads that its globals or closure hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from typing import Any
+
+import torch
+
+from l2lightning.step_source import (
+    HELPER_DEPTH,
+    StepSource,
+    _is_user_code,
+    _lookup,
+    _parse,
+    _record_closure,
+    _record_globals,
+    _record_outside_reads,
+    _Visitor,
+)
+
+# nn.Module's per-module hook registries that run during a forward or a backward
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# the global ones (torch.nn.modules.module.register_module_forward_hook and friends)
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+# a tensor's registries: Tensor.register_hook, Tensor.register_post_accumulate_grad_hook
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def step_hooks(module: torch.nn.Module) -> list[Any]:
+    """The callables registered as hooks that run when `module` runs forward and backward."""
+    registries = [getattr(torch.nn.modules.module, name, None) for name in _GLOBAL_HOOKS]
+    for sub in module.modules():
+        registries += [getattr(sub, name, None) for name in _MODULE_HOOKS]
+    for param in module.parameters():
+        registries += [getattr(param, name, None) for name in _TENSOR_HOOKS]
+    return [hook for registry in registries if registry for hook in list(registry.values())]
+
+
+def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]:
+    """Add to `found` what the user's submodule ``forward`` methods and step hooks read and assign
+    outside themselves; return the objects (not modules) whose methods run as hooks."""
+    methods: list[tuple[Any, str, int]] = []
+    functions: list[types.FunctionType] = []
+    owners: list[Any] = []
+    for sub in module.modules():
+        if sub is not module:
+            methods.append((sub, "forward", 0))
+    for hook in step_hooks(module):
+        while isinstance(hook, functools.partial):
+            hook = hook.func
+        if isinstance(hook, types.MethodType):
+            methods.append((hook.__self__, hook.__func__.__name__, 0))
+            owner = hook.__self__
+        elif isinstance(hook, types.FunctionType):
+            functions.append(hook)
+            continue
+        else:  # a callable object of the user's: its __call__
+            methods.append((hook, "__call__", 0))
+            owner = hook
+        if not isinstance(owner, torch.nn.Module) and all(owner is not o for o in owners):
+            owners.append(owner)
+    seen_code: set[int] = set()
+    scratch = StepSource()  # the conditions and self-reads of code that is not the module's
+    seen_methods: set[tuple[type, str]] = set()
+    while methods:
+        obj, name, depth = methods.pop(0)
+        if (type(obj), name) in seen_methods:
+            continue
+        seen_methods.add((type(obj), name))
+        _, method = _lookup(type(obj), name, None)
+        function = inspect.unwrap(getattr(method, "__func__", method)) if method is not None else None
+        if not isinstance(function, types.FunctionType) or not _is_user_code(function):
+            continue  # torch's own layers, installed packages, l2lightning's prefetch hooks
+        reads: set[str] = set()
+        visitor = _read(found, scratch, function, depth, seen_code, reads, as_method=True)
+        if obj is module:  # a hook that is the module's own method: its self.X reads are the module's
+            found.reads |= reads
+        elif not isinstance(obj, torch.nn.Module) and reads:
+            # a hook object's numbers are baked like a callback's (a submodule's are compared anyway)
+            found.callback_reads.append((obj, reads))
+        if visitor is not None and depth < HELPER_DEPTH:
+            methods += [(obj, helper, depth + 1) for helper in sorted(visitor.helpers)]
+    for function in functions:
+        function = inspect.unwrap(function)
+        if id(function.__code__) not in seen_code and _is_user_code(function):
+            _read(found, scratch, function, 0, seen_code, set(), as_method=False)
+    found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
+    return owners
+
+
+def _read(
+    found: StepSource,
+    scratch: StepSource,
+    function: types.FunctionType,
+    depth: int,
+    seen: set[int],
+    reads: set[str],
+    as_method: bool,
+) -> _Visitor | None:
+    """Record what `function` reads outside itself (from its source, else its bytecode); a method's
+    ``self.X`` reads go to `reads`."""
+    seen.add(id(function.__code__))
+    tree, filename, first_line, params = _parse(function)
+    if tree is None:  # a lambda, or source that does not parse alone
+        _read_bytecode(found, function)
+        return None
+    self_name = params[0] if as_method and params else ""
+    visitor = _Visitor(scratch, filename, first_line, self_name, None, (), reads)
+    visitor.run(tree)
+    _record_outside_reads(found, function, visitor, depth, seen)
+    return visitor
+
+
+def _read_bytecode(found: StepSource, function: types.FunctionType) -> None:
+    """The names `function` (and the code nested in it) loads that its globals or closure hold."""
+    names: set[str] = set()
+    pending = [function.__code__]
+    while pending:
+        code = pending.pop()
+        names.update(code.co_names, code.co_freevars)
+        pending += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    namespace = getattr(function, "__globals__", {})
+    _record_globals(found, namespace, {n for n in names if n in namespace}, set())
+    _record_closure(found, function, names)

@@ -1,0 +1,136 @@
+"""Modules whose step runs code beyond training_step's own source (l2lightning.called_code): a custom
+layer's forward and hooks registered on the module, its parameters and nn.Module's global hooks, each
+reading a module-level value an epoch hook changes. Shared by the CPU and GPU callback tests."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Callback
+from torch import nn
+
+from tests.lightning_models import TinyMLP
+
+# what the layers and hooks below read; `Raise` sets them at each epoch's start
+SCALE = 1.0
+CLIP = 0.01
+# what the step's code appends to (one element per step)
+SEEN: list = []
+# what a hook counts with `global` (refused)
+CALLS = 0
+
+
+class Raise(Callback):
+    """Sets the module-level values to a new number at every epoch's start (the first one included)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        global SCALE, CLIP
+        SCALE = 1.0 + trainer.current_epoch
+        CLIP = 0.01 * (1 + trainer.current_epoch)
+
+
+def reset() -> None:
+    global SCALE, CLIP, CALLS
+    SCALE, CLIP, CALLS = 1.0, 0.01, 0
+    SEEN.clear()
+
+
+class Scaled(nn.Module):
+    """A custom layer: its forward reads SCALE through a helper method."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.scaled(self.inner(x))
+
+    def scaled(self, y):
+        return y * SCALE
+
+
+class ScaledHead(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.head = Scaled(self.head)
+
+
+def clip_grad(grad):
+    return grad.clamp(-CLIP, CLIP)
+
+
+def clamp_accumulated(param):
+    param.grad.clamp_(-CLIP, CLIP)
+
+
+def scale_output(module, inputs, output):
+    return output * SCALE
+
+
+def count_call(grad):
+    global CALLS
+    CALLS += 1
+
+
+class Clipper:
+    """A hook object of the user's: its limit is an attribute a callback changes."""
+
+    def __init__(self) -> None:
+        self.limit = 0.01
+
+    def __call__(self, grad):
+        return grad.clamp(-self.limit, self.limit)
+
+
+class WidenClipper(Callback):
+    """Widens the module's Clipper at every epoch's start."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        pl_module.clipper.limit = 0.01 * (1 + trainer.current_epoch)
+
+
+class Hooked(TinyMLP):
+    """TinyMLP with one hook registered in __init__, by kind."""
+
+    def __init__(self, hook: str = "tensor", **kw):
+        super().__init__(**kw)
+        self.clipper = None
+        weight = self.head.weight
+        if hook == "tensor":  # a plain function, read from its source
+            weight.register_hook(clip_grad)
+        elif hook == "tensor-lambda":  # a lambda, read from its bytecode
+            weight.register_hook(lambda grad: grad.clamp(-CLIP, CLIP))
+        elif hook == "post-accumulate":
+            weight.register_post_accumulate_grad_hook(clamp_accumulated)
+        elif hook == "forward":
+            self.head.register_forward_hook(scale_output)
+        elif hook == "full-backward":
+            self.head.register_full_backward_hook(lambda m, gin, gout: (gin[0] * SCALE,))
+        elif hook == "object":  # a callable object: its attributes are compared like a callback's
+            self.clipper = Clipper()
+            weight.register_hook(self.clipper)
+        elif hook == "counts":
+            weight.register_hook(count_call)
+        elif hook == "appends":
+            weight.register_hook(lambda grad: SEEN.append(grad.norm().detach()))
+        else:
+            raise ValueError(f"hook: {hook!r}")
+
+
+class GlobalForwardHook(TinyMLP):
+    """A global nn.Module forward hook (register_module_forward_hook), removed at the fit's end."""
+
+    def on_fit_start(self):
+        head = self.head
+        self._handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, i, o: o * SCALE if m is head else None
+        )
+
+    def on_fit_end(self):
+        self._handle.remove()
+
+
+class AppendsToAModuleList(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        SEEN.append(loss.detach())
+        return loss
