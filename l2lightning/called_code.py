@@ -10,7 +10,9 @@ module-level number or a closure variable it reads is baked into the graph exact
 
 :func:`analyse_called_code` adds what that code reads from outside itself to the step source's
 ``global_reads`` (compared before each replay: a new value captures the step again) and what it
-assigns with ``global``/``nonlocal`` to ``global_writes`` (refused). Its conditions and ``self.``
+assigns with ``global``/``nonlocal`` to ``global_writes`` (refused). A layer's other methods may run
+in the step too (``self.vae.encode(x)`` from ``training_step``): they are read for what they read
+only, since what they assign is not known to happen in the step. Its conditions and ``self.``
 reads are not the LightningModule's, so they stay out of the step source: a submodule's public
 scalars are compared before each replay anyway (every submodule the step calls), and the objects
 whose methods run as hooks are returned so that their Python state is watched like the module's.
@@ -68,9 +70,13 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
     methods: list[tuple[Any, str, int]] = []
     functions: list[types.FunctionType] = []
     owners: list[Any] = []
+    # a layer's other methods may run too (`self.vae.encode(x)` from training_step): read for what
+    # they read only; what they assign is not known to be the step's
+    other_methods: list[tuple[Any, str]] = []
     for sub in module.modules():
         if sub is not module:
             methods.append((sub, "forward", 0))
+            other_methods += [(sub, name) for name in _own_functions(type(sub)) if name != "forward"]
     for hook in step_hooks(module):
         while isinstance(hook, functools.partial):
             hook = hook.func
@@ -111,7 +117,32 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         if id(function.__code__) not in seen_code and _is_user_code(function):
             _read(found, scratch, function, 0, seen_code, set(), as_method=False)
     found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
+    ignored = StepSource()
+    for obj, name in other_methods:
+        if (type(obj), name) in seen_methods:
+            continue
+        seen_methods.add((type(obj), name))
+        function = inspect.unwrap(_function_of(_lookup(type(obj), name, None)[1]))
+        if isinstance(function, types.FunctionType) and id(function.__code__) not in seen_code:
+            # at HELPER_DEPTH: the functions it calls are not followed (they might assign)
+            _read(found, ignored, function, HELPER_DEPTH, seen_code, set(), as_method=True)
     return owners
+
+
+def _own_functions(cls: type) -> list[str]:
+    """Names of the functions that the user's own classes in `cls`'s MRO define."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        for name, value in vars(klass).items():
+            function = _function_of(value)
+            if isinstance(function, types.FunctionType) and name not in names and _is_user_code(function):
+                names.append(name)
+    return names
+
+
+def _function_of(value: Any) -> Any:
+    """The function behind a class attribute: a plain function, or a static or class method's."""
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
 
 
 def _read(

@@ -48,6 +48,33 @@ class Scaled(nn.Module):
         return y * SCALE
 
 
+class Encoder(nn.Module):
+    """A layer whose step-time method is not its forward (a VAE's `encode`)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def encode(self, x):
+        return self.inner(x) * SCALE
+
+
+class EncodesInTheStep(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.encoder = Encoder(self.head)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.encoder.encode(self.net(x)).squeeze(-1)
+        loss = (pred - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
 class ScaledHead(TinyMLP):
     def __init__(self, **kw):
         super().__init__(**kw)

@@ -311,14 +311,17 @@ def called_code():
     called_code_models.reset()
 
 
-def test_a_custom_layer_reading_a_module_level_number_is_captured_again_when_it_changes(called_code):
-    """Silent before: the layer's forward (through a helper method) multiplies by SCALE, which an epoch
-    hook raises; the graph kept the capture's SCALE and the fit left its baseline at the first epoch."""
-    base = fit(baseline_of(called_code.ScaledHead), [called_code.Raise()], steps=90)
+@pytest.mark.parametrize("layer", ["ScaledHead", "EncodesInTheStep"])
+def test_a_custom_layer_reading_a_module_level_number_is_captured_again_when_it_changes(called_code, layer):
+    """Silent before: the layer's forward (through a helper method), or the method training_step calls
+    on it (`self.encoder.encode(x)`), multiplies by SCALE, which an epoch hook raises; the graph kept
+    the capture's SCALE and the fit left its baseline at the first epoch."""
+    cls = getattr(called_code, layer)
+    base = fit(baseline_of(cls), [called_code.Raise()], steps=90)
     called_code.reset()
     cb = callback()
     with pytest.warns(UserWarning, match=r"Python numbers the step reads changed \(SCALE\)"):
-        run = fit(called_code.ScaledHead, [called_code.Raise(), cb], steps=90)
+        run = fit(cls, [called_code.Raise(), cb], steps=90)
     assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
     assert_same(base, run)
 

@@ -12,6 +12,8 @@ from l2lightning.called_code import analyse_called_code, step_hooks
 from l2lightning.step_source import StepSource
 from tests import called_code_models as models
 
+SHIFT = 0.0
+
 
 def global_names(found: StepSource) -> set[str]:
     return {name for namespace, names in found.global_reads.values() for name in names}
@@ -38,6 +40,26 @@ def test_a_custom_layers_forward_and_the_helpers_it_calls_are_read_but_torchs_la
     plain = StepSource()
     analyse_called_code(nn.Sequential(nn.Linear(2, 2), nn.GELU()), plain)
     assert plain.global_reads == {} and plain.global_writes == []
+
+
+def test_a_layers_other_methods_are_read_for_their_reads_but_not_their_assignments():
+    class Counting(nn.Module):
+        def forward(self, x):
+            return x
+
+        def encode(self, x):
+            return x * models.SCALE + SHIFT
+
+        def reset(self):
+            global SHIFT
+            SHIFT = 0.0
+
+    module = models.TinyMLP()
+    module.extra = Counting()
+    found = StepSource()
+    analyse_called_code(module, found)
+    assert {"SHIFT", "models"} <= global_names(found)  # `models.SCALE`: the module `models` and its SCALE
+    assert found.global_writes == []  # reset() is not known to run in the step
 
 
 def test_hooks_are_read_from_source_or_bytecode_and_a_hook_objects_reads_are_compared_on_it():
