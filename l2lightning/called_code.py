@@ -11,8 +11,10 @@ module-level number or a closure variable it reads is baked into the graph exact
 :func:`analyse_called_code` adds what that code reads from outside itself to the step source's
 ``global_reads`` (compared before each replay: a new value captures the step again) and what it
 assigns with ``global``/``nonlocal`` to ``global_writes`` (refused). A layer's other methods may run
-in the step too (``self.vae.encode(x)`` from ``training_step``): they are read for what they read
-only, since what they assign is not known to happen in the step. Its conditions and ``self.``
+in the step too (``self.vae.encode(x)`` from ``training_step``), and so may the user's callables the
+module and its layers keep in attributes (``self.loss_fn = weighted_mse``, a ``functools.partial``,
+``self.my_loss``, a loss object with ``__call__``): they are read for what they read only, since
+what they assign is not known to happen in the step. Its conditions and ``self.``
 reads are not the LightningModule's, so they stay out of the step source: a submodule's public
 scalars are compared before each replay anyway (every submodule the step calls), and the objects
 whose methods run as hooks are returned so that their Python state is watched like the module's.
@@ -118,15 +120,42 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
             _read(found, scratch, function, 0, seen_code, set(), as_method=False)
     found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
     ignored = StepSource()
-    for obj, name in other_methods:
-        if (type(obj), name) in seen_methods:
+    read_only = [(obj, _function_of(_lookup(type(obj), name, None)[1])) for obj, name in other_methods]
+    for holder in module.modules():
+        read_only += _held_callables(holder)
+    for owner, function in read_only:
+        function = inspect.unwrap(function) if callable(function) else None
+        if not isinstance(function, types.FunctionType) or id(function.__code__) in seen_code:
             continue
-        seen_methods.add((type(obj), name))
-        function = inspect.unwrap(_function_of(_lookup(type(obj), name, None)[1]))
-        if isinstance(function, types.FunctionType) and id(function.__code__) not in seen_code:
-            # at HELPER_DEPTH: the functions it calls are not followed (they might assign)
-            _read(found, ignored, function, HELPER_DEPTH, seen_code, set(), as_method=True)
+        if not _is_user_code(function):
+            continue
+        reads: set[str] = set()
+        # at HELPER_DEPTH: the functions it calls are not followed (they might assign)
+        _read(found, ignored, function, HELPER_DEPTH, seen_code, reads, as_method=owner is not None)
+        if owner is module:
+            found.reads |= reads
+        elif owner is not None and not isinstance(owner, torch.nn.Module) and reads:
+            found.callback_reads.append((owner, reads))
     return owners
+
+
+def _held_callables(holder: Any) -> list[tuple[Any, Any]]:
+    """(the object its ``self`` is, or None; the function) for each callable of the user's that `holder`
+    keeps in an attribute (``self.loss_fn = focal_loss``, ``functools.partial(focal, gamma=2)``,
+    ``self.my_loss``, a loss object with ``__call__``): the step may call it through the attribute."""
+    found: list[tuple[Any, Any]] = []
+    for value in list(vars(holder).values()):
+        while isinstance(value, functools.partial):
+            value = value.func
+        if isinstance(value, types.FunctionType):
+            found.append((None, value))
+        elif isinstance(value, types.MethodType):
+            found.append((value.__self__, value.__func__))
+        elif callable(value) and not isinstance(value, (type, torch.nn.Module, torch.Tensor)):
+            call = _lookup(type(value), "__call__", None)[1]
+            if isinstance(call, types.FunctionType):
+                found.append((value, call))
+    return found
 
 
 def _own_functions(cls: type) -> list[str]:

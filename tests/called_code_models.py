@@ -4,15 +4,18 @@ reading a module-level value an epoch hook changes. Shared by the CPU and GPU ca
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from lightning.pytorch import Callback
 from torch import nn
 
 from tests.lightning_models import TinyMLP
 
-# what the layers and hooks below read; `Raise` sets them at each epoch's start
+# what the layers, hooks and losses below read; `Raise` sets them at each epoch's start
 SCALE = 1.0
 CLIP = 0.01
+GAMMA = 1.0
 # what the step's code appends to (one element per step)
 SEEN: list = []
 # what a hook counts with `global` (refused)
@@ -23,14 +26,15 @@ class Raise(Callback):
     """Sets the module-level values to a new number at every epoch's start (the first one included)."""
 
     def on_train_epoch_start(self, trainer, pl_module):
-        global SCALE, CLIP
+        global SCALE, CLIP, GAMMA
         SCALE = 1.0 + trainer.current_epoch
         CLIP = 0.01 * (1 + trainer.current_epoch)
+        GAMMA = 1.0 + trainer.current_epoch
 
 
 def reset() -> None:
-    global SCALE, CLIP, CALLS
-    SCALE, CLIP, CALLS = 1.0, 0.01, 0
+    global SCALE, CLIP, GAMMA, CALLS
+    SCALE, CLIP, GAMMA, CALLS = 1.0, 0.01, 1.0, 0
     SEEN.clear()
 
 
@@ -160,4 +164,38 @@ class AppendsToAModuleList(TinyMLP):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         SEEN.append(loss.detach())
+        return loss
+
+
+def weighted_mse(pred, target, weight=1.0):
+    return (pred - target).square().mean() * GAMMA * weight
+
+
+class WeightedMSE:
+    """A loss object of the user's (not a module): its __call__ reads GAMMA."""
+
+    def __call__(self, pred, target):
+        return (pred - target).square().mean() * GAMMA
+
+
+class HeldLoss(TinyMLP):
+    """The step calls a loss the module keeps in an attribute: a function, a partial, its own method
+    or a loss object; each reads GAMMA."""
+
+    def __init__(self, held: str = "function", **kw):
+        super().__init__(**kw)
+        self.loss_fn = {
+            "function": weighted_mse,
+            "partial": functools.partial(weighted_mse, weight=2.0),
+            "method": self.own_loss,
+            "object": WeightedMSE(),
+        }[held]
+
+    def own_loss(self, pred, target):
+        return (pred - target).square().mean() * GAMMA
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss_fn(self.head(self.net(x)).squeeze(-1), y)
+        self.log("train/loss", loss)
         return loss

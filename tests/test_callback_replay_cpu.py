@@ -326,6 +326,19 @@ def test_a_custom_layer_reading_a_module_level_number_is_captured_again_when_it_
     assert_same(base, run)
 
 
+@pytest.mark.parametrize("held", ["function", "partial", "method", "object"])
+def test_a_loss_kept_in_an_attribute_reading_a_module_level_number_is_captured_again(called_code, held):
+    """Silent before: `self.loss_fn = weighted_mse` (or a partial of it, the module's own method, a loss
+    object) multiplies by GAMMA, which an epoch hook raises; the graph kept the capture's GAMMA."""
+    base = fit(baseline_of(called_code.HeldLoss), [called_code.Raise()], steps=90, held=held)
+    called_code.reset()
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"Python numbers the step reads changed \(GAMMA\)"):
+        run = fit(called_code.HeldLoss, [called_code.Raise(), cb], steps=90, held=held)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
+
+
 @pytest.mark.parametrize(
     "hook, name",
     [
