@@ -111,7 +111,7 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
             found.reads |= reads
         elif not isinstance(obj, torch.nn.Module) and reads:
             # a hook object's numbers are baked like a callback's (a submodule's are compared anyway)
-            found.callback_reads.append((obj, reads))
+            _add_object_reads(found, obj, reads)
         if visitor is not None and depth < HELPER_DEPTH:
             methods += [(obj, helper, depth + 1) for helper in sorted(visitor.helpers)]
     for function in functions:
@@ -135,14 +135,15 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         if owner is module:
             found.reads |= reads
         elif owner is not None and not isinstance(owner, torch.nn.Module) and reads:
-            found.callback_reads.append((owner, reads))
+            _add_object_reads(found, owner, reads)
     return owners
 
 
 def _held_callables(holder: Any) -> list[tuple[Any, Any]]:
     """(the object its ``self`` is, or None; the function) for each callable of the user's that `holder`
     keeps in an attribute (``self.loss_fn = focal_loss``, ``functools.partial(focal, gamma=2)``,
-    ``self.my_loss``, a loss object with ``__call__``): the step may call it through the attribute."""
+    ``self.my_loss``, the methods of an object of the user's class such as a loss with ``__call__``):
+    the step may call it through the attribute."""
     found: list[tuple[Any, Any]] = []
     for value in list(vars(holder).values()):
         while isinstance(value, functools.partial):
@@ -151,20 +152,36 @@ def _held_callables(holder: Any) -> list[tuple[Any, Any]]:
             found.append((None, value))
         elif isinstance(value, types.MethodType):
             found.append((value.__self__, value.__func__))
-        elif callable(value) and not isinstance(value, (type, torch.nn.Module, torch.Tensor)):
-            call = _lookup(type(value), "__call__", None)[1]
-            if isinstance(call, types.FunctionType):
-                found.append((value, call))
+        elif not isinstance(value, (type, torch.nn.Module, torch.Tensor)) and hasattr(value, "__dict__"):
+            # an object of the user's own class (a loss with __call__, a schedule with a method the
+            # step calls): every function its class defines (_own_functions keeps the user's only)
+            cls = type(value)
+            found += [(value, _function_of(_lookup(cls, name, None)[1])) for name in _own_functions(cls)]
     return found
 
 
+def _add_object_reads(found: StepSource, obj: Any, reads: set[str]) -> None:
+    """Compare `obj`'s attributes `reads` before each replay, like a callback's (one entry per object)."""
+    for held, names in found.callback_reads:
+        if held is obj:
+            names |= reads
+            return
+    found.callback_reads.append((obj, set(reads)))
+
+
 def _own_functions(cls: type) -> list[str]:
-    """Names of the functions that the user's own classes in `cls`'s MRO define."""
+    """Names of the functions that the user's own classes in `cls`'s MRO define, but ``__init__``
+    (which runs when the object is made, not in a step)."""
     names: list[str] = []
     for klass in cls.__mro__:
         for name, value in vars(klass).items():
             function = _function_of(value)
-            if isinstance(function, types.FunctionType) and name not in names and _is_user_code(function):
+            if (
+                isinstance(function, types.FunctionType)
+                and name not in names
+                and name != "__init__"
+                and _is_user_code(function)
+            ):
                 names.append(name)
     return names
 

@@ -505,6 +505,18 @@ def rebound(checks: list[tuple[dict, str, Any]], module: Any = None) -> list[str
     return [f"{paths[id(a)]}.{name}" if id(a) in paths else name for a, name in found]
 
 
+def unique_checks(checks: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
+    """`checks` (attribute dict, name, value) with each (dict, name) once, the first kept."""
+    seen: set[tuple[int, str]] = set()
+    out = []
+    for check in checks:
+        key = (id(check[0]), check[1])
+        if key not in seen:
+            seen.add(key)
+            out.append(check)
+    return out
+
+
 def changed_scalars(checks: list[tuple[dict, str, Any]]) -> list[str]:
     """Names of the scalars in `checks` whose value is not the one recorded."""
     missing = object()

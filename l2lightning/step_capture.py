@@ -293,6 +293,10 @@ class StepCapture:
             for name in ("gradient_clip_val", "gradient_clip_algorithm")
             if name in trainer_attributes
         ]
+        # an attribute reached two ways (a loss object the module holds whose method the step calls):
+        # compared once
+        graph.scalars = python_state.unique_checks(graph.scalars)
+        graph.tensors = python_state.unique_checks(graph.tensors)
         graph.registered = self._flags.tensors()
         graph.registered_tensors = tuple(t for _, t in graph.registered)
         graph.data_ptrs = [t.data_ptr() for t in graph.registered_tensors]

@@ -326,7 +326,7 @@ def test_a_custom_layer_reading_a_module_level_number_is_captured_again_when_it_
     assert_same(base, run)
 
 
-@pytest.mark.parametrize("held", ["function", "partial", "method", "object"])
+@pytest.mark.parametrize("held", ["function", "partial", "method", "object", "schedule-method"])
 def test_a_loss_kept_in_an_attribute_reading_a_module_level_number_is_captured_again(called_code, held):
     """Silent before: `self.loss_fn = weighted_mse` (or a partial of it, the module's own method, a loss
     object) multiplies by GAMMA, which an epoch hook raises; the graph kept the capture's GAMMA."""
