@@ -13,8 +13,9 @@ module-level number or a closure variable it reads is baked into the graph exact
 assigns with ``global``/``nonlocal`` to ``global_writes`` (refused). A layer's other methods may run
 in the step too (``self.vae.encode(x)`` from ``training_step``), and so may the user's callables the
 module and its layers keep in attributes (``self.loss_fn = weighted_mse``, a ``functools.partial``,
-``self.my_loss``, a loss object with ``__call__``): they are read for what they read only, since
-what they assign is not known to happen in the step. Its conditions and ``self.``
+``self.my_loss``, a loss object with ``__call__``), and the user's classes that code names (a custom
+``torch.autograd.Function``'s ``forward`` and ``backward``): they are read for what they read only,
+since what they assign is not known to happen in the step. Its conditions and ``self.``
 reads are not the LightningModule's, so they stay out of the step source: a submodule's public
 scalars are compared before each replay anyway (every submodule the step calls), and the objects
 whose methods run as hooks are returned so that their Python state is watched like the module's.
@@ -136,7 +137,31 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
             found.reads |= reads
         elif owner is not None and not isinstance(owner, torch.nn.Module) and reads:
             _add_object_reads(found, owner, reads)
+    # the user's classes named in the code read so far: a custom autograd Function's forward and
+    # backward run in the step (`GradReverse.apply(x)`), and so may a class's static helpers
+    for cls in _named_classes(found):
+        for name in _own_functions(cls):
+            function = inspect.unwrap(_function_of(_lookup(cls, name, None)[1]))
+            if isinstance(function, types.FunctionType) and id(function.__code__) not in seen_code:
+                _read(found, ignored, function, HELPER_DEPTH, seen_code, set(), as_method=False)
     return owners
+
+
+def _named_classes(found: StepSource) -> list[type]:
+    """The classes of the user's own code (not modules: their instances' forward is read) that the
+    code read so far names: module-level names and attributes of the user's modules."""
+    classes: list[type] = []
+    for namespace, names in list(found.global_reads.values()):
+        for name in sorted(names):
+            value = namespace.get(name) if hasattr(namespace, "get") else None
+            if (
+                isinstance(value, type)
+                and not issubclass(value, torch.nn.Module)
+                and value not in classes
+                and _is_user_code(value)
+            ):
+                classes.append(value)
+    return classes
 
 
 def _held_callables(holder: Any) -> list[tuple[Any, Any]]:

@@ -79,6 +79,27 @@ class EncodesInTheStep(TinyMLP):
         return loss
 
 
+class ScaleGradient(torch.autograd.Function):
+    """A custom autograd Function (a domain-adversarial gradient reversal's shape): backward reads SCALE."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * SCALE
+
+
+class ScalesItsGradient(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(ScaleGradient.apply(self.net(x))).squeeze(-1)
+        loss = (pred - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
 class ScaledHead(TinyMLP):
     def __init__(self, **kw):
         super().__init__(**kw)

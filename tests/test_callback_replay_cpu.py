@@ -311,11 +311,12 @@ def called_code():
     called_code_models.reset()
 
 
-@pytest.mark.parametrize("layer", ["ScaledHead", "EncodesInTheStep"])
+@pytest.mark.parametrize("layer", ["ScaledHead", "EncodesInTheStep", "ScalesItsGradient"])
 def test_a_custom_layer_reading_a_module_level_number_is_captured_again_when_it_changes(called_code, layer):
-    """Silent before: the layer's forward (through a helper method), or the method training_step calls
-    on it (`self.encoder.encode(x)`), multiplies by SCALE, which an epoch hook raises; the graph kept
-    the capture's SCALE and the fit left its baseline at the first epoch."""
+    """Silent before: the layer's forward (through a helper method), the method training_step calls
+    on it (`self.encoder.encode(x)`) or a custom autograd Function's backward multiplies by SCALE,
+    which an epoch hook raises; the graph kept the capture's SCALE and the fit left its baseline at
+    the first epoch."""
     cls = getattr(called_code, layer)
     base = fit(baseline_of(cls), [called_code.Raise()], steps=90)
     called_code.reset()
