@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from l2lightning import python_state
+from l2lightning.called_code import analyse_called_code
 from l2lightning.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
 from l2lightning.cuda_memory import free_cached_memory, memory_state
 from l2lightning.log_replay import ReissuedLog
@@ -145,6 +146,13 @@ class StepCapture:
                 f"the batch ({type(batch).__name__}) cannot be rebuilt around the graph's static "
                 f"buffers: {type(exc).__name__}: {first_line(exc)}"
             )
+            return run(closure, **kwargs)
+        # hooks registered since training started (by a callback whose on_train_start ran after this
+        # one's): read before this capture bakes in what they read
+        self._hook_owners = analyse_called_code(module, self._source)
+        reason = self._source_refusal()
+        if reason:
+            self._disable(reason)
             return run(closure, **kwargs)
         holders = self._python_holders()
         # The chain discovery's dry run and the verify step run training_step's Python too: what they

@@ -123,6 +123,13 @@ def count_call(grad):
     CALLS += 1
 
 
+class ClipsFromTrainStart(Callback):
+    """Registers the clipping hook in on_train_start; listed after L2GraphCallback, it runs after its."""
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.head.weight.register_hook(clip_grad)
+
+
 class Clipper:
     """A hook object of the user's: its limit is an attribute a callback changes."""
 

@@ -370,6 +370,16 @@ def test_hooks_reading_a_value_that_changes_are_captured_again_when_it_does(call
     assert_same(base, run)
 
 
+def test_a_hook_registered_after_the_callbacks_train_start_is_read_at_the_capture(called_code):
+    base = fit(baseline_of(TinyMLP), [called_code.Raise(), called_code.ClipsFromTrainStart()], steps=90)
+    called_code.reset()
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"Python numbers the step reads changed \(CLIP\)"):
+        run = fit(TinyMLP, [called_code.Raise(), cb, called_code.ClipsFromTrainStart()], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
+
+
 def test_a_hook_that_assigns_a_module_level_name_is_refused_by_name(called_code):
     plain = fit(called_code.Hooked, steps=20, hook="counts")
     assert called_code.CALLS == 20
