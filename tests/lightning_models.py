@@ -113,6 +113,19 @@ class NamedSamples(torch.utils.data.Dataset):
         return x, y, f"sample_{i:04d}.png"
 
 
+class Finetuned(TinyMLP):
+    """A backbone (the MLP) frozen until epoch 1 by Lightning's BackboneFinetuning, which then adds its
+    parameters to the optimizer as a new param group, with the optimizer's defaults."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.backbone = self.net
+
+    def configure_optimizers(self):
+        impl = {"fused": True} if self.fused else {"foreach": True}
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, **impl)
+
+
 class IgnoresTheNames(TinyMLP):
     def training_step(self, batch, batch_idx):
         x, y, paths = batch

@@ -57,6 +57,7 @@ from tests.lightning_models import (
     CheckpointedDropout,
     CheckpointedDropoutUnpreserved,
     DropoutOutsideCheckpoint,
+    Finetuned,
     IgnoresTheNames,
     NamedSamples,
     ReadsTheNames,
@@ -253,18 +254,6 @@ def test_checkpoints_logs_and_early_stopping_are_those_of_the_baseline_fit(tmp_p
                 assert repr(a[key]) == repr(b[key])  # the same tensors print the same
             else:
                 assert a[key] == b[key], key
-
-
-class Finetuned(TinyMLP):
-    """A backbone frozen until epoch 1 by Lightning's BackboneFinetuning, which then adds its
-    parameters to the optimizer as a new param group (with the optimizer's defaults)."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.backbone = self.net
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, foreach=True)
 
 
 def test_a_backbone_unfrozen_mid_fit_is_captured_again_and_trains_like_the_baseline():

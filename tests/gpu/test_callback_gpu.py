@@ -21,6 +21,7 @@ from tests.lightning_models import (
     CheckpointedDropout,
     CheckpointedDropoutUnpreserved,
     DropoutOutsideCheckpoint,
+    Finetuned,
     IgnoresTheNames,
     NamedSamples,
     ReadsTheNames,
@@ -605,17 +606,6 @@ def test_stochastic_weight_averaging_makes_its_scheduler_mid_fit_and_the_fit_is_
     assert_same_run(base, run)
 
 
-class Finetuned(TinyMLP):
-    """The backbone BackboneFinetuning unfreezes at epoch 1, adding it as a new param group."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.backbone = self.net
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3, fused=True)
-
-
 def test_a_backbone_unfrozen_mid_fit_is_captured_again_and_the_fit_is_bitwise_the_baseline():
     """The group BackboneFinetuning adds gets the optimizer's defaults (capturable=False): made
     capturable before its first step, the step is captured again instead of falling back to eager."""
@@ -624,9 +614,9 @@ def test_a_backbone_unfrozen_mid_fit_is_captured_again_and_the_fit_is_bitwise_th
     def unfreezing():
         return BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)
 
-    base = fit(Finetuned, [unfreezing()], steps=90, baseline=True)
+    base = fit(Finetuned, [unfreezing()], steps=90, baseline=True, fused=True, lr=1e-3)
     cb = L2GraphCallback(prefetch="off")
-    run = fit(Finetuned, [unfreezing(), cb], steps=90)
+    run = fit(Finetuned, [unfreezing(), cb], steps=90, fused=True, lr=1e-3)
     summary = cb.summary()
     assert summary["captured"] and summary["captures"] == 2, summary
     assert_same_run(base, run)
