@@ -28,9 +28,11 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from l2lightning.step_source import (
     HELPER_DEPTH,
@@ -57,14 +59,72 @@ _GLOBAL_HOOKS = (
 _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
-def step_hooks(module: torch.nn.Module) -> list[Any]:
-    """The callables registered as hooks that run when `module` runs forward and backward."""
+def _registries(module: torch.nn.Module) -> list[dict]:
+    """The hook dicts that run when `module` runs forward and backward, those holding hooks."""
     registries = [getattr(torch.nn.modules.module, name, None) for name in _GLOBAL_HOOKS]
     for sub in module.modules():
         registries += [getattr(sub, name, None) for name in _MODULE_HOOKS]
     for param in module.parameters():
         registries += [getattr(param, name, None) for name in _TENSOR_HOOKS]
-    return [hook for registry in registries if registry for hook in list(registry.values())]
+    return [registry for registry in registries if registry]
+
+
+def _users(registry: dict) -> list[Any]:
+    """The hooks in `registry` that are not l2lightning's own."""
+    return [hook for hook in list(registry.values()) if not _ours(hook)]
+
+
+def _ours(hook: Any) -> bool:
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    function = getattr(hook, "__func__", hook)
+    module = getattr(function, "__module__", None) or type(hook).__module__ or ""
+    return module == "l2lightning" or module.startswith("l2lightning.")
+
+
+def step_hooks(module: torch.nn.Module) -> list[Any]:
+    """The callables registered as hooks that run when `module` runs forward and backward."""
+    return [hook for registry in _registries(module) for hook in list(registry.values())]
+
+
+@dataclass
+class StepHooks:
+    """The hooks a captured graph ran, to tell before each replay whether one was added or removed.
+
+    A replay runs the hooks of its capture and no others: a gradient clamp a callback registers at
+    epoch 1, or a forward hook it removes, would otherwise be ignored by every later replay. Adding a
+    hook anywhere creates a ``RemovableHandle`` (``next_id`` counts them process-wide), so a replay
+    whose count is unchanged needs no further look; removing one shrinks its registry, and only
+    registries that held hooks at capture can shrink (usually none). Per replay: one attribute read
+    and one ``len`` per such registry.
+    """
+
+    ids: tuple[int, ...]  # the hooks themselves, by identity
+    held: list[tuple[dict, int]]  # each registry that held hooks, with how many
+    handles: int  # RemovableHandle.next_id when this was taken
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> StepHooks:
+        # l2lightning's own prefetch hooks are left out: they only place kernels at a capture, and the
+        # whole-step gate removes them from a graph it keeps (its kernels switched off)
+        held = [(registry, len(_users(registry))) for registry in _registries(module)]
+        return cls(
+            tuple(id(hook) for registry, _ in held for hook in _users(registry)),
+            [(registry, count) for registry, count in held if count],
+            RemovableHandle.next_id,
+        )
+
+    def changed(self, module: torch.nn.Module) -> bool:
+        """Whether `module`'s hooks are not those of the capture (added, removed or replaced)."""
+        if any(len(_users(registry)) != count for registry, count in self.held):
+            return True
+        if RemovableHandle.next_id == self.handles:
+            return False
+        now = StepHooks.of(module)
+        if now.ids != self.ids:
+            return True
+        self.handles = now.handles  # handles made elsewhere: no need to look again until the next one
+        return False
 
 
 def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]:

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from l2lightning import python_state
-from l2lightning.called_code import analyse_called_code
+from l2lightning.called_code import StepHooks, analyse_called_code
 from l2lightning.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
 from l2lightning.cuda_memory import free_cached_memory, memory_state
 from l2lightning.log_replay import ReissuedLog
@@ -86,6 +86,8 @@ class _Graph:
     counters: tuple = ()
     # the values the step reads through self that are Python numbers (StepSource.attribute_values)
     attributes: list = field(default_factory=list)
+    # the hooks the graph ran (on the module, its layers, its parameters, nn.Module's global ones)
+    hooks: StepHooks | None = None
 
     def bind_grads(self) -> None:
         """Point every parameter's ``.grad`` at the tensor this graph writes for it (an eager step, the
@@ -305,6 +307,7 @@ class StepCapture:
         # compared once
         graph.scalars = python_state.unique_checks(graph.scalars)
         graph.tensors = python_state.unique_checks(graph.tensors)
+        graph.hooks = StepHooks.of(module)
         graph.registered = self._flags.tensors()
         graph.registered_tensors = tuple(t for _, t in graph.registered)
         graph.data_ptrs = [t.data_ptr() for t in graph.registered_tensors]

@@ -85,6 +85,11 @@ class StepDecision:
         changes = self._optimizer.baked_changes()
         if changes:
             return self._recapture(f"the optimizer's {', '.join(changes)} (baked into the graph)")
+        if graph.hooks is not None and graph.hooks.changed(module):
+            return self._recapture(
+                "hooks were registered on or removed from the module, its layers or its parameters since "
+                "capture (a replay runs the capture's hooks only)"
+            )
         scalars = python_state.changed_scalars(graph.scalars)
         if graph.containers:
             scalars += python_state.changed_containers(graph.containers)

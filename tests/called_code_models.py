@@ -238,3 +238,32 @@ class HeldLoss(TinyMLP):
             loss = loss * self.schedule.weight()
         self.log("train/loss", loss)
         return loss
+
+
+def double(module, inputs, output):
+    return output * 2
+
+
+class ChangesHooksAtEpoch1(Callback):
+    """At epoch 1's start: adds a gradient clamp, adds a forward hook, or removes the module's own."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch != 1:
+            return
+        if self.how == "add-tensor-hook":
+            pl_module.head.weight.register_hook(clip_grad)
+        elif self.how == "add-forward-hook":
+            pl_module.head.register_forward_hook(double)
+        else:
+            pl_module.doubling.remove()
+
+
+class DoublesItsHead(TinyMLP):
+    """A forward hook doubling the head's output, registered at construction (removable)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.doubling = self.head.register_forward_hook(double)

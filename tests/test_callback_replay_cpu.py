@@ -369,6 +369,19 @@ def test_a_hook_registered_after_the_callbacks_train_start_is_read_at_the_captur
     assert_same(base, run)
 
 
+@pytest.mark.parametrize("how", ["add-tensor-hook", "add-forward-hook", "remove-forward-hook"])
+def test_hooks_added_or_removed_after_the_capture_capture_the_step_again(called_code, how):
+    """Silent before: a replay runs the capture's hooks only, so a gradient clamp a callback adds at
+    epoch 1, or a forward hook it removes, was ignored by every later replay."""
+    cls = called_code.DoublesItsHead if how.startswith("remove") else TinyMLP
+    base = fit(baseline_of(cls), [called_code.ChangesHooksAtEpoch1(how)], steps=90)
+    cb = callback()
+    with pytest.warns(UserWarning, match="hooks were registered on or removed from the module"):
+        run = fit(cls, [called_code.ChangesHooksAtEpoch1(how), cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 2, cb.summary()
+    assert_same(base, run)
+
+
 def test_a_hook_that_assigns_a_module_level_name_is_refused_by_name(called_code):
     plain = fit(called_code.Hooked, steps=20, hook="counts")
     assert called_code.CALLS == 20

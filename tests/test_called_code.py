@@ -8,7 +8,7 @@ import functools
 import torch
 from torch import nn
 
-from l2lightning.called_code import analyse_called_code, step_hooks
+from l2lightning.called_code import StepHooks, analyse_called_code, step_hooks
 from l2lightning.step_source import StepSource
 from tests import called_code_models as models
 
@@ -95,3 +95,21 @@ def test_the_modules_own_method_as_a_hook_reads_the_modules_attributes():
     found = StepSource()
     assert analyse_called_code(OwnHook(), found) == []
     assert "limit" in found.reads
+
+
+def test_step_hooks_change_when_a_hook_is_added_or_removed_but_not_for_hooks_elsewhere_or_ours():
+    module = models.TinyMLP()
+    hooks = StepHooks.of(module)
+    assert not hooks.changed(module)
+    elsewhere = nn.Linear(2, 2).register_forward_hook(models.double)  # a handle made elsewhere
+    assert not hooks.changed(module) and hooks.handles == StepHooks.of(module).handles
+    elsewhere.remove()
+    handle = module.head.register_forward_hook(models.double)
+    assert hooks.changed(module)
+    hooks = StepHooks.of(module)
+    handle.remove()
+    assert hooks.changed(module)  # removed: its registry shrank, no handle was made
+    ours = module.head.register_forward_hook(step_hooks)  # a function of l2lightning's own
+    hooks = StepHooks.of(module)
+    ours.remove()
+    assert not hooks.changed(module) and hooks.held == []

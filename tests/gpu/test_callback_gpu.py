@@ -622,16 +622,21 @@ def test_a_backbone_unfrozen_mid_fit_is_captured_again_and_the_fit_is_bitwise_th
     assert_same_run(base, run)
 
 
-@pytest.mark.parametrize("what", ["layer", "grad-hook", "appends"])
+@pytest.mark.parametrize("what", ["layer", "grad-hook", "appends", "late-hook"])
 def test_code_beyond_the_steps_source_is_followed_and_the_fit_is_bitwise_the_baseline(what):
     """A custom layer's forward and a gradient hook read module-level numbers an epoch hook raises
-    (captured again each epoch), and a hook appends to a module-level list (re-appended per replay)."""
+    (captured again each epoch), a hook appends to a module-level list (re-appended per replay), and
+    a callback adds a gradient clamp at epoch 1 (captured again then)."""
     from tests import called_code_models as models
 
-    cls, kwargs, callbacks = {
-        "layer": (models.ScaledHead, {}, [models.Raise]),
-        "grad-hook": (models.Hooked, {"hook": "tensor"}, [models.Raise]),
-        "appends": (models.Hooked, {"hook": "appends"}, []),
+    def late():
+        return models.ChangesHooksAtEpoch1("add-tensor-hook")
+
+    cls, kwargs, callbacks, captures = {
+        "layer": (models.ScaledHead, {}, [models.Raise], 3),
+        "grad-hook": (models.Hooked, {"hook": "tensor"}, [models.Raise], 3),
+        "appends": (models.Hooked, {"hook": "appends"}, [], 1),
+        "late-hook": (TinyMLP, {}, [late], 2),
     }[what]
     models.reset()
     base = fit(cls, [c() for c in callbacks], steps=90, baseline=True, **kwargs)
@@ -640,7 +645,7 @@ def test_code_beyond_the_steps_source_is_followed_and_the_fit_is_bitwise_the_bas
     cb = L2GraphCallback(prefetch="off")
     run = fit(cls, [*(c() for c in callbacks), cb], steps=90, **kwargs)
     summary = cb.summary()
-    assert summary["captured"] and summary["captures"] == (1 if what == "appends" else 3), summary
+    assert summary["captured"] and summary["captures"] == captures, summary
     assert_same_run(base, run)
     assert len(models.SEEN) == len(expected) and all(torch.equal(a, b) for a, b in zip(expected, models.SEEN))
     models.reset()
