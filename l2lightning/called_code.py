@@ -100,24 +100,29 @@ class StepHooks:
     """
 
     ids: tuple[int, ...]  # the hooks themselves, by identity
-    held: list[tuple[dict, int]]  # each registry that held hooks, with how many
+    # each registry that held the user's hooks: [registry, its size, how many of them are the user's]
+    held: list[list]
     handles: int  # RemovableHandle.next_id when this was taken
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> StepHooks:
         # l2lightning's own prefetch hooks are left out: they only place kernels at a capture, and the
         # whole-step gate removes them from a graph it keeps (its kernels switched off)
-        held = [(registry, len(_users(registry))) for registry in _registries(module)]
+        held = [[registry, len(registry), len(_users(registry))] for registry in _registries(module)]
         return cls(
-            tuple(id(hook) for registry, _ in held for hook in _users(registry)),
-            [(registry, count) for registry, count in held if count],
+            tuple(id(hook) for registry, _, _ in held for hook in _users(registry)),
+            [entry for entry in held if entry[2]],
             RemovableHandle.next_id,
         )
 
     def changed(self, module: torch.nn.Module) -> bool:
         """Whether `module`'s hooks are not those of the capture (added, removed or replaced)."""
-        if any(len(_users(registry)) != count for registry, count in self.held):
-            return True
+        for entry in self.held:
+            registry, size, users = entry
+            if len(registry) != size:  # something was removed: the user's hook, or only one of ours
+                if len(_users(registry)) != users:
+                    return True
+                entry[1] = len(registry)
         if RemovableHandle.next_id == self.handles:
             return False
         now = StepHooks.of(module)
