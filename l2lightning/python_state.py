@@ -413,7 +413,8 @@ def baked_callables(
     the module's attributes that its step source reads and that hold a function or another callable
     (``self.loss_fn = F.l1_loss``, a ``functools.partial``), and every binding of a submodule the step
     called (`ran`, as in :func:`baked_scalars`) in its parent (``self.criterion = nn.HuberLoss(0.5)``,
-    ``self.act = nn.GELU()``). A graph replays the ops of the code it was captured with; one rebound
+    ``self.act = nn.GELU()``), and the public callables such a submodule holds itself (``self.act =
+    torch.tanh`` in a custom layer). A graph replays the ops of the code it was captured with; one rebound
     between steps (an epoch-start hook switching the loss) must be seen, or the replays keep the old
     one. `skip`: attributes that are not the user's (the callback's own overrides). (attribute dict,
     name, object)."""
@@ -429,6 +430,17 @@ def baked_callables(
         for name, child in vars(parent).get("_modules", {}).items():
             if child is not None and (ran is None or id(child) in ran):
                 checks.append((parent._modules, name, child))
+        if parent is module or (ran is not None and id(parent) not in ran):
+            continue
+        # a layer's own callables (`self.act = torch.tanh` in a custom layer, swapped by an epoch hook)
+        attributes = vars(parent)
+        checks += [
+            (attributes, name, value)
+            for name, value in attributes.items()
+            if not name.startswith("_")
+            and callable(value)
+            and not isinstance(value, (type, torch.nn.Module, torch.Tensor))
+        ]
     return checks
 
 

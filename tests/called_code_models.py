@@ -267,3 +267,29 @@ class DoublesItsHead(TinyMLP):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.doubling = self.head.register_forward_hook(double)
+
+
+class Activated(nn.Module):
+    """A custom layer holding its activation function in an attribute."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.act = torch.tanh
+
+    def forward(self, x):
+        return self.act(self.inner(x))
+
+
+class ActivatedHead(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.head = Activated(self.head)
+
+
+class SwapsTheActivation(Callback):
+    """Swaps the head's activation function at epoch 1's start."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.head.act = torch.sigmoid
