@@ -21,6 +21,9 @@ scalars are compared before each replay anyway (every submodule the step calls),
 whose methods run as hooks are returned so that their Python state is watched like the module's.
 Code it cannot read (no source: a lambda on a line that does not parse alone) is read from its
 bytecode: every name it loads that its globals or closure hold.
+
+:class:`StepHooks` records the hooks a capture ran, so that one added or removed later (a replay
+runs the capture's hooks only) captures the step again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +49,7 @@ from l2lightning.step_source import (
     _record_outside_reads,
     _Visitor,
 )
+from l2lightning.step_values import AttributeValue
 
 # nn.Module's per-module hook registries that run during a forward or a backward
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -172,7 +177,7 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         if not isinstance(function, types.FunctionType) or not _is_user_code(function):
             continue  # torch's own layers, installed packages, l2lightning's prefetch hooks
         reads: set[str] = set()
-        visitor = _read(found, scratch, function, depth, seen_code, reads, as_method=True)
+        visitor = _read(found, scratch, function, depth, seen_code, reads, owner=obj)
         if obj is module:  # a hook that is the module's own method: its self.X reads are the module's
             found.reads |= reads
         elif not isinstance(obj, torch.nn.Module) and reads:
@@ -183,7 +188,7 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
     for function in functions:
         function = inspect.unwrap(function)
         if id(function.__code__) not in seen_code and _is_user_code(function):
-            _read(found, scratch, function, 0, seen_code, set(), as_method=False)
+            _read(found, scratch, function, 0, seen_code, set(), owner=None)
     found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
     ignored = StepSource()
     read_only = [(obj, _function_of(_lookup(type(obj), name, None)[1])) for obj, name in other_methods]
@@ -197,7 +202,7 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
             continue
         reads: set[str] = set()
         # at HELPER_DEPTH: the functions it calls are not followed (they might assign)
-        _read(found, ignored, function, HELPER_DEPTH, seen_code, reads, as_method=owner is not None)
+        _read(found, ignored, function, HELPER_DEPTH, seen_code, reads, owner=owner)
         if owner is module:
             found.reads |= reads
         elif owner is not None and not isinstance(owner, torch.nn.Module) and reads:
@@ -208,7 +213,7 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         for name in _own_functions(cls):
             function = inspect.unwrap(_function_of(_lookup(cls, name, None)[1]))
             if isinstance(function, types.FunctionType) and id(function.__code__) not in seen_code:
-                _read(found, ignored, function, HELPER_DEPTH, seen_code, set(), as_method=False)
+                _read(found, ignored, function, HELPER_DEPTH, seen_code, set(), owner=None)
     return owners
 
 
@@ -288,20 +293,41 @@ def _read(
     depth: int,
     seen: set[int],
     reads: set[str],
-    as_method: bool,
+    owner: Any,
 ) -> _Visitor | None:
-    """Record what `function` reads outside itself (from its source, else its bytecode); a method's
-    ``self.X`` reads go to `reads`."""
+    """Record what `function` reads outside itself (from its source, else its bytecode). For a method
+    (`owner`: the object its ``self`` is), its ``self.X`` reads go to `reads`, and the values it reads
+    through ``self`` by constant subscripts and attributes (``self.cfg["w"]``, ``self.cfg.extra[0]``)
+    join the step source's comparisons, evaluated on `owner`."""
     seen.add(id(function.__code__))
     tree, filename, first_line, params = _parse(function)
     if tree is None:  # a lambda, or source that does not parse alone
         _read_bytecode(found, function)
         return None
-    self_name = params[0] if as_method and params else ""
+    self_name = params[0] if owner is not None and params else ""
     visitor = _Visitor(scratch, filename, first_line, self_name, None, (), reads)
+    before = len(scratch.attribute_values)
     visitor.run(tree)
+    if owner is not None:
+        # read again at each capture: each (line, owner) once
+        known = {(v.line, getattr(v.evaluate, "owner_id", None)) for v in found.attribute_values}
+        found.attribute_values += [
+            AttributeValue(value.line, _evaluated_on(owner, value.evaluate))
+            for value in scratch.attribute_values[before:]
+            if (value.line, id(owner)) not in known
+        ]
     _record_outside_reads(found, function, visitor, depth, seen)
     return visitor
+
+
+def _evaluated_on(owner: Any, evaluate: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
+    """`evaluate` (compiled with ``self`` its first argument) evaluated with `owner` as ``self``."""
+
+    def value(module: Any, batch_idx: int) -> Any:
+        return evaluate(owner, batch_idx)
+
+    value.owner_id = id(owner)  # type: ignore[attr-defined]
+    return value
 
 
 def _read_bytecode(found: StepSource, function: types.FunctionType) -> None:

@@ -293,3 +293,26 @@ class SwapsTheActivation(Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         if trainer.current_epoch == 1:
             pl_module.head.act = torch.sigmoid
+
+
+class Weighted(nn.Module):
+    """A custom layer reading a number from a dict it holds (changed in place by a callback)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.weights = {"out": 1.0}
+
+    def forward(self, x):
+        return self.inner(x) * self.weights["out"]
+
+
+class WeightedHead(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.head = Weighted(self.head)
+
+
+class RaisesTheLayersWeight(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        pl_module.head.weights["out"] = 1.0 + trainer.current_epoch

@@ -405,6 +405,16 @@ def test_a_function_a_layer_holds_swapped_between_steps_captures_the_step_again(
     assert_same(base, run)
 
 
+def test_a_number_a_layer_reads_from_its_own_dict_is_compared_before_each_replay(called_code):
+    """Silent before: `x * self.weights["out"]` in a custom layer, the entry raised in place each epoch."""
+    base = fit(baseline_of(called_code.WeightedHead), [called_code.RaisesTheLayersWeight()], steps=90)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"values the step reads changed \(.*self.weights\[\"out\"\]"):
+        run = fit(called_code.WeightedHead, [called_code.RaisesTheLayersWeight(), cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
+
+
 def test_a_hook_that_assigns_a_module_level_name_is_refused_by_name(called_code):
     plain = fit(called_code.Hooked, steps=20, hook="counts")
     assert called_code.CALLS == 20
