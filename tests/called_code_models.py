@@ -100,10 +100,18 @@ class ScalesItsGradient(TinyMLP):
         return loss
 
 
-class ScaledHead(TinyMLP):
+class WrapsItsHead(TinyMLP):
+    """TinyMLP whose head is wrapped in the custom layer `layer`."""
+
+    layer: type  # set by each subclass
+
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.head = Scaled(self.head)
+        self.head = type(self).layer(self.head)
+
+
+class ScaledHead(WrapsItsHead):
+    layer = Scaled
 
 
 def clip_grad(grad):
@@ -281,10 +289,8 @@ class Activated(nn.Module):
         return self.act(self.inner(x))
 
 
-class ActivatedHead(TinyMLP):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.head = Activated(self.head)
+class ActivatedHead(WrapsItsHead):
+    layer = Activated
 
 
 class SwapsTheActivation(Callback):
@@ -307,10 +313,8 @@ class Weighted(nn.Module):
         return self.inner(x) * self.weights["out"]
 
 
-class WeightedHead(TinyMLP):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.head = Weighted(self.head)
+class WeightedHead(WrapsItsHead):
+    layer = Weighted
 
 
 class RaisesTheLayersWeight(Callback):
