@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from l2lightning.step_source import (
     HELPER_DEPTH,
+    Condition,
     StepSource,
     _is_user_code,
     _lookup,
@@ -177,7 +178,7 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         if not isinstance(function, types.FunctionType) or not _is_user_code(function):
             continue  # torch's own layers, installed packages, l2lightning's prefetch hooks
         reads: set[str] = set()
-        visitor = _read(found, scratch, function, depth, seen_code, reads, owner=obj)
+        visitor = _read(found, scratch, function, depth, seen_code, reads, owner=obj, branches=True)
         if obj is module:  # a hook that is the module's own method: its self.X reads are the module's
             found.reads |= reads
         elif not isinstance(obj, torch.nn.Module) and reads:
@@ -294,11 +295,13 @@ def _read(
     seen: set[int],
     reads: set[str],
     owner: Any,
+    branches: bool = False,
 ) -> _Visitor | None:
     """Record what `function` reads outside itself (from its source, else its bytecode). For a method
     (`owner`: the object its ``self`` is), its ``self.X`` reads go to `reads`, and the values it reads
     through ``self`` by constant subscripts and attributes (``self.cfg["w"]``, ``self.cfg.extra[0]``)
-    join the step source's comparisons, evaluated on `owner`."""
+    join the step source's comparisons, evaluated on `owner`; with `branches` (code known to run in the
+    step), so do its branch tests on ``self`` (``if self.cfg["boost"]:``), in the step's branch key."""
     seen.add(id(function.__code__))
     tree, filename, first_line, params = _parse(function)
     if tree is None:  # a lambda, or source that does not parse alone
@@ -306,16 +309,23 @@ def _read(
         return None
     self_name = params[0] if owner is not None and params else ""
     visitor = _Visitor(scratch, filename, first_line, self_name, None, (), reads)
-    before = len(scratch.attribute_values)
+    values_before, conditions_before = len(scratch.attribute_values), len(scratch.conditions)
     visitor.run(tree)
     if owner is not None:
         # read again at each capture: each (line, owner) once
         known = {(v.line, getattr(v.evaluate, "owner_id", None)) for v in found.attribute_values}
         found.attribute_values += [
             AttributeValue(value.line, _evaluated_on(owner, value.evaluate))
-            for value in scratch.attribute_values[before:]
+            for value in scratch.attribute_values[values_before:]
             if (value.line, id(owner)) not in known
         ]
+        if branches:  # tests that cannot be evaluated alone are left to the warm-up trace comparison
+            known = {(c.line, getattr(c.evaluate, "owner_id", None)) for c in found.conditions}
+            found.conditions += [
+                Condition(c.line, _evaluated_on(owner, c.evaluate), c.on_counters)
+                for c in scratch.conditions[conditions_before:]
+                if c.evaluate is not None and (c.line, id(owner)) not in known
+            ]
     _record_outside_reads(found, function, visitor, depth, seen)
     return visitor
 

@@ -320,3 +320,26 @@ class WeightedHead(WrapsItsHead):
 class RaisesTheLayersWeight(Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         pl_module.head.weights["out"] = 1.0 + trainer.current_epoch
+
+
+class Boosted(nn.Module):
+    """A custom layer that branches on an entry of a dict it holds."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.options = {"boost": False}
+
+    def forward(self, x):
+        if self.options["boost"]:
+            return self.inner(x) * 3.0
+        return self.inner(x)
+
+
+class BoostedHead(WrapsItsHead):
+    layer = Boosted
+
+
+class BoostsFromEpoch1(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        pl_module.head.options["boost"] = trainer.current_epoch >= 1

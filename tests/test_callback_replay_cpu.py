@@ -415,6 +415,16 @@ def test_a_number_a_layer_reads_from_its_own_dict_is_compared_before_each_replay
     assert_same(base, run)
 
 
+def test_a_layers_branch_on_an_entry_of_its_own_dict_follows_the_entry(called_code):
+    """Silent before: `if self.options["boost"]:` in a custom layer, switched on at epoch 1."""
+    base = fit(baseline_of(called_code.BoostedHead), [called_code.BoostsFromEpoch1()], steps=90)
+    cb = callback()
+    with pytest.warns(UserWarning, match="the step's branch changed and stayed changed"):
+        run = fit(called_code.BoostedHead, [called_code.BoostsFromEpoch1(), cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 2, cb.summary()
+    assert_same(base, run)
+
+
 def test_a_hook_that_assigns_a_module_level_name_is_refused_by_name(called_code):
     plain = fit(called_code.Hooked, steps=20, hook="counts")
     assert called_code.CALLS == 20
