@@ -393,35 +393,38 @@ def test_hooks_added_or_removed_after_the_capture_capture_the_step_again(called_
     assert_same(base, run)
 
 
-def test_a_function_a_layer_holds_swapped_between_steps_captures_the_step_again(called_code):
-    """Silent before: `self.act = torch.tanh` in a custom layer, swapped to sigmoid at epoch 1."""
-    base = fit(baseline_of(called_code.ActivatedHead), [called_code.SwapsTheActivation()], steps=90)
+@pytest.mark.parametrize(
+    "head, changer, match, captures",
+    [
+        # `self.act = torch.tanh` in a custom layer, swapped to sigmoid at epoch 1
+        (
+            "ActivatedHead",
+            "SwapsTheActivation",
+            r"functions or submodules the step calls were replaced .*\(act\)",
+            2,
+        ),
+        # `x * self.weights["out"]` in a custom layer, the entry raised in place each epoch
+        (
+            "WeightedHead",
+            "RaisesTheLayersWeight",
+            r"values the step reads changed \(.*self.weights\[\"out\"\]",
+            3,
+        ),
+        # `if self.options["boost"]:` in a custom layer, switched on at epoch 1
+        ("BoostedHead", "BoostsFromEpoch1", "the step's branch changed and stayed changed", 2),
+    ],
+    ids=["swapped-function", "dict-entry", "branch-on-dict-entry"],
+)
+def test_what_a_layer_holds_changed_by_a_callback_captures_the_step_again(
+    called_code, head, changer, match, captures
+):
+    """Silent before: each kept the capture's function, number or branch in every later replay."""
+    cls, change = getattr(called_code, head), getattr(called_code, changer)
+    base = fit(baseline_of(cls), [change()], steps=90)
     cb = callback()
-    with pytest.warns(
-        UserWarning, match=r"the functions or submodules the step calls were replaced .*\(act\)"
-    ):
-        run = fit(called_code.ActivatedHead, [called_code.SwapsTheActivation(), cb], steps=90)
-    assert cb.summary()["captured"] and cb.summary()["captures"] == 2, cb.summary()
-    assert_same(base, run)
-
-
-def test_a_number_a_layer_reads_from_its_own_dict_is_compared_before_each_replay(called_code):
-    """Silent before: `x * self.weights["out"]` in a custom layer, the entry raised in place each epoch."""
-    base = fit(baseline_of(called_code.WeightedHead), [called_code.RaisesTheLayersWeight()], steps=90)
-    cb = callback()
-    with pytest.warns(UserWarning, match=r"values the step reads changed \(.*self.weights\[\"out\"\]"):
-        run = fit(called_code.WeightedHead, [called_code.RaisesTheLayersWeight(), cb], steps=90)
-    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
-    assert_same(base, run)
-
-
-def test_a_layers_branch_on_an_entry_of_its_own_dict_follows_the_entry(called_code):
-    """Silent before: `if self.options["boost"]:` in a custom layer, switched on at epoch 1."""
-    base = fit(baseline_of(called_code.BoostedHead), [called_code.BoostsFromEpoch1()], steps=90)
-    cb = callback()
-    with pytest.warns(UserWarning, match="the step's branch changed and stayed changed"):
-        run = fit(called_code.BoostedHead, [called_code.BoostsFromEpoch1(), cb], steps=90)
-    assert cb.summary()["captured"] and cb.summary()["captures"] == 2, cb.summary()
+    with pytest.warns(UserWarning, match=match):
+        run = fit(cls, [change(), cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == captures, cb.summary()
     assert_same(base, run)
 
 
