@@ -179,18 +179,12 @@ class CapturableOptimizer:
         cannot be captured. Adopted before their first step, they run as the first groups do, here and
         in a ``make_capturable`` baseline alike, and :meth:`release` gives them their own flag back.
         """
-        groups = self.optimizer.param_groups
-        device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
-        for group in groups[len(self.lr_tensors) :]:
+        device = _params_device(self.optimizer)
+        for group in self.optimizer.param_groups[len(self.lr_tensors) :]:
             self.original_capturable.append(group.get("capturable"))
-            if "capturable" in group:
-                group["capturable"] = True
-            lr = group.get("lr")
-            tensor = None
-            if self.tensor_lr and not isinstance(lr, torch.Tensor):
-                tensor = torch.tensor(float(lr), dtype=torch.float32, device=device)
+            tensor = _make_group_capturable(group, self.tensor_lr, device)
             self.lr_tensors.append(tensor)
-            self._filled.append(lr if tensor is not None else None)
+            self._filled.append(group.get("lr") if tensor is not None else None)
 
     def sync_tensors(self) -> None:
         """Copy each group's float LR into its device tensor where it changed (a fill, no host sync)."""
@@ -433,7 +427,7 @@ def make_capturable(
     if reason:
         raise OptimizerNotCapturableError(reason)
     if device is None:
-        device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+        device = _params_device(optimizer)
     if device.type not in CAPTURABLE_DEVICE_TYPES:
         raise ValueError(
             f"capturable optimizers need CUDA parameters; `optimizer`'s parameters are on {device}"
@@ -442,13 +436,7 @@ def make_capturable(
     tensor_lr = reads_tensor_lr(optimizer)
     lr_tensors: list[torch.Tensor | None] = []
     for group in optimizer.param_groups:
-        if "capturable" in group:
-            group["capturable"] = True
-        lr = group.get("lr")
-        if tensor_lr and not isinstance(lr, torch.Tensor):
-            lr_tensors.append(torch.tensor(float(lr), dtype=torch.float32, device=device))
-        else:
-            lr_tensors.append(None)
+        lr_tensors.append(_make_group_capturable(group, tensor_lr, device))
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             step = state.get("step")
@@ -458,6 +446,24 @@ def make_capturable(
     wrapped.install()
     wrapped.mark_captured()
     return wrapped
+
+
+def _params_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    """The device of the optimizer's first parameter (the CPU for an optimizer without any)."""
+    return next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+
+
+def _make_group_capturable(
+    group: dict[str, Any], tensor_lr: bool, device: torch.device
+) -> torch.Tensor | None:
+    """Switch one param group to capturable mode; return the LR tensor on `device` its step reads, or
+    None where it reads the float (`tensor_lr` false, or an LR that already is a tensor)."""
+    if "capturable" in group:
+        group["capturable"] = True
+    lr = group.get("lr")
+    if tensor_lr and not isinstance(lr, torch.Tensor):
+        return torch.tensor(float(lr), dtype=torch.float32, device=device)
+    return None
 
 
 def installed_capturable(optimizer: torch.optim.Optimizer) -> CapturableOptimizer | None:
