@@ -114,10 +114,10 @@ class StepHooks:
     def of(cls, module: torch.nn.Module) -> StepHooks:
         # l2lightning's own prefetch hooks are left out: they only place kernels at a capture, and the
         # whole-step gate removes them from a graph it keeps (its kernels switched off)
-        held = [[registry, len(registry), len(_users(registry))] for registry in _registries(module)]
+        users = [(registry, _users(registry)) for registry in _registries(module)]
         return cls(
-            tuple(id(hook) for registry, _, _ in held for hook in _users(registry)),
-            [entry for entry in held if entry[2]],
+            tuple(id(hook) for _, hooks in users for hook in hooks),
+            [[registry, len(registry), len(hooks)] for registry, hooks in users if hooks],
             RemovableHandle.next_id,
         )
 
@@ -173,49 +173,55 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         if (type(obj), name) in seen_methods:
             continue
         seen_methods.add((type(obj), name))
-        _, method = _lookup(type(obj), name, None)
-        function = inspect.unwrap(getattr(method, "__func__", method)) if method is not None else None
-        if not isinstance(function, types.FunctionType) or not _is_user_code(function):
+        function = _user_function(type(obj), name)
+        if function is None:
             continue  # torch's own layers, installed packages, l2lightning's prefetch hooks
         reads: set[str] = set()
         visitor = _read(found, scratch, function, depth, seen_code, reads, owner=obj, branches=True)
-        if obj is module:  # a hook that is the module's own method: its self.X reads are the module's
-            found.reads |= reads
-        elif not isinstance(obj, torch.nn.Module) and reads:
-            # a hook object's numbers are baked like a callback's (a submodule's are compared anyway)
-            _add_object_reads(found, obj, reads)
+        _add_self_reads(found, module, obj, reads)
         if visitor is not None and depth < HELPER_DEPTH:
             methods += [(obj, helper, depth + 1) for helper in sorted(visitor.helpers)]
-    for function in functions:
-        function = inspect.unwrap(function)
-        if id(function.__code__) not in seen_code and _is_user_code(function):
+    for hook_function in functions:
+        function = _users_own(hook_function)
+        if function is not None and id(function.__code__) not in seen_code:
             _read(found, scratch, function, 0, seen_code, set(), owner=None)
     found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
     ignored = StepSource()
-    read_only = [(obj, _function_of(_lookup(type(obj), name, None)[1])) for obj, name in other_methods]
+    read_only = [(obj, _user_function(type(obj), name)) for obj, name in other_methods]
     for holder in module.modules():
         read_only += _held_callables(holder)
     for owner, function in read_only:
-        function = inspect.unwrap(function) if callable(function) else None
-        if not isinstance(function, types.FunctionType) or id(function.__code__) in seen_code:
-            continue
-        if not _is_user_code(function):
+        if function is None or id(function.__code__) in seen_code:
             continue
         reads: set[str] = set()
         # at HELPER_DEPTH: the functions it calls are not followed (they might assign)
         _read(found, ignored, function, HELPER_DEPTH, seen_code, reads, owner=owner)
-        if owner is module:
-            found.reads |= reads
-        elif owner is not None and not isinstance(owner, torch.nn.Module) and reads:
-            _add_object_reads(found, owner, reads)
+        _add_self_reads(found, module, owner, reads)
     # the user's classes named in the code read so far: a custom autograd Function's forward and
     # backward run in the step (`GradReverse.apply(x)`), and so may a class's static helpers
     for cls in _named_classes(found):
         for name in _own_functions(cls):
-            function = inspect.unwrap(_function_of(_lookup(cls, name, None)[1]))
-            if isinstance(function, types.FunctionType) and id(function.__code__) not in seen_code:
+            function = _user_function(cls, name)
+            if function is not None and id(function.__code__) not in seen_code:
                 _read(found, ignored, function, HELPER_DEPTH, seen_code, set(), owner=None)
     return owners
+
+
+def _user_function(cls: type, name: str) -> types.FunctionType | None:
+    """The plain function behind `cls`'s attribute `name` (a method, a static or class method's,
+    unwrapped), if it is the user's own code; else None."""
+    function = _lookup(cls, name, None)[1]
+    return _users_own(_function_of(function)) if function is not None else None
+
+
+def _add_self_reads(found: StepSource, module: Any, owner: Any, reads: set[str]) -> None:
+    """Where the ``self.X`` reads of code whose ``self`` is `owner` are compared: the module's own
+    (a hook or a callable that is the module's method), a plain object's like a callback's (a hook
+    object, a loss object); a submodule's public numbers are compared anyway."""
+    if owner is module:
+        found.reads |= reads
+    elif owner is not None and not isinstance(owner, torch.nn.Module) and reads:
+        _add_object_reads(found, owner, reads)
 
 
 def _named_classes(found: StepSource) -> list[type]:
@@ -236,7 +242,7 @@ def _named_classes(found: StepSource) -> list[type]:
 
 
 def _held_callables(holder: Any) -> list[tuple[Any, Any]]:
-    """(the object its ``self`` is, or None; the function) for each callable of the user's that `holder`
+    """(the object its ``self`` is, or None; the function, or None if not the user's) for each callable that `holder`
     keeps in an attribute (``self.loss_fn = focal_loss``, ``functools.partial(focal, gamma=2)``,
     ``self.my_loss``, the methods of an object of the user's class such as a loss with ``__call__``):
     the step may call it through the attribute."""
@@ -245,15 +251,21 @@ def _held_callables(holder: Any) -> list[tuple[Any, Any]]:
         while isinstance(value, functools.partial):
             value = value.func
         if isinstance(value, types.FunctionType):
-            found.append((None, value))
+            found.append((None, _users_own(value)))
         elif isinstance(value, types.MethodType):
-            found.append((value.__self__, value.__func__))
+            found.append((value.__self__, _users_own(value.__func__)))
         elif not isinstance(value, (type, torch.nn.Module, torch.Tensor)) and hasattr(value, "__dict__"):
             # an object of the user's own class (a loss with __call__, a schedule with a method the
-            # step calls): every function its class defines (_own_functions keeps the user's only)
+            # step calls): every function its class defines
             cls = type(value)
-            found += [(value, _function_of(_lookup(cls, name, None)[1])) for name in _own_functions(cls)]
+            found += [(value, _user_function(cls, name)) for name in _own_functions(cls)]
     return found
+
+
+def _users_own(function: Any) -> types.FunctionType | None:
+    """`function` unwrapped, if it is a plain function of the user's own code; else None."""
+    function = inspect.unwrap(function)
+    return function if isinstance(function, types.FunctionType) and _is_user_code(function) else None
 
 
 def _add_object_reads(found: StepSource, obj: Any, reads: set[str]) -> None:
