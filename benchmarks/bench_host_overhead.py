@@ -700,7 +700,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--anchor-optimizer",
         choices=("fused", "foreach"),
         default="fused",
-        help="AdamW implementation of the hand-written graph loop (the families configure foreach)",
+        help="AdamW implementation of the hand-written graph loop (the families configure fused on CUDA)",
     )
     p.add_argument(
         "--pinned",

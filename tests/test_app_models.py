@@ -28,7 +28,7 @@ from l2lightning.app.models import (
     ViT,
     family_of,
 )
-from l2lightning.app.models._common import cross_entropy
+from l2lightning.app.models._common import adamw_implementation, cross_entropy
 from l2lightning.app.models.recommender import pair_selector
 from l2lightning.app.models.rl_policy import CartPoleRollouts
 from tests.lightning_models import quiet_trainer
@@ -150,14 +150,25 @@ def test_fit_logs_loss_and_metric(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_optimizer_is_foreach_adamw_from_config(family):
+def test_optimizer_is_adamw_from_config_foreach_on_cpu(family):
     model, _ = tiny(family)
     model.lr, model.weight_decay = 0.123, 0.045
     optimizer = model.configure_optimizers()
     assert type(optimizer) is torch.optim.AdamW
     group = optimizer.param_groups[0]
-    assert (group["lr"], group["weight_decay"], group["foreach"]) == (0.123, 0.045, True)
+    assert (group["lr"], group["weight_decay"], group["foreach"], group["fused"]) == (
+        0.123,
+        0.045,
+        True,
+        None,
+    )
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+
+def test_adamw_is_fused_for_cuda_parameters_and_foreach_elsewhere():
+    assert adamw_implementation(torch.device("cuda", 0)) == {"fused": True}
+    assert adamw_implementation(torch.device("cpu")) == {"foreach": True}
+    assert adamw_implementation(torch.device("meta")) == {"foreach": True}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
