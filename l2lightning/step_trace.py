@@ -259,6 +259,9 @@ SEEDING: tuple[tuple[str, str], ...] = (
 
 
 _CHECKPOINT_FILE = os.path.join("utils", "checkpoint.py")
+# torch.compile's compilers: dynamo saves the random generators' states before it traces a frame and
+# puts them back after (tracing draws nothing for real), a put-back that changes nothing
+_COMPILER_DIRS = tuple(_TORCH_DIR + d + os.sep for d in ("_dynamo", "_inductor", "_functorch"))
 
 # aten ops that draw from a random generator without a `generator` argument of their own (the others
 # have one: bernoulli_, normal_, multinomial, ...)
@@ -336,14 +339,15 @@ def _seeding_called_by_user(caller: Any, name: str) -> str | None:
     (``from torch import manual_seed``, whose body seeds CUDA through ``torch.cuda.manual_seed_all``),
     ``torch.random.fork_rng``'s put-back. Only ``torch.utils.checkpoint``'s recomputation is exempt: it
     puts back a state the same step took (a random op drawn while it is put back is refused on its
-    own, :func:`draws_random_numbers`); anything else is the step's own seeding, named by the
+    own, :func:`draws_random_numbers`), and so is torch.compile's compilation of a frame (it puts back
+    the states it saved before tracing); anything else is the step's own seeding, named by the
     outermost torch function below the step's line.
     """
     frame, outermost = caller, None
     while frame is not None and _is_library(frame.f_code.co_filename):
         filename = frame.f_code.co_filename
         if filename.startswith(_TORCH_DIR):
-            if filename.endswith(_CHECKPOINT_FILE):
+            if filename.endswith(_CHECKPOINT_FILE) or filename.startswith(_COMPILER_DIRS):
                 return None
             named = _torch_function_name(frame)
             if named is not None:
@@ -486,6 +490,21 @@ class StepTracer(TorchDispatchMode):
         # the caller): reads of them inside a hook are noted
         self.parameter_storages: frozenset[int] = frozenset()
         self._watching: str | None = None  # the eager hook whose reads are noted while paused
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let code compiled by ``torch.compile`` run compiled under this tracer.
+
+        By default dynamo does not compile while a TorchDispatchMode is active: it runs the frame
+        eagerly, and on the H200 a submodule the user compiled then ran as eager PyTorch ops in the
+        traced warm-up steps and in the captured graph, so the fit left the plain (compiled) one in
+        the last bits from the first update on (tests/gpu/test_callback_gpu.py, the compiled-submodule
+        test). With this, the tracer sees the compiled region as a whole, not its ops: dynamo keeps
+        host syncs out of compiled graphs (a graph break runs them eagerly, where they are traced), and
+        the Python numbers that compiled code reads are compared before each replay like any other
+        (l2lightning.called_code).
+        """
+        return True
 
     @contextlib.contextmanager
     def memoized(self) -> Iterator[None]:

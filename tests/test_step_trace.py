@@ -161,3 +161,27 @@ def test_output_is_the_steps_only_when_its_own_code_makes_it(tmp_path):
     assert [p.split(" at ")[0] for p in tracer.trace.problems] == ["`print`", "logging to `mine`"]
     print("after")
     assert len(tracer.trace.problems) == 2
+
+
+def test_compiled_code_runs_compiled_under_the_tracer_and_its_compilation_is_not_the_steps_seeding():
+    from torch._dynamo.utils import counters
+
+    @torch.compile(backend="eager")
+    def scaled(x):
+        return torch.nn.functional.gelu(x) * 0.5
+
+    torch._dynamo.reset()
+    counters.clear()
+    tracer = StepTracer("cpu")
+    x = torch.ones(4)
+    with tracer, tracer.watching_seeds():
+        scaled(x)  # dynamo compiles this frame here, saving and putting back the generators' states
+    # a TorchDispatchMode that does not ignore compile internals makes dynamo run the frame eagerly
+    assert counters["stats"]["unique_graphs"] == 1
+    assert tracer.trace.problems == []
+    seeding = StepTracer("cpu")
+    with seeding, seeding.watching_seeds():
+        scaled(x)
+        torch.manual_seed(0)
+    assert len(seeding.trace.problems) == 1 and "`torch.manual_seed`" in seeding.trace.problems[0]
+    torch._dynamo.reset()
