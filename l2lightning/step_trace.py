@@ -259,9 +259,11 @@ SEEDING: tuple[tuple[str, str], ...] = (
 
 
 _CHECKPOINT_FILE = os.path.join("utils", "checkpoint.py")
-# torch.compile's compilers: dynamo saves the random generators' states before it traces a frame and
-# puts them back after (tracing draws nothing for real), a put-back that changes nothing
-_COMPILER_DIRS = tuple(_TORCH_DIR + d + os.sep for d in ("_dynamo", "_inductor", "_functorch"))
+# dynamo's compilation of a frame (its entry, `_compile`, is in this file; inductor and AOTAutograd run
+# below it): it saves the random generators' states before it traces and puts them back after (tracing
+# draws nothing for real), a put-back that changes nothing. Only the compilation: dynamo's other files
+# also wrap functions torch runs eagerly (`torch._dynamo.disable`), seeding included on some versions.
+_COMPILE_ENTRY_FILE = os.path.join("_dynamo", "convert_frame.py")
 
 # aten ops that draw from a random generator without a `generator` argument of their own (the others
 # have one: bernoulli_, normal_, multinomial, ...)
@@ -347,7 +349,7 @@ def _seeding_called_by_user(caller: Any, name: str) -> str | None:
     while frame is not None and _is_library(frame.f_code.co_filename):
         filename = frame.f_code.co_filename
         if filename.startswith(_TORCH_DIR):
-            if filename.endswith(_CHECKPOINT_FILE) or filename.startswith(_COMPILER_DIRS):
+            if filename.endswith((_CHECKPOINT_FILE, _COMPILE_ENTRY_FILE)):
                 return None
             named = _torch_function_name(frame)
             if named is not None:

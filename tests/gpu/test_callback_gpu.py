@@ -367,7 +367,11 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(p, q), name
 
 
-def test_compile_with_prefetch_is_captured_verified_and_equals_compile_without_prefetch():
+def test_compile_with_prefetch_is_captured_verified_and_close_to_compile_without_prefetch():
+    """With compile=True the prefetch points are ops in the graph inductor compiles, so its kernels
+    may differ from those of the graph without them: on the H200 one run of this test had the two
+    fits' losses apart in the last bits from step 1 (9.670486 vs 9.670404), another had them equal.
+    Each fit's replays are verified bitwise against its own eager step; the two fits agree to rounding."""
     plain = fit(TinyMLP, [L2GraphCallback(compile=True, prefetch="off", verify=True)], steps=8)
     cb = L2GraphCallback(compile=True, prefetch="default", verify=True)
     run = fit(TinyMLP, [cb], steps=8)
@@ -375,7 +379,8 @@ def test_compile_with_prefetch_is_captured_verified_and_equals_compile_without_p
     assert summary["captured"] and summary["fallback_steps"] == 0, summary
     assert any(row["forward"] for row in cb.plans)  # the prefetch points are in the compiled graph
     assert cb.verify_report.ok
-    assert_same_run(plain, run)
+    a, b = torch.stack(plain[1].losses), torch.stack(run[1].losses)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=0)
 
 
 class UserCompiled(TinyMLP):
