@@ -509,6 +509,38 @@ class StepTracer(TorchDispatchMode):
         return True
 
     @contextlib.contextmanager
+    def watching_compiled_inputs(self, compiled: Sequence[tuple[str, torch.nn.Module]]) -> Iterator[None]:
+        """Note host tensors passed into the `compiled` submodules (name, module) during the step.
+
+        Compiled code runs as a whole under this tracer (:meth:`ignore_compile_internals`), so what it
+        does with a host tensor is not seen, while a graph keeps the capture's: a 0-d CPU tensor
+        becomes a number in the captured kernels' arguments, so a value that changes from step to step
+        would be the capture's at every replay. A host tensor passed in is noted as a problem of the
+        step, naming the submodule and the line of the call.
+        """
+        handles = [
+            module.register_forward_pre_hook(self._compiled_input_check(name), with_kwargs=True)
+            for name, module in compiled
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _compiled_input_check(self, name: str) -> Any:
+        def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            leaves, _ = tree_flatten((args, kwargs))
+            if any(isinstance(t, torch.Tensor) and t.device.type != self.device_type for t in leaves):
+                self.trace.add_problem(
+                    f"a host tensor is passed into `{name}`, compiled with torch.compile, at "
+                    f"{describe_frame(user_frame(2))}; what compiled code reads from a host tensor is "
+                    "not traced, and a graph would keep the capture's values: move it to the device first"
+                )
+
+        return check
+
+    @contextlib.contextmanager
     def memoized(self) -> Iterator[None]:
         """Patch the MEMOIZED functions: record their results (trace) or return the recorded ones (capture)."""
         import importlib

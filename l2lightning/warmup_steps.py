@@ -6,6 +6,7 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,11 +171,27 @@ class WarmupSteps:
                 tracer.memoized(),
                 tracer.watching_seeds(),
                 tracer.watching_output(loggers),
+                tracer.watching_compiled_inputs(self._compiled_submodules()),
                 sync_free_bincount(),
             ):
                 return closure() if closure is not None else None
         finally:
             self._tracer = None
+
+    def _compiled_submodules(self) -> list[tuple[str, torch.nn.Module]]:
+        """The submodules whose calls run compiled code, by name: those the user wrapped with
+        ``torch.compile(module)`` and, with ``compile=True``, the children this callback compiled.
+        (``module.compile()`` compiles the module's hooks with it: nothing of ours could run there.)"""
+        # no torch.compile yet in this process: no compiled module (and dynamo, slow to import, stays out)
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if self._module is None or eval_frame is None:
+            return []
+        ours = {id(child) for child in self._compiled_children}
+        return [
+            (name, sub)
+            for name, sub in self._module.named_modules()
+            if isinstance(sub, eval_frame.OptimizedModule) or id(sub) in ours
+        ]
 
     def _python_holders(self) -> list[tuple[str, Any]]:
         """The objects whose Python state a captured step could change: the module, its submodules,

@@ -415,3 +415,16 @@ def test_autotune_argument_is_checked_up_front_and_reaches_the_tuner(monkeypatch
 )
 def test_a_per_step_schedule_of_baked_hyperparameters_gets_advice_for_what_it_changes(changed, advice):
     assert _baked_schedule_advice(changed) == advice
+
+
+def test_traced_steps_watch_the_submodules_the_user_compiled_and_those_compile_true_compiled():
+    cb = L2GraphCallback()
+    module = TinyMLP(width=8, depth=1)
+    assert cb._compiled_submodules() == []  # before the fit: no module
+    cb._module = module
+    module.net = torch.compile(module.net, backend="eager")
+    cb._compiled_children = [module.head]
+    assert [(name, type(sub).__name__) for name, sub in cb._compiled_submodules()] == [
+        ("net", "OptimizedModule"),
+        ("head", "Linear"),
+    ]

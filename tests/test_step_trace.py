@@ -185,3 +185,18 @@ def test_compiled_code_runs_compiled_under_the_tracer_and_its_compilation_is_not
         torch.manual_seed(0)
     assert len(seeding.trace.problems) == 1 and "`torch.manual_seed`" in seeding.trace.problems[0]
     torch._dynamo.reset()
+
+
+def test_a_host_tensor_passed_into_a_compiled_submodule_is_a_problem_naming_it_and_the_line():
+    layer = torch.nn.Linear(4, 4)
+    on_device = StepTracer("cpu")  # CPU tensors are the device's here
+    with on_device, on_device.watching_compiled_inputs([("encoder", layer)]):
+        layer(torch.ones(2, 4))
+    assert on_device.trace.problems == []
+    tracer = StepTracer("cuda")
+    with tracer, tracer.watching_compiled_inputs([("encoder", layer)]):
+        layer(torch.ones(2, 4))
+    (problem,) = tracer.trace.problems
+    assert "passed into `encoder`, compiled with torch.compile" in problem
+    assert "test_step_trace.py:" in problem
+    assert not layer._forward_pre_hooks  # the watch's hook is gone after the step

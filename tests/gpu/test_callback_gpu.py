@@ -401,6 +401,42 @@ def test_a_submodule_the_user_compiled_is_captured_and_the_fit_is_bitwise_the_ba
     assert_same_run(base, run)
 
 
+class ScaledBlock(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x, scale):
+        return torch.nn.functional.gelu(self.lin(x)) * scale
+
+
+class PassesAHostTensorIntoCompiled(TinyMLP):
+    """Passes a CPU scalar tensor into a submodule it compiled: inductor makes it a kernel argument,
+    which a graph would keep from the capture, and the tracer cannot see inside compiled code."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.block = torch.compile(ScaledBlock(512))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        scale = torch.tensor(0.5)
+        pred = self.head(self.block(self.net(x), scale)).squeeze(-1)
+        loss = (pred - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_a_host_tensor_passed_into_a_compiled_submodule_is_refused_by_name_and_trains_like_plain():
+    torch._dynamo.reset()
+    assert_refused_and_trains_like_plain(
+        PassesAHostTensorIntoCompiled,
+        r"host tensor is passed into `block`",
+        "compiled with torch.compile",
+        steps=8,
+    )
+
+
 def test_report_times_phases_inside_the_graph_and_counts_kernels():
     cb = L2GraphCallback(prefetch="default", report=True)
     fit(TinyMLP, [cb], steps=6)
