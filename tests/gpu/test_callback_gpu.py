@@ -391,12 +391,22 @@ class UserCompiled(TinyMLP):
         self.net = torch.compile(self.net)
 
 
-def test_a_submodule_the_user_compiled_is_captured_and_the_fit_is_bitwise_the_baseline():
+class UserCompiledWithDropout(TinyMLP):
+    """A compiled submodule that draws random numbers: inductor's own RNG (seeds drawn from the CUDA
+    generator, philox in its kernels), inside the captured graph."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.net = torch.compile(torch.nn.Sequential(self.net, torch.nn.Dropout(0.1)))
+
+
+@pytest.mark.parametrize("model_cls", [UserCompiled, UserCompiledWithDropout], ids=["plain", "dropout"])
+def test_a_submodule_the_user_compiled_is_captured_and_the_fit_is_bitwise_the_baseline(model_cls):
     torch._dynamo.reset()
-    base = fit(UserCompiled, [], steps=20, baseline=True)
+    base = fit(model_cls, [], steps=20, baseline=True)
     torch._dynamo.reset()
     cb = L2GraphCallback(prefetch="off")
-    run = fit(UserCompiled, [cb], steps=20)
+    run = fit(model_cls, [cb], steps=20)
     assert cb.summary()["captured"], cb.summary()
     assert_same_run(base, run)
 
