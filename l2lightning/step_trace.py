@@ -537,8 +537,26 @@ class StepTracer(TorchDispatchMode):
                     f"{describe_frame(user_frame(2))}; what compiled code reads from a host tensor is "
                     "not traced, and a graph would keep the capture's values: move it to the device first"
                 )
+            held = self._host_tensor_attributes(module)
+            if held:
+                self.trace.add_problem(
+                    f"`{name}`, compiled with torch.compile, holds host tensors in attributes "
+                    f"({', '.join(f'`{a}`' for a in held)}); what compiled code reads from them is not "
+                    "traced, and a graph would keep the capture's values: register them as buffers "
+                    "(`register_buffer`), which Lightning moves to the device"
+                )
 
         return check
+
+    def _host_tensor_attributes(self, module: torch.nn.Module) -> list[str]:
+        """Plain tensor attributes (not parameters or buffers, which Lightning moves) on the host."""
+        held = []
+        for prefix, sub in module.named_modules():
+            for attr, value in vars(sub).items():
+                if isinstance(value, torch.Tensor) and value.device.type != self.device_type:
+                    path = f"{prefix}.{attr}" if prefix else attr
+                    held.append(path.removeprefix("_orig_mod.").removeprefix("_orig_mod"))
+        return held
 
     @contextlib.contextmanager
     def memoized(self) -> Iterator[None]:

@@ -200,3 +200,22 @@ def test_a_host_tensor_passed_into_a_compiled_submodule_is_a_problem_naming_it_a
     assert "passed into `encoder`, compiled with torch.compile" in problem
     assert "test_step_trace.py:" in problem
     assert not layer._forward_pre_hooks  # the watch's hook is gone after the step
+
+
+def test_a_compiled_submodule_holding_a_host_tensor_attribute_is_a_problem_naming_it():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("shift", torch.zeros(4))  # a buffer: Lightning moves it
+            self.scale = torch.tensor(0.5)  # a plain attribute: stays on the host
+
+        def forward(self, x):
+            return self.lin(x) * self.scale + self.shift
+
+    layer = Scaled().to("meta")  # "meta" stands for the device here: parameters and buffers move
+    tracer = StepTracer("meta")
+    with tracer, tracer.watching_compiled_inputs([("block", layer)]):
+        layer(torch.ones(2, 4, device="meta"))
+    (problem,) = tracer.trace.problems
+    assert "`block`, compiled with torch.compile, holds host tensors in attributes (`scale`)" in problem
