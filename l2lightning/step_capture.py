@@ -31,6 +31,7 @@ from l2lightning.step_overrides import copied_element
 from l2lightning.step_trace import (
     CaptureRefused,
     HostConstants,
+    HostRead,
     StepTracer,
     describe_frame,
     first_line,
@@ -88,6 +89,8 @@ class _Graph:
     attributes: list = field(default_factory=list)
     # the hooks the graph ran (on the module, its layers, its parameters, nn.Module's global ones)
     hooks: StepHooks | None = None
+    # the host tensors its device ops read at the capture (step_trace.HostRead), compared before each replay
+    host_reads: list[HostRead] = field(default_factory=list)
 
     def bind_grads(self) -> None:
         """Point every parameter's ``.grad`` at the tensor this graph writes for it (an eager step, the
@@ -204,6 +207,7 @@ class StepCapture:
             if python_changed and self._traced_steps >= 1:
                 raise CaptureRefused(self._python_problem(python_changed))
             graph.appends = [(a, a.current()[-1]) for a in appended]
+            graph.host_reads = tracer.host_reads
             return out
 
         drop_autograd_graphs(module)  # a metric's step value can hold the last step's autograd graph

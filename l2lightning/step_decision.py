@@ -11,6 +11,7 @@ import torch
 from l2lightning import python_state
 from l2lightning.capture import flatten_batch, read_signature
 from l2lightning.module_flags import ModuleFlags
+from l2lightning.step_trace import describe_frame
 
 _data_ptr = torch.Tensor.data_ptr  # per parameter per step: mapped in C, not a Python loop
 
@@ -129,6 +130,15 @@ class StepDecision:
         attributes = self._source.changed_attribute_values(graph.attributes, module, batch_idx)
         if attributes:
             return self._recapture(f"values the step reads changed ({'; '.join(attributes)})")
+        changed_hosts = [read for read in graph.host_reads if read.changed()]
+        if changed_hosts:
+            if graph.constants is not None:
+                graph.constants.take_changed_sources()  # the next capture substitutes the new values
+            where = sorted({describe_frame(read.frame) for read in changed_hosts})
+            return self._recapture(
+                f"host tensors the step reads changed in place since capture (read at {', '.join(where[:3])}"
+                f"{', ...' if len(where) > 3 else ''}; the graph holds the values it read then)"
+            )
         self._recapture_streak = 0
         gate = self._gate
         if gate is not None:

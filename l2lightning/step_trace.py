@@ -238,6 +238,50 @@ class HostConstants:
             else:
                 self.device_copies.append(c.value.to(device))
         self.used = 0
+        # the host tensor each constant was read from at the capture (set by the capture's tracer)
+        self.sources: list[torch.Tensor | None] = [None] * len(self.entries)
+
+    def take_changed_sources(self) -> None:
+        """Make the constants whose host tensor holds other bytes now (changed in place since the
+        capture) the values the next capture substitutes, as the warm-up steps had traced them."""
+        for entry, source in zip(self.entries, self.sources):
+            if source is None or same_bytes(source, entry.value):
+                continue
+            entry.value = source.detach().clone()
+            if entry.kind == "to" and entry.result is not None:
+                entry.result = source.detach().to(device=entry.result.device, dtype=entry.result.dtype)
+
+
+@dataclass
+class HostRead:
+    """A host tensor an op of the captured step read on the device, and its bytes at the capture.
+
+    The graph keeps what it read then: a 0-d CPU tensor (`logits / self.temperature`) is a number in
+    the captured kernel's arguments, a larger one the device copy the capture substituted. Changed in
+    place after the capture (an epoch hook's `self.temperature.mul_(0.9)`), replays would go on with
+    the old value; the bytes are compared before each replay.
+    """
+
+    tensor: torch.Tensor
+    captured: torch.Tensor
+    frame: tuple[str, int] | None
+
+    def changed(self) -> bool:
+        return not same_bytes(self.tensor, self.captured)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two host tensors hold the same shape, dtype and values (NaNs equal where both are)."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b) or _nan_equal(a, b))
+
+
+def _nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(
+        torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+        and torch.equal(a.isnan(), b.isnan())
+    )
 
 
 # Library functions that sync only to decide a Python value from a tensor that a step builds the
@@ -492,6 +536,9 @@ class StepTracer(TorchDispatchMode):
         # the caller): reads of them inside a hook are noted
         self.parameter_storages: frozenset[int] = frozenset()
         self._watching: str | None = None  # the eager hook whose reads are noted while paused
+        # capture: the host tensors the step's device ops read (:class:`HostRead`), one per tensor
+        self.host_reads: list[HostRead] = []
+        self._host_read_ids: set[int] = set()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -770,6 +817,8 @@ class StepTracer(TorchDispatchMode):
                 "or once in __init__ as a buffer"
             )
         host_kind = self._host_constant_kind(func, args, kwargs, tensors, on_device)
+        if self.constants is not None and self.device_type != "cpu" and (on_device or host_kind is not None):
+            self._note_host_reads(tensors, frame)
         if self.constants is not None and host_kind is not None:
             return self._substitute(func, host_kind, args, kwargs, frame)
         result = func(*args, **kwargs)
@@ -783,6 +832,12 @@ class StepTracer(TorchDispatchMode):
         if host_kind is not None:
             self._record_constants(host_kind, args, result, frame)
         return result
+
+    def _note_host_reads(self, values: list[Any], frame: tuple[str, int] | None) -> None:
+        for t in values:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and id(t) not in self._host_read_ids:
+                self._host_read_ids.add(id(t))
+                self.host_reads.append(HostRead(t, t.detach().clone(), frame))
 
     def _reads_updated(self, values: list[Any]) -> bool:
         """Whether any tensor among `values` lives in :attr:`parameter_storages`."""
@@ -918,6 +973,7 @@ class StepTracer(TorchDispatchMode):
                 f"the host tensor that reaches the device at {describe_frame(frame)} changed since the warm-up "
                 "steps; a graph can only hold a constant one"
             )
+        constants.sources[i] = value
         constants.used += 1
         return constants.device_copies[i]
 

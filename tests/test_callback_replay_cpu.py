@@ -3106,3 +3106,30 @@ def test_lightning_callbacks_that_make_a_scheduler_mid_fit_train_like_the_baseli
     run = fit(TinyMLP, [made(), cb], steps=90, fused=True)
     assert cb.summary()["captured"], cb.summary()
     assert_same(base, run)
+
+
+def test_a_host_tensor_the_graph_read_changed_in_place_captures_the_step_again():
+    """On the GPU a capture notes the host tensors its device ops read (a 0-d CPU tensor is a number in
+    a kernel's arguments); on the CPU stand-in every tensor is the device's, so the note is made here as
+    a GPU capture would make it, and an epoch hook's in-place change must bring a new capture."""
+    from l2lightning.step_trace import HostRead
+
+    temperature = torch.tensor(1.0)
+
+    class NotesAndAnneals(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            graph = cb._graph
+            if graph is not None and not graph.host_reads:
+                graph.host_reads.append(HostRead(temperature, temperature.clone(), ("model.py", 7)))
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            temperature.mul_(0.5)
+
+    cb = callback()
+    with pytest.warns(
+        UserWarning,
+        match=r"capturing the step again: host tensors the step reads changed in place since capture "
+        r"\(read at model.py:7; the graph holds the values it read then\)",
+    ):
+        fit(TinyMLP, [NotesAndAnneals(), cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()

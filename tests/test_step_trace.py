@@ -219,3 +219,42 @@ def test_a_compiled_submodule_holding_a_host_tensor_attribute_is_a_problem_namin
         layer(torch.ones(2, 4, device="meta"))
     (problem,) = tracer.trace.problems
     assert "`block`, compiled with torch.compile, holds host tensors in attributes (`scale`)" in problem
+
+
+def test_a_capture_notes_the_host_tensors_its_device_ops_read_and_tells_when_one_changed_in_place():
+    # "meta" stands for the device: a 0-d CPU tensor in a device op is a number in the kernel's
+    # arguments, which a graph keeps from the capture
+    temperature = torch.tensor(2.0)
+    x = torch.ones(3, device="meta")
+    tracer = StepTracer("meta", HostConstants([], torch.device("meta")))
+    with tracer:
+        x / temperature
+        x / temperature  # read twice: noted once
+        torch.ones(2) * temperature  # a host op: nothing for a graph to keep
+    (read,) = tracer.host_reads
+    assert read.tensor is temperature and read.frame[0].endswith("test_step_trace.py")
+    assert not read.changed()
+    temperature.mul_(0.9)  # an epoch hook annealing it in place
+    assert read.changed()
+
+
+def test_a_substituted_host_constant_changed_in_place_is_what_the_next_capture_substitutes():
+    mask = torch.tensor([1.0, 0.0, 1.0])
+    x = torch.ones(3, device="meta")
+    traced = StepTracer("meta")
+    with traced:
+        x * mask.to("meta")
+    (entry,) = traced.trace.constants
+    constants = HostConstants(traced.trace.constants, torch.device("meta"))
+    capture = StepTracer("meta", constants)
+    with capture:
+        x * mask.to("meta")
+    assert constants.sources == [mask] and [r.tensor for r in capture.host_reads] == [mask]
+    mask[1] = 1.0
+    assert capture.host_reads[0].changed()
+    constants.take_changed_sources()
+    assert torch.equal(entry.value, torch.ones(3)) and entry.result.device.type == "meta"
+    again = HostConstants(traced.trace.constants, torch.device("meta"))
+    with StepTracer("meta", again):
+        x * mask.to("meta")  # the new bytes are the constant now: no refusal
+    assert again.used == 1
