@@ -618,6 +618,36 @@ def test_a_number_the_step_reads_from_another_callback_is_compared_before_each_r
     assert_same_run(base, run)
 
 
+class AnnealsAHostTemperature(TinyMLP):
+    """Divides by a 0-d CPU tensor kept as a plain attribute (Lightning does not move it): each CUDA
+    kernel reading it takes its value as an argument, which a graph keeps from the capture. An epoch
+    hook anneals it in place."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.temperature = torch.tensor(1.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(self.net(x)).squeeze(-1) / self.temperature
+        loss = (pred - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def on_train_epoch_end(self):
+        self.temperature.mul_(0.5)
+
+
+def test_a_host_tensor_annealed_in_place_is_compared_before_each_replay_and_the_fit_is_the_baseline():
+    base = fit(AnnealsAHostTemperature, [], steps=90, baseline=True)
+    cb = L2GraphCallback(prefetch="off")
+    with pytest.warns(UserWarning, match="host tensors the step reads changed in place since capture"):
+        run = fit(AnnealsAHostTemperature, [cb], steps=90)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
+    assert_same_run(base, run)
+
+
 @pytest.mark.parametrize(
     ("how", "named"),
     [
