@@ -3133,3 +3133,27 @@ def test_a_host_tensor_the_graph_read_changed_in_place_captures_the_step_again()
     ):
         fit(TinyMLP, [NotesAndAnneals(), cb], steps=90)
     assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+
+
+@pytest.mark.parametrize("how", ["compile=True", "a submodule the user compiled"])
+def test_compiled_code_is_compiled_under_the_callback(monkeypatch, how):
+    """Until f94d068 dynamo ran compiled code eagerly under the warm-up tracer (a TorchDispatchMode),
+    so neither compile=True's children nor a submodule the user compiled got a compiled graph."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    # dynamo's own "eager" backend: compiled frames without inductor's slow CPU code generation
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    model = TinyMLP(width=32, depth=3)
+    if how == "compile=True":
+        cb = callback(compile=True)
+    else:
+        model.net = torch.compile(model.net)
+        cb = callback()
+    fit(TinyMLP, [cb], steps=8, model=model)
+    assert cb.summary()["captured"], cb.summary()
+    assert counters["stats"]["unique_graphs"] >= 1
+    torch._dynamo.reset()
