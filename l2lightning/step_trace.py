@@ -18,7 +18,11 @@ callback traces its eager warm-up steps (:class:`StepTracer`) and learns:
   if their bytes differ, the step cannot be captured, and the line is named.
 
 During the capture itself the same mode runs with the constants (substituting them, and refusing a
-sync before CUDA ever sees it, which keeps a refused capture clean).
+sync before CUDA ever sees it, which keeps a refused capture clean), and notes every host tensor the
+step's device ops read, with its bytes (:class:`HostRead`): the graph keeps those values, so the
+callback compares them before each replay. Code compiled by ``torch.compile`` runs compiled under
+the mode, as a whole (:meth:`StepTracer.ignore_compile_internals`); host tensors passed into or held
+by compiled submodules are noted as problems (:meth:`StepTracer.watching_compiled_inputs`).
 """
 
 from __future__ import annotations
