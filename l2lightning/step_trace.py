@@ -606,7 +606,7 @@ class StepTracer(TorchDispatchMode):
             for attr, value in vars(sub).items():
                 if isinstance(value, torch.Tensor) and value.device.type != self.device_type:
                     path = f"{prefix}.{attr}" if prefix else attr
-                    held.append(path.removeprefix("_orig_mod.").removeprefix("_orig_mod"))
+                    held.append(path.removeprefix("_orig_mod."))  # torch.compile's wrapper: the user's names
         return held
 
     @contextlib.contextmanager
@@ -837,9 +837,9 @@ class StepTracer(TorchDispatchMode):
             self._record_constants(host_kind, args, result, frame)
         return result
 
-    def _note_host_reads(self, values: list[Any], frame: tuple[str, int] | None) -> None:
-        for t in values:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and id(t) not in self._host_read_ids:
+    def _note_host_reads(self, tensors: list[torch.Tensor], frame: tuple[str, int] | None) -> None:
+        for t in tensors:
+            if t.device.type == "cpu" and id(t) not in self._host_read_ids:
                 self._host_read_ids.add(id(t))
                 self.host_reads.append(HostRead(t, t.detach().clone(), frame))
 
