@@ -312,6 +312,11 @@ _CHECKPOINT_FILE = os.path.join("utils", "checkpoint.py")
 # draws nothing for real), a put-back that changes nothing. Only the compilation: dynamo's other files
 # also wrap functions torch runs eagerly (`torch._dynamo.disable`), seeding included on some versions.
 _COMPILE_ENTRY_FILE = os.path.join("_dynamo", "convert_frame.py")
+# torch.compile's other put-back, `preserve_rng_state` (a context manager in this file): inductor wraps
+# its code generation in it, including the backward's, which AOTAutograd compiles lazily at the first
+# backward (so below `loss.backward()`, not below dynamo's entry). It puts back the states it saved on
+# entry, so it changes nothing; exempt only when it is the seeding call's direct caller.
+_RNG_PRESERVER = (os.path.join("_dynamo", "utils.py"), "preserve_rng_state")
 
 # aten ops that draw from a random generator without a `generator` argument of their own (the others
 # have one: bernoulli_, normal_, multinomial, ...)
@@ -389,10 +394,12 @@ def _seeding_called_by_user(caller: Any, name: str) -> str | None:
     (``from torch import manual_seed``, whose body seeds CUDA through ``torch.cuda.manual_seed_all``),
     ``torch.random.fork_rng``'s put-back. Only ``torch.utils.checkpoint``'s recomputation is exempt: it
     puts back a state the same step took (a random op drawn while it is put back is refused on its
-    own, :func:`draws_random_numbers`), and so is torch.compile's compilation of a frame (it puts back
-    the states it saved before tracing); anything else is the step's own seeding, named by the
+    own, :func:`draws_random_numbers`), and so are torch.compile's compilation of a frame and inductor's
+    code generation (each puts back the states it saved before); anything else is the step's own seeding, named by the
     outermost torch function below the step's line.
     """
+    if caller.f_code.co_filename.endswith(_RNG_PRESERVER[0]) and caller.f_code.co_name == _RNG_PRESERVER[1]:
+        return None
     frame, outermost = caller, None
     while frame is not None and _is_library(frame.f_code.co_filename):
         filename = frame.f_code.co_filename

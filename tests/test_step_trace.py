@@ -187,6 +187,23 @@ def test_compiled_code_runs_compiled_under_the_tracer_and_its_compilation_is_not
     torch._dynamo.reset()
 
 
+def test_inductors_put_back_of_the_generators_is_not_the_steps_seeding_but_seeding_inside_it_is():
+    """Inductor generates the backward's code lazily, below `loss.backward()` rather than below dynamo's
+    compile entry, inside dynamo's `preserve_rng_state`: its put-back restores what it saved."""
+    from torch._dynamo.utils import preserve_rng_state
+
+    tracer = StepTracer("cpu")
+    with tracer, tracer.watching_seeds():
+        with preserve_rng_state():
+            pass
+    assert tracer.trace.problems == []
+    seeding = StepTracer("cpu")
+    with seeding, seeding.watching_seeds():
+        with preserve_rng_state():
+            torch.manual_seed(0)  # the step's own seeding, whatever context it runs in
+    assert len(seeding.trace.problems) == 1 and "`torch.manual_seed`" in seeding.trace.problems[0]
+
+
 def test_a_host_tensor_passed_into_a_compiled_submodule_is_a_problem_naming_it_and_the_line():
     layer = torch.nn.Linear(4, 4)
     on_device = StepTracer("cpu")  # CPU tensors are the device's here
