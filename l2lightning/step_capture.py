@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from l2lightning import python_state
+from l2lightning import numerics_settings, python_state
 from l2lightning.called_code import StepHooks, analyse_called_code
 from l2lightning.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
 from l2lightning.cuda_memory import free_cached_memory, memory_state
@@ -91,6 +91,8 @@ class _Graph:
     hooks: StepHooks | None = None
     # the host tensors its device ops read at the capture (step_trace.HostRead), compared before each replay
     host_reads: list[HostRead] = field(default_factory=list)
+    # the process-wide settings that chose its kernels (numerics_settings.read), likewise
+    numerics: tuple = ()
 
     def bind_grads(self) -> None:
         """Point every parameter's ``.grad`` at the tensor this graph writes for it (an eager step, the
@@ -312,6 +314,7 @@ class StepCapture:
         graph.scalars = python_state.unique_checks(graph.scalars)
         graph.tensors = python_state.unique_checks(graph.tensors)
         graph.hooks = StepHooks.of(module)
+        graph.numerics = numerics_settings.read()
         graph.registered = self._flags.tensors()
         graph.registered_tensors = tuple(t for _, t in graph.registered)
         graph.data_ptrs = [t.data_ptr() for t in graph.registered_tensors]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from l2lightning import python_state
+from l2lightning import numerics_settings, python_state
 from l2lightning.capture import flatten_batch, read_signature
 from l2lightning.module_flags import ModuleFlags
 from l2lightning.step_trace import describe_frame
@@ -138,6 +138,13 @@ class StepDecision:
             return self._recapture(
                 f"host tensors the step reads changed in place since capture (read at {', '.join(where[:3])}"
                 f"{', ...' if len(where) > 3 else ''}; the graph holds the values it read then)"
+            )
+        numerics = numerics_settings.read()
+        if numerics != graph.numerics:
+            changed = "; ".join(numerics_settings.changes(graph.numerics, numerics))
+            return self._recapture(
+                f"torch's numerics settings changed since capture ({changed}; the graph holds the kernels "
+                "its capture chose)"
             )
         self._recapture_streak = 0
         gate = self._gate

@@ -52,6 +52,21 @@ class WeightOnACallback(Callback):
         self.alpha = 1.0 + trainer.current_epoch
 
 
+class TF32FromEpochOne(Callback):
+    """Turns TF32 matmuls on for epoch 1 and off again from epoch 2 (a precision schedule), then puts
+    back the setting it found. On a GPU TF32 changes an FP32 step's numbers; a graph keeps the kernels
+    of its capture."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.found = torch.backends.cuda.matmul.allow_tf32
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        torch.backends.cuda.matmul.allow_tf32 = trainer.current_epoch == 1
+
+    def on_fit_end(self, trainer, pl_module):
+        torch.backends.cuda.matmul.allow_tf32 = self.found
+
+
 class ReadsACallback(TinyMLP):
     """Weights its loss by a number another callback holds (``self.trainer.callbacks[1].alpha``)."""
 

@@ -47,6 +47,7 @@ from tests.between_step_models import (
     SeedsInTheStep,
     SwitchesItsLoss,
     TensorInAContainer,
+    TF32FromEpochOne,
     ValidatedDistribution,
     WeightOnACallback,
     WritesOutEveryStep,
@@ -133,13 +134,14 @@ def assert_refused_like_plain(cls, match, steps=20, **model_kwargs):
     return cb
 
 
-def assert_captured_again_like_baseline(cls, match, captures=3, steps=90, **model_kwargs):
+def assert_captured_again_like_baseline(cls, match, captures=3, steps=90, callbacks=(), **model_kwargs):
     """`cls`'s step is captured again when what it reads changes (a warning matching `match`, once per
-    epoch with 30 batches an epoch: `captures` in all), and the fit is bit for bit its baseline."""
-    base = fit(baseline_of(cls), steps=steps, **model_kwargs)
+    epoch with 30 batches an epoch: `captures` in all), and the fit is bit for bit its baseline; each
+    fit gets `callbacks` before the graph callback."""
+    base = fit(baseline_of(cls), list(callbacks), steps=steps, **model_kwargs)
     cb = callback()
     with pytest.warns(UserWarning, match=match):
-        run = fit(cls, [cb], steps=steps, **model_kwargs)
+        run = fit(cls, [*callbacks, cb], steps=steps, **model_kwargs)
     assert cb.summary()["captured"] and cb.summary()["captures"] == captures, cb.summary()
     assert_same(base, run)
 
@@ -3133,6 +3135,19 @@ def test_a_host_tensor_the_graph_read_changed_in_place_captures_the_step_again()
     ):
         fit(TinyMLP, [NotesAndAnneals(), cb], steps=90)
     assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+
+
+def test_a_numerics_setting_changed_mid_fit_captures_the_step_again_naming_it():
+    found = torch.backends.cuda.matmul.allow_tf32
+    try:
+        assert_captured_again_like_baseline(
+            TinyMLP,
+            r"capturing the step again: torch's numerics settings changed since capture "
+            r"\(.*torch.backends.cuda.matmul.allow_tf32: False -> True; .*the graph holds the kernels",
+            callbacks=[TF32FromEpochOne()],
+        )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = found
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])

@@ -14,6 +14,7 @@ from tests.between_step_models import (
     ReadsWhatItAppended,
     SeedsInTheStep,
     SwitchesItsLoss,
+    TF32FromEpochOne,
     WeightOnACallback,
     WritesOutEveryStep,
 )
@@ -649,6 +650,26 @@ def test_a_host_tensor_annealed_in_place_is_compared_before_each_replay_and_the_
     cb = L2GraphCallback(prefetch="off")
     with pytest.warns(UserWarning, match="host tensors the step reads changed in place since capture"):
         run = fit(AnnealsAHostTemperature, [cb], steps=90)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
+    assert_same_run(base, run)
+
+
+def test_tf32_switched_on_for_an_epoch_is_captured_again_and_the_fit_is_the_baseline():
+    """TF32 matmuls change an FP32 step's numbers; a graph keeps the kernels its capture chose, so the
+    replays after the switch would have trained in full precision (and back)."""
+    found = torch.backends.cuda.matmul.allow_tf32
+    try:
+        full = fit(TinyMLP, [], steps=90, baseline=True)
+        base = fit(TinyMLP, [TF32FromEpochOne()], steps=90, baseline=True)
+        # the switch changes the numbers (else this test could not fail): epoch 1 trains otherwise
+        assert torch.equal(full[1].losses[29], base[1].losses[29])
+        assert not torch.equal(full[1].losses[31], base[1].losses[31])
+        cb = L2GraphCallback(prefetch="off")
+        with pytest.warns(UserWarning, match="numerics settings changed since capture"):
+            run = fit(TinyMLP, [TF32FromEpochOne(), cb], steps=90)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = found
     summary = cb.summary()
     assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
     assert_same_run(base, run)
