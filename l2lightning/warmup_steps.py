@@ -180,8 +180,8 @@ class WarmupSteps:
 
     def _compiled_submodules(self) -> list[tuple[str, torch.nn.Module]]:
         """The submodules whose calls run compiled code, by name: those the user wrapped with
-        ``torch.compile(module)`` and, with ``compile=True``, the children this callback compiled.
-        (``module.compile()`` compiles the module's hooks with it: nothing of ours could run there.)"""
+        ``torch.compile(module)`` or compiled in place with ``module.compile()`` and, with
+        ``compile=True``, the children this callback compiled."""
         # no torch.compile yet in this process: no compiled module (and dynamo, slow to import, stays out)
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
         if self._module is None or eval_frame is None:
@@ -190,7 +190,9 @@ class WarmupSteps:
         return [
             (name, sub)
             for name, sub in self._module.named_modules()
-            if isinstance(sub, eval_frame.OptimizedModule) or id(sub) in ours
+            if isinstance(sub, eval_frame.OptimizedModule)
+            or sub.__dict__.get("_compiled_call_impl") is not None
+            or id(sub) in ours
         ]
 
     def _python_holders(self) -> list[tuple[str, Any]]:

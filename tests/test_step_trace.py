@@ -219,6 +219,34 @@ def test_a_host_tensor_passed_into_a_compiled_submodule_is_a_problem_naming_it_a
     assert not layer._forward_pre_hooks  # the watch's hook is gone after the step
 
 
+def test_a_host_tensor_passed_into_a_module_compiled_in_place_is_a_problem_naming_it_and_the_line():
+    """``module.compile()`` compiles the module's call with its hooks, but dynamo skips that call's own
+    frame (torch's ``_call_impl``), so the check hooked on the module runs outside the compiled graph:
+    found, and the same graph inside the watch and after it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    class Doubled(torch.nn.Linear):  # a forward of the user's: dynamo compiles it (not torch's own)
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    layer = Doubled(4, 4)
+    layer.compile()
+    compiled_call = layer._compiled_call_impl
+    tracer = StepTracer("cuda")  # the CPU tensors are host tensors to a CUDA step
+    with tracer, tracer.watching_compiled_inputs([("encoder", layer)]):
+        out = layer(torch.ones(2, 4))
+    (problem,) = tracer.trace.problems
+    assert "passed into `encoder`, compiled with torch.compile" in problem
+    assert "test_step_trace.py:" in problem and "layer(torch.ones(2, 4))" in problem
+    assert layer._compiled_call_impl is compiled_call
+    assert torch.equal(out, layer(torch.ones(2, 4)))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
 def test_a_compiled_submodule_holding_a_host_tensor_attribute_is_a_problem_naming_it():
     class Scaled(torch.nn.Module):
         def __init__(self):

@@ -444,10 +444,24 @@ class PassesAHostTensorIntoCompiled(TinyMLP):
         return loss
 
 
-def test_a_host_tensor_passed_into_a_compiled_submodule_is_refused_by_name_and_trains_like_plain():
+class PassesAHostTensorIntoCompiledInPlace(PassesAHostTensorIntoCompiled):
+    """The same, with the block compiled in place (``module.compile()``, which torch recommends)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.block = ScaledBlock(512)
+        self.block.compile()
+
+
+@pytest.mark.parametrize(
+    "model_cls",
+    [PassesAHostTensorIntoCompiled, PassesAHostTensorIntoCompiledInPlace],
+    ids=["torch.compile(module)", "module.compile()"],
+)
+def test_a_host_tensor_passed_into_a_compiled_submodule_is_refused_by_name_and_trains_like_plain(model_cls):
     torch._dynamo.reset()
     assert_refused_and_trains_like_plain(
-        PassesAHostTensorIntoCompiled,
+        model_cls,
         r"host tensor is passed into `block`",
         "compiled with torch.compile",
         steps=8,
