@@ -20,7 +20,10 @@ callback traces its eager warm-up steps (:class:`StepTracer`) and learns:
 During the capture itself the same mode runs with the constants (substituting them, and refusing a
 sync before CUDA ever sees it, which keeps a refused capture clean), and notes every host tensor the
 step's device ops read, with its bytes (:class:`HostRead`): the graph keeps those values, so the
-callback compares them before each replay. Code compiled by ``torch.compile`` runs compiled under
+callback compares them before each replay. A host tensor the step made with host ops
+(``self.temperature.clamp(min=0.1)``) is noted as the host tensors it was made of, and so is one
+whose value the step's own code reads on the host (``self.temperature.item()``): the step makes the
+one anew and reads the other at every eager step, while the graph keeps the number of its capture. Code compiled by ``torch.compile`` runs compiled under
 the mode, as a whole (:meth:`StepTracer.ignore_compile_internals`); host tensors passed into or held
 by compiled submodules are noted as problems (:meth:`StepTracer.watching_compiled_inputs`).
 """
@@ -101,6 +104,15 @@ def user_frame(skip: int = 1) -> tuple[str, int] | None:
             return frame.f_code.co_filename, frame.f_lineno
         frame = frame.f_back
     return None
+
+
+def _called_from_users_code() -> bool:
+    """Whether the op being dispatched was asked for by the user's own code: the first frame above the
+    dispatch outside torch is the user's (not Lightning's, torchmetrics' or this package's)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    return frame is not None and _is_users_file(frame.f_code.co_filename)
 
 
 def user_frame_of_traceback(tb: Any) -> tuple[str, int] | None:
@@ -263,7 +275,8 @@ class HostRead:
     The graph keeps what it read then: a 0-d CPU tensor (`logits / self.temperature`) is a number in
     the captured kernel's arguments, a larger one the device copy the capture substituted. Changed in
     place after the capture (an epoch hook's `self.temperature.mul_(0.9)`), replays would go on with
-    the old value; the bytes are compared before each replay.
+    the old value; the bytes are compared before each replay. Also a host tensor a host op made the
+    device op's input of, or whose value the step read with `.item()`.
     """
 
     tensor: torch.Tensor
@@ -550,6 +563,11 @@ class StepTracer(TorchDispatchMode):
         # capture: the host tensors the step's device ops read (:class:`HostRead`), one per tensor
         self.host_reads: list[HostRead] = []
         self._host_read_ids: set[int] = set()
+        # capture: for each host tensor a host op of the step made, the host tensors from before the
+        # step its values come from (`self.temperature.clamp(min=0.1)`: the attribute), by id; the
+        # made tensors are kept alive for the capture so that no id is reused
+        self._host_sources: dict[int, list[torch.Tensor]] = {}
+        self._host_made: list[torch.Tensor] = []
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -828,11 +846,18 @@ class StepTracer(TorchDispatchMode):
                 "or once in __init__ as a buffer"
             )
         host_kind = self._host_constant_kind(func, args, kwargs, tensors, on_device)
-        if self.constants is not None and self.device_type != "cpu" and (on_device or host_kind is not None):
+        capturing_beside_host = self.constants is not None and self.device_type != "cpu"
+        if capturing_beside_host and (
+            on_device or host_kind is not None or (func in _SYNC_OPS and _called_from_users_code())
+        ):
+            # a device op, or the step's own code reading a host tensor's value (`.item()`, `float()`):
+            # the graph keeps the value read now
             self._note_host_reads(tensors, frame)
         if self.constants is not None and host_kind is not None:
             return self._substitute(func, host_kind, args, kwargs, frame)
         result = func(*args, **kwargs)
+        if capturing_beside_host and not on_device and tensors:
+            self._note_host_made(tensors, result)
         if self._hook is not None:
             for r in tree_flatten(result)[0]:
                 if isinstance(r, torch.Tensor):
@@ -845,10 +870,27 @@ class StepTracer(TorchDispatchMode):
         return result
 
     def _note_host_reads(self, tensors: list[torch.Tensor], frame: tuple[str, int] | None) -> None:
+        """Note each host tensor among `tensors`, or, for one a host op of the step made, the host
+        tensors from before the step it was made of (the step makes it anew at every eager step)."""
         for t in tensors:
-            if t.device.type == "cpu" and id(t) not in self._host_read_ids:
-                self._host_read_ids.add(id(t))
-                self.host_reads.append(HostRead(t, t.detach().clone(), frame))
+            if t.device.type != "cpu":
+                continue
+            for source in self._host_sources.get(id(t), (t,)):
+                if id(source) not in self._host_read_ids:
+                    self._host_read_ids.add(id(source))
+                    self.host_reads.append(HostRead(source, source.detach().clone(), frame))
+
+    def _note_host_made(self, inputs: list[torch.Tensor], result: Any) -> None:
+        """A host op ran in the captured step: its host outputs come from its inputs' sources."""
+        sources: dict[int, torch.Tensor] = {}
+        for t in inputs:
+            if t.device.type == "cpu":
+                for source in self._host_sources.get(id(t), (t,)):
+                    sources[id(source)] = source
+        for r in tree_flatten(result)[0]:
+            if isinstance(r, torch.Tensor) and r.device.type == "cpu" and id(r) not in sources:
+                self._host_made.append(r)
+                self._host_sources[id(r)] = list(sources.values())
 
     def _reads_updated(self, values: list[Any]) -> bool:
         """Whether any tensor among `values` lives in :attr:`parameter_storages`."""

@@ -283,6 +283,32 @@ def test_a_capture_notes_the_host_tensors_its_device_ops_read_and_tells_when_one
     assert read.changed()
 
 
+@pytest.mark.parametrize(
+    "step",
+    [
+        lambda x, t: x / t.clamp(min=0.1),  # a host op between the attribute and the device op
+        lambda x, t: x / (t * 2).sqrt(),  # two of them
+        lambda x, t: x * t.item(),  # the value read on the host, then a number in the device op
+        lambda x, t: x * float(t),
+    ],
+    ids=["clamp", "chain", "item", "float"],
+)
+def test_a_host_tensor_reaching_the_device_through_host_ops_is_the_one_noted(step):
+    """The step makes the host op's output anew at every eager step; what a replay keeps stale is the
+    value of the host tensor it was made of (`self.temperature`, annealed by an epoch hook)."""
+    temperature = torch.tensor(2.0)
+    x = torch.ones(3, device="meta")
+    tracer = StepTracer("meta", HostConstants([], torch.device("meta")))
+    with tracer:
+        step(x, temperature)
+        torch.ones(2) * temperature  # a host op whose output stays on the host: nothing noted
+    (read,) = tracer.host_reads
+    assert read.tensor is temperature and read.frame[0].endswith("test_step_trace.py")
+    assert not read.changed()
+    temperature.mul_(0.9)
+    assert read.changed()
+
+
 def test_a_substituted_host_constant_changed_in_place_is_what_the_next_capture_substitutes():
     mask = torch.tensor([1.0, 0.0, 1.0])
     x = torch.ones(3, device="meta")

@@ -650,20 +650,44 @@ class AnnealsAHostTemperature(TinyMLP):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        pred = self.head(self.net(x)).squeeze(-1) / self.temperature
+        pred = self.scaled(self.head(self.net(x)).squeeze(-1))
         loss = (pred - y).square().mean()
         self.log("train/loss", loss)
         return loss
+
+    def scaled(self, pred):
+        return pred / self.temperature
 
     def on_train_epoch_end(self):
         self.temperature.mul_(0.5)
 
 
-def test_a_host_tensor_annealed_in_place_is_compared_before_each_replay_and_the_fit_is_the_baseline():
-    base = fit(AnnealsAHostTemperature, [], steps=90, baseline=True)
+class AnnealsThroughAHostOp(AnnealsAHostTemperature):
+    """Reads the temperature through a host op: the device op reads a tensor made anew each step."""
+
+    def scaled(self, pred):
+        return pred / self.temperature.clamp(min=0.1)
+
+
+class AnnealsThroughItem(AnnealsAHostTemperature):
+    """Reads the temperature's value on the host: a number in the captured kernel's arguments."""
+
+    def scaled(self, pred):
+        return pred / self.temperature.item()
+
+
+@pytest.mark.parametrize(
+    "model_cls",
+    [AnnealsAHostTemperature, AnnealsThroughAHostOp, AnnealsThroughItem],
+    ids=["direct", "host-op", "item"],
+)
+def test_a_host_tensor_annealed_in_place_is_compared_before_each_replay_and_the_fit_is_the_baseline(
+    model_cls,
+):
+    base = fit(model_cls, [], steps=90, baseline=True)
     cb = L2GraphCallback(prefetch="off")
     with pytest.warns(UserWarning, match="host tensors the step reads changed in place since capture"):
-        run = fit(AnnealsAHostTemperature, [cb], steps=90)
+        run = fit(model_cls, [cb], steps=90)
     summary = cb.summary()
     assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
     assert_same_run(base, run)
