@@ -171,6 +171,23 @@ def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]
     return out
 
 
+def host_tensors(objects: Iterable[tuple[str, Any]]) -> dict[int, str]:
+    """The host (CPU) tensors `objects` hold as public attributes or buffers, by storage, with their
+    labels (`` `self.seen` ``). A step training on a GPU that changes one in place changes it only in
+    its eager steps: a replay runs the GPU's work alone. Metrics' states are the metric binding's."""
+    found: dict[int, str] = {}
+    for prefix, obj in objects:
+        attributes = getattr(obj, "__dict__", None)
+        if not attributes or _is_metric(obj):
+            continue
+        held = list((attributes.get("_buffers") or {}).items())  # first: a view's owner names it
+        held += [(n, v) for n, v in attributes.items() if not n.startswith("_")]
+        for name, value in held:
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() > 0:
+                found.setdefault(value.untyped_storage().data_ptr(), f"`{prefix}.{name}`")
+    return found
+
+
 def _held_generator_state(value: Any) -> tuple[Any, Any] | None:
     """(what to compare, what to restore: the generator and its state) of a random generator object
     held in an attribute: Python's ``random.Random``, NumPy's ``Generator`` or ``RandomState``, a CPU

@@ -31,6 +31,7 @@ by compiled submodules are noted as problems (:meth:`StepTracer.watching_compile
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import math
 import os
@@ -91,9 +92,30 @@ class CaptureRefused(RuntimeError):
 
 
 def _is_library(filename: str) -> bool:
-    if "/l2lightning/" in filename and "/l2lightning/models/" not in filename:
+    if _in_this_package(filename) or _generated_by_inductor(filename):
         return True
     return any(part in filename for part in _LIBRARY_PARTS)
+
+
+def _generated_by_inductor(filename: str) -> bool:
+    """Code torch.compile's inductor generated (its wrappers call aten ops into buffers it allocated
+    without an op): in inductor's cache directory, wherever `TORCHINDUCTOR_CACHE_DIR` put it."""
+    directory = _inductor_cache_dir()
+    return directory is not None and filename.startswith(directory)
+
+
+@functools.cache
+def _inductor_cache_dir_once() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir() + os.sep
+
+
+def _inductor_cache_dir() -> str | None:
+    """Inductor's cache directory, once inductor is loaded (read once: it is read per traced frame)."""
+    if "torch._inductor.runtime.cache_dir_utils" not in sys.modules:
+        return None
+    return _inductor_cache_dir_once()
 
 
 def user_frame(skip: int = 1) -> tuple[str, int] | None:
@@ -108,11 +130,17 @@ def user_frame(skip: int = 1) -> tuple[str, int] | None:
 
 def _called_from_users_code() -> bool:
     """Whether the op being dispatched was asked for by the user's own code: the first frame above the
-    dispatch outside torch is the user's (not Lightning's, torchmetrics' or this package's)."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+    dispatch outside torch and this package is the user's (not Lightning's or torchmetrics')."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or _in_this_package(frame.f_code.co_filename)
+    ):
         frame = frame.f_back
     return frame is not None and _is_users_file(frame.f_code.co_filename)
+
+
+def _in_this_package(filename: str) -> bool:
+    return "/l2lightning/" in filename and "/l2lightning/models/" not in filename
 
 
 def user_frame_of_traceback(tb: Any) -> tuple[str, int] | None:
@@ -568,6 +596,9 @@ class StepTracer(TorchDispatchMode):
         # made tensors are kept alive for the capture so that no id is reused
         self._host_sources: dict[int, list[torch.Tensor]] = {}
         self._host_made: list[torch.Tensor] = []
+        # the host tensors the module, the callbacks and the globals the step reads hold, by storage, with
+        # their names (set by the caller): the step changing one in place is noted as a problem
+        self.host_state: dict[int, str] = {}
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -855,6 +886,9 @@ class StepTracer(TorchDispatchMode):
             self._note_host_reads(tensors, frame)
         if self.constants is not None and host_kind is not None:
             return self._substitute(func, host_kind, args, kwargs, frame)
+        if self.host_state and not on_device and self._hook is None:
+            # (a hook's writes have their own judgement: it may run after each replay instead)
+            self._check_host_writes(func, args, kwargs, frame)
         result = func(*args, **kwargs)
         if capturing_beside_host and not on_device and tensors:
             self._note_host_made(tensors, result)
@@ -891,6 +925,27 @@ class StepTracer(TorchDispatchMode):
             if isinstance(r, torch.Tensor) and r.device.type == "cpu" and id(r) not in sources:
                 self._host_made.append(r)
                 self._host_sources[id(r)] = list(sources.values())
+
+    def _check_host_writes(self, func: Any, args: tuple, kwargs: dict, frame: tuple[str, int] | None) -> None:
+        """The step changing a host tensor of :attr:`host_state` in place: a replay runs only the
+        device's work, so it would never change it again (and a graph reading it keeps the value of
+        its capture)."""
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in tree_flatten(value)[0]:
+                if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                    continue
+                name = self.host_state.get(t.untyped_storage().data_ptr())
+                if name is not None:
+                    self.trace.add_problem(
+                        f"{name}, a host (CPU) tensor, is changed in place by `{_op_name(func)}` at "
+                        f"{describe_frame(frame)}; a replay runs only the GPU's work, so it would not change "
+                        "it again: keep it on the device (`register_buffer`, which Lightning moves), or "
+                        "change it in `on_train_batch_end`, which runs after every replay"
+                    )
+                    return
 
     def _reads_updated(self, values: list[Any]) -> bool:
         """Whether any tensor among `values` lives in :attr:`parameter_storages`."""

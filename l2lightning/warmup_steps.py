@@ -136,6 +136,8 @@ class WarmupSteps:
         self._traced_steps += 1
         holders = self._python_holders()
         python_before = python_state.snapshot(holders)
+        if tracer.device_type != "cpu":  # training on the host, its tensors are the step's device's
+            tracer.host_state = python_state.host_tensors(holders)
 
         def traced() -> Any:
             out = self._run_traced(tracer, closure)

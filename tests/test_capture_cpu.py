@@ -324,3 +324,27 @@ def test_a_held_generators_draw_is_a_change_and_restore_puts_its_state_back(kind
     assert python_state.changed(before, python_state.snapshot(holders)) == ["`self.rng` (a random generator)"]
     python_state.restore(before)
     assert draw(module.rng) == first  # the same draw again
+
+
+def test_host_tensors_are_the_cpu_tensors_held_as_attributes_or_buffers_by_storage_with_labels():
+    from torchmetrics import MeanMetric
+
+    from l2lightning import python_state
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = torch.zeros(())
+            self.register_buffer("counts", torch.zeros(4))
+            self.view_of_counts = self.counts[:2]  # the same storage: named once
+            self.on_meta = torch.zeros(2, device="meta")  # the device's (meta stands for it)
+            self._private = torch.zeros(2)
+            self.empty = torch.zeros(0)
+            self.metric = MeanMetric()  # its states are the metric binding's
+
+    module = Holder()
+    found = python_state.host_tensors(python_state.owners(module))
+    assert found == {
+        module.seen.untyped_storage().data_ptr(): "`self.seen`",
+        module.counts.untyped_storage().data_ptr(): "`self.counts`",
+    }

@@ -309,6 +309,32 @@ def test_a_host_tensor_reaching_the_device_through_host_ops_is_the_one_noted(ste
     assert read.changed()
 
 
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda seen, big: seen.add_(8),  # a host counter of samples seen
+        lambda seen, big: big[:2].mul_(0.9),  # through a view
+        lambda seen, big: torch.add(big, 1, out=big),
+    ],
+    ids=["counter", "view", "out"],
+)
+def test_a_step_changing_a_host_tensor_it_holds_in_place_is_a_problem_naming_it_and_the_line(write):
+    seen, big = torch.zeros(()), torch.zeros(100)
+    tracer = StepTracer("meta")  # "meta" stands for the device: CPU tensors are host tensors
+    tracer.host_state = {
+        seen.untyped_storage().data_ptr(): "`self.seen`",
+        big.untyped_storage().data_ptr(): "`self.big`",
+    }
+    with tracer:
+        own = torch.tensor([1.0, 2.0])  # the step's own host tensors, made anew at every step
+        own.add_(1)
+        torch.zeros(3)[:1].mul_(2)
+        write(seen, big)
+    (problem,) = tracer.trace.problems
+    assert "a host (CPU) tensor, is changed in place by `" in problem
+    assert problem.startswith(("`self.seen`", "`self.big`")) and "test_step_trace.py:" in problem
+
+
 def test_a_substituted_host_constant_changed_in_place_is_what_the_next_capture_substitutes():
     mask = torch.tensor([1.0, 0.0, 1.0])
     x = torch.ones(3, device="meta")

@@ -676,6 +676,32 @@ class AnnealsThroughItem(AnnealsAHostTemperature):
         return pred / self.temperature.item()
 
 
+class CountsOnTheHost(TinyMLP):
+    """Decays a CPU tensor it holds (128 elements: too many to enter the traced ops' signatures by
+    value, so every traced step looks alike): until the host-write check it was captured, and no
+    replay decayed it again."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.visits = torch.ones(128)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.visits.mul_(0.99)
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_a_host_tensor_the_step_changes_in_place_is_refused_by_name_and_trains_like_plain():
+    assert_refused_and_trains_like_plain(
+        CountsOnTheHost,
+        r"`self.visits`, a host \(CPU\) tensor, is changed in place",
+        "on_train_batch_end",
+        steps=10,
+    )
+
+
 @pytest.mark.parametrize(
     "model_cls",
     [AnnealsAHostTemperature, AnnealsThroughAHostOp, AnnealsThroughItem],
