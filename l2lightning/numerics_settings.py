@@ -7,7 +7,9 @@ time it runs, so a callback or an epoch hook that changes one mid-fit
 changes the eager step's numbers while a replay would keep the capture's kernels. The callback reads
 them at capture and before each replay, and captures again when one changed.
 
-torch's per-backend precisions (``torch.backends.cuda.matmul.fp32_precision``) read "none" until a
+Once the per-backend precisions are set, torch refuses to read the legacy settings
+(``torch.get_float32_matmul_precision()`` raises); those read as unreadable and the per-backend ones
+carry the state. torch's per-backend precisions (``torch.backends.cuda.matmul.fp32_precision``) read "none" until a
 precision is first set; setting the one in effect again (``torch.set_float32_matmul_precision("highest")``
 in an epoch hook) makes them "ieee", which counts as a change: one more capture, nothing wrong.
 
@@ -82,7 +84,20 @@ NAMES, _READERS = _available()
 
 def read() -> tuple:
     """The settings now, in the order of :data:`NAMES`."""
-    return tuple(reader() for reader in _READERS)
+    try:
+        return tuple(reader() for reader in _READERS)
+    except RuntimeError:
+        return tuple(map(_read_one, _READERS))
+
+
+def _read_one(reader: Callable[[], Any]) -> Any:
+    """One setting, or the reason torch gives for not telling it: the legacy getters raise once the
+    per-backend precisions were set (`torch.backends.cuda.matmul.fp32_precision = "tf32"`), and that
+    state is then read through the per-backend getters."""
+    try:
+        return reader()
+    except RuntimeError as exc:
+        return f"unreadable: {str(exc)[:60]}"
 
 
 def changes(before: tuple, now: tuple) -> list[str]:

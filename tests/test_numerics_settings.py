@@ -30,3 +30,28 @@ def test_a_changed_setting_is_named_with_its_old_and_new_value():
     # until a precision is first set ("ieee" after setting "highest" again): one more capture at most
     after = numerics_settings.changes(before, numerics_settings.read())
     assert all(".fp32_precision: none -> " in change for change in after), after
+
+
+def test_the_per_backend_precision_api_is_read_where_torch_refuses_the_legacy_getters():
+    """torch >= 2.9: once `fp32_precision` is set, `torch.get_float32_matmul_precision()` raises.
+    Run in a fresh process: the state cannot be fully put back in this one."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from l2lightning import numerics_settings as ns
+if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+    print("no per-backend API"); raise SystemExit
+before = ns.read()
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+now = ns.read()
+changes = ns.changes(before, now)
+assert "torch.backends.cuda.matmul.fp32_precision: none -> tf32" in changes, changes
+assert any(c.startswith("torch.set_float32_matmul_precision: highest -> unreadable") for c in changes), changes
+assert ns.read() == now
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() in ("ok", "no per-backend API")
