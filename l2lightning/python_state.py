@@ -183,7 +183,12 @@ def host_tensors(objects: Iterable[tuple[str, Any]]) -> dict[int, str]:
         held = list((attributes.get("_buffers") or {}).items())  # first: a view's owner names it
         held += [(n, v) for n, v in attributes.items() if not n.startswith("_")]
         for name, value in held:
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() > 0:
+            if (
+                isinstance(value, torch.Tensor)
+                and value.device.type == "cpu"
+                and value.layout == torch.strided  # a sparse one has no storage to name
+                and value.numel() > 0
+            ):
                 found.setdefault(value.untyped_storage().data_ptr(), f"`{prefix}.{name}`")
     return found
 

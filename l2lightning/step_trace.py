@@ -317,7 +317,11 @@ class HostRead:
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two host tensors hold the same shape, dtype and values (NaNs equal where both are)."""
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b) or _nan_equal(a, b))
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
+        return False
+    if a.layout != torch.strided:  # sparse: torch.equal has no kernel for it
+        a, b = a.to_dense(), b.to_dense()
+    return bool(torch.equal(a, b) or _nan_equal(a, b))
 
 
 def _nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -935,7 +939,7 @@ class StepTracer(TorchDispatchMode):
                 continue
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             for t in tree_flatten(value)[0]:
-                if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided:
                     continue
                 name = self.host_state.get(t.untyped_storage().data_ptr())
                 if name is not None:

@@ -340,6 +340,7 @@ def test_host_tensors_are_the_cpu_tensors_held_as_attributes_or_buffers_by_stora
             self.on_meta = torch.zeros(2, device="meta")  # the device's (meta stands for it)
             self._private = torch.zeros(2)
             self.empty = torch.zeros(0)
+            self.adjacency = torch.eye(3).to_sparse()  # no storage: left out
             self.metric = MeanMetric()  # its states are the metric binding's
 
     module = Holder()

@@ -12,6 +12,7 @@ from l2lightning.step_trace import (
     StepTrace,
     StepTracer,
     first_difference,
+    same_bytes,
 )
 
 
@@ -333,6 +334,13 @@ def test_a_step_changing_a_host_tensor_it_holds_in_place_is_a_problem_naming_it_
     (problem,) = tracer.trace.problems
     assert "a host (CPU) tensor, is changed in place by `" in problem
     assert problem.startswith(("`self.seen`", "`self.big`")) and "test_step_trace.py:" in problem
+
+
+def test_sparse_host_tensors_compare_by_value():
+    adjacency = torch.eye(3).to_sparse()
+    assert same_bytes(adjacency, adjacency.detach().clone())
+    assert not same_bytes(adjacency, (adjacency * 2).coalesce())
+    assert not same_bytes(adjacency, adjacency.to_dense())
 
 
 def test_a_substituted_host_constant_changed_in_place_is_what_the_next_capture_substitutes():
