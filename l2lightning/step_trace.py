@@ -105,10 +105,16 @@ def _generated_by_inductor(filename: str) -> bool:
 
 
 @functools.cache
-def _inductor_cache_dir_once() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+def _inductor_cache_dir_once() -> str | None:
+    # as inductor's `cache_dir()` finds it, without its side effects (it sets the variable and makes
+    # the directory)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    return cache_dir() + os.sep
+    try:
+        directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    except Exception:  # noqa: BLE001 -- frame naming must never fail a user's step
+        return None
+    return os.path.abspath(directory) + os.sep
 
 
 def _inductor_cache_dir() -> str | None:

@@ -363,3 +363,19 @@ def test_a_substituted_host_constant_changed_in_place_is_what_the_next_capture_s
     with StepTracer("meta", again):
         x * mask.to("meta")  # the new bytes are the constant now: no refusal
     assert again.used == 1
+
+
+def test_code_inductor_generated_is_not_the_users_line():
+    """Inductor's wrappers (in its cache directory) call aten ops: a problem found there names the
+    user's line that called the compiled code instead."""
+    import os
+
+    import torch._inductor.runtime.cache_dir_utils as cache_dir_utils
+
+    from l2lightning.step_trace import _is_library
+
+    generated = os.path.join(os.path.abspath(cache_dir_utils.default_cache_dir()), "ab", "cabc.py")
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        generated = os.path.join(os.path.abspath(os.environ["TORCHINDUCTOR_CACHE_DIR"]), "ab", "cabc.py")
+    assert _is_library(generated)
+    assert not _is_library(os.path.join(os.path.dirname(os.path.abspath(__file__)), "my_model.py"))
