@@ -7,11 +7,12 @@ time it runs, so a callback or an epoch hook that changes one mid-fit
 changes the eager step's numbers while a replay would keep the capture's kernels. The callback reads
 them at capture and before each replay, and captures again when one changed.
 
-Once the per-backend precisions are set, torch refuses to read the legacy settings
-(``torch.get_float32_matmul_precision()`` raises); those read as unreadable and the per-backend ones
-carry the state. torch's per-backend precisions (``torch.backends.cuda.matmul.fp32_precision``) read "none" until a
-precision is first set; setting the one in effect again (``torch.set_float32_matmul_precision("highest")``
-in an epoch hook) makes them "ieee", which counts as a change: one more capture, nothing wrong.
+torch's per-backend precisions (``torch.backends.cuda.matmul.fp32_precision``, torch >= 2.9) read
+"none" until a precision is first set; setting the one in effect again
+(``torch.set_float32_matmul_precision("highest")`` in an epoch hook) makes them "ieee", which counts
+as a change: one more capture, nothing wrong. Once they are set directly, torch refuses to read the
+legacy settings (``torch.get_float32_matmul_precision()`` raises): those read as unreadable, and the
+per-backend ones carry the state.
 
 They are read through torch's C getters (the Python properties call the same ones, slower): about
 2 µs per replay on the CPU of the test machine. A getter this torch does not have is left out.

@@ -23,9 +23,12 @@ step's device ops read, with its bytes (:class:`HostRead`): the graph keeps thos
 callback compares them before each replay. A host tensor the step made with host ops
 (``self.temperature.clamp(min=0.1)``) is noted as the host tensors it was made of, and so is one
 whose value the step's own code reads on the host (``self.temperature.item()``): the step makes the
-one anew and reads the other at every eager step, while the graph keeps the number of its capture. Code compiled by ``torch.compile`` runs compiled under
-the mode, as a whole (:meth:`StepTracer.ignore_compile_internals`); host tensors passed into or held
-by compiled submodules are noted as problems (:meth:`StepTracer.watching_compiled_inputs`).
+one anew and reads the other at every eager step, while the graph keeps the number of its capture.
+A traced step that changes in place a host tensor the module, a callback or a global holds
+(:attr:`StepTracer.host_state`) is refused: a replay would not change it. Code compiled by
+``torch.compile`` runs compiled under the mode, as a whole (:meth:`StepTracer.ignore_compile_internals`);
+host tensors passed into or held by compiled submodules (``torch.compile(module)``,
+``module.compile()``) are noted as problems (:meth:`StepTracer.watching_compiled_inputs`).
 """
 
 from __future__ import annotations
@@ -446,8 +449,8 @@ def _seeding_called_by_user(caller: Any, name: str) -> str | None:
     ``torch.random.fork_rng``'s put-back. Only ``torch.utils.checkpoint``'s recomputation is exempt: it
     puts back a state the same step took (a random op drawn while it is put back is refused on its
     own, :func:`draws_random_numbers`), and so are torch.compile's compilation of a frame and inductor's
-    code generation (each puts back the states it saved before); anything else is the step's own seeding, named by the
-    outermost torch function below the step's line.
+    code generation (each puts back the states it saved before); anything else is the step's own
+    seeding, named by the outermost torch function below the step's line.
     """
     if caller.f_code.co_filename.endswith(_RNG_PRESERVER[0]) and caller.f_code.co_name == _RNG_PRESERVER[1]:
         return None
