@@ -14,9 +14,9 @@ as a change: one more capture, nothing wrong. Once they are set directly, torch 
 legacy settings (``torch.get_float32_matmul_precision()`` raises): those read as unreadable, and the
 per-backend ones carry the state.
 
-They are read through torch's C getters (the Python properties call the same ones, slower): 2 µs in
-a loop on the CPU of the test machine, about three times that once per step inside a fit (cold
-caches). A getter this torch does not have is left out.
+They are read through torch's C getters (the Python properties call the same ones, slower); what
+that costs a step is in ``benchmarks/results/cpu-emulator/ab_host_path_replay_checks.json``. A getter
+this torch does not have is left out.
 """
 
 from __future__ import annotations
