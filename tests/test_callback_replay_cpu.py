@@ -3150,6 +3150,25 @@ def test_a_numerics_setting_changed_mid_fit_captures_the_step_again_naming_it():
         torch.backends.cuda.matmul.allow_tf32 = found
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
+    reason="torch < 2.9 has no per-backend precision API",
+)
+def test_a_fit_with_the_per_backend_precision_api_set_is_captured():
+    """With `fp32_precision` set directly, torch's legacy precision getters raise; the settings the
+    callback compares before each replay must still be read (they raised at the capture before)."""
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError):
+            torch.get_float32_matmul_precision()  # the state this test is about
+        cb = callback()
+        fit(TinyMLP, [cb], steps=8)
+    finally:
+        torch.set_float32_matmul_precision(previous)  # the legacy API readable again
+    assert cb.summary()["captured"] and cb.summary()["fallback_steps"] == 0, cb.summary()
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 @pytest.mark.parametrize("how", ["compile=True", "a submodule the user compiled"])
 def test_compiled_code_is_compiled_under_the_callback(monkeypatch, request, how, backend):
