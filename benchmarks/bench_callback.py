@@ -82,6 +82,9 @@ def quiet_trainer(max_steps: int, callbacks: list[Callback]) -> Trainer:
 
 
 def run(variant: str, width: int, depth: int, batch: int, steps: int, optimizer: str) -> dict:
+    # each variant compiles afresh: one reusing an earlier variant's compiled code would not show a
+    # failure of its own compile path (run AR: a compile variant captured only through that reuse)
+    torch._dynamo.reset()
     seed_everything(0)
     model = MLP(width, depth, optimizer).to(torch.bfloat16)
     timer = StepTimer()
