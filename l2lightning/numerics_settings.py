@@ -1,7 +1,8 @@
 """The process-wide settings that choose a step's kernels and their precision, read as one tuple.
 
 A CUDA graph holds the kernels its capture launched: TF32 or full-precision matmuls, cuDNN or not,
-deterministic algorithms or not, which attention backend. An eager step reads these settings each
+deterministic algorithms or not, which attention backend, the default dtype of the tensors it made;
+and it runs none of anomaly detection's host checks. An eager step reads these settings each
 time it runs, so a callback or an epoch hook that changes one mid-fit
 (``torch.set_float32_matmul_precision("high")`` from epoch 5, ``torch.use_deterministic_algorithms``)
 changes the eager step's numbers while a replay would keep the capture's kernels. The callback reads
@@ -56,6 +57,11 @@ _GETTERS: tuple[tuple[str, str], ...] = (
     ("torch.backends.cuda.enable_math_sdp", "_get_math_sdp_enabled"),
     ("torch.backends.cuda.enable_cudnn_sdp", "_get_cudnn_sdp_enabled"),
     ("torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp", "_get_math_sdp_allow_fp16_bf16_reduction"),
+    # the dtype of factory ops without one (`torch.zeros(n)` in the step): a graph keeps the capture's
+    ("torch.set_default_dtype", "get_default_dtype"),
+    # anomaly detection checks every backward output for NaN on the host, which a replay would skip
+    ("torch.autograd.set_detect_anomaly", "is_anomaly_enabled"),
+    ("torch.autograd.set_detect_anomaly(check_nan=)", "is_anomaly_check_nan_enabled"),
 )
 # the per-backend precision settings of torch >= 2.9 (`torch.backends.cuda.matmul.fp32_precision`, ...)
 _FP32_PRECISION: tuple[tuple[str, str, str], ...] = (

@@ -67,6 +67,18 @@ class TF32FromEpochOne(Callback):
         torch.backends.cuda.matmul.allow_tf32 = self.found
 
 
+class AnomalyDetectionFromEpochOne(Callback):
+    """Turns autograd's anomaly detection on from epoch 1 (debugging a NaN), off at the fit's end. Its
+    NaN checks read every backward output on the host, which a replay would skip."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            torch.autograd.set_detect_anomaly(True)
+
+    def on_fit_end(self, trainer, pl_module):
+        torch.autograd.set_detect_anomaly(False)
+
+
 class ReadsACallback(TinyMLP):
     """Weights its loss by a number another callback holds (``self.trainer.callbacks[1].alpha``)."""
 

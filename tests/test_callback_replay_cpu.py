@@ -39,6 +39,7 @@ from l2lightning.fit_report import TIMING_WINDOW
 from tests import graph_emulator as emu
 from tests import user_step_config
 from tests.between_step_models import (
+    AnomalyDetectionFromEpochOne,
     LogsAnUnrecomputableNumber,
     NoisyDataset,
     ReadsACallback,
@@ -3148,6 +3149,24 @@ def test_a_numerics_setting_changed_mid_fit_captures_the_step_again_naming_it():
         )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = found
+
+
+def test_anomaly_detection_turned_on_mid_fit_is_not_replayed_past():
+    """Its host NaN checks cannot be in a graph: the step is captured again at epoch 1, that capture
+    fails on the check's sync, and the fit trains on eagerly with anomaly detection working. Up to the
+    switch the fit is its baseline bit for bit; after it the optimizer runs as configured again
+    (README: a refusal at a capture), so only the first epoch is compared."""
+    base = fit(baseline_of(TinyMLP), [AnomalyDetectionFromEpochOne()], steps=60)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"torch.autograd.set_detect_anomaly: False -> True"):
+        run = fit(TinyMLP, [AnomalyDetectionFromEpochOne(), cb], steps=60)
+    assert not torch.is_anomaly_enabled()
+    summary = cb.summary()
+    assert summary["captures"] == 1, summary  # the first capture only: the second failed
+    assert "could not be captured" in summary["reason"], summary
+    assert len(run[1].losses) == 60
+    for step in range(30):
+        assert torch.equal(base[1].losses[step], run[1].losses[step]), f"loss differs at step {step}"
 
 
 @pytest.mark.skipif(

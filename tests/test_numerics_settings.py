@@ -55,3 +55,17 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() in ("ok", "no per-backend API")
+
+
+def test_the_default_dtype_and_anomaly_detection_are_compared_too():
+    before = numerics_settings.read()
+    dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        with torch.autograd.set_detect_anomaly(True):
+            changed = numerics_settings.changes(before, numerics_settings.read())
+    finally:
+        torch.set_default_dtype(dtype)
+    assert f"torch.set_default_dtype: {dtype} -> torch.float64" in changed
+    assert "torch.autograd.set_detect_anomaly: False -> True" in changed
+    assert numerics_settings.read() == before
