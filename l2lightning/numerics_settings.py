@@ -43,6 +43,7 @@ _GETTERS: tuple[tuple[str, str], ...] = (
     ),
     ("torch.backends.cuda.matmul.allow_fp16_accumulation", "_get_cublas_allow_fp16_accumulation"),
     ("torch.backends.cuda.preferred_blas_library", "_get_blas_preferred_backend"),
+    ("torch.backends.cuda.preferred_linalg_library", "_get_linalg_preferred_backend"),
     ("torch.backends.cudnn.enabled", "_get_cudnn_enabled"),
     ("torch.backends.cudnn.allow_tf32", "_get_cudnn_allow_tf32"),
     ("torch.backends.cudnn.benchmark", "_get_cudnn_benchmark"),

@@ -57,6 +57,14 @@ print("ok")
     assert out.stdout.strip() in ("ok", "no per-backend API")
 
 
+def test_the_kernel_library_choices_are_among_the_settings():
+    """cuBLAS or cuBLASLt, cuSOLVER or MAGMA choose other kernels (set only on a CUDA build)."""
+    assert {
+        "torch.backends.cuda.preferred_blas_library",
+        "torch.backends.cuda.preferred_linalg_library",
+    } <= set(numerics_settings.NAMES)
+
+
 def test_the_default_dtype_and_anomaly_detection_are_compared_too():
     before = numerics_settings.read()
     dtype = torch.get_default_dtype()
