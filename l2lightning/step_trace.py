@@ -467,6 +467,18 @@ def _seeding_called_by_user(caller: Any, name: str) -> str | None:
     return outermost or name
 
 
+def _written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors aten op `func` writes in place: its arguments the schema marks as written
+    (``self`` of ``add_``, ``out=``), lists of them flattened."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
 @contextlib.contextmanager
 def sync_free_bincount() -> Iterator[None]:
     """While the step is traced or captured, torchmetrics counts without a host sync.
@@ -943,22 +955,18 @@ class StepTracer(TorchDispatchMode):
         """The step changing a host tensor of :attr:`host_state` in place: a replay runs only the
         device's work, so it would never change it again (and a graph reading it keeps the value of
         its capture)."""
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
+        for t in _written_tensors(func, args, kwargs):
+            if t.device.type != "cpu" or t.layout != torch.strided:
                 continue
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            for t in tree_flatten(value)[0]:
-                if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided:
-                    continue
-                name = self.host_state.get(t.untyped_storage().data_ptr())
-                if name is not None:
-                    self.trace.add_problem(
-                        f"{name}, a host (CPU) tensor, is changed in place by `{_op_name(func)}` at "
-                        f"{describe_frame(frame)}; a replay runs only the GPU's work, so it would not change "
-                        "it again: keep it on the device (`register_buffer`, which Lightning moves), or "
-                        "change it in `on_train_batch_end`, which runs after every replay"
-                    )
-                    return
+            name = self.host_state.get(t.untyped_storage().data_ptr())
+            if name is not None:
+                self.trace.add_problem(
+                    f"{name}, a host (CPU) tensor, is changed in place by `{_op_name(func)}` at "
+                    f"{describe_frame(frame)}; a replay runs only the GPU's work, so it would not change "
+                    "it again: keep it on the device (`register_buffer`, which Lightning moves), or "
+                    "change it in `on_train_batch_end`, which runs after every replay"
+                )
+                return
 
     def _reads_updated(self, values: list[Any]) -> bool:
         """Whether any tensor among `values` lives in :attr:`parameter_storages`."""
@@ -968,14 +976,9 @@ class StepTracer(TorchDispatchMode):
         )
 
     def _note_hook_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            flat, _ = tree_flatten(value)
-            for t in flat:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._hook_made:
-                    self.trace.mutating_hooks.add(self._hook)
+        for t in _written_tensors(func, args, kwargs):
+            if t.untyped_storage().data_ptr() not in self._hook_made:
+                self.trace.mutating_hooks.add(self._hook)
 
     def _sync_reason(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> str | None:
         if func in _SYNC_OPS:
