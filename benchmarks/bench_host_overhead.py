@@ -12,6 +12,12 @@ variants interleaved over ``--rounds`` rounds (medians of per-step times, then o
 - ``replay_ms``: the callback's own CUDA-event time of one graph replay (``summary()["graph_step_ms"]``).
 - ``floor_ms``: the callback's per-step ``Trainer.fit`` time on a 1->1 Linear, batch 1, no logger, no
   progress bar, no ``self.log`` (the harness's BenchModule): Lightning's loop floor, in this process.
+- ``lightning_bare_ms`` (in ``host_overhead.json`` only; the CSV keeps the issue's columns): plain
+  Lightning's per-step ``Trainer.fit`` time when the step does nothing at all (manual optimization, a
+  ``training_step`` that returns None, the floor's loader, no logger or progress bar): Lightning's own
+  loop and hook dispatch, which no design that keeps Lightning's per-step loop (and so its per-step
+  hooks) can go under. ``floor_ms - lightning_bare_ms`` is the callback's own per-step path on the
+  floor's module: the most that running several optimizer steps per replay could remove per step.
 - ``raw_graph_loop_ms`` (rl_policy only): a hand-written whole-update CUDA graph in a plain PyTorch
   loop (LeanRL's method: capturable AdamW, ``torch.cuda.graph`` around zero_grad, forward, loss,
   backward, step; static input buffers the next batch is copied into; warm-up on a side stream),
@@ -323,6 +329,45 @@ def fit_floor(args: argparse.Namespace, logs: int = 0, with_callback: bool = Tru
         if summary.get("captured") and summary.get("capture_step") is not None:
             start = max(SKIP, int(summary["capture_step"]) + 2)
     return _median(_step_ms(timer, start, args.steps))
+
+
+def _bare_module(device: Any) -> Any:
+    """A LightningModule whose step does nothing: manual optimization, ``training_step`` returns None."""
+    import lightning.pytorch as pl
+    import torch
+
+    class BareModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.net = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            return None
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.0)  # never stepped
+
+    return BareModule().to(device)
+
+
+def fit_bare(args: argparse.Namespace) -> float | None:
+    """Plain Lightning's ``Trainer.fit`` step when the step does nothing, on the floor's loader and
+    Trainer: Lightning's loop and hook dispatch alone (``lightning_bare_ms``)."""
+    import torch
+
+    from l2lightning.step_timer import StepTimer
+    from l2lightning.tools.bench import run as bench
+
+    cuda = args.accelerator == "cuda"
+    device = torch.device("cuda", args.device) if cuda else torch.device("cpu")
+    batches = bench.make_batches(1, 1, device, torch.float32)
+    timer = StepTimer()
+    total = SKIP + args.steps + 1
+    with bench._quiet_lightning():
+        trainer = bench._trainer(SimpleNamespace(device=args.device), total, [timer], args.accelerator)
+        trainer.fit(_bare_module(device), bench._loader(batches, total))
+    return _median(_step_ms(timer, SKIP, args.steps))
 
 
 def log_cost(args: argparse.Namespace) -> dict[str, Any]:
@@ -662,7 +707,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
-        f"\n{'family':<12}{'b':>4}{'eager':>9}{'callback':>10}{'replay':>9}{'floor':>8}{'raw':>8}{'ro':>8}"
+        f"\n{'family':<12}{'b':>4}{'eager':>9}{'callback':>10}{'replay':>9}{'floor':>8}{'bare':>8}{'raw':>8}{'ro':>8}"
         f"{'eager/cb':>10}{'cb/max(rp,fl)':>15}{'cb/raw':>8}"
     )
     for r in rows:
@@ -674,7 +719,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
         print(
             f"{r['family']:<12}{r['batch']:>4}{ms(r.get('lightning_eager_ms')):>9}{ms(cb):>10}"
-            f"{ms(r.get('replay_ms')):>9}{ms(r.get('floor_ms')):>8}{ms(r.get('raw_graph_loop_ms')):>8}"
+            f"{ms(r.get('replay_ms')):>9}{ms(r.get('floor_ms')):>8}{ms(r.get('lightning_bare_ms')):>8}"
+            f"{ms(r.get('raw_graph_loop_ms')):>8}"
             f"{ms(r.get('compile_ro_ms')):>8}{_ratio(r.get('lightning_eager_ms'), cb):>10}"
             f"{_ratio(cb, bound):>15}{_ratio(cb, r.get('raw_graph_loop_ms')):>8}"
         )
@@ -837,11 +883,18 @@ def main(argv: list[str] | None = None) -> int:
             print({"round": rnd, **{k: _rounded(v) for k, v in cost.items()}}, flush=True)
         for fam in args.families:
             floor = attempt(fam, 0, "floor", lambda: fit_floor(args))
+            bare = attempt(fam, 0, "lightning_bare", lambda: fit_bare(args))
             for b in args.batches:
                 setup = setups.get((fam, b))
                 if setup is None:
                     continue
-                run: dict[str, Any] = {"round": rnd, "family": fam, "batch": b, "floor_ms": floor}
+                run: dict[str, Any] = {
+                    "round": rnd,
+                    "family": fam,
+                    "batch": b,
+                    "floor_ms": floor,
+                    "lightning_bare_ms": bare,
+                }
                 eager = attempt(fam, b, "lightning_eager", lambda s=setup: fit_family(s, args, False))
                 run["lightning_eager_ms"] = eager and eager.get("step_ms")
                 cbr = attempt(fam, b, "callback", lambda s=setup: fit_family(s, args, True))
@@ -875,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
     for (fam, b), _setup in setups.items():
         mine = [r for r in runs if r["family"] == fam and r["batch"] == b]
         row: dict[str, Any] = {"family": fam, "batch": b}
-        for col in CSV_COLUMNS[2:]:
+        for col in (*CSV_COLUMNS[2:], "lightning_bare_ms"):
             row[col] = _median([r.get(col) for r in mine if r.get(col) is not None])
         if args.pinned:
             row["callback_pinned_step_ms"] = _median(

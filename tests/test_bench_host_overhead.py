@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host_overhead.py"
 
@@ -56,6 +57,9 @@ def test_smoke_writes_csv_json_profile_and_plot(tmp_path: Path) -> None:
     assert {"replay_ms", "raw_graph_loop_ms", "compile_ro_ms"} <= set(result["empty_columns_why"])
     assert result["settings"]["progress_bar_refresh_rate"] == {"mlp_stack": 20, "rl_policy": 20}
     assert not result["errors"]
+    # Lightning's loop alone (a step that does nothing), beside the rows, not in the CSV
+    assert all(row["lightning_bare_ms"] > 0 for row in result["rows"])
+    assert all(run["lightning_bare_ms"] > 0 for run in result["runs"])
     cost = result["log_cost"]["median"]
     for variant in ("plain", "callback"):
         assert cost[f"{variant}_step_ms_0_logs"] > 0 and cost[f"{variant}_step_ms_4_logs"] > 0
@@ -102,3 +106,20 @@ def test_classify_buckets() -> None:
     assert bho.classify(("/w/l2lightning/callback.py", 1, "on_train_batch_start")) == "callback_replay"
     assert bho.classify(("/w/l2lightning/app/models/rl_policy.py", 1, "training_step")) is None
     assert bho.classify(("/x/site-packages/torch/nn/modules/linear.py", 1, "forward")) is None
+
+
+def test_bare_fit_runs_lightning_loop_without_any_step_work(monkeypatch) -> None:
+    """fit_bare times every step of its fit, and the module's step neither computes nor steps."""
+    bho = _load()
+    args = bho.parse_args(["--out", "unused", "--smoke", "--steps", "4"])
+    args.accelerator = "cpu"
+    module = bho._bare_module("cpu")
+    weight = module.net.weight.detach().clone()
+    made = []
+    monkeypatch.setattr(bho, "_bare_module", lambda device: made.append(module) or module)
+    ms = bho.fit_bare(args)
+    assert made == [module]
+    assert ms is not None and ms > 0
+    assert module.automatic_optimization is False
+    assert module.trainer.fit_loop.epoch_loop.batch_progress.total.completed == bho.SKIP + args.steps + 1
+    assert torch.equal(module.net.weight, weight)  # never stepped
