@@ -48,6 +48,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from l2lightning.compiled_calls import (
+    compiled_target,
+    host_tensors_read_by,
+    never_compiled,
+    watching_compiled_calls,
+)
+
 aten = torch.ops.aten
 
 # Ops whose result the host must wait for when their input lives on the device.
@@ -642,31 +649,74 @@ class StepTracer(TorchDispatchMode):
 
     @contextlib.contextmanager
     def watching_compiled_inputs(self, compiled: Sequence[tuple[str, torch.nn.Module]]) -> Iterator[None]:
-        """Note host tensors passed into the `compiled` submodules (name, module) during the step.
+        """Note host tensors that reach code compiled by ``torch.compile`` during the step.
 
         Compiled code runs as a whole under this tracer (:meth:`ignore_compile_internals`), so what it
         does with a host tensor is not seen, while a graph keeps the capture's: a 0-d CPU tensor
         becomes a number in the captured kernels' arguments, so a value that changes from step to step
-        would be the capture's at every replay. A host tensor passed in is noted as a problem of the
-        step, naming the submodule and the line of the call.
+        would be the capture's at every replay. Noted as a problem of the step: a host tensor passed
+        into one of the `compiled` submodules (name, module) or held in its attributes, and, for any
+        other compiled callable (a function the user compiled, a compiled module held elsewhere), one
+        passed into it or read by the function from its globals, closure or defaults
+        (:mod:`l2lightning.compiled_calls`), naming the callable and the line of the call.
         """
+        # the hooks run inside the compiled call, where dynamo would compile them too
         handles = [
-            module.register_forward_pre_hook(self._compiled_input_check(name), with_kwargs=True)
+            module.register_forward_pre_hook(
+                never_compiled(self._compiled_input_check(name)), with_kwargs=True
+            )
             for name, module in compiled
         ]
+        hooked = {id(module) for _, module in compiled}
+        hooked |= {id(module._orig_mod) for _, module in compiled if hasattr(module, "_orig_mod")}
         try:
-            yield
+            with watching_compiled_calls(functools.partial(self._check_compiled_call, hooked)):
+                yield
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _compiled_input_check(self, name: str) -> Any:
+    def _check_compiled_call(self, hooked: set[int], fn: Any, args: tuple, kwargs: dict) -> None:
+        """A call of a compiled callable that the submodules' hooks do not see: its host tensors."""
+        module, chain = compiled_target(fn)
+        if module is not None:
+            if id(module) not in hooked:  # a compiled module outside the module's own tree
+                self._compiled_input_check(type(module).__name__, skip=3)(module, args, kwargs)
+            return
+        if not chain:
+            return
+        name = getattr(chain[-1], "__qualname__", None) or repr(chain[-1])
+        leaves, _ = tree_flatten((args, kwargs))
+        if any(isinstance(t, torch.Tensor) and t.device.type != self.device_type for t in leaves):
+            self.trace.add_problem(
+                f"a host tensor is passed into `{name}`, compiled with torch.compile, at "
+                f"{describe_frame(user_frame(2))}; what compiled code reads from a host tensor is "
+                "not traced, and a graph would keep the capture's values: move it to the device first"
+            )
+        for leaf in leaves:
+            held = self._host_tensor_attributes(leaf) if isinstance(leaf, torch.nn.Module) else []
+            if held:
+                self.trace.add_problem(
+                    f"a module holding host tensors in attributes ({', '.join(f'`{a}`' for a in held)}) is "
+                    f"passed into `{name}`, compiled with torch.compile, at {describe_frame(user_frame(2))}; "
+                    "what compiled code reads from them is not traced, and a graph would keep the capture's "
+                    "values: register them as buffers (`register_buffer`), which Lightning moves to the device"
+                )
+        read = sorted({n for function in chain for n in host_tensors_read_by(function, self.device_type)})
+        if read:
+            self.trace.add_problem(
+                f"`{name}`, compiled with torch.compile, reads host tensors ({', '.join(f'`{n}`' for n in read)}) "
+                "from its globals, closure or defaults; what compiled code reads from them is not traced, and "
+                "a graph would keep the capture's values: move them to the device"
+            )
+
+    def _compiled_input_check(self, name: str, skip: int = 2) -> Any:
         def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             leaves, _ = tree_flatten((args, kwargs))
             if any(isinstance(t, torch.Tensor) and t.device.type != self.device_type for t in leaves):
                 self.trace.add_problem(
                     f"a host tensor is passed into `{name}`, compiled with torch.compile, at "
-                    f"{describe_frame(user_frame(2))}; what compiled code reads from a host tensor is "
+                    f"{describe_frame(user_frame(skip))}; what compiled code reads from a host tensor is "
                     "not traced, and a graph would keep the capture's values: move it to the device first"
                 )
             held = self._host_tensor_attributes(module)

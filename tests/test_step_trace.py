@@ -248,6 +248,96 @@ def test_a_host_tensor_passed_into_a_module_compiled_in_place_is_a_problem_namin
     torch._dynamo.reset()
 
 
+HOST_SCALE = torch.tensor(0.5)  # a module-level host tensor, read by a compiled function below
+HOST_BIAS = torch.tensor(0.0)  # a host tensor as a default argument
+
+
+def test_a_host_tensor_passed_into_a_compiled_function_is_a_problem_naming_it_and_the_line():
+    """A function compiled with torch.compile has no hook: dynamo's wrapper is watched during the step."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    @torch.compile(backend="eager")
+    def divided_by(x, temperature):
+        return x / temperature
+
+    torch._dynamo.reset()
+    found = eval_frame.set_eval_frame
+    on_device = StepTracer("cpu")  # CPU tensors are the device's here
+    with on_device, on_device.watching_compiled_inputs([]):
+        out = divided_by(torch.ones(3), torch.tensor(2.0))
+    assert on_device.trace.problems == []
+    assert torch.equal(out, torch.full((3,), 0.5))
+    tracer = StepTracer("cuda")  # the CPU tensors are host tensors to a CUDA step
+    with tracer, tracer.watching_compiled_inputs([]):
+        divided_by(torch.ones(3), torch.tensor(2.0))
+    (problem,) = tracer.trace.problems
+    assert (
+        "a host tensor is passed into `" in problem and "divided_by`, compiled with torch.compile" in problem
+    )
+    assert "test_step_trace.py:" in problem and "divided_by(torch.ones(3), torch.tensor(2.0))" in problem
+    assert eval_frame.set_eval_frame is found  # the watch is gone after the step
+    torch._dynamo.reset()
+
+
+def test_host_tensors_a_compiled_function_reads_from_globals_closure_or_defaults_are_a_problem_naming_them():
+    import functools
+
+    shift = torch.tensor(1.0)
+
+    def user_decorator(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    @torch.compile(backend="eager")
+    @user_decorator
+    def scaled(x, bias=HOST_BIAS):
+        return x * HOST_SCALE + shift + bias
+
+    torch._dynamo.reset()
+    tracer = StepTracer("meta")  # "meta" stands for the device: the CPU tensors are host tensors
+    with tracer, tracer.watching_compiled_inputs([]):
+        scaled(torch.ones(3, device="meta"))
+    (problem,) = tracer.trace.problems
+    assert (
+        "scaled`, compiled with torch.compile, reads host tensors (`HOST_SCALE`, `bias`, `shift`)" in problem
+    )
+    # the same function reading only device tensors: nothing
+    clean = StepTracer("cpu")
+    with clean, clean.watching_compiled_inputs([]):
+        scaled(torch.ones(3))
+    assert clean.trace.problems == []
+    torch._dynamo.reset()
+
+
+def test_a_compiled_module_outside_the_watched_submodules_is_checked_through_the_wrapper_and_once_inside():
+    """A compiled module the LightningModule holds outside its tree (in a plain list) is found by the
+    wrapper's watch, named by its class; a watched submodule is reported by its hook alone."""
+    from torch._dynamo.utils import counters
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x, scale):
+            return x * scale
+
+    torch._dynamo.reset()
+    counters.clear()
+    hidden = torch.compile(Scaled(), backend="eager")
+    tracer = StepTracer("meta")
+    with tracer, tracer.watching_compiled_inputs([]):
+        hidden(torch.ones(2, device="meta"), torch.tensor(2.0))
+    (problem,) = tracer.trace.problems
+    assert "passed into `Scaled`, compiled with torch.compile" in problem
+    watched = StepTracer("meta")
+    with watched, watched.watching_compiled_inputs([("block", hidden)]):
+        hidden(torch.ones(2, device="meta"), torch.tensor(2.0))
+    (problem,) = watched.trace.problems
+    assert "passed into `block`, compiled with torch.compile" in problem
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the watch makes no recompile
+    torch._dynamo.reset()
+
+
 def test_a_compiled_submodule_holding_a_host_tensor_attribute_is_a_problem_naming_it():
     class Scaled(torch.nn.Module):
         def __init__(self):

@@ -719,6 +719,64 @@ def test_a_host_tensor_annealed_in_place_is_compared_before_each_replay_and_the_
     assert_same_run(base, run)
 
 
+@torch.compile
+def divided_by(pred, temperature):
+    return pred / temperature
+
+
+GLOBAL_TEMPERATURE = torch.tensor(1.0)  # a module-level host tensor a compiled function reads
+
+
+@torch.compile
+def divided_by_the_global_temperature(pred):
+    return pred / GLOBAL_TEMPERATURE
+
+
+class AnnealsIntoACompiledFunction(AnnealsAHostTemperature):
+    """Passes the host temperature into a function the user compiled: what compiled code does with a
+    host tensor is not traced, and a graph would keep the capture's value."""
+
+    def scaled(self, pred):
+        return divided_by(pred, self.temperature)
+
+
+class AnnealsAGlobalOfACompiledFunction(AnnealsAHostTemperature):
+    """A compiled function reads a module-level host tensor, which an epoch hook anneals in place."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        GLOBAL_TEMPERATURE.fill_(1.0)
+
+    def scaled(self, pred):
+        return divided_by_the_global_temperature(pred)
+
+    def on_train_epoch_end(self):
+        GLOBAL_TEMPERATURE.mul_(0.5)
+
+
+@pytest.mark.parametrize(
+    "model_cls", [AnnealsIntoACompiledFunction, AnnealsAGlobalOfACompiledFunction], ids=["argument", "global"]
+)
+def test_a_host_tensor_reaching_a_compiled_function_is_refused_by_name_and_trains_like_plain(model_cls):
+    torch._dynamo.reset()
+    plain = fit(model_cls, [], steps=90)
+    torch._dynamo.reset()
+    base = fit(model_cls, [], steps=90, baseline=True)
+    torch._dynamo.reset()
+    cb = L2GraphCallback(prefetch="off")
+    run = fit(model_cls, [cb], steps=90)
+    torch._dynamo.reset()
+    summary = cb.summary()
+    # what the fit did, for the message: equal to plain Lightning, to the capturable baseline
+    same = {
+        name: all(torch.equal(a, b) for a, b in zip(ref[1].losses, run[1].losses))
+        for name, ref in (("plain", plain), ("baseline", base))
+    }
+    assert not summary["captured"], (summary, same)
+    assert "compiled with torch.compile" in summary["reason"] and "`divided_by" in summary["reason"], summary
+    assert_same_run(plain, run)
+
+
 def test_tf32_switched_on_for_an_epoch_is_captured_again_and_the_fit_is_the_baseline():
     """TF32 matmuls change an FP32 step's numbers; a graph keeps the kernels its capture chose, so the
     replays after the switch would have trained in full precision (and back)."""

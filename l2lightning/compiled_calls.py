@@ -1,0 +1,123 @@
+"""Every call into code compiled by ``torch.compile``, seen with its arguments, during a traced step.
+
+The tracer sees compiled code as a whole, not its ops (``StepTracer.ignore_compile_internals``), so
+what compiled code does with a host tensor is not traced: inductor turns a 0-d CPU tensor into a
+number in its kernels' arguments, which a CUDA graph keeps from the capture. Submodules compiled with
+``torch.compile(module)`` or ``module.compile()`` are watched through forward pre-hooks; a *function*
+compiled with ``torch.compile`` has no hook. On the H200 a host temperature passed into
+``@torch.compile def divided_by(pred, temperature)``, or read by such a function from its module's
+globals, was captured once and every replay kept the capture's value while an epoch hook annealed it
+(tests/gpu/test_callback_gpu.py; benchmarks/results/h200/pytest_gpu_run_ay.log).
+
+Every compiled callable (function or module) is entered through dynamo's ``compile_wrapper``
+(``torch/_dynamo/eval_frame.py``), whose first statement is ``prior = set_eval_frame(None)``, a
+lookup of that name in the module's globals. :func:`watching_compiled_calls` puts a function of its
+own under that name while a traced step runs, which reads the wrapper's frame (the compiled callable
+``fn`` and the call's ``args`` and ``kwargs``) and hands them to the caller's check before calling
+dynamo's own. Traced warm-up steps only: never a replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+# the compiled callable, its positional and keyword arguments
+CompiledCallCheck = Callable[[Callable[..., Any], tuple, dict], None]
+
+_WRAPPER_NAME = "compile_wrapper"
+
+
+@contextlib.contextmanager
+def watching_compiled_calls(check: CompiledCallCheck) -> Iterator[bool]:
+    """Call `check(fn, args, kwargs)` at every call of a ``torch.compile``-d callable in this block.
+
+    Yields whether the watch is in place: not when dynamo was never imported (then nothing is
+    compiled) or its wrapper does not look up ``set_eval_frame`` as this was written against.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    original = getattr(eval_frame, "set_eval_frame", None) if eval_frame is not None else None
+    if original is None:
+        yield False
+        return
+    wrapper_file = eval_frame.__file__
+
+    def set_eval_frame(callback: Any) -> Any:
+        caller = sys._getframe(1)
+        code = caller.f_code
+        if code.co_name == _WRAPPER_NAME and code.co_filename == wrapper_file:
+            names = caller.f_locals
+            # the wrapper's first call (`prior = ...`); it calls again on its way out, `prior` set
+            fn, args, kwargs = names.get("fn"), names.get("args", ()), names.get("kwargs", {})
+            if fn is not None and "prior" not in names:
+                check(fn, args, kwargs)
+        return original(callback)
+
+    # The wrapper calls it again on its way out while dynamo still intercepts new frames
+    never_compiled(set_eval_frame)
+    eval_frame.set_eval_frame = set_eval_frame
+    try:
+        yield True
+    finally:
+        eval_frame.set_eval_frame = original
+
+
+def never_compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `function`'s code for dynamo to run as it is, never to compile: a check of ours that runs
+    while dynamo intercepts new frames (inside a compiled call: a compiled module's hooks, dynamo's
+    wrapper on its way out) would otherwise be compiled itself, with a graph break at its
+    ``sys._getframe`` and a warning to the user. Returns `function`."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    skip_code = getattr(eval_frame, "skip_code", None) if eval_frame is not None else None
+    if skip_code is not None:
+        skip_code(function.__code__)
+    return function
+
+
+def compiled_target(fn: Callable[..., Any]) -> tuple[torch.nn.Module | None, list[Callable[..., Any]]]:
+    """What `fn` (the callable dynamo's wrapper calls) compiles: (the module whose call or forward it
+    is, or None; the callables from `fn` inwards through ``functools.wraps``, which dynamo's own
+    ``wrap_inline`` and the user's decorators use, the user's function last)."""
+    chain = []
+    while fn is not None and len(chain) < 16:  # bounded: a wrapper chain is a few deep
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return owner, chain
+        chain.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+    return None, chain
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def host_tensors_read_by(function: Callable[..., Any], device_type: str) -> list[str]:
+    """Names of the host tensors a plain function reads without being passed them: the globals its
+    code names, its closure's cells and its default arguments (the names compiled code bakes in)."""
+    if not inspect.isfunction(function):
+        return []
+    code = function.__code__
+    found = []
+    module_globals = function.__globals__
+    for name in code.co_names:
+        if _is_host_tensor(module_globals.get(name), device_type):
+            found.append(name)
+    for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+        if _is_host_tensor(_cell(cell), device_type):
+            found.append(name)
+    defaults = inspect.signature(function).parameters.values()
+    found += [p.name for p in defaults if _is_host_tensor(p.default, device_type)]
+    return found
+
+
+def _is_host_tensor(value: Any, device_type: str) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type != device_type
