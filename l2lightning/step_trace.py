@@ -681,18 +681,12 @@ class StepTracer(TorchDispatchMode):
         module, chain = compiled_target(fn)
         if module is not None:
             if id(module) not in hooked:  # a compiled module outside the module's own tree
-                self._compiled_input_check(type(module).__name__, skip=3)(module, args, kwargs)
+                self._compiled_input_check(type(module).__name__)(module, args, kwargs)
             return
         if not chain:
             return
         name = getattr(chain[-1], "__qualname__", None) or repr(chain[-1])
-        leaves, _ = tree_flatten((args, kwargs))
-        if any(isinstance(t, torch.Tensor) and t.device.type != self.device_type for t in leaves):
-            self.trace.add_problem(
-                f"a host tensor is passed into `{name}`, compiled with torch.compile, at "
-                f"{describe_frame(user_frame(2))}; what compiled code reads from a host tensor is "
-                "not traced, and a graph would keep the capture's values: move it to the device first"
-            )
+        leaves = self._note_host_arguments(name, args, kwargs)
         for leaf in leaves:
             held = self._host_tensor_attributes(leaf) if isinstance(leaf, torch.nn.Module) else []
             if held:
@@ -710,15 +704,20 @@ class StepTracer(TorchDispatchMode):
                 "a graph would keep the capture's values: move them to the device"
             )
 
-    def _compiled_input_check(self, name: str, skip: int = 2) -> Any:
+    def _note_host_arguments(self, name: str, args: tuple, kwargs: dict) -> list[Any]:
+        """Note a problem if a host tensor is among the arguments of compiled `name`; returns the leaves."""
+        leaves, _ = tree_flatten((args, kwargs))
+        if any(isinstance(t, torch.Tensor) and t.device.type != self.device_type for t in leaves):
+            self.trace.add_problem(
+                f"a host tensor is passed into `{name}`, compiled with torch.compile, at "
+                f"{describe_frame(user_frame())}; what compiled code reads from a host tensor is "
+                "not traced, and a graph would keep the capture's values: move it to the device first"
+            )
+        return leaves
+
+    def _compiled_input_check(self, name: str) -> Any:
         def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            leaves, _ = tree_flatten((args, kwargs))
-            if any(isinstance(t, torch.Tensor) and t.device.type != self.device_type for t in leaves):
-                self.trace.add_problem(
-                    f"a host tensor is passed into `{name}`, compiled with torch.compile, at "
-                    f"{describe_frame(user_frame(skip))}; what compiled code reads from a host tensor is "
-                    "not traced, and a graph would keep the capture's values: move it to the device first"
-                )
+            self._note_host_arguments(name, args, kwargs)
             held = self._host_tensor_attributes(module)
             if held:
                 self.trace.add_problem(
