@@ -45,6 +45,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason
@@ -73,7 +74,7 @@ from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
 from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
-from l2lightning.step_overrides import StepOverrides
+from l2lightning.step_overrides import StepOverrides, presenting_signature_of
 from l2lightning.step_source import StepSource, analyse, analyse_callbacks
 from l2lightning.step_trace import (
     StepTracer,
@@ -372,10 +373,16 @@ class L2GraphCallback(
                 f"multi-process training (world size {trainer.world_size}) is not captured yet: the DDP capture "
                 "path has not been validated on several GPUs"
             )
-        return self._configuration_refusal(trainer)
+        return self._configuration_refusal(trainer, pl_module)
 
     @staticmethod
-    def _configuration_refusal(trainer: Trainer) -> str | None:
+    def _configuration_refusal(trainer: Trainer, pl_module: LightningModule) -> str | None:
+        """What the Trainer's and the module's configuration rule out, on any device."""
+        if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+            return (
+                "`training_step` takes `dataloader_iter` and fetches its own batches; the capture needs the batch "
+                "Lightning passes to `training_step(batch, batch_idx)`"
+            )
         if trainer.accumulate_grad_batches != 1:
             return f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}) is not captured"
         precision = str(trainer.precision)
@@ -420,7 +427,7 @@ class L2GraphCallback(
         self._module = pl_module
         self._trainer = trainer
         overrides: dict[str, Any] = {
-            "training_step": self._training_step,
+            "training_step": presenting_signature_of(pl_module.training_step, self._training_step),
             "optimizer_zero_grad": self._optimizer_zero_grad,
             "backward": self._backward,
             "configure_gradient_clipping": self._configure_gradient_clipping,

@@ -6,6 +6,7 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -233,3 +234,24 @@ def copied_element(element: Any) -> Any:
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, element)
+
+
+def presenting_signature_of(
+    original: Callable[..., Any], replacement: Callable[..., Any]
+) -> Callable[..., Any]:
+    """`replacement`, as a function that Lightning inspects as it would inspect `original`.
+
+    Lightning passes ``batch_idx`` to ``training_step`` only when its signature takes it, and picks
+    the data fetcher by whether it takes ``dataloader_iter`` (``is_param_in_hook_signature``, which
+    unwraps one ``__wrapped__`` and reads the arguments). The callback's replacement takes
+    ``*args``: installed as it is, Lightning passed ``batch_idx`` to a ``training_step(self, batch)``
+    and the fit failed with a TypeError. This function's ``__wrapped__`` is what Lightning would have
+    unwrapped `original` to, so it decides as in a plain fit.
+    """
+
+    @functools.wraps(original)
+    def presented(*args: Any, **kwargs: Any) -> Any:
+        return replacement(*args, **kwargs)
+
+    presented.__wrapped__ = getattr(original, "__wrapped__", original)
+    return presented

@@ -195,7 +195,9 @@ def install(monkeypatch_setattr) -> None:
     monkeypatch_setattr(optim_mod, "CAPTURABLE_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch_setattr(step_capture, "graph_capture", emulated_graph_capture)
     monkeypatch_setattr(
-        cbm.L2GraphCallback, "_refusal", lambda self, trainer, pl_module: self._configuration_refusal(trainer)
+        cbm.L2GraphCallback,
+        "_refusal",
+        lambda self, trainer, pl_module: self._configuration_refusal(trainer, pl_module),
     )
     monkeypatch_setattr(cbm.L2GraphCallback, "_events", staticmethod(lambda: (_DoneEvent(), _DoneEvent())))
     monkeypatch_setattr(torch.cuda, "CUDAGraph", FakeGraph)

@@ -183,3 +183,13 @@ class DropoutOutsideCheckpoint(CheckpointedDropout):
     """Checkpointed blocks without dropout (their random state is still put back), dropout after them."""
 
     dropout_inside = False
+
+
+class StepWithoutBatchIdx(TinyMLP):
+    """`training_step(self, batch)`: Lightning passes `batch_idx` only to a step that takes it."""
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import re
 import warnings
 import weakref
@@ -63,6 +64,7 @@ from tests.lightning_models import (
     IgnoresTheNames,
     NamedSamples,
     ReadsTheNames,
+    StepWithoutBatchIdx,
     TinyMLP,
     quiet_trainer,
     regression_loader,
@@ -858,6 +860,75 @@ def test_closure_called_outside_optimizer_step_is_refused_by_name():
     with pytest.warns(UserWarning, match="calls the optimizer closure itself"):
         fit(ClosureOutsideStep, [cb], steps=6)
     assert not cb.summary()["captured"]
+
+
+def test_a_training_step_without_batch_idx_is_captured_and_equals_the_baseline():
+    """Failed before with a TypeError: the callback's replacement took `*args`, so Lightning passed
+    `batch_idx` to it, and it to the user's step."""
+    base, run, cb = captured_pair(StepWithoutBatchIdx)
+    assert cb.summary()["captured"] and emu.FakeGraph.replays == 27, cb.summary()
+    assert_same(base, run)
+
+
+class FetchesItsOwnBatches(TinyMLP):
+    """`training_step(self, dataloader_iter)`: Lightning's experimental flavour, the step draws batches."""
+
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss, batch_size=len(y))
+        return loss
+
+
+def test_a_training_step_taking_dataloader_iter_is_refused_at_setup_and_trains_like_plain():
+    """Before, the replacement's `*args` hid `dataloader_iter` from Lightning, which then passed
+    batches to a step that draws from an iterator (a TypeError)."""
+    cb = assert_refused_like_plain(
+        FetchesItsOwnBatches, r"takes `dataloader_iter` and fetches its own batches"
+    )
+    assert cb.summary()["capture_step"] is None
+
+
+def test_the_installed_training_step_is_inspected_by_lightning_as_the_users_own():
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    from l2lightning.step_overrides import presenting_signature_of
+
+    def passthrough(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    class Steps:
+        def without_idx(self, batch):
+            return batch
+
+        def with_idx(self, batch, batch_idx):
+            return batch, batch_idx
+
+        def fetching(self, dataloader_iter):
+            return dataloader_iter
+
+        @passthrough
+        def decorated_without_idx(self, batch):
+            return batch
+
+    steps, calls = Steps(), []
+    for name in ("without_idx", "with_idx", "fetching", "decorated_without_idx"):
+        original = getattr(steps, name)
+        presented = presenting_signature_of(original, lambda *a, **k: calls.append((a, k)) or "out")
+        for param, kwargs in (("batch_idx", {"min_args": 2}), ("dataloader_iter", {"explicit": True})):
+            expected = is_param_in_hook_signature(original, param, **kwargs)
+            assert is_param_in_hook_signature(presented, param, **kwargs) == expected, (name, param)
+        assert presented(1, batch_idx=2) == "out" and calls[-1] == ((1,), {"batch_idx": 2})
+        assert presented.__name__ == name
+    # what the checks above decide for these steps, so that they cannot pass by always agreeing
+    assert is_param_in_hook_signature(steps.with_idx, "batch_idx", min_args=2)
+    assert not is_param_in_hook_signature(steps.without_idx, "batch_idx", min_args=2)
+    assert is_param_in_hook_signature(steps.fetching, "dataloader_iter", explicit=True)
 
 
 class EMAHook(TinyMLP):

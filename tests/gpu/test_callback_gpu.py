@@ -26,6 +26,7 @@ from tests.lightning_models import (
     IgnoresTheNames,
     NamedSamples,
     ReadsTheNames,
+    StepWithoutBatchIdx,
     TinyMLP,
     quiet_trainer,
     regression_loader,
@@ -155,6 +156,15 @@ def assert_refused_and_trains_like_plain(cls, warning: str, in_reason: str, **fi
     s = cb.summary()
     assert not s["captured"] and in_reason in s["reason"], s
     assert_same_run(plain, run)
+
+
+def test_a_training_step_without_batch_idx_is_captured_and_bitwise_the_baseline():
+    base = fit(StepWithoutBatchIdx, [], baseline=True)
+    cb = L2GraphCallback(prefetch="default")
+    run = fit(StepWithoutBatchIdx, [cb])
+    summary = cb.summary()
+    assert summary["captured"] and summary["fallback_steps"] == 0, summary
+    assert_same_run(base, run)
 
 
 def test_host_sync_in_training_step_is_refused_at_the_first_step_and_trains_like_plain():
