@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from l2lightning._env import prefetch_unavailable_reason
 from l2lightning.capture import StaticBatch, TrainingState
@@ -95,15 +96,9 @@ class PrefetchSetup:
         from l2lightning.prefetch.hooks import PrefetchHooks
 
         static_batch = self._static_for_prefetch.batch
-        original_training_step = self._originals["training_step"]
-        original_log = self._originals["log"]
-
-        def dry_step(module: Any, batch: Any) -> Any:
-            module.log = lambda *a, **k: None  # the dry run must not log
-            try:
-                return original_training_step(batch, 0)
-            finally:
-                module.log = self._installed.get("log", original_log)
+        dry_step = dry_step_of(
+            self._originals["training_step"], self._installed.get("log", self._originals["log"])
+        )
 
         plans: Any = None if self.prefetch in ("default", "decoy") else self.prefetch
         return PrefetchHooks(
@@ -221,6 +216,22 @@ def _leaves_no_trace(module: LightningModule, optimizer: Any) -> Any:
         for m, count, cache, computed in python:
             m._update_count, m._forward_cache, m._computed = count, cache, computed
         saved.restore(optimizer)
+
+
+def dry_step_of(training_step: Callable[..., Any], log: Callable[..., Any]) -> Callable[[Any, Any], Any]:
+    """The user's `training_step` as the chain discovery's dry run calls it: `(module, batch)`, with
+    ``batch_idx`` 0 where the step takes one (as Lightning decides: ``training_step(self, batch)``
+    failed with a TypeError here), logging nothing, and `log` put back on the module after."""
+    takes_batch_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
+
+    def dry_step(module: Any, batch: Any) -> Any:
+        module.log = lambda *a, **k: None  # the dry run must not log
+        try:
+            return training_step(batch, 0) if takes_batch_idx else training_step(batch)
+        finally:
+            module.log = log
+
+    return dry_step
 
 
 def _compiled_forward(module: torch.nn.Module) -> Callable[..., Any]:

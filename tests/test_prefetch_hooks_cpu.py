@@ -382,3 +382,19 @@ def test_a_hooked_pass_leaves_no_autograd_graph_for_the_collector(backward):
     finally:
         if collecting:
             gc.enable()
+
+
+def test_the_dry_run_calls_the_users_step_as_lightning_would_and_logs_nothing():
+    """The chain discovery's dry run passed `batch_idx` 0 to every step: a `training_step(self, batch)`
+    failed with a TypeError on the GPU (the default prefetch runs it), where the fit had been captured."""
+    from l2lightning.prefetch_setup import dry_step_of
+    from tests.lightning_models import StepWithoutBatchIdx, TinyMLP
+
+    batch = (torch.ones(3, 4), torch.ones(3))
+    for cls in (StepWithoutBatchIdx, TinyMLP):  # both log their loss in the step
+        module = cls(width=4, depth=1)
+        logged = []
+        installed_log = module.log = lambda *args, logged=logged, **kwargs: logged.append(args)
+        loss = dry_step_of(module.training_step, installed_log)(module, batch)
+        assert loss.shape == () and torch.isfinite(loss), cls.__name__
+        assert logged == [] and module.log is installed_log, cls.__name__  # silent, and put back
