@@ -47,7 +47,7 @@ def one_fit(with_callback: bool, steps: int) -> dict:
     if cb is not None:
         summary = cb.summary()
         out["summary"] = {
-            k: summary.get(k) for k in ("captured", "capture_step", "fallback_steps", "replays")
+            k: summary.get(k) for k in ("captured", "capture_step", "captures", "fallback_steps")
         }
     return out
 
