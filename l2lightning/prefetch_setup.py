@@ -222,7 +222,10 @@ def dry_step_of(training_step: Callable[..., Any], log: Callable[..., Any]) -> C
     """The user's `training_step` as the chain discovery's dry run calls it: `(module, batch)`, with
     ``batch_idx`` 0 where the step takes one (as Lightning decides: ``training_step(self, batch)``
     failed with a TypeError here), logging nothing, and `log` put back on the module after."""
-    takes_batch_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
+    try:
+        takes_batch_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
+    except (TypeError, ValueError):  # no signature to read: called as before, with batch_idx
+        takes_batch_idx = True
 
     def dry_step(module: Any, batch: Any) -> Any:
         module.log = lambda *a, **k: None  # the dry run must not log
