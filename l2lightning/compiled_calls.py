@@ -46,6 +46,7 @@ def watching_compiled_calls(check: CompiledCallCheck) -> Iterator[bool]:
         yield False
         return
     wrapper_file = eval_frame.__file__
+    check = never_compiled(check)
 
     def set_eval_frame(callback: Any) -> Any:
         caller = sys._getframe(1)
@@ -59,7 +60,7 @@ def watching_compiled_calls(check: CompiledCallCheck) -> Iterator[bool]:
         return original(callback)
 
     # The wrapper calls it again on its way out while dynamo still intercepts new frames
-    never_compiled(set_eval_frame)
+    _skip_own_frame(set_eval_frame, eval_frame)
     eval_frame.set_eval_frame = set_eval_frame
     try:
         yield True
@@ -68,15 +69,28 @@ def watching_compiled_calls(check: CompiledCallCheck) -> Iterator[bool]:
 
 
 def never_compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark `function`'s code for dynamo to run as it is, never to compile: a check of ours that runs
-    while dynamo intercepts new frames (inside a compiled call: a compiled module's hooks, dynamo's
-    wrapper on its way out) would otherwise be compiled itself, with a graph break at its
-    ``sys._getframe`` and a warning to the user. Returns `function`."""
+    """`function`, run with dynamo off for its whole call, callees included.
+
+    A check of ours that runs while dynamo intercepts new frames (a compiled module's pre-hook runs
+    inside the compiled call; a compiled function called from compiled code's eager parts) would
+    otherwise have its frames compiled by dynamo, with a graph break at ``sys._getframe`` and a
+    warning to the user (seen on torch 2.11 and 2.13 with the pre-hook of a module compiled in place).
+    """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    skip_code = getattr(eval_frame, "skip_code", None) if eval_frame is not None else None
+    if eval_frame is None:  # nothing was ever compiled in this process: nothing intercepts frames
+        return function
+    import torch._dynamo
+
+    return torch._dynamo.disable(function, recursive=True)
+
+
+def _skip_own_frame(function: Callable[..., Any], eval_frame: Any) -> None:
+    """Mark `function`'s own frame for dynamo to run as it is (its callees are not marked): for
+    our ``set_eval_frame``, which cannot be wrapped by ``torch._dynamo.disable`` (that wrapper calls
+    ``set_eval_frame`` itself) and calls no Python code on the way out of a compiled call."""
+    skip_code = getattr(eval_frame, "skip_code", None)
     if skip_code is not None:
         skip_code(function.__code__)
-    return function
 
 
 def compiled_target(fn: Callable[..., Any]) -> tuple[torch.nn.Module | None, list[Callable[..., Any]]]:
