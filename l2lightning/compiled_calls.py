@@ -20,6 +20,7 @@ dynamo's own. Traced warm-up steps only: never a replay.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -96,14 +97,15 @@ def _skip_own_frame(function: Callable[..., Any], eval_frame: Any) -> None:
 def compiled_target(fn: Callable[..., Any]) -> tuple[torch.nn.Module | None, list[Callable[..., Any]]]:
     """What `fn` (the callable dynamo's wrapper calls) compiles: (the module whose call or forward it
     is, or None; the callables from `fn` inwards through ``functools.wraps``, which dynamo's own
-    ``wrap_inline`` and the user's decorators use, the user's function last)."""
+    ``wrap_inline`` and the user's decorators use, and through ``functools.partial``, the user's
+    function last)."""
     chain = []
     while fn is not None and len(chain) < 16:  # bounded: a wrapper chain is a few deep
         owner = getattr(fn, "__self__", None)
         if isinstance(owner, torch.nn.Module):
             return owner, chain
         chain.append(fn)
-        fn = getattr(fn, "__wrapped__", None)
+        fn = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__wrapped__", None)
     return None, chain
 
 
@@ -116,21 +118,40 @@ def _cell(cell: Any) -> Any:
 
 def host_tensors_read_by(function: Callable[..., Any], device_type: str) -> list[str]:
     """Names of the host tensors a plain function reads without being passed them: the globals its
-    code names, its closure's cells and its default arguments (the names compiled code bakes in)."""
+    code names (nested code too: comprehensions, lambdas), its closure's cells and its own default
+    arguments (what compiled code bakes in)."""
     if not inspect.isfunction(function):
         return []
-    code = function.__code__
     found = []
     module_globals = function.__globals__
-    for name in code.co_names:
+    for name in sorted(_names_in(function.__code__)):
         if _is_host_tensor(module_globals.get(name), device_type):
             found.append(name)
-    for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
         if _is_host_tensor(_cell(cell), device_type):
             found.append(name)
-    defaults = inspect.signature(function).parameters.values()
-    found += [p.name for p in defaults if _is_host_tensor(p.default, device_type)]
+    try:
+        parameters = inspect.signature(function, follow_wrapped=False).parameters.values()
+    except (TypeError, ValueError):  # no signature to read
+        parameters = ()
+    found += [p.name for p in parameters if _is_host_tensor(p.default, device_type)]
     return found
+
+
+def _names_in(code: Any) -> set[str]:
+    """The global and attribute names `code` and the code nested in it look up."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names_in(const)
+    return names
+
+
+def partial_arguments(fn: Any) -> tuple[tuple, dict]:
+    """The arguments a ``functools.partial`` binds (those a call of it passes on), else none."""
+    if isinstance(fn, functools.partial):
+        return fn.args, dict(fn.keywords)
+    return (), {}
 
 
 def _is_host_tensor(value: Any, device_type: str) -> bool:

@@ -52,6 +52,7 @@ from l2lightning.compiled_calls import (
     compiled_target,
     host_tensors_read_by,
     never_compiled,
+    partial_arguments,
     watching_compiled_calls,
 )
 
@@ -686,6 +687,9 @@ class StepTracer(TorchDispatchMode):
         if not chain:
             return
         name = getattr(chain[-1], "__qualname__", None) or repr(chain[-1])
+        for wrapper in chain:  # what a `functools.partial` on the way binds is passed in too (outer first)
+            bound_args, bound_kwargs = partial_arguments(wrapper)
+            args, kwargs = (*bound_args, *args), {**bound_kwargs, **kwargs}
         leaves = self._note_host_arguments(name, args, kwargs)
         for leaf in leaves:
             held = self._host_tensor_attributes(leaf) if isinstance(leaf, torch.nn.Module) else []

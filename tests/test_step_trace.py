@@ -312,6 +312,28 @@ def test_host_tensors_a_compiled_function_reads_from_globals_closure_or_defaults
     torch._dynamo.reset()
 
 
+def test_host_tensors_bound_by_a_compiled_partial_or_read_in_nested_code_are_a_problem_naming_them():
+    import functools
+
+    def scaled(x, scale):
+        return x * scale
+
+    def summed(xs):
+        return sum(x * HOST_SCALE for x in xs)  # a generator: its own code object names the global
+
+    torch._dynamo.reset()
+    bound = torch.compile(functools.partial(scaled, scale=torch.tensor(0.5)), backend="eager")
+    nested = torch.compile(summed, backend="eager")
+    tracer = StepTracer("meta")
+    with tracer, tracer.watching_compiled_inputs([]):
+        bound(torch.ones(3, device="meta"))
+        nested([torch.ones(3, device="meta")])
+    first, second = tracer.trace.problems
+    assert "a host tensor is passed into `" in first and "scaled`, compiled with torch.compile" in first
+    assert "summed`, compiled with torch.compile, reads host tensors (`HOST_SCALE`)" in second
+    torch._dynamo.reset()
+
+
 def test_a_compiled_module_outside_the_watched_submodules_is_checked_through_the_wrapper_and_once_inside():
     """A compiled module the LightningModule holds outside its tree (in a plain list) is found by the
     wrapper's watch, named by its class; a watched submodule is reported by its hook alone."""
