@@ -74,7 +74,7 @@ from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
 from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
-from l2lightning.step_overrides import StepOverrides, presenting_signature_of
+from l2lightning.step_overrides import ABSENT, StepOverrides, presenting_signature_of
 from l2lightning.step_source import StepSource, analyse, analyse_callbacks
 from l2lightning.step_trace import (
     StepTracer,
@@ -237,7 +237,9 @@ class L2GraphCallback(
         self._module: LightningModule | None = None
         self._trainer: Trainer | None = None
         self._installed: dict[str, Any] = {}  # module attribute -> our override
-        self._callback_overrides: list[tuple[Any, str]] = []
+        # (callback, hook, what the callback's instance held under that name before, or ABSENT)
+        self._callback_overrides: list[tuple[Any, str, Any]] = []
+        self._shadowed: dict[str, Any] = {}
         self._undo_progress_bar_reads: Callable[[], None] | None = None
         self._mode = "eager"
         self._optimizer: CapturableOptimizer | None = None
@@ -277,6 +279,8 @@ class L2GraphCallback(
         self._step_output: Any = None
         self._captured = False
         self._compiled_children: list[torch.nn.Module] = []
+        # per compiled child, the `forward` its instance held before compile=True replaced it, or ABSENT
+        self._children_forward: list[Any] = []
         self._static_for_prefetch: StaticBatch | None = None
         # The stream every non-replayed step runs on, and the capture too (set at the first step)
         self._step_stream: Any = None
@@ -436,6 +440,8 @@ class L2GraphCallback(
         for hook in user_hooks:
             overrides[hook] = self._captured_hook(hook, getattr(pl_module, hook))
         self._originals = {name: getattr(pl_module, name) for name in overrides}
+        # a method the module's instance itself holds (`model.training_step = fn`) goes back after the fit
+        self._shadowed = {name: vars(pl_module)[name] for name in overrides if name in vars(pl_module)}
         for name, fn in overrides.items():
             setattr(pl_module, name, fn)
         self._installed = overrides
@@ -444,8 +450,8 @@ class L2GraphCallback(
                 continue
             for hook in CLOSURE_HOOKS:
                 if is_overridden(hook, cb, parent=Callback):
+                    self._callback_overrides.append((cb, hook, vars(cb).get(hook, ABSENT)))
                     setattr(cb, hook, self._captured_hook(hook, getattr(cb, hook)))
-                    self._callback_overrides.append((cb, hook))
 
     def _cleanup(self, pl_module: LightningModule | None) -> None:
         """Undo everything the callback installed; drop every reference to the module and the graph."""
@@ -454,18 +460,26 @@ class L2GraphCallback(
             for name, fn in self._installed.items():
                 if vars(module).get(name) is fn:
                     delattr(module, name)
+                    if name in self._shadowed:
+                        setattr(module, name, self._shadowed[name])
         self._installed = {}
+        self._shadowed = {}
         if self._undo_progress_bar_reads is not None:
             self._undo_progress_bar_reads()
             self._undo_progress_bar_reads = None
-        for cb, hook in self._callback_overrides:
+        for cb, hook, before in self._callback_overrides:
             if hook in vars(cb):
                 delattr(cb, hook)
+            if before is not ABSENT:  # the callback's instance held that hook itself
+                setattr(cb, hook, before)
         self._callback_overrides = []
-        for child in self._compiled_children:
+        for child, before in zip(self._compiled_children, self._children_forward):
             if "forward" in vars(child):
                 del child.forward  # back to the class's own forward
+            if before is not ABSENT:  # or to the one the instance held (a library's wrapper)
+                child.forward = before
         self._compiled_children = []
+        self._children_forward = []
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None

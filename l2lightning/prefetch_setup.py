@@ -25,7 +25,7 @@ from l2lightning.metric_binding import (
     named_metrics,
 )
 from l2lightning.step_gate import StepGate, StepGateResult
-from l2lightning.step_overrides import shallow_copy
+from l2lightning.step_overrides import ABSENT, shallow_copy
 from l2lightning.step_trace import first_line
 
 if TYPE_CHECKING:  # the capture module imports this one's helpers
@@ -47,6 +47,7 @@ class PrefetchSetup:
         self._install_prefetch(pl_module)
         for child in pl_module.children():
             self._compiled_children.append(child)
+            self._children_forward.append(vars(child).get("forward", ABSENT))
             child.forward = _compiled_forward(child)  # type: ignore[method-assign]
         self._compile_pending = True
 

@@ -14,6 +14,10 @@ import torch
 
 from l2lightning.log_replay import ReissuedLog
 
+# What an instance held under a name the callback replaces for the fit, when it held nothing in its own
+# __dict__ (None may be a value it held): the class's attribute is then what comes back.
+ABSENT = object()
+
 
 class StepOverrides:
     """The LightningModule methods the callback replaces for a fit, and self.log through replays."""

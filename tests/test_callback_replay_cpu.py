@@ -931,6 +931,41 @@ def test_the_installed_training_step_is_inspected_by_lightning_as_the_users_own(
     assert is_param_in_hook_signature(steps.fetching, "dataloader_iter", explicit=True)
 
 
+def test_methods_the_instances_held_themselves_are_theirs_again_after_the_fit(monkeypatch):
+    """The callback replaces the module's `training_step`, the closure hooks of other callbacks and,
+    with compile=True, the children's `forward` for the fit; where the instance held its own (a
+    method assigned to the instance, a library's per-instance wrapper) the clean-up deleted ours and
+    left the class's, so a later fit or `trainer.validate` ran other code, silently."""
+    import types
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    seed_everything(0)
+    model = TinyMLP(width=32, depth=3)
+    scaled = types.MethodType(
+        lambda self, batch, batch_idx: TinyMLP.training_step(self, batch, batch_idx) * 2, model
+    )
+    model.training_step = scaled
+    head_forward = model.head.forward  # a per-instance wrapper, as accelerate's hooks install one
+    model.head.forward = lambda x: head_forward(x)
+    instance_forward = model.head.forward
+
+    class Counts(Callback):
+        pass
+
+    counts = Counts()
+    calls = []
+    counts.on_before_backward = lambda trainer, pl_module, loss: calls.append(1)
+    instance_hook = counts.on_before_backward
+    torch._dynamo.reset()
+    cb = callback(compile=True)
+    fit(TinyMLP, [counts, cb], steps=8, model=model)
+    torch._dynamo.reset()
+    assert cb.summary()["captured"], cb.summary()
+    assert vars(model)["training_step"] is scaled
+    assert vars(model.head)["forward"] is instance_forward
+    assert vars(counts)["on_before_backward"] is instance_hook and calls
+
+
 class EMAHook(TinyMLP):
     def __init__(self, **kw):
         super().__init__(**kw)
