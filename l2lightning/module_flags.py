@@ -1,7 +1,10 @@
-"""Modules' ``train()``/``eval()`` flags and parameters' ``requires_grad``, read before every replay.
+"""Modules' ``train()``/``eval()`` flags, parameters' ``requires_grad`` and the ``forward`` a module's
+instance holds itself, read before every replay.
 
-A captured step bakes both in (dropout on or off, which gradients exist), so the callback compares
-them with the captured step's before each replay. Walking ``module.modules()`` and
+A captured step bakes all three in (dropout on or off, which gradients exist, which code a layer
+runs: a callback assigning ``model.head.forward = ...`` mid-fit was replayed with the old forward,
+silently, on the CPU emulator), so the callback compares them with the captured step's before each
+replay. Walking ``module.modules()`` and
 ``module.parameters()`` for that cost 84 us per step on a 50-module MLP (CPU); reading the same
 flags from cached lists costs 5 us. The lists go stale only when a module or parameter is
 registered somewhere (``self.head = nn.Linear(...)``, ``Sequential.append``): PyTorch's global
@@ -17,6 +20,7 @@ a walk it skips on every step where nothing was registered.
 
 from __future__ import annotations
 
+from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -25,6 +29,7 @@ from torch.nn.modules import module as torch_module
 
 _training = attrgetter("training")
 _requires_grad = attrgetter("requires_grad")
+_instance_dict = attrgetter("__dict__")
 
 
 class ModuleFlags:
@@ -33,6 +38,7 @@ class ModuleFlags:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._modules: list[nn.Module] = []
+        self._names: list[str] = []
         self._parameters: list[nn.Parameter] = []
         self._stale = True
         # registrations anywhere in the process since this object was made (any module: a cheap
@@ -63,16 +69,25 @@ class ModuleFlags:
         changed = [name for name, tensor in captured if now.get(name) is not tensor]
         return changed + sorted(name for name in now if name not in was)
 
-    def read(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-        """(every module's ``training``, every parameter's ``requires_grad``), in ``modules()`` order."""
+    def read(self) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[Any, ...]]:
+        """(every module's ``training``, every parameter's ``requires_grad``, the ``forward`` every
+        module's instance holds in its own ``__dict__`` or None), in ``modules()`` order."""
         if self._stale:
-            self._modules = list(self.module.modules())
+            named = list(self.module.named_modules())
+            self._names = [name or "the module" for name, _ in named]
+            self._modules = [m for _, m in named]
             self._parameters = list(self.module.parameters())
             self._stale = False
         return (
             tuple(map(_training, self._modules)),  # mapped in C: no Python loop per step
             tuple(map(_requires_grad, self._parameters)),
+            tuple(map(dict.get, map(_instance_dict, self._modules), repeat("forward"))),
         )
+
+    def replaced_forwards(self, captured: tuple, now: tuple) -> list[str]:
+        """Names of the modules whose instance ``forward`` differs between two :meth:`read` results
+        taken with the same modules (the caller compares the first two parts first)."""
+        return [name for name, a, b in zip(self._names, captured[2], now[2]) if a != b]
 
     def close(self) -> None:
         """Remove the global registration hooks and drop the references to the module."""

@@ -82,6 +82,12 @@ class StepDecision:
                     "parameters' `requires_grad` changed since capture (captured again next step)"
                 )
                 return "eager"
+            if flags[0] == graph.flags[0] and len(flags[2]) == len(graph.flags[2]):
+                replaced = self._flags.replaced_forwards(graph.flags, flags)
+                return self._recapture(
+                    f"layers' `forward` was replaced on their instances since capture ({_first_names(replaced)}; "
+                    "a replay runs the captured code)"
+                )
             return self._recapture("modules' `train()`/`eval()` mode changed since capture")
         changes = self._optimizer.baked_changes()
         if changes:

@@ -966,6 +966,26 @@ def test_methods_the_instances_held_themselves_are_theirs_again_after_the_fit(mo
     assert vars(counts)["on_before_backward"] is instance_hook and calls
 
 
+class TriplesTheHeadFromEpochOne(Callback):
+    """Replaces the head's forward on its instance at epoch 1 (a user's or a library's patch)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            plain = type(pl_module.head).forward
+            pl_module.head.forward = lambda x: plain(pl_module.head, x) * 3
+
+
+def test_a_layers_forward_replaced_on_its_instance_mid_fit_is_captured_again_and_equals_the_baseline():
+    """Silent before: the replays after the replacement ran the captured forward (the loss left the
+    baseline's at step 30)."""
+    assert_captured_again_like_baseline(
+        TinyMLP,
+        r"layers' `forward` was replaced on their instances since capture \(head",
+        captures=2,
+        callbacks=[TriplesTheHeadFromEpochOne()],
+    )
+
+
 class EMAHook(TinyMLP):
     def __init__(self, **kw):
         super().__init__(**kw)

@@ -17,10 +17,28 @@ def test_flags_follow_train_eval_and_requires_grad():
     m = model()
     flags = ModuleFlags(m)
     first = flags.read()
-    assert first == ((True,) * 4, (True,) * 4)
+    assert first == ((True,) * 4, (True,) * 4, (None,) * 4)
     m[1].eval()
     m[2].weight.requires_grad_(False)
-    assert flags.read() == ((True, True, False, True), (True, True, False, True))
+    assert flags.read() == ((True, True, False, True), (True, True, False, True), (None,) * 4)
+    flags.close()
+
+
+def test_a_forward_assigned_to_a_modules_instance_is_read_and_named():
+    """A captured step runs the code each layer's forward had at capture: one replaced on the
+    instance (`model.head.forward = ...`) is part of the flags, and named."""
+    m = model()
+    flags = ModuleFlags(m)
+    captured = flags.read()
+    original = m[2].forward
+    m[2].forward = lambda x: original(x) * 3
+    now = flags.read()
+    assert now[:2] == captured[:2] and now != captured
+    assert flags.replaced_forwards(captured, now) == ["2"]
+    del m[2].forward  # the class's forward again: the flags are the captured ones
+    assert flags.read() == captured
+    m.forward = lambda x: x
+    assert flags.replaced_forwards(captured, flags.read()) == ["the module"]
     flags.close()
 
 
