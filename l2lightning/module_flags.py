@@ -1,10 +1,10 @@
-"""Modules' ``train()``/``eval()`` flags, parameters' ``requires_grad`` and the ``forward`` a module's
-instance holds itself, read before every replay.
+"""Modules' ``train()``/``eval()`` flags, parameters' ``requires_grad`` and the code each module runs
+(its class, and a ``forward`` its instance holds itself), read before every replay.
 
 A captured step bakes all three in (dropout on or off, which gradients exist, which code a layer
-runs: a callback assigning ``model.head.forward = ...`` mid-fit was replayed with the old forward,
-silently, on the CPU emulator), so the callback compares them with the captured step's before each
-replay. Walking ``module.modules()`` and
+runs: a callback assigning ``model.head.forward = ...`` or ``model.head.__class__ = ...`` mid-fit
+was replayed with the old code, silently, on the CPU emulator), so the callback compares them with
+the captured step's before each replay. Walking ``module.modules()`` and
 ``module.parameters()`` for that cost 84 us per step on a 50-module MLP (CPU); reading the same
 flags from cached lists costs 5 us. The lists go stale only when a module or parameter is
 registered somewhere (``self.head = nn.Linear(...)``, ``Sequential.append``): PyTorch's global
@@ -70,8 +70,8 @@ class ModuleFlags:
         return changed + sorted(name for name in now if name not in was)
 
     def read(self) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[Any, ...]]:
-        """(every module's ``training``, every parameter's ``requires_grad``, the ``forward`` every
-        module's instance holds in its own ``__dict__`` or None), in ``modules()`` order."""
+        """(every module's ``training``, every parameter's ``requires_grad``, every module's (class,
+        the ``forward`` its instance holds in its own ``__dict__`` or None)), in ``modules()`` order."""
         if self._stale:
             named = list(self.module.named_modules())
             self._names = [name or "the module" for name, _ in named]
@@ -81,12 +81,17 @@ class ModuleFlags:
         return (
             tuple(map(_training, self._modules)),  # mapped in C: no Python loop per step
             tuple(map(_requires_grad, self._parameters)),
-            tuple(map(dict.get, map(_instance_dict, self._modules), repeat("forward"))),
+            tuple(
+                zip(
+                    map(type, self._modules),
+                    map(dict.get, map(_instance_dict, self._modules), repeat("forward")),
+                )
+            ),
         )
 
-    def replaced_forwards(self, captured: tuple, now: tuple) -> list[str]:
-        """Names of the modules whose instance ``forward`` differs between two :meth:`read` results
-        taken with the same modules (the caller compares the first two parts first)."""
+    def replaced_code(self, captured: tuple, now: tuple) -> list[str]:
+        """Names of the modules whose class or instance ``forward`` differs between two :meth:`read`
+        results taken with the same modules (the caller compares the first two parts first)."""
         return [name for name, a, b in zip(self._names, captured[2], now[2]) if a != b]
 
     def close(self) -> None:

@@ -83,10 +83,10 @@ class StepDecision:
                 )
                 return "eager"
             if flags[0] == graph.flags[0] and len(flags[2]) == len(graph.flags[2]):
-                replaced = self._flags.replaced_forwards(graph.flags, flags)
+                replaced = self._flags.replaced_code(graph.flags, flags)
                 return self._recapture(
-                    f"layers' `forward` was replaced on their instances since capture ({_first_names(replaced)}; "
-                    "a replay runs the captured code)"
+                    f"the code of layers changed since capture (their class, or a `forward` assigned to the "
+                    f"instance: {_first_names(replaced)}; a replay runs the captured code)"
                 )
             return self._recapture("modules' `train()`/`eval()` mode changed since capture")
         changes = self._optimizer.baked_changes()

@@ -975,14 +975,28 @@ class TriplesTheHeadFromEpochOne(Callback):
             pl_module.head.forward = lambda x: plain(pl_module.head, x) * 3
 
 
-def test_a_layers_forward_replaced_on_its_instance_mid_fit_is_captured_again_and_equals_the_baseline():
-    """Silent before: the replays after the replacement ran the captured forward (the loss left the
+class TriplingHead(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 3
+
+
+class SwapsTheHeadsClassAtEpochOne(Callback):
+    """Swaps the head's class at epoch 1 (as module conversions that keep the parameters do)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.head.__class__ = TriplingHead
+
+
+@pytest.mark.parametrize("change", [TriplesTheHeadFromEpochOne, SwapsTheHeadsClassAtEpochOne])
+def test_a_layers_code_changed_mid_fit_is_captured_again_and_equals_the_baseline(change):
+    """Silent before: the replays after the change ran the captured code (the loss left the
     baseline's at step 30)."""
     assert_captured_again_like_baseline(
         TinyMLP,
-        r"layers' `forward` was replaced on their instances since capture \(head",
+        r"the code of layers changed since capture \(their class, or a `forward` assigned to the instance: head",
         captures=2,
-        callbacks=[TriplesTheHeadFromEpochOne()],
+        callbacks=[change()],
     )
 
 

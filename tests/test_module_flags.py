@@ -17,16 +17,18 @@ def test_flags_follow_train_eval_and_requires_grad():
     m = model()
     flags = ModuleFlags(m)
     first = flags.read()
-    assert first == ((True,) * 4, (True,) * 4, (None,) * 4)
+    code = ((nn.Sequential, None), (nn.Linear, None), (nn.Dropout, None), (nn.Linear, None))
+    assert first == ((True,) * 4, (True,) * 4, code)
     m[1].eval()
     m[2].weight.requires_grad_(False)
-    assert flags.read() == ((True, True, False, True), (True, True, False, True), (None,) * 4)
+    assert flags.read() == ((True, True, False, True), (True, True, False, True), code)
     flags.close()
 
 
-def test_a_forward_assigned_to_a_modules_instance_is_read_and_named():
-    """A captured step runs the code each layer's forward had at capture: one replaced on the
-    instance (`model.head.forward = ...`) is part of the flags, and named."""
+def test_a_forward_assigned_to_a_modules_instance_or_a_class_swapped_is_read_and_named():
+    """A captured step runs the code each layer had at capture: a forward replaced on the instance
+    (`model.head.forward = ...`) or a class swapped (`model.head.__class__ = ...`) is part of the
+    flags, and named."""
     m = model()
     flags = ModuleFlags(m)
     captured = flags.read()
@@ -34,11 +36,19 @@ def test_a_forward_assigned_to_a_modules_instance_is_read_and_named():
     m[2].forward = lambda x: original(x) * 3
     now = flags.read()
     assert now[:2] == captured[:2] and now != captured
-    assert flags.replaced_forwards(captured, now) == ["2"]
+    assert flags.replaced_code(captured, now) == ["2"]
     del m[2].forward  # the class's forward again: the flags are the captured ones
     assert flags.read() == captured
     m.forward = lambda x: x
-    assert flags.replaced_forwards(captured, flags.read()) == ["the module"]
+    assert flags.replaced_code(captured, flags.read()) == ["the module"]
+    del m.forward
+
+    class Tripled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 3
+
+    m[0].__class__ = Tripled
+    assert flags.replaced_code(captured, flags.read()) == ["0"]
     flags.close()
 
 
