@@ -1,9 +1,10 @@
 """Modules' ``train()``/``eval()`` flags, parameters' ``requires_grad`` and the code each module runs
-(its class, and a ``forward`` its instance holds itself), read before every replay.
+(its class, the class's ``forward`` and a ``forward`` its instance holds itself), read before every
+replay.
 
 A captured step bakes all three in (dropout on or off, which gradients exist, which code a layer
-runs: a callback assigning ``model.head.forward = ...`` or ``model.head.__class__ = ...`` mid-fit
-was replayed with the old code, silently, on the CPU emulator), so the callback compares them with
+runs: a callback assigning ``model.head.forward = ...``, ``model.head.__class__ = ...`` or
+``Head.forward = ...`` mid-fit was replayed with the old code, silently, on the CPU emulator), so the callback compares them with
 the captured step's before each replay. Walking ``module.modules()`` and
 ``module.parameters()`` for that cost 84 us per step on a 50-module MLP (CPU); reading the same
 flags from cached lists costs 5 us. The lists go stale only when a module or parameter is
@@ -30,6 +31,7 @@ from torch.nn.modules import module as torch_module
 _training = attrgetter("training")
 _requires_grad = attrgetter("requires_grad")
 _instance_dict = attrgetter("__dict__")
+_forward = attrgetter("forward")
 
 
 class ModuleFlags:
@@ -70,8 +72,9 @@ class ModuleFlags:
         return changed + sorted(name for name in now if name not in was)
 
     def read(self) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[Any, ...]]:
-        """(every module's ``training``, every parameter's ``requires_grad``, every module's (class,
-        the ``forward`` its instance holds in its own ``__dict__`` or None)), in ``modules()`` order."""
+        """(every module's ``training``, every parameter's ``requires_grad``, every module's (itself, its
+        class, the class's ``forward``, the ``forward`` its instance holds in its own ``__dict__`` or
+        None)), in ``modules()`` order."""
         if self._stale:
             named = list(self.module.named_modules())
             self._names = [name or "the module" for name, _ in named]
@@ -83,16 +86,25 @@ class ModuleFlags:
             tuple(map(_requires_grad, self._parameters)),
             tuple(
                 zip(
+                    self._modules,
                     map(type, self._modules),
+                    map(_forward, map(type, self._modules)),
                     map(dict.get, map(_instance_dict, self._modules), repeat("forward")),
                 )
             ),
         )
 
-    def replaced_code(self, captured: tuple, now: tuple) -> list[str]:
-        """Names of the modules whose class or instance ``forward`` differs between two :meth:`read`
-        results taken with the same modules (the caller compares the first two parts first)."""
-        return [name for name, a, b in zip(self._names, captured[2], now[2]) if a != b]
+    def changed_code(self, captured: tuple, now: tuple) -> tuple[list[str], list[str]]:
+        """(names of the modules whose class, class ``forward`` or instance ``forward`` changed; names of
+        the modules that are other objects), between two :meth:`read` results with as many modules
+        (the caller compares the first two parts first)."""
+        changed, replaced = [], []
+        for name, was, is_ in zip(self._names, captured[2], now[2]):
+            if was[0] is not is_[0]:
+                replaced.append(name)
+            elif was != is_:
+                changed.append(name)
+        return changed, replaced
 
     def close(self) -> None:
         """Remove the global registration hooks and drop the references to the module."""

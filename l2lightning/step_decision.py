@@ -83,10 +83,15 @@ class StepDecision:
                 )
                 return "eager"
             if flags[0] == graph.flags[0] and len(flags[2]) == len(graph.flags[2]):
-                replaced = self._flags.replaced_code(graph.flags, flags)
+                changed, replaced = self._flags.changed_code(graph.flags, flags)
+                if replaced:  # `self.act = nn.GELU()`, in the module's tree (`self.net[1] = ...` too)
+                    return self._recapture(
+                        f"the functions or submodules the step calls were replaced since capture "
+                        f"({_first_names(replaced)})"
+                    )
                 return self._recapture(
-                    f"the code of layers changed since capture (their class, or a `forward` assigned to the "
-                    f"instance: {_first_names(replaced)}; a replay runs the captured code)"
+                    f"the code of layers changed since capture (their class, their class's `forward` or a `forward` "
+                    f"assigned to the instance: {_first_names(changed)}; a replay runs the captured code)"
                 )
             return self._recapture("modules' `train()`/`eval()` mode changed since capture")
         changes = self._optimizer.baked_changes()

@@ -988,13 +988,42 @@ class SwapsTheHeadsClassAtEpochOne(Callback):
             pl_module.head.__class__ = TriplingHead
 
 
-@pytest.mark.parametrize("change", [TriplesTheHeadFromEpochOne, SwapsTheHeadsClassAtEpochOne])
-def test_a_layers_code_changed_mid_fit_is_captured_again_and_equals_the_baseline(change):
+class OwnHead(nn.Linear):
+    """A layer class of the user's, whose forward a callback patches mid-fit."""
+
+
+class WithOwnHead(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.head = OwnHead(self.head.in_features, 1)
+
+
+class PatchesTheHeadsClassAtEpochOne(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            OwnHead.forward = lambda self, x: nn.Linear.forward(self, x) * 3
+
+    def on_train_end(self, trainer, pl_module):
+        if "forward" in vars(OwnHead):
+            del OwnHead.forward
+
+
+@pytest.mark.parametrize(
+    ("cls", "change"),
+    [
+        (TinyMLP, TriplesTheHeadFromEpochOne),
+        (TinyMLP, SwapsTheHeadsClassAtEpochOne),
+        (WithOwnHead, PatchesTheHeadsClassAtEpochOne),
+    ],
+    ids=["instance-forward", "class-swapped", "class-forward-patched"],
+)
+def test_a_layers_code_changed_mid_fit_is_captured_again_and_equals_the_baseline(cls, change):
     """Silent before: the replays after the change ran the captured code (the loss left the
     baseline's at step 30)."""
     assert_captured_again_like_baseline(
-        TinyMLP,
-        r"the code of layers changed since capture \(their class, or a `forward` assigned to the instance: head",
+        cls,
+        r"the code of layers changed since capture \(their class, their class's `forward` or a `forward` "
+        r"assigned to the instance: head",
         captures=2,
         callbacks=[change()],
     )

@@ -17,7 +17,7 @@ def test_flags_follow_train_eval_and_requires_grad():
     m = model()
     flags = ModuleFlags(m)
     first = flags.read()
-    code = ((nn.Sequential, None), (nn.Linear, None), (nn.Dropout, None), (nn.Linear, None))
+    code = tuple((module, type(module), type(module).forward, None) for module in m.modules())
     assert first == ((True,) * 4, (True,) * 4, code)
     m[1].eval()
     m[2].weight.requires_grad_(False)
@@ -27,8 +27,8 @@ def test_flags_follow_train_eval_and_requires_grad():
 
 def test_a_forward_assigned_to_a_modules_instance_or_a_class_swapped_is_read_and_named():
     """A captured step runs the code each layer had at capture: a forward replaced on the instance
-    (`model.head.forward = ...`) or a class swapped (`model.head.__class__ = ...`) is part of the
-    flags, and named."""
+    (`model.head.forward = ...`), a class swapped (`model.head.__class__ = ...`) or a class's forward
+    patched (`Head.forward = ...`) is part of the flags, and named."""
     m = model()
     flags = ModuleFlags(m)
     captured = flags.read()
@@ -36,11 +36,11 @@ def test_a_forward_assigned_to_a_modules_instance_or_a_class_swapped_is_read_and
     m[2].forward = lambda x: original(x) * 3
     now = flags.read()
     assert now[:2] == captured[:2] and now != captured
-    assert flags.replaced_code(captured, now) == ["2"]
+    assert flags.changed_code(captured, now) == (["2"], [])
     del m[2].forward  # the class's forward again: the flags are the captured ones
     assert flags.read() == captured
     m.forward = lambda x: x
-    assert flags.replaced_code(captured, flags.read()) == ["the module"]
+    assert flags.changed_code(captured, flags.read()) == (["the module"], [])
     del m.forward
 
     class Tripled(nn.Linear):
@@ -48,7 +48,15 @@ def test_a_forward_assigned_to_a_modules_instance_or_a_class_swapped_is_read_and
             return super().forward(x) * 3
 
     m[0].__class__ = Tripled
-    assert flags.replaced_code(captured, flags.read()) == ["0"]
+    assert flags.changed_code(captured, flags.read()) == (["0"], [])
+    swapped = flags.read()
+    plain = Tripled.forward
+    Tripled.forward = lambda self, x: plain(self, x) * 2  # the class's own forward patched
+    assert flags.changed_code(swapped, flags.read()) == (["0"], [])
+    Tripled.forward = plain
+    assert flags.read() == swapped
+    m[1] = nn.GELU()  # another object in its place (a registration: the lists are read again)
+    assert flags.changed_code(swapped, flags.read()) == ([], ["1"])
     flags.close()
 
 
