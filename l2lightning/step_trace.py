@@ -678,7 +678,20 @@ class StepTracer(TorchDispatchMode):
                 handle.remove()
 
     def _check_compiled_call(self, hooked: set[int], fn: Any, args: tuple, kwargs: dict) -> None:
-        """A call of a compiled callable that the submodules' hooks do not see: its host tensors."""
+        """A call of a compiled callable that the submodules' hooks do not see: its host tensors.
+
+        Runs inside the user's call of compiled code: a failure of the check itself is noted as a
+        problem of the step (which then trains eagerly), never raised into the user's call."""
+        try:
+            self._check_compiled_target(hooked, fn, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 -- see above
+            self.trace.add_problem(
+                f"a call of code compiled with torch.compile at {describe_frame(user_frame())} could not be "
+                f"checked for host tensors ({type(exc).__name__}: {first_line(exc)}); what compiled code "
+                "reads from a host tensor is not traced"
+            )
+
+    def _check_compiled_target(self, hooked: set[int], fn: Any, args: tuple, kwargs: dict) -> None:
         module, chain = compiled_target(fn)
         if module is not None:
             if id(module) not in hooked:  # a compiled module outside the module's own tree

@@ -334,6 +334,28 @@ def test_host_tensors_bound_by_a_compiled_partial_or_read_in_nested_code_are_a_p
     torch._dynamo.reset()
 
 
+def test_a_check_of_a_compiled_call_that_fails_is_a_problem_of_the_step_not_an_error_in_the_call(monkeypatch):
+    from l2lightning import step_trace
+
+    @torch.compile(backend="eager")
+    def doubled(x):
+        return x * 2
+
+    def broken(fn):
+        raise RuntimeError("cannot read this callable")
+
+    monkeypatch.setattr(step_trace, "compiled_target", broken)
+    torch._dynamo.reset()
+    tracer = StepTracer("cpu")
+    with tracer, tracer.watching_compiled_inputs([]):
+        out = doubled(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0))  # the user's call ran
+    (problem,) = tracer.trace.problems
+    assert "could not be checked for host tensors (RuntimeError: cannot read this callable)" in problem
+    assert "test_step_trace.py:" in problem and "doubled(torch.ones(2))" in problem
+    torch._dynamo.reset()
+
+
 def test_a_compiled_module_outside_the_watched_submodules_is_checked_through_the_wrapper_and_once_inside():
     """A compiled module the LightningModule holds outside its tree (in a plain list) is found by the
     wrapper's watch, named by its class; a watched submodule is reported by its hook alone."""
