@@ -236,3 +236,63 @@ class WritesOutEveryStep(TinyMLP):
         else:
             self.logger.experiment.log_metrics({"seen": 1.0}, step=self.global_step)
         return loss
+
+
+# --------------------------------------------------------------------------- a layer's code changed mid-fit
+class TriplesTheHeadFromEpochOne(Callback):
+    """Replaces the head's forward on its instance at epoch 1 (a user's or a library's patch)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            plain = type(pl_module.head).forward
+            pl_module.head.forward = lambda x: plain(pl_module.head, x) * 3
+
+
+class TriplingHead(nn.Linear):
+    """The class a conversion swaps in: the same parameters, three times the output."""
+
+    def forward(self, x):
+        return super().forward(x) * 3
+
+
+class SwapsTheHeadsClassAtEpochOne(Callback):
+    """Swaps the head's class at epoch 1 (as module conversions that keep the parameters do)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.head.__class__ = TriplingHead
+
+
+class OwnHead(nn.Linear):
+    """A layer class of the user's, whose forward a callback patches mid-fit."""
+
+
+class WithOwnHead(TinyMLP):
+    """TinyMLP whose head is the user's own layer class."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.head = OwnHead(self.head.in_features, 1)
+
+
+class PatchesTheHeadsClassAtEpochOne(Callback):
+    """Patches the head class's forward at epoch 1, and puts it back when the fit ends."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            OwnHead.forward = lambda self, x: nn.Linear.forward(self, x) * 3
+
+    def on_train_end(self, trainer, pl_module):
+        if "forward" in vars(OwnHead):
+            del OwnHead.forward
+
+    def teardown(self, trainer, pl_module, stage):  # a fit that failed: the class is left unpatched too
+        self.on_train_end(trainer, pl_module)
+
+
+# (module class, callback changing its head's code at epoch 1), with their test ids: the CPU and GPU tests'
+LAYER_CODE_CHANGES = {
+    "instance-forward": (TinyMLP, TriplesTheHeadFromEpochOne),
+    "class-swapped": (TinyMLP, SwapsTheHeadsClassAtEpochOne),
+    "class-forward-patched": (WithOwnHead, PatchesTheHeadsClassAtEpochOne),
+}

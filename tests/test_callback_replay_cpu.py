@@ -40,6 +40,7 @@ from l2lightning.fit_report import TIMING_WINDOW
 from tests import graph_emulator as emu
 from tests import user_step_config
 from tests.between_step_models import (
+    LAYER_CODE_CHANGES,
     AnomalyDetectionFromEpochOne,
     LogsAnUnrecomputableNumber,
     NoisyDataset,
@@ -966,57 +967,7 @@ def test_methods_the_instances_held_themselves_are_theirs_again_after_the_fit(mo
     assert vars(counts)["on_before_backward"] is instance_hook and calls
 
 
-class TriplesTheHeadFromEpochOne(Callback):
-    """Replaces the head's forward on its instance at epoch 1 (a user's or a library's patch)."""
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        if trainer.current_epoch == 1:
-            plain = type(pl_module.head).forward
-            pl_module.head.forward = lambda x: plain(pl_module.head, x) * 3
-
-
-class TriplingHead(nn.Linear):
-    def forward(self, x):
-        return super().forward(x) * 3
-
-
-class SwapsTheHeadsClassAtEpochOne(Callback):
-    """Swaps the head's class at epoch 1 (as module conversions that keep the parameters do)."""
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        if trainer.current_epoch == 1:
-            pl_module.head.__class__ = TriplingHead
-
-
-class OwnHead(nn.Linear):
-    """A layer class of the user's, whose forward a callback patches mid-fit."""
-
-
-class WithOwnHead(TinyMLP):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.head = OwnHead(self.head.in_features, 1)
-
-
-class PatchesTheHeadsClassAtEpochOne(Callback):
-    def on_train_epoch_start(self, trainer, pl_module):
-        if trainer.current_epoch == 1:
-            OwnHead.forward = lambda self, x: nn.Linear.forward(self, x) * 3
-
-    def on_train_end(self, trainer, pl_module):
-        if "forward" in vars(OwnHead):
-            del OwnHead.forward
-
-
-@pytest.mark.parametrize(
-    ("cls", "change"),
-    [
-        (TinyMLP, TriplesTheHeadFromEpochOne),
-        (TinyMLP, SwapsTheHeadsClassAtEpochOne),
-        (WithOwnHead, PatchesTheHeadsClassAtEpochOne),
-    ],
-    ids=["instance-forward", "class-swapped", "class-forward-patched"],
-)
+@pytest.mark.parametrize(("cls", "change"), LAYER_CODE_CHANGES.values(), ids=LAYER_CODE_CHANGES.keys())
 def test_a_layers_code_changed_mid_fit_is_captured_again_and_equals_the_baseline(cls, change):
     """Silent before: the replays after the change ran the captured code (the loss left the
     baseline's at step 30)."""

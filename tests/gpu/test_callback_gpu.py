@@ -9,6 +9,7 @@ from lightning.pytorch.loggers import Logger
 
 from l2lightning import EquivalenceError, L2GraphCallback, make_capturable
 from tests.between_step_models import (
+    LAYER_CODE_CHANGES,
     LogsAnUnrecomputableNumber,
     ReadsACallback,
     ReadsWhatItAppended,
@@ -785,6 +786,18 @@ def test_a_host_tensor_reaching_a_compiled_function_is_refused_by_name_and_train
     assert not summary["captured"], (summary, same)
     assert "compiled with torch.compile" in summary["reason"] and "`divided_by" in summary["reason"], summary
     assert_same_run(plain, run)
+
+
+@pytest.mark.parametrize(("model_cls", "change"), LAYER_CODE_CHANGES.values(), ids=LAYER_CODE_CHANGES.keys())
+def test_a_layers_code_changed_mid_fit_is_captured_again_and_bitwise_the_baseline(model_cls, change):
+    """Silent on the CPU emulator until 9c733eb: the replays after the change ran the captured code."""
+    base = fit(model_cls, [change()], steps=90, baseline=True)
+    cb = L2GraphCallback(prefetch="off")
+    with pytest.warns(UserWarning, match="the code of layers changed since capture"):
+        run = fit(model_cls, [change(), cb], steps=90)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 2 and summary["fallback_steps"] == 0, summary
+    assert_same_run(base, run)
 
 
 def test_tf32_switched_on_for_an_epoch_is_captured_again_and_the_fit_is_the_baseline():
