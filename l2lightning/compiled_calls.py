@@ -125,16 +125,16 @@ def host_tensors_read_by(function: Callable[..., Any], device_type: str) -> list
     found = []
     module_globals = function.__globals__
     for name in sorted(_names_in(function.__code__)):
-        if _is_host_tensor(module_globals.get(name), device_type):
+        if is_host_tensor(module_globals.get(name), device_type):
             found.append(name)
     for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
-        if _is_host_tensor(_cell(cell), device_type):
+        if is_host_tensor(_cell(cell), device_type):
             found.append(name)
     try:
         parameters = inspect.signature(function, follow_wrapped=False).parameters.values()
     except (TypeError, ValueError):  # no signature to read
         parameters = ()
-    found += [p.name for p in parameters if _is_host_tensor(p.default, device_type)]
+    found += [p.name for p in parameters if is_host_tensor(p.default, device_type)]
     return found
 
 
@@ -154,5 +154,6 @@ def partial_arguments(fn: Any) -> tuple[tuple, dict]:
     return (), {}
 
 
-def _is_host_tensor(value: Any, device_type: str) -> bool:
+def is_host_tensor(value: Any, device_type: str) -> bool:
+    """Whether `value` is a tensor off the step's device (`device_type`): a host tensor to the step."""
     return isinstance(value, torch.Tensor) and value.device.type != device_type

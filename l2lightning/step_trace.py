@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from l2lightning.compiled_calls import (
     compiled_target,
     host_tensors_read_by,
+    is_host_tensor,
     never_compiled,
     partial_arguments,
     watching_compiled_calls,
@@ -709,7 +710,7 @@ class StepTracer(TorchDispatchMode):
             if held:
                 self.trace.add_problem(
                     f"a module holding host tensors in attributes ({', '.join(f'`{a}`' for a in held)}) is "
-                    f"passed into `{name}`, compiled with torch.compile, at {describe_frame(user_frame(2))}; "
+                    f"passed into `{name}`, compiled with torch.compile, at {describe_frame(user_frame())}; "
                     "what compiled code reads from them is not traced, and a graph would keep the capture's "
                     "values: register them as buffers (`register_buffer`), which Lightning moves to the device"
                 )
@@ -724,7 +725,7 @@ class StepTracer(TorchDispatchMode):
     def _note_host_arguments(self, name: str, args: tuple, kwargs: dict) -> list[Any]:
         """Note a problem if a host tensor is among the arguments of compiled `name`; returns the leaves."""
         leaves, _ = tree_flatten((args, kwargs))
-        if any(isinstance(t, torch.Tensor) and t.device.type != self.device_type for t in leaves):
+        if any(is_host_tensor(t, self.device_type) for t in leaves):
             self.trace.add_problem(
                 f"a host tensor is passed into `{name}`, compiled with torch.compile, at "
                 f"{describe_frame(user_frame())}; what compiled code reads from a host tensor is "
@@ -751,7 +752,7 @@ class StepTracer(TorchDispatchMode):
         held = []
         for prefix, sub in module.named_modules():
             for attr, value in vars(sub).items():
-                if isinstance(value, torch.Tensor) and value.device.type != self.device_type:
+                if is_host_tensor(value, self.device_type):
                     path = f"{prefix}.{attr}" if prefix else attr
                     held.append(path.removeprefix("_orig_mod."))  # torch.compile's wrapper: the user's names
         return held
