@@ -4,8 +4,8 @@ replay.
 
 A captured step bakes all three in (dropout on or off, which gradients exist, which code a layer
 runs: a callback assigning ``model.head.forward = ...``, ``model.head.__class__ = ...`` or
-``Head.forward = ...`` mid-fit was replayed with the old code, silently, on the CPU emulator), so the callback compares them with
-the captured step's before each replay. Walking ``module.modules()`` and
+``Head.forward = ...`` mid-fit was replayed with the old code, silently, on the CPU emulator), so
+the callback compares them with the captured step's before each replay. Walking ``module.modules()`` and
 ``module.parameters()`` for that cost 84 us per step on a 50-module MLP (CPU); reading the same
 flags from cached lists costs 5 us. The lists go stale only when a module or parameter is
 registered somewhere (``self.head = nn.Linear(...)``, ``Sequential.append``): PyTorch's global

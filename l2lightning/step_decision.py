@@ -82,7 +82,7 @@ class StepDecision:
                     "parameters' `requires_grad` changed since capture (captured again next step)"
                 )
                 return "eager"
-            if flags[0] == graph.flags[0] and len(flags[2][0]) == len(graph.flags[2][0]):
+            if flags[0] == graph.flags[0]:  # as many modules (one `training` each): their code differs
                 changed, replaced = self._flags.changed_code(graph.flags, flags)
                 if replaced:  # `self.act = nn.GELU()`, in the module's tree (`self.net[1] = ...` too)
                     return self._recapture(
