@@ -74,7 +74,7 @@ from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
 from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
-from l2lightning.step_overrides import ABSENT, StepOverrides, presenting_signature_of
+from l2lightning.step_overrides import ABSENT, StepOverrides, presenting_signature_of, put_back
 from l2lightning.step_source import StepSource, analyse, analyse_callbacks
 from l2lightning.step_trace import (
     StepTracer,
@@ -440,8 +440,8 @@ class L2GraphCallback(
         for hook in user_hooks:
             overrides[hook] = self._captured_hook(hook, getattr(pl_module, hook))
         self._originals = {name: getattr(pl_module, name) for name in overrides}
-        # a method the module's instance itself holds (`model.training_step = fn`) goes back after the fit
-        self._shadowed = {name: vars(pl_module)[name] for name in overrides if name in vars(pl_module)}
+        # what the module's instance itself holds (`model.training_step = fn`) goes back after the fit
+        self._shadowed = {name: vars(pl_module).get(name, ABSENT) for name in overrides}
         for name, fn in overrides.items():
             setattr(pl_module, name, fn)
         self._installed = overrides
@@ -458,26 +458,18 @@ class L2GraphCallback(
         module = self._module or pl_module
         if module is not None:
             for name, fn in self._installed.items():
-                if vars(module).get(name) is fn:
-                    delattr(module, name)
-                    if name in self._shadowed:
-                        setattr(module, name, self._shadowed[name])
+                if vars(module).get(name) is fn:  # not replaced again by someone else during the fit
+                    put_back(module, name, self._shadowed[name])
         self._installed = {}
         self._shadowed = {}
         if self._undo_progress_bar_reads is not None:
             self._undo_progress_bar_reads()
             self._undo_progress_bar_reads = None
         for cb, hook, before in self._callback_overrides:
-            if hook in vars(cb):
-                delattr(cb, hook)
-            if before is not ABSENT:  # the callback's instance held that hook itself
-                setattr(cb, hook, before)
+            put_back(cb, hook, before)
         self._callback_overrides = []
         for child, before in zip(self._compiled_children, self._children_forward):
-            if "forward" in vars(child):
-                del child.forward  # back to the class's own forward
-            if before is not ABSENT:  # or to the one the instance held (a library's wrapper)
-                child.forward = before
+            put_back(child, "forward", before)  # the class's forward, or a library's per-instance wrapper
         self._compiled_children = []
         self._children_forward = []
         if self._hooks is not None:

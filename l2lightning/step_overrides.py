@@ -19,6 +19,15 @@ from l2lightning.log_replay import ReissuedLog
 ABSENT = object()
 
 
+def put_back(obj: Any, name: str, before: Any) -> None:
+    """Remove what the callback set on `obj`'s instance under `name` for the fit, and give back what the
+    instance held there before (`before`; ABSENT: nothing, the class's attribute shows again)."""
+    if name in vars(obj):
+        delattr(obj, name)
+    if before is not ABSENT:
+        setattr(obj, name, before)
+
+
 class StepOverrides:
     """The LightningModule methods the callback replaces for a fit, and self.log through replays."""
 
