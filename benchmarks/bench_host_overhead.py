@@ -302,27 +302,41 @@ def _logging_module(logs: int, device: Any, impl: str) -> Any:
     return module
 
 
-def fit_floor(args: argparse.Namespace, logs: int = 0, with_callback: bool = True) -> float | None:
-    """``Trainer.fit`` step on a 1->1 Linear, batch 1, no logger or progress bar: with the callback and
-    ``logs=0``, the loop floor; with ``logs`` self.log calls per step, the cost of logging."""
+def _floor_device(args: argparse.Namespace) -> Any:
     import torch
 
-    from l2lightning import L2GraphCallback
+    return torch.device("cuda", args.device) if args.accelerator == "cuda" else torch.device("cpu")
+
+
+def _fit_on_floor_loader(args: argparse.Namespace, module: Any, callbacks: list[Any]) -> Any:
+    """Fit `module` for ``SKIP + args.steps + 1`` steps on the floor's loader (batch 1) and Trainer (no
+    logger or progress bar) with `callbacks`; returns the fit's StepTimer."""
+    import torch
+
     from l2lightning.step_timer import StepTimer
     from l2lightning.tools.bench import run as bench
 
-    cuda = args.accelerator == "cuda"
-    device = torch.device("cuda", args.device) if cuda else torch.device("cpu")
-    module = _logging_module(logs, device, "fused" if cuda else "foreach")
-    batches = bench.make_batches(1, 1, device, torch.float32)
+    batches = bench.make_batches(1, 1, _floor_device(args), torch.float32)
     timer = StepTimer()
-    cb = L2GraphCallback(prefetch="off", log_timing=False) if with_callback else None
     total = SKIP + args.steps + 1
     with bench._quiet_lightning():
         trainer = bench._trainer(
-            SimpleNamespace(device=args.device), total, [timer, *([cb] if cb else [])], args.accelerator
+            SimpleNamespace(device=args.device), total, [timer, *callbacks], args.accelerator
         )
         trainer.fit(module, bench._loader(batches, total))
+    return timer
+
+
+def fit_floor(args: argparse.Namespace, logs: int = 0, with_callback: bool = True) -> float | None:
+    """``Trainer.fit`` step on a 1->1 Linear, batch 1, no logger or progress bar: with the callback and
+    ``logs=0``, the loop floor; with ``logs`` self.log calls per step, the cost of logging."""
+    from l2lightning import L2GraphCallback
+    from l2lightning.tools.bench import run as bench
+
+    cuda = args.accelerator == "cuda"
+    module = _logging_module(logs, _floor_device(args), "fused" if cuda else "foreach")
+    cb = L2GraphCallback(prefetch="off", log_timing=False) if with_callback else None
+    timer = _fit_on_floor_loader(args, module, [cb] if cb else [])
     start = SKIP
     if cb is not None:
         summary = bench.callback_summary(cb)
@@ -354,19 +368,7 @@ def _bare_module(device: Any) -> Any:
 def fit_bare(args: argparse.Namespace) -> float | None:
     """Plain Lightning's ``Trainer.fit`` step when the step does nothing, on the floor's loader and
     Trainer: Lightning's loop and hook dispatch alone (``lightning_bare_ms``)."""
-    import torch
-
-    from l2lightning.step_timer import StepTimer
-    from l2lightning.tools.bench import run as bench
-
-    cuda = args.accelerator == "cuda"
-    device = torch.device("cuda", args.device) if cuda else torch.device("cpu")
-    batches = bench.make_batches(1, 1, device, torch.float32)
-    timer = StepTimer()
-    total = SKIP + args.steps + 1
-    with bench._quiet_lightning():
-        trainer = bench._trainer(SimpleNamespace(device=args.device), total, [timer], args.accelerator)
-        trainer.fit(_bare_module(device), bench._loader(batches, total))
+    timer = _fit_on_floor_loader(args, _bare_module(_floor_device(args)), [])
     return _median(_step_ms(timer, SKIP, args.steps))
 
 
