@@ -52,12 +52,15 @@ Snapshot = dict[tuple[int, str], _Value]
 # The labels of random generators' states: the global ones, and the suffix of one held in an attribute
 PYTHON_RANDOM_LABEL = "Python's global `random` generator"
 NUMPY_RANDOM_LABEL = "NumPy's global `np.random` generator"
+TORCH_CPU_RANDOM_LABEL = "torch's global CPU generator (`torch.rand(...)` without a `device`)"
 HELD_GENERATOR_SUFFIX = " (a random generator)"
 
 
 def names_a_generator(label: str) -> bool:
     """Whether a change's label (:func:`changed`) is a random generator's state."""
-    return label in (PYTHON_RANDOM_LABEL, NUMPY_RANDOM_LABEL) or label.endswith(HELD_GENERATOR_SUFFIX)
+    return label in (PYTHON_RANDOM_LABEL, NUMPY_RANDOM_LABEL, TORCH_CPU_RANDOM_LABEL) or label.endswith(
+        HELD_GENERATOR_SUFFIX
+    )
 
 
 # Packages whose objects a module may hold (a tokenizer, a logger, a config) without them being the
@@ -123,14 +126,27 @@ def global_namespaces(global_reads: Iterable[tuple[Any, set[str]]]) -> list[tupl
     return found
 
 
-def snapshot(objects: Iterable[tuple[str, Any]], skip: frozenset[tuple[int, str]] = frozenset()) -> Snapshot:
+def snapshot(
+    objects: Iterable[tuple[str, Any]],
+    skip: frozenset[tuple[int, str]] = frozenset(),
+    device_type: str = "cpu",
+) -> Snapshot:
     """The public scalar attributes, list lengths and small dicts of numbers of `objects`, and the state
     of Python's and NumPy's global random generators (a step that draws from them, an epsilon-greedy
     branch on ``random.random()``, would draw once and then replay that one branch). `skip`: (id(object), name)
-    pairs left out (attributes the callback itself sets around a capture)."""
+    pairs left out (attributes the callback itself sets around a capture).
+
+    `device_type` is the device the step trains on. Off the CPU, torch's global CPU generator is the
+    host's too: a draw from it (``if torch.rand(1) < p``, a torchvision v2 random transform called in
+    the step) runs on the host at capture only, so a replay would keep its outcome, and plain training
+    would have moved the generator on for every later draw (a ``DataLoader``'s shuffle order). On the
+    CPU that generator is the device's, drawn by the captured ops themselves (dropout)."""
     # a generator's value: (what to compare, what to restore)
     state = random.getstate()
     out: Snapshot = {(0, "random"): _Value(PYTHON_RANDOM_LABEL, None, "random", "rng", (state, state))}
+    if device_type != "cpu":
+        state = torch.default_generator.get_state()
+        out[0, "torch"] = _Value(TORCH_CPU_RANDOM_LABEL, None, "torch", "rng", (bytes(state.numpy()), state))
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         state = numpy.random.get_state()
@@ -202,7 +218,7 @@ def _held_generator_state(value: Any) -> tuple[Any, Any] | None:
         return state, (value, state)
     if isinstance(value, torch.Generator):
         if value.device.type != "cpu":
-            return None  # a device generator's draws are ops in the graph, advanced by each replay
+            return None  # the step tracer refuses a draw from a device generator of the step's own
         state = value.get_state()
         return bytes(state.numpy()), (value, state)
     numpy = sys.modules.get("numpy")
@@ -314,6 +330,8 @@ def restore(before: Snapshot) -> None:
         if entry.kind == "rng":
             if entry.name == "random":
                 random.setstate(entry.value[1])
+            elif entry.name == "torch":
+                torch.default_generator.set_state(entry.value[1])
             elif "numpy" in sys.modules:
                 sys.modules["numpy"].random.set_state(entry.value[1])
             continue

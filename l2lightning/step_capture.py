@@ -162,9 +162,10 @@ class StepCapture:
             self._disable(reason)
             return run(closure, **kwargs)
         holders = self._python_holders()
+        device_type = self._device_type()
         # The chain discovery's dry run and the verify step run training_step's Python too: what they
         # do to Python state (an appended output, a drawn random number) is undone like their tensors.
-        python_start = python_state.snapshot(holders)
+        python_start = python_state.snapshot(holders, device_type=device_type)
         if self._hooks is None and not self.compile:
             # The last eager step's gradients are spent (its optimizer step read them; this step's
             # closure zeroes them, and the capture below drops them anyway): dropped before the
@@ -183,7 +184,7 @@ class StepCapture:
         saved_metrics = binding.python_state() if binding else {}
         # validate_args is switched off for the capture below, by the callback, not by the step
         ours = frozenset((id(m), "validate_args") for m in bound.values())
-        python_before = python_state.snapshot(holders, ours)
+        python_before = python_state.snapshot(holders, ours, device_type)
         # A graph the whole-step gate will time with its prefetch on and off keeps its node list, to
         # switch those kernel nodes (l2lightning.prefetch_switch) instead of capturing the step twice
         keep = not gate_capture and self._gate_may_start()
@@ -192,7 +193,7 @@ class StepCapture:
         self._step_output = None
         memo = group.traces[-1].memo if group is not None and group.traces else self._memo
         self._memo = memo
-        tracer = StepTracer(self._device_type(), constants, memo, capture_stream=self._step_stream)
+        tracer = StepTracer(device_type, constants, memo, capture_stream=self._step_stream)
         self._mode = "capture"
         self._capture_graph = graph
         wrapped.sync_tensors()
@@ -203,7 +204,7 @@ class StepCapture:
             if self._step_output is None:
                 raise _Defer()
             appended, python_changed = python_state.split_appends(
-                python_before, python_state.snapshot(holders, ours)
+                python_before, python_state.snapshot(holders, ours, device_type)
             )
             python_changed += self._optimizer_writes()
             if python_changed and self._traced_steps >= 1:

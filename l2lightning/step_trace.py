@@ -405,6 +405,23 @@ def draws_random_numbers(func: Any) -> bool:
     )
 
 
+def draws_from_its_own_generator(func: Any, args: tuple, kwargs: dict, device_type: str) -> bool:
+    """Whether the aten op `func` draws from a `device_type` generator other than that device's default
+    one (``torch.randn(..., generator=g)`` with ``g = torch.Generator(device="cuda")``). A CUDA graph
+    advances the default generator's offset at each replay; the capture of a draw from another, not
+    registered with the graph, fails (PyTorch: "Attempt to increase offset for a CUDA generator not in
+    capture mode")."""
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name != "generator":
+            continue
+        generator = args[i] if i < len(args) else kwargs.get("generator")
+        if not isinstance(generator, torch.Generator) or generator.device.type != device_type:
+            return False
+        defaults = torch.cuda.default_generators if device_type == "cuda" else (torch.default_generator,)
+        return all(generator is not default for default in defaults)
+    return False
+
+
 # Helpers that only pass a message on: the call that counts is the one made to them (Logger.info and
 # its kin, LightningModule.print, rank_zero_info / rank_zero_warn and their rank_zero_only wrapper)
 _OUTPUT_HELPERS = (
@@ -947,6 +964,15 @@ class StepTracer(TorchDispatchMode):
                 )
             if not _in_input_validation():
                 self.trace.syncs.append((sync, frame, self._hook))
+        if self.device_type in _STREAM_CAPTURED_DEVICES and draws_from_its_own_generator(
+            func, args, kwargs, self.device_type
+        ):
+            self.trace.add_problem(
+                f"`{_op_name(func)}` at {describe_frame(frame)} draws from a {self.device_type.upper()} generator "
+                "of the step's own (`generator=`), which a CUDA graph cannot advance from one replay to the next "
+                "(only the device's default generator is), so the step trains eagerly. Draw from the default "
+                "generator (seeded by `torch.manual_seed`), or draw the numbers outside the step"
+            )
         if self._recomputing_with_forward_rng and draws_random_numbers(func):
             problem = (
                 f"`{_op_name(func)}` at {describe_frame(frame)} draws random numbers (dropout) inside a block "

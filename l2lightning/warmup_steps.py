@@ -135,7 +135,7 @@ class WarmupSteps:
         self._mode = "trace"
         self._traced_steps += 1
         holders = self._python_holders()
-        python_before = python_state.snapshot(holders)
+        python_before = python_state.snapshot(holders, device_type=tracer.device_type)
         if tracer.device_type != "cpu":  # training on the host, its tensors are the step's device's
             tracer.host_state = python_state.host_tensors(holders)
 
@@ -143,7 +143,7 @@ class WarmupSteps:
             out = self._run_traced(tracer, closure)
             # lists that grow by one element per step can be re-appended after each replay
             appended, python_changed = python_state.split_appends(
-                python_before, python_state.snapshot(holders)
+                python_before, python_state.snapshot(holders, device_type=tracer.device_type)
             )
             python_changed += self._optimizer_writes()
             group.appended.append(frozenset(a.label for a in appended))

@@ -326,6 +326,26 @@ def test_a_held_generators_draw_is_a_change_and_restore_puts_its_state_back(kind
     assert draw(module.rng) == first  # the same draw again
 
 
+def test_a_draw_from_torchs_global_cpu_generator_is_a_change_only_for_a_step_off_the_cpu():
+    """Training on a GPU, torch's global CPU generator is the host's: a draw from it in the step runs at
+    capture only, so it is Python state (refused, restored around the dry run). Training on the CPU, it
+    is the device's generator, which the captured ops draw from themselves."""
+    from l2lightning import python_state
+
+    module = nn.Linear(2, 2)
+    holders = python_state.owners(module)
+    for device_type, expected in (("cuda", [python_state.TORCH_CPU_RANDOM_LABEL]), ("cpu", [])):
+        before = python_state.snapshot(holders, device_type=device_type)
+        first = torch.rand(3)
+        assert (
+            python_state.changed(before, python_state.snapshot(holders, device_type=device_type)) == expected
+        )
+        python_state.restore(before)
+        if expected:
+            assert torch.equal(torch.rand(3), first)  # the same draw again
+            assert python_state.names_a_generator(expected[0])
+
+
 def test_host_tensors_are_the_cpu_tensors_held_as_attributes_or_buffers_by_storage_with_labels():
     from torchmetrics import MeanMetric
 

@@ -513,3 +513,20 @@ def test_code_inductor_generated_is_not_the_users_line():
         generated = os.path.join(os.path.abspath(os.environ["TORCHINDUCTOR_CACHE_DIR"]), "ab", "cabc.py")
     assert _is_library(generated)
     assert not _is_library(os.path.join(os.path.dirname(os.path.abspath(__file__)), "my_model.py"))
+
+
+def test_a_draw_from_a_generator_of_the_steps_own_is_told_from_the_default_generators():
+    from l2lightning.step_trace import draws_from_its_own_generator
+
+    randn = torch.ops.aten.randn.generator
+    normal = torch.ops.aten.normal_.default  # `generator` is a keyword of the in-place draw
+    own = torch.Generator().manual_seed(0)
+    assert draws_from_its_own_generator(randn, ([2],), {"generator": own}, "cpu")
+    assert draws_from_its_own_generator(normal, (torch.empty(2), 0.0, 1.0, own), {}, "cpu")
+    assert not draws_from_its_own_generator(randn, ([2],), {"generator": torch.default_generator}, "cpu")
+    assert not draws_from_its_own_generator(randn, ([2],), {"generator": None}, "cpu")
+    assert not draws_from_its_own_generator(
+        torch.ops.aten.add.Tensor, (torch.ones(1), torch.ones(1)), {}, "cpu"
+    )
+    # a host generator feeding a host op, in a step on another device: the Python-state snapshot's case
+    assert not draws_from_its_own_generator(randn, ([2],), {"generator": own}, "cuda")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
@@ -159,6 +161,21 @@ def assert_refused_and_trains_like_plain(cls, warning: str, in_reason: str, **fi
     assert_same_run(plain, run)
 
 
+def assert_captured_like_baseline(
+    cls, captures: int, warning: str | None = None, callbacks=list, **fit_kwargs
+):
+    """A fit the callback captures `captures` times (the recaptures warned of by `warning`), with no eager
+    step after the first capture, bitwise the capturable baseline. `callbacks` makes the fit's other
+    callbacks (each fit gets its own)."""
+    base = fit(cls, callbacks(), baseline=True, **fit_kwargs)
+    cb = L2GraphCallback(prefetch="off")
+    with pytest.warns(UserWarning, match=warning) if warning else contextlib.nullcontext():
+        run = fit(cls, [*callbacks(), cb], **fit_kwargs)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == captures and summary["fallback_steps"] == 0, summary
+    assert_same_run(base, run)
+
+
 def test_a_training_step_without_batch_idx_is_captured_and_bitwise_the_baseline():
     base = fit(StepWithoutBatchIdx, [], baseline=True)
     cb = L2GraphCallback(prefetch="default")
@@ -266,11 +283,7 @@ class ReturnsItsStep(TinyMLP):
 
 
 def test_step_counters_returned_beside_the_loss_are_evaluated_per_replay_and_capture_once():
-    cb = L2GraphCallback(prefetch="off")
-    run = fit(ReturnsItsStep, [cb], steps=40, fused=True)
-    summary = cb.summary()
-    assert summary["captured"] and summary["captures"] == 1 and summary["fallback_steps"] == 0, summary
-    assert_same_run(fit(ReturnsItsStep, [], steps=40, fused=True, baseline=True), run)
+    assert_captured_like_baseline(ReturnsItsStep, 1, steps=40, fused=True)
 
 
 def named_samples():
@@ -633,21 +646,11 @@ def test_a_side_stream_forked_from_the_steps_stream_is_captured_and_replays_bitw
 def test_a_loss_an_epoch_hook_switches_is_captured_again_and_the_fit_is_bitwise_the_baseline(what):
     """A graph replays the code it was captured with: a loss function or loss module rebound between
     epochs must be seen before the next replay (the replays once kept epoch 0's loss, silently)."""
-    base = fit(SwitchesItsLoss, [], steps=90, baseline=True, what=what)
-    cb = L2GraphCallback(prefetch="off")
-    run = fit(SwitchesItsLoss, [cb], steps=90, what=what)
-    summary = cb.summary()
-    assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
-    assert_same_run(base, run)
+    assert_captured_like_baseline(SwitchesItsLoss, 3, steps=90, what=what)
 
 
 def test_a_number_the_step_reads_from_another_callback_is_compared_before_each_replay():
-    base = fit(ReadsACallback, [WeightOnACallback()], steps=90, baseline=True)
-    cb = L2GraphCallback(prefetch="off")
-    run = fit(ReadsACallback, [WeightOnACallback(), cb], steps=90)
-    summary = cb.summary()
-    assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
-    assert_same_run(base, run)
+    assert_captured_like_baseline(ReadsACallback, 3, callbacks=lambda: [WeightOnACallback()], steps=90)
 
 
 class AnnealsAHostTemperature(TinyMLP):
@@ -721,13 +724,9 @@ def test_a_host_tensor_the_step_changes_in_place_is_refused_by_name_and_trains_l
 def test_a_host_tensor_annealed_in_place_is_compared_before_each_replay_and_the_fit_is_the_baseline(
     model_cls,
 ):
-    base = fit(model_cls, [], steps=90, baseline=True)
-    cb = L2GraphCallback(prefetch="off")
-    with pytest.warns(UserWarning, match="host tensors the step reads changed in place since capture"):
-        run = fit(model_cls, [cb], steps=90)
-    summary = cb.summary()
-    assert summary["captured"] and summary["captures"] == 3 and summary["fallback_steps"] == 0, summary
-    assert_same_run(base, run)
+    assert_captured_like_baseline(
+        model_cls, 3, "host tensors the step reads changed in place since capture", steps=90
+    )
 
 
 @torch.compile
@@ -791,13 +790,9 @@ def test_a_host_tensor_reaching_a_compiled_function_is_refused_by_name_and_train
 @pytest.mark.parametrize(("model_cls", "change"), LAYER_CODE_CHANGES.values(), ids=LAYER_CODE_CHANGES.keys())
 def test_a_layers_code_changed_mid_fit_is_captured_again_and_bitwise_the_baseline(model_cls, change):
     """Silent on the CPU emulator until 9c733eb: the replays after the change ran the captured code."""
-    base = fit(model_cls, [change()], steps=90, baseline=True)
-    cb = L2GraphCallback(prefetch="off")
-    with pytest.warns(UserWarning, match="the code of layers changed since capture"):
-        run = fit(model_cls, [change(), cb], steps=90)
-    summary = cb.summary()
-    assert summary["captured"] and summary["captures"] == 2 and summary["fallback_steps"] == 0, summary
-    assert_same_run(base, run)
+    assert_captured_like_baseline(
+        model_cls, 2, "the code of layers changed since capture", callbacks=lambda: [change()], steps=90
+    )
 
 
 def test_tf32_switched_on_for_an_epoch_is_captured_again_and_the_fit_is_the_baseline():
@@ -912,3 +907,86 @@ def test_a_logged_number_a_replay_cannot_recompute_ends_the_capture_and_the_fit_
         run = fit(LogsAnUnrecomputableNumber, [cb], steps=20, fused=True)
     assert "examples_seen" in cb.summary()["reason"] and cb.captures == 1, cb.summary()
     assert_same_run(plain, run)
+
+
+def shuffled_loader():
+    """240 samples in shuffled batches of 8: a `RandomSampler` draws each epoch's order from torch's
+    global CPU generator, so whatever else draws from it changes the later epochs' batches."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(240, 512, generator=g), torch.randn(240, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+
+
+class AugmentsOnARareHostCoin(TinyMLP):
+    """An augmentation applied with probability 0.1, decided by a coin drawn on the host (no `device`):
+    a graph keeps the capture's decision. The coin is 0 at most steps, so the warm-up steps' traces
+    (which hold the host values the ops read) often agree, and only the generator's state shows the
+    draw (before the snapshot of that state, such a fit could be captured and never flip)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if torch.bernoulli(torch.full((), 0.1)):
+            x = x.flip(0)
+            y = y.flip(0)
+        return super().training_step((x, y), batch_idx)
+
+
+class DrawsOnTheHostForNothing(TinyMLP):
+    """Draws from torch's global CPU generator and uses the draw on the host only (which sample to look
+    at): nothing reaches the GPU, but plain training moves the generator on, and the shuffle with it."""
+
+    def training_step(self, batch, batch_idx):
+        look_at = int(torch.randint(len(batch[0]), ()))
+        if batch_idx == -1:  # never: the draw is what matters
+            self.print(look_at)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    "model_cls", [AugmentsOnARareHostCoin, DrawsOnTheHostForNothing], ids=["rare-branch", "host-only"]
+)
+def test_a_step_drawing_from_torchs_global_cpu_generator_is_refused_by_name_and_trains_like_plain(model_cls):
+    assert_refused_and_trains_like_plain(
+        model_cls,
+        r"torch's global CPU generator",
+        "torch's global CPU generator",
+        steps=90,
+        loader=shuffled_loader,
+        fused=True,
+    )
+
+
+class NoiseFromItsOwnCudaGenerator(TinyMLP):
+    """Input noise drawn from a CUDA generator the module holds (seeded once, for noise reproducible
+    apart from the global seed). A replay cannot advance it (PyTorch fails the capture: "Attempt to
+    increase offset for a CUDA generator not in capture mode"), so the step is refused before capture."""
+
+    def on_fit_start(self):
+        self.noise = torch.Generator(device=self.device).manual_seed(7)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x + 0.1 * torch.randn(x.shape, device=x.device, generator=self.noise)
+        return super().training_step((x, y), batch_idx)
+
+
+def test_a_draw_from_a_cuda_generator_of_the_steps_own_is_refused_by_name_and_trains_like_plain():
+    assert_refused_and_trains_like_plain(
+        NoiseFromItsOwnCudaGenerator, r"generator of the step's own", "`generator=`", steps=90, fused=True
+    )
+
+
+class DropoutReseededEachEpoch(TinyMLP):
+    """Dropout in the step, and the global seed set again at each epoch's start (a per-epoch
+    reproducibility idiom): replays draw from the CUDA generator as reseeded, as eager steps do."""
+
+    def on_train_epoch_start(self):
+        torch.manual_seed(100 + self.current_epoch)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step((torch.nn.functional.dropout(x, 0.2, training=True), y), batch_idx)
+
+
+def test_dropout_reseeded_at_each_epoch_start_is_captured_once_and_bitwise_the_baseline():
+    assert_captured_like_baseline(DropoutReseededEachEpoch, 1, steps=90, fused=True)
