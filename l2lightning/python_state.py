@@ -19,6 +19,7 @@ changes them once.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from collections.abc import Iterable
@@ -555,6 +556,32 @@ def rebound(checks: list[tuple[dict, str, Any]], module: Any = None) -> list[str
         return [name for _, name in found]
     paths = {id(vars(sub)): path for path, sub in module.named_modules() if path}
     return [f"{paths[id(a)]}.{name}" if id(a) in paths else name for a, name in found]
+
+
+def partial_arguments(callables: list[tuple[dict, str, Any]]) -> list[tuple[dict, str, Any]]:
+    """(attribute dict, name, snapshot) for each ``functools.partial`` among `callables` (from
+    :func:`baked_callables`, :func:`baked_globals`): the arguments it binds
+    (``partial(F.smooth_l1_loss, beta=1.0)``) reach the graph like the step's own numbers, and a keyword
+    changed in place (``self.loss_fn.keywords["beta"] = 0.5``) leaves the partial the same object.
+    Snapshots as :func:`l2lightning.step_values.frozen` (tensors by identity); a partial binding anything
+    else (a module) is left out."""
+    out = []
+    for attributes, name, held in callables:
+        if isinstance(held, functools.partial):
+            snapshot = frozen((held.args, held.keywords), tensors=True)
+            if snapshot is not None:
+                out.append((attributes, name, snapshot))
+    return out
+
+
+def changed_partial_arguments(checks: list[tuple[dict, str, Any]]) -> list[str]:
+    """Names of the partials in `checks` (:func:`partial_arguments`) whose bound arguments changed."""
+    return [
+        name
+        for attributes, name, snapshot in checks
+        if isinstance(held := attributes.get(name), functools.partial)
+        and frozen((held.args, held.keywords), tensors=True) != snapshot
+    ]
 
 
 def unique_checks(checks: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:

@@ -121,6 +121,12 @@ class StepDecision:
             return self._recapture(
                 f"the functions or submodules the step calls were replaced since capture ({', '.join(replaced)})"
             )
+        if graph.partials:
+            bound = python_state.changed_partial_arguments(graph.partials)
+            if bound:
+                return self._recapture(
+                    f"the arguments `functools.partial` binds changed since capture ({', '.join(bound)})"
+                )
         rebound = python_state.rebound(graph.tensors, module)
         if self._flags.generation != graph.generation:
             # something was registered since capture: a parameter or buffer may be a new tensor

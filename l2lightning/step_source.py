@@ -19,7 +19,10 @@ the source can change from step to step in a way the graph cannot see:
 * module-level values (``loss * LOSS_WEIGHT``, ``if USE_AUX:``, ``CONFIG["w"]``), read by the step, by
   plain functions of the user's own code it calls (``weighted(loss)``) or as attributes of the user's
   own modules (``cfg.LOSS_W``), and closure variables of a module made in a factory function: baked
-  in as well and compared before each replay (``StepSource.global_reads``); names the step assigns
+  in as well and compared before each replay (``StepSource.global_reads``); so are attribute and
+  constant-subscript chains rooted at such names, where the root is a config (``args.ent_coef`` of an
+  ``argparse`` namespace, ``RUN.loss.weight``, ``Hyper.LOSS_WEIGHT``, an OmegaConf config), as
+  ``StepSource.attribute_values`` (:func:`_record_global_chains`); names the step assigns
   (``global STEPS; STEPS += 1``) are collected so that the callback can refuse the step
   (``StepSource.global_writes``).
 * Python numbers passed to ``self.log`` (``self.lr_schedulers().get_last_lr()[0]``): a replay would
@@ -34,6 +37,7 @@ methods above, so it has no side effects of its own.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import builtins
 import inspect
@@ -317,6 +321,10 @@ class _Visitor:
         # plain calls by such a name or `name.attr` (``scale(loss)``, ``losses.focal(x)``): followed if
         # they are functions of the user's own code
         self.called_names: set[tuple[str, ...]] = set()
+        # attribute and constant-subscript chains rooted at such a name (``CFG.loss.weight``,
+        # ``args.ent_coef``): (root name, "file:line (...)", whether it is one attribute of the root,
+        # reader of the chain from the root's value)
+        self.global_chains: list[tuple[str, str, bool, Callable[[Any], Any]]] = []
 
     def run(self, func: ast.AST) -> None:
         for node in ast.walk(func):
@@ -381,6 +389,7 @@ class _Visitor:
                     and node.func.value.id in self.global_names
                 ):
                     self.called_names.add((node.func.value.id, node.func.attr))
+        self._global_chains(func, logged, parents)
         # names declared `global` or `nonlocal` and assigned: the step changes them, a replay would not
         declared = _declared(func, ast.Global) | _declared(func, ast.Nonlocal)
         self.found.global_writes += [
@@ -499,6 +508,23 @@ class _Visitor:
         """
         roots = (self.self_name, *self.extra)
         for node in ast.walk(func):
+            mapping_get = _constant_get(node)  # self.hparams.get("w", 1.0): read like self.hparams["w"]
+            if mapping_get is not None and id(node) not in logged and not self._host_only(node, parents):
+                # kept in branch tests too: a flag changed captures again, and the capture takes the
+                # new branch (a test with a call is no Condition)
+                receiver, key, default = mapping_get
+                base, _ = _chain_base(receiver)
+                chain = [n for n in ast.walk(receiver) if isinstance(n, ast.Attribute)]
+                if (
+                    isinstance(base, ast.Name)
+                    and base.id in roots
+                    and not any(n.attr in STEP_COUNTERS or n.attr == "trainer" for n in chain)
+                    and (read := self._compile(receiver, allow_methods=False)) is not None
+                ):
+                    self.found.attribute_values.append(
+                        AttributeValue(self._line(node), _getting(read, key, default))
+                    )
+                continue
             by_getattr = _constant_getattr(node)  # getattr(self.cfg, "w", 1.0) reads like self.cfg.w
             if not by_getattr and (
                 not isinstance(node, (ast.Attribute, ast.Subscript)) or not isinstance(node.ctx, ast.Load)
@@ -538,6 +564,44 @@ class _Visitor:
             evaluate = self._compile(node, allow_methods=False)
             if evaluate is not None:
                 self.found.attribute_values.append(AttributeValue(self._line(node), evaluate))
+
+    def _global_chains(self, func: ast.AST, logged: set[int], parents: dict[int, ast.AST]) -> None:
+        """Record the attribute and constant-subscript chains the function reads from a module-level or
+        closure name: ``CFG.loss.weight``, ``args.ent_coef`` (an ``argparse`` namespace), ``Config.W`` (a
+        class attribute), ``CONFIG["loss"]["w"]``. A Python number at the end of one is baked into the
+        graph like ``self.weights[0]`` (:meth:`_attribute_values`), and a callback may change it in place
+        between steps: :func:`_record_global_chains` keeps those whose root object may be read, compared
+        before each replay. Unlike the chains through ``self``, those in branch tests are kept too (a
+        changed flag captures the step again, and the new capture takes the new branch)."""
+        for node in ast.walk(func):
+            if id(node) in logged or self._host_only(node, parents):
+                continue
+            mapping_get = _constant_get(node)  # CONFIG.get("w", 1.0): read like CONFIG["w"]
+            if mapping_get is not None:
+                chain, getting = mapping_get[0], mapping_get[1:]
+            elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, ast.Load):
+                parent = parents.get(id(node))
+                continues = isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node
+                if continues and not (
+                    isinstance(parent, ast.Subscript) and not isinstance(parent.slice, ast.Constant)
+                ):
+                    continue  # part of a longer chain
+                if isinstance(parent, ast.Call) and parent.func is node:
+                    continue  # a function or method called: the user's are read where they are called
+                chain, getting = node, None
+            else:
+                continue
+            base, depth = _chain_base(chain)
+            if not (isinstance(base, ast.Name) and base.id in self.global_names) or not _safe(chain, False):
+                continue
+            read = _chain_reader(chain, base.id)
+            if read is None:
+                continue
+            if getting is not None:
+                key, default = getting
+                read = _getting(read, key, default)
+            one_attribute = getting is None and depth == 1 and isinstance(chain, ast.Attribute)
+            self.global_chains.append((base.id, self._line(node), one_attribute, read))
 
     def _own_attribute(self, node: ast.Attribute) -> bool:
         """``self.last_epoch``: the module's own attribute (a LightningModule has no scheduler state of
@@ -771,6 +835,7 @@ def _record_outside_reads(
         return
     _record_globals(found, namespace, visitor.global_names, visitor.module_attributes)
     _record_closure(found, function, visitor.global_names)
+    _record_global_chains(found, function, namespace, visitor.global_chains)
     _follow_functions(found, namespace, visitor.called_names, depth + 1, seen)
 
 
@@ -783,14 +848,85 @@ def _record_globals(
         found.global_reads.setdefault(id(namespace), (namespace, set()))[1].update(names)
     for root, attr in module_attributes:
         held = namespace.get(root)
-        # an imported module of the user's (``cfg.LOSS_W``), or a module-level object of one of the
-        # user's classes (``CONFIG.weight``, a config instance a callback updates; a module's, a
-        # function's or a class's type is not the user's code)
-        user_module = isinstance(held, types.ModuleType) and _is_user_code(held)
-        user_object = _is_user_code(type(held)) and isinstance(getattr(held, "__dict__", None), dict)
-        if user_module or user_object:
+        if _attributes_recorded(held):
             attributes = vars(held)
             found.global_reads.setdefault(id(attributes), (attributes, set()))[1].add(attr)
+
+
+def _attributes_recorded(held: Any) -> bool:
+    """Whether :func:`_record_globals` compares the attributes the step reads of module-level `held`
+    by name: an imported module of the user's (``cfg.LOSS_W``), or an object of one of the user's
+    classes (``CONFIG.weight``, a config instance a callback updates; a module's, a function's or a
+    class's type is not the user's code)."""
+    user_module = isinstance(held, types.ModuleType) and _is_user_code(held)
+    user_object = _is_user_code(type(held)) and isinstance(getattr(held, "__dict__", None), dict)
+    return user_module or user_object
+
+
+def _chain_reader(expr: ast.expr, root: str) -> Callable[[Any], Any] | None:
+    """A function of the root object that reads the attribute and constant-subscript chain `expr`."""
+    lam = ast.Expression(
+        body=ast.Lambda(
+            args=ast.arguments(
+                posonlyargs=[], args=[ast.arg(root)], kwonlyargs=[], kw_defaults=[], defaults=[]
+            ),
+            body=expr,
+        )
+    )
+    try:
+        code = compile(ast.fix_missing_locations(lam), "<l2lightning step source>", "eval")
+        return eval(code, {"__builtins__": {}})  # noqa: S307 - attribute and constant-subscript reads only
+    except Exception:
+        return None
+
+
+# Objects whose public attributes are plain values (no properties): a config held at module level
+_ATTRIBUTE_BAGS = (types.SimpleNamespace, argparse.Namespace)
+
+
+def _chain_root_followed(held: Any) -> bool:
+    """Whether the chains the step reads from module-level object `held` are compared before each replay:
+    the user's modules, classes and objects, attribute bags (an ``argparse`` or ``SimpleNamespace``
+    config), OmegaConf configs and plain containers; not a library's modules or objects (``torch.float16``,
+    ``np.pi``), which a step does not change."""
+    if isinstance(held, types.ModuleType):
+        return _is_user_code(held)
+    if isinstance(held, (dict, list, tuple, *_ATTRIBUTE_BAGS)):
+        return True
+    if type(held).__module__.partition(".")[0] == "omegaconf":
+        return True
+    return _is_user_code(held if isinstance(held, type) else type(held))
+
+
+def _record_global_chains(
+    found: StepSource,
+    function: Any,
+    namespace: dict,
+    chains: list[tuple[str, str, bool, Callable[[Any], Any]]],
+) -> None:
+    """Add to `found` as :class:`AttributeValue` the chains (:meth:`_Visitor._global_chains`) whose root,
+    a closure variable of `function` or a name in its globals `namespace`, may be followed. The root is
+    looked up at every comparison (a config bound anew is read anew). A one-attribute chain on the user's
+    module or object (``cfg.LOSS_W``) is compared through :func:`_record_globals` already."""
+    closure = ClosureCells(function) if getattr(function, "__closure__", None) else None
+    free = set(function.__code__.co_freevars) if hasattr(function, "__code__") else set()
+    for root, line, one_attribute, read in chains:
+        holder = closure if closure is not None and root in free else namespace
+        held = holder.get(root, _MISSING)
+        if held is _MISSING or not _chain_root_followed(held):
+            continue
+        if one_attribute and holder is namespace and _attributes_recorded(held):
+            continue
+        found.attribute_values.append(AttributeValue(line, _reading_root(holder, root, read)))
+
+
+def _reading_root(holder: Any, root: str, read: Callable[[Any], Any]) -> Callable[[Any, int], Any]:
+    """An :class:`AttributeValue` reader: `read` applied to what `holder` binds to `root` now."""
+
+    def evaluate(module: Any, batch_idx: int) -> Any:
+        return read(holder[root])
+
+    return evaluate
 
 
 class ClosureCells:
@@ -939,6 +1075,52 @@ def _constant_getattr(node: ast.AST) -> bool:
         and isinstance(node.args[1].value, str)
         and not node.args[1].value.startswith("__")
     )
+
+
+def _chain_base(expr: ast.expr) -> tuple[ast.expr, int]:
+    """(where the attribute and constant-subscript chain `expr` starts, how many links it has):
+    ``(Name("CFG"), 2)`` for ``CFG.loss["w"]``; a subscript by anything but a constant ends it."""
+    base, depth = expr, 0
+    while isinstance(base, ast.Attribute) or (
+        isinstance(base, ast.Subscript) and isinstance(base.slice, ast.Constant)
+    ):
+        base, depth = base.value, depth + 1
+    return base, depth
+
+
+def _constant_get(node: ast.AST) -> tuple[ast.expr, Any, Any] | None:
+    """(the receiver, the key, the default) of ``<receiver>.get(<constant>)`` or
+    ``<receiver>.get(<constant>, <constant>)``: a mapping's entry read by a constant key
+    (``self.hparams.get("kl_weight", 1.0)``), which reads like a subscript; else None."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get"
+        and 1 <= len(node.args) <= 2
+        and not node.keywords
+        and all(isinstance(a, ast.Constant) for a in node.args)
+    ):
+        return None
+    default = node.args[1].value if len(node.args) == 2 else None
+    return node.func.value, node.args[0].value, default
+
+
+# What a `.get` read gives when its receiver is not a mapping (a user object with a `get` method, which
+# may do anything): a constant, so it is never compared and never called
+NOT_A_MAPPING = "not a mapping"
+
+
+def _getting(read: Callable[..., Any], key: Any, default: Any) -> Callable[..., Any]:
+    """`read`, then the entry `key` (or `default`) of what it gives, where that is a dict (an
+    ``AttributeDict`` too) or an OmegaConf config; else :data:`NOT_A_MAPPING`."""
+
+    def value(*args: Any) -> Any:
+        mapping = read(*args)
+        if isinstance(mapping, dict) or type(mapping).__module__.partition(".")[0] == "omegaconf":
+            return mapping.get(key, default)
+        return NOT_A_MAPPING
+
+    return value
 
 
 def _safe(expr: ast.expr, allow_methods: bool) -> bool:

@@ -4,11 +4,15 @@ before a replay and capture again), and steps that cannot be replayed (refused b
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
+import types
+from dataclasses import dataclass, field
 
 import torch
 from lightning.pytorch import Callback
+from omegaconf import OmegaConf
 from torch import manual_seed, nn
 
 from tests.lightning_models import TinyMLP, regression_loader
@@ -295,4 +299,148 @@ LAYER_CODE_CHANGES = {
     "instance-forward": (TinyMLP, TriplesTheHeadFromEpochOne),
     "class-swapped": (TinyMLP, SwapsTheHeadsClassAtEpochOne),
     "class-forward-patched": (WithOwnHead, PatchesTheHeadsClassAtEpochOne),
+}
+
+
+# Loss weights kept in configs that the step reads from module level or a closure, as scripts keep
+# their hyperparameters, and that a callback sets at each epoch's start. Silent until the step source
+# compared attribute chains rooted at module-level names (the replays kept the capture's weight, the
+# loss leaving the baseline's at step 30): a config that is not an object of the user's own classes,
+# a chain longer than one attribute, a class attribute, a closure variable's attribute; and a keyword
+# a `functools.partial` binds, changed in place.
+ARGS = argparse.Namespace(loss_weight=1.0)  # CleanRL's module-level `args`
+SETTINGS = types.SimpleNamespace(loss_weight=1.0)
+OMEGA = OmegaConf.create({"loss": {"weight": 1.0}})  # a Hydra config kept at module level
+
+
+@dataclass
+class LossSettings:
+    weight: float = 1.0
+
+
+@dataclass
+class RunSettings:
+    loss: LossSettings = field(default_factory=LossSettings)
+
+
+RUN = RunSettings()
+
+
+class Hyper:
+    """A class of constants."""
+
+    LOSS_WEIGHT = 1.0
+
+
+class WeightedByAConfig(TinyMLP):
+    """TinyMLP whose loss is scaled by :meth:`loss_weight`, read from a config."""
+
+    def loss_weight(self):
+        raise NotImplementedError
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean() * self.loss_weight()
+        self.log("train/loss", loss)
+        return loss
+
+
+class ReadsArgs(WeightedByAConfig):
+    def loss_weight(self):
+        return ARGS.loss_weight
+
+
+class ReadsANamespace(WeightedByAConfig):
+    def loss_weight(self):
+        return SETTINGS.loss_weight
+
+
+class ReadsAnOmegaConf(WeightedByAConfig):
+    def loss_weight(self):
+        return OMEGA.loss.weight
+
+
+class ReadsANestedConfig(WeightedByAConfig):
+    def loss_weight(self):
+        return RUN.loss.weight
+
+
+class ReadsAClassAttribute(WeightedByAConfig):
+    def loss_weight(self):
+        return Hyper.LOSS_WEIGHT
+
+
+def _reads_a_closure():
+    settings = types.SimpleNamespace(loss_weight=1.0)
+
+    class ReadsAClosure(WeightedByAConfig):
+        config = settings  # where the callback reaches it
+
+        def loss_weight(self):
+            return settings.loss_weight
+
+    return ReadsAClosure
+
+
+ReadsAClosure = _reads_a_closure()
+
+
+class ReadsAPartial(TinyMLP):
+    """Its loss a `functools.partial` with a keyword."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.loss_fn = functools.partial(torch.nn.functional.smooth_l1_loss, beta=1.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss_fn(self.head(self.net(x)).squeeze(-1), y)
+        self.log("train/loss", loss)
+        return loss
+
+
+class SetsTheConfigEachEpoch(Callback):
+    """Calls ``set(module, 1 + epoch)`` at each epoch's start (1 at the first: every fit starts alike)."""
+
+    def __init__(self, set):
+        self.set = set
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.set(pl_module, 1.0 + trainer.current_epoch)
+
+
+class ReadsHparamsWithGet(WeightedByAConfig):
+    """``self.hparams.get(name, default)``, as steps read optional hyperparameters."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.save_hyperparameters({"loss_weight": 1.0})
+
+    def loss_weight(self):
+        return self.hparams.get("loss_weight", 1.0)
+
+
+TABLES = types.SimpleNamespace(weights={"loss": 1.0})
+
+
+class ReadsATableWithGet(WeightedByAConfig):
+    def loss_weight(self):
+        return TABLES.weights.get("loss")
+
+
+def _set_omega(module, value):
+    OMEGA.loss.weight = value
+
+
+# (module class, what the callback sets), with their test ids: the CPU and GPU tests'
+CONFIG_CHANGES = {
+    "argparse-namespace": (ReadsArgs, lambda m, v: setattr(ARGS, "loss_weight", v)),
+    "simple-namespace": (ReadsANamespace, lambda m, v: setattr(SETTINGS, "loss_weight", v)),
+    "omegaconf": (ReadsAnOmegaConf, _set_omega),
+    "nested-dataclass": (ReadsANestedConfig, lambda m, v: setattr(RUN.loss, "weight", v)),
+    "class-attribute": (ReadsAClassAttribute, lambda m, v: setattr(Hyper, "LOSS_WEIGHT", v)),
+    "closure": (ReadsAClosure, lambda m, v: setattr(type(m).config, "loss_weight", v)),
+    "partial-keyword": (ReadsAPartial, lambda m, v: m.loss_fn.keywords.__setitem__("beta", 1.0 / v)),
+    "hparams-get": (ReadsHparamsWithGet, lambda m, v: m.hparams.__setitem__("loss_weight", v)),
+    "module-level-dict-get": (ReadsATableWithGet, lambda m, v: TABLES.weights.__setitem__("loss", v)),
 }

@@ -40,6 +40,7 @@ from l2lightning.fit_report import TIMING_WINDOW
 from tests import graph_emulator as emu
 from tests import user_step_config
 from tests.between_step_models import (
+    CONFIG_CHANGES,
     LAYER_CODE_CHANGES,
     AnomalyDetectionFromEpochOne,
     LogsAnUnrecomputableNumber,
@@ -48,6 +49,7 @@ from tests.between_step_models import (
     ReadsTheDataset,
     ReadsWhatItAppended,
     SeedsInTheStep,
+    SetsTheConfigEachEpoch,
     SwitchesItsLoss,
     TensorInAContainer,
     TF32FromEpochOne,
@@ -977,6 +979,18 @@ def test_a_layers_code_changed_mid_fit_is_captured_again_and_equals_the_baseline
         r"assigned to the instance: head",
         captures=2,
         callbacks=[change()],
+    )
+
+
+@pytest.mark.parametrize(("cls", "change"), CONFIG_CHANGES.values(), ids=CONFIG_CHANGES.keys())
+def test_a_config_value_changed_mid_fit_is_captured_again_and_equals_the_baseline(cls, change):
+    """Silent before: the replays kept the capture's weight (the loss left the baseline's at step 30)."""
+    assert_captured_again_like_baseline(
+        cls,
+        r"values the step reads changed \(.*between_step_models\.py|the arguments `functools.partial` binds "
+        r"changed since capture \(loss_fn\)",
+        captures=3,
+        callbacks=[SetsTheConfigEachEpoch(change)],
     )
 
 

@@ -369,3 +369,18 @@ def test_host_tensors_are_the_cpu_tensors_held_as_attributes_or_buffers_by_stora
         module.seen.untyped_storage().data_ptr(): "`self.seen`",
         module.counts.untyped_storage().data_ptr(): "`self.counts`",
     }
+
+
+def test_the_arguments_a_partial_binds_are_compared_and_a_keyword_changed_in_place_is_named():
+    import functools
+
+    from l2lightning import python_state
+
+    holder = {"loss_fn": functools.partial(torch.nn.functional.smooth_l1_loss, beta=1.0), "act": torch.tanh}
+    binds_a_module = functools.partial(torch.nn.functional.linear, weight=nn.Linear(2, 2))
+    holder["project"] = binds_a_module
+    checks = python_state.partial_arguments([(holder, name, value) for name, value in holder.items()])
+    assert [name for _, name, _ in checks] == ["loss_fn"]  # not a plain function; not one binding a module
+    assert python_state.changed_partial_arguments(checks) == []
+    holder["loss_fn"].keywords["beta"] = 0.5  # the same partial object
+    assert python_state.changed_partial_arguments(checks) == ["loss_fn"]

@@ -383,3 +383,67 @@ class ReturnsInABranch(ReturnsCounters):
 def test_counters_in_returns_other_than_one_at_the_top_stay_compared():
     found = analyse(ReturnsInABranch())
     assert found.output_values == {} and len(found.counter_values) == 2
+
+
+MODULE_SETTINGS = SimpleNamespace(weight=1.0, loss=SimpleNamespace(beta=0.5), flags={"aux": True})
+
+
+class _ReadsModuleLevelChains:
+    def training_step(self, batch, batch_idx):
+        import math
+
+        import torch
+
+        loss = batch * MODULE_SETTINGS.weight * MODULE_SETTINGS.loss.beta * math.pi
+        if MODULE_SETTINGS.flags["aux"]:  # a branch test: compared too, a change captures the new branch
+            loss = loss.to(torch.float32)
+        return loss
+
+
+def test_chains_read_from_a_module_level_config_are_compared_and_a_librarys_are_not():
+    found = analyse(_ReadsModuleLevelChains())
+    lines = sorted(a.line.split("(`", 1)[1] for a in found.attribute_values)
+    # the two chains of the loss's line and the branch test's; not `math.pi` or `torch.float32`
+    assert len(lines) == 3 and lines[0].startswith("if MODULE_SETTINGS.flags"), lines
+    assert lines[1] == lines[2] and "MODULE_SETTINGS.loss.beta * math.pi" in lines[1], lines
+    module = _ReadsModuleLevelChains()
+    snapshot = found.attribute_snapshot(module, 0)
+    assert found.changed_attribute_values(snapshot, module, 1) == []
+    try:
+        MODULE_SETTINGS.loss.beta = 0.25  # in place, two attributes deep
+        MODULE_SETTINGS.flags["aux"] = False
+        changed = found.changed_attribute_values(snapshot, module, 1)
+    finally:
+        MODULE_SETTINGS.loss.beta, MODULE_SETTINGS.flags["aux"] = 0.5, True
+    assert len(changed) == 2 and any("MODULE_SETTINGS.loss.beta" in line for line in changed)
+
+
+class _CountsGets:
+    """An object with a `get` method that does something (a queue's): never called by a comparison."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def get(self, key, default=None):
+        self.calls += 1
+        return default
+
+
+class _ReadsWithGet:
+    def __init__(self):
+        self.hparams = {"kl": 0.5}
+        self.queue = _CountsGets()
+
+    def training_step(self, batch, batch_idx):
+        return batch * self.hparams.get("kl", 1.0) * self.queue.get("w", 1.0)
+
+
+def test_a_constant_get_of_a_mapping_is_compared_and_another_objects_get_is_never_called():
+    module = _ReadsWithGet()
+    found = analyse(module)
+    assert len(found.attribute_values) == 2
+    snapshot = found.attribute_snapshot(module, 0)
+    assert found.changed_attribute_values(snapshot, module, 1) == []
+    module.hparams["kl"] = 0.25
+    assert len(found.changed_attribute_values(snapshot, module, 1)) == 1
+    assert module.queue.calls == 0

@@ -11,11 +11,13 @@ from lightning.pytorch.loggers import Logger
 
 from l2lightning import EquivalenceError, L2GraphCallback, make_capturable
 from tests.between_step_models import (
+    CONFIG_CHANGES,
     LAYER_CODE_CHANGES,
     LogsAnUnrecomputableNumber,
     ReadsACallback,
     ReadsWhatItAppended,
     SeedsInTheStep,
+    SetsTheConfigEachEpoch,
     SwitchesItsLoss,
     TF32FromEpochOne,
     WeightOnACallback,
@@ -990,3 +992,16 @@ class DropoutReseededEachEpoch(TinyMLP):
 
 def test_dropout_reseeded_at_each_epoch_start_is_captured_once_and_bitwise_the_baseline():
     assert_captured_like_baseline(DropoutReseededEachEpoch, 1, steps=90, fused=True)
+
+
+@pytest.mark.parametrize(("model_cls", "change"), CONFIG_CHANGES.values(), ids=CONFIG_CHANGES.keys())
+def test_a_config_value_changed_mid_fit_is_captured_again_and_bitwise_the_baseline(model_cls, change):
+    """Silent on the CPU emulator before the step source compared chains rooted at module-level names
+    and the arguments partials bind: the replays kept the capture's weight."""
+    assert_captured_like_baseline(
+        model_cls,
+        3,
+        r"values the step reads changed|the arguments `functools.partial` binds changed",
+        callbacks=lambda: [SetsTheConfigEachEpoch(change)],
+        steps=90,
+    )
