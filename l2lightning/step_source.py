@@ -229,6 +229,7 @@ def _analyse_object(
             reads,
             obj if callback else None,
             returns_step_output=not callback and depth == 0 and name == "training_step",
+            namespace=getattr(inspect.unwrap(getattr(method, "__func__", method)), "__globals__", None),
         )
         visitor.run(tree)
         _record_outside_reads(
@@ -293,8 +294,12 @@ class _Visitor:
         reads: set[str] | None = None,
         callback: Any = None,
         returns_step_output: bool = False,
+        namespace: dict | None = None,
     ):
         self.found = found
+        # the function's module globals: a logged expression may read them (``self.log("w", CFG.w)``),
+        # evaluated against them, live, at each replay
+        self.namespace = namespace
         # training_step itself: what its return statement holds is the step's output
         self.returns_step_output = returns_step_output
         self.filename = filename
@@ -654,8 +659,9 @@ class _Visitor:
         source = linecache.getline(self.filename, line).strip()
         return f"{self.filename}:{line} (`{source}`)" if source else f"{self.filename}:{line}"
 
-    def _inline(self, expr: ast.expr, depth: int = 0) -> ast.expr | None:
-        """`expr` with single-assignment locals replaced by their values; None if a local is not inlinable."""
+    def _inline(self, expr: ast.expr, depth: int = 0, globals_ok: bool = False) -> ast.expr | None:
+        """`expr` with single-assignment locals replaced by their values; None if a local is not inlinable.
+        With `globals_ok`, names of the function's module globals stay (evaluated against them)."""
         if depth > 4:
             return None
 
@@ -669,11 +675,18 @@ class _Visitor:
                     or node.id in ("True", "False", "None")
                 ):
                     return node
+                if (
+                    globals_ok
+                    and node.id not in self.assigned
+                    and self.namespace is not None
+                    and node.id in self.namespace
+                ):
+                    return node
                 value = self.assigned.get(node.id)
                 if value is None:
                     inner.ok = False
                     return node
-                replaced = self._inline(value, depth + 1)
+                replaced = self._inline(value, depth + 1, globals_ok)
                 if replaced is None:
                     inner.ok = False
                     return node
@@ -711,10 +724,22 @@ class _Visitor:
                     return True
         return False
 
-    def _compile(self, expr: ast.expr, allow_methods: bool) -> Callable[[Any, int], Any] | None:
-        inlined = self._inline(expr)
+    def _compile(
+        self, expr: ast.expr, allow_methods: bool, globals_ok: bool = False
+    ) -> Callable[[Any, int], Any] | None:
+        """A function of (self, batch_idx[, the callback hook's trainer and module]) evaluating `expr`,
+        or None where `expr` reads anything else or calls anything but the safe builtins (and, with
+        `allow_methods`, the safe methods). With `globals_ok`, `expr` may read the function's module
+        globals too, looked up at each evaluation."""
+        inlined = self._inline(expr, globals_ok=globals_ok)
         if inlined is None or not _safe(inlined, allow_methods):
             return None
+        reads_globals = globals_ok and any(
+            isinstance(n, ast.Name)
+            and n.id not in (self.self_name, self.batch_idx, *self.extra)
+            and n.id not in _SAFE_BUILTINS
+            for n in ast.walk(inlined)
+        )
         args = [self.self_name, self.batch_idx or "_batch_idx", *self.extra]
         lam = ast.Expression(
             body=ast.Lambda(
@@ -730,8 +755,13 @@ class _Visitor:
         )
         try:
             code = compile(ast.fix_missing_locations(lam), "<l2lightning step source>", "eval")
-            env = {name: getattr(builtins, name) for name in _SAFE_BUILTINS}
-            evaluate = eval(code, {"__builtins__": {}, **env})  # noqa: S307 - only reads, see _safe
+            if reads_globals:
+                # the module's own globals dict, so each evaluation reads their values now (_safe
+                # admits no call but the safe builtins', whatever the namespace holds)
+                evaluate = eval(code, self.namespace)  # noqa: S307 - only reads, see _safe
+            else:
+                env = {name: getattr(builtins, name) for name in _SAFE_BUILTINS}
+                evaluate = eval(code, {"__builtins__": {}, **env})  # noqa: S307 - only reads, see _safe
         except Exception:
             return None
         if self.callback is None:
@@ -820,7 +850,7 @@ class _Visitor:
         key = node.args[0]
         if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
             return
-        evaluate = self._compile(node.args[1], allow_methods=True)
+        evaluate = self._compile(node.args[1], allow_methods=True, globals_ok=True)
         if evaluate is not None:
             self.found.log_values.setdefault(key.value, (self._line(node), evaluate))
 

@@ -444,3 +444,25 @@ CONFIG_CHANGES = {
     "hparams-get": (ReadsHparamsWithGet, lambda m, v: m.hparams.__setitem__("loss_weight", v)),
     "module-level-dict-get": (ReadsATableWithGet, lambda m, v: TABLES.weights.__setitem__("loss", v)),
 }
+
+
+LOGGED_TEMPERATURE = 1.0  # a module-level number the step logs (not part of its loss)
+
+
+class LogsModuleLevelNumbers(TinyMLP):
+    """Logs a module-level number and a config's, which a callback sets at each epoch's start: a replay
+    must log the values of its step (until the logged expression was evaluated against the module's
+    globals, replays logged the capture's values, silently, on the CPU emulator)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("temperature", LOGGED_TEMPERATURE)
+        self.log("config_weight", SETTINGS.loss_weight)
+        return loss
+
+
+class SetsTheLoggedNumbersEachEpoch(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        global LOGGED_TEMPERATURE
+        LOGGED_TEMPERATURE = 1.0 / (1 + trainer.current_epoch)
+        SETTINGS.loss_weight = 1.0 + trainer.current_epoch

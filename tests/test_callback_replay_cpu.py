@@ -44,12 +44,14 @@ from tests.between_step_models import (
     LAYER_CODE_CHANGES,
     AnomalyDetectionFromEpochOne,
     LogsAnUnrecomputableNumber,
+    LogsModuleLevelNumbers,
     NoisyDataset,
     ReadsACallback,
     ReadsTheDataset,
     ReadsWhatItAppended,
     SeedsInTheStep,
     SetsTheConfigEachEpoch,
+    SetsTheLoggedNumbersEachEpoch,
     SwitchesItsLoss,
     TensorInAContainer,
     TF32FromEpochOne,
@@ -992,6 +994,15 @@ def test_a_config_value_changed_mid_fit_is_captured_again_and_equals_the_baselin
         captures=3,
         callbacks=[SetsTheConfigEachEpoch(change)],
     )
+
+
+def test_logged_module_level_numbers_are_evaluated_per_replay_and_equal_the_baseline():
+    base = fit(baseline_of(LogsModuleLevelNumbers), [SetsTheLoggedNumbersEachEpoch()], steps=90)
+    cb = callback()
+    run = fit(LogsModuleLevelNumbers, [SetsTheLoggedNumbersEachEpoch(), cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 1, cb.summary()
+    assert_same(base, run)
+    assert [float(run[1].logged[i]["config_weight"]) for i in (29, 30, 60)] == [1.0, 2.0, 3.0]
 
 
 class EMAHook(TinyMLP):

@@ -447,3 +447,25 @@ def test_a_constant_get_of_a_mapping_is_compared_and_another_objects_get_is_neve
     module.hparams["kl"] = 0.25
     assert len(found.changed_attribute_values(snapshot, module, 1)) == 1
     assert module.queue.calls == 0
+
+
+LOGGED_SCALE = 2.0
+
+
+class _LogsModuleLevel:
+    def training_step(self, batch, batch_idx):
+        self.log("scaled", LOGGED_SCALE * MODULE_SETTINGS.weight)
+        self.log("unknown", undefined_here)  # noqa: F821 - a name the module does not have: not evaluable
+        return batch
+
+
+def test_a_logged_expression_of_module_globals_is_evaluated_against_them_live():
+    global LOGGED_SCALE
+    found = analyse(_LogsModuleLevel())
+    assert sorted(found.log_values) == ["scaled"]
+    assert found.log_value("scaled", _LogsModuleLevel(), 0) == 2.0
+    LOGGED_SCALE = 3.0
+    try:
+        assert found.log_value("scaled", _LogsModuleLevel(), 0) == 3.0
+    finally:
+        LOGGED_SCALE = 2.0

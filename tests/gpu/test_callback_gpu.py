@@ -14,10 +14,12 @@ from tests.between_step_models import (
     CONFIG_CHANGES,
     LAYER_CODE_CHANGES,
     LogsAnUnrecomputableNumber,
+    LogsModuleLevelNumbers,
     ReadsACallback,
     ReadsWhatItAppended,
     SeedsInTheStep,
     SetsTheConfigEachEpoch,
+    SetsTheLoggedNumbersEachEpoch,
     SwitchesItsLoss,
     TF32FromEpochOne,
     WeightOnACallback,
@@ -1005,3 +1007,31 @@ def test_a_config_value_changed_mid_fit_is_captured_again_and_bitwise_the_baseli
         callbacks=lambda: [SetsTheConfigEachEpoch(change)],
         steps=90,
     )
+
+
+class RecordsLogged(Callback):
+    """The logged values of `names` after every batch."""
+
+    def __init__(self, *names):
+        self.names, self.values = names, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append(tuple(float(trainer.callback_metrics[n]) for n in self.names))
+
+
+def test_logged_module_level_numbers_follow_the_epoch_hook_in_replays():
+    """Silent on the CPU emulator before logged expressions were evaluated against the module's
+    globals: the replays logged the capture's numbers."""
+    logged = {}
+    for variant in ("baseline", "callback"):
+        seen = RecordsLogged("temperature", "config_weight")
+        callbacks = [SetsTheLoggedNumbersEachEpoch(), seen]
+        if variant == "callback":
+            cb = L2GraphCallback(prefetch="off")
+            callbacks.append(cb)
+        fit(LogsModuleLevelNumbers, callbacks, steps=90, baseline=variant == "baseline")
+        logged[variant] = seen.values
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 1, summary
+    assert logged["callback"] == logged["baseline"]
+    assert logged["callback"][30] == (0.5, 2.0)
