@@ -543,6 +543,7 @@ class _Visitor:
                 isinstance(parent, (ast.Attribute, ast.Subscript))
                 and parent.value is node
                 and not indexed_by_a_local
+                and not _read_whole_by_a_view(node, parents)
             ):
                 continue  # part of a longer chain (`self.weights[i]` follows `self.weights` whole)
             if isinstance(parent, ast.Call) and parent.func is node:
@@ -587,8 +588,10 @@ class _Visitor:
             elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, ast.Load):
                 parent = parents.get(id(node))
                 continues = isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node
-                if continues and not (
-                    isinstance(parent, ast.Subscript) and not isinstance(parent.slice, ast.Constant)
+                if (
+                    continues
+                    and not (isinstance(parent, ast.Subscript) and not isinstance(parent.slice, ast.Constant))
+                    and not _read_whole_by_a_view(node, parents)
                 ):
                     continue  # part of a longer chain
                 if isinstance(parent, ast.Call) and parent.func is node:
@@ -1104,6 +1107,26 @@ def _constant_getattr(node: ast.AST) -> bool:
         and isinstance(node.args[1], ast.Constant)
         and isinstance(node.args[1].value, str)
         and not node.args[1].value.startswith("__")
+    )
+
+
+# Methods that hand back a mapping's entries whole (``for k, w in self.loss_weights.items()``)
+_MAPPING_VIEWS = frozenset({"items", "values", "keys"})
+
+
+def _read_whole_by_a_view(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
+    """Whether `node` is the receiver of ``.items()``, ``.values()`` or ``.keys()``: what the step reads
+    is then all of it (compared whole, as a small container, before each replay)."""
+    view = parents.get(id(node))
+    call = parents.get(id(view)) if view is not None else None
+    return (
+        isinstance(view, ast.Attribute)
+        and view.value is node
+        and view.attr in _MAPPING_VIEWS
+        and isinstance(call, ast.Call)
+        and call.func is view
+        and not call.args
+        and not call.keywords
     )
 
 

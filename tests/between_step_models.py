@@ -428,6 +428,34 @@ class ReadsATableWithGet(WeightedByAConfig):
         return TABLES.weights.get("loss")
 
 
+class WeighsItsLossesByItems(TinyMLP):
+    """Multi-task weights in a dict, summed over ``.items()`` (read whole: no subscript names them)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.task_weights = {"mse": 1.0, "mae": 1.0}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(self.net(x)).squeeze(-1)
+        losses = {"mse": (pred - y).square().mean(), "mae": (pred - y).abs().mean()}
+        loss = sum(weight * losses[name] for name, weight in self.task_weights.items())
+        self.log("train/loss", loss)
+        return loss
+
+
+class WeighsByAConfigsValues(WeighsItsLossesByItems):
+    """The same weights in a module-level config's dict, read through ``.values()``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(self.net(x)).squeeze(-1)
+        losses = [(pred - y).square().mean(), (pred - y).abs().mean()]
+        loss = sum(weight * part for weight, part in zip(TABLES.weights.values(), losses))
+        self.log("train/loss", loss)
+        return loss
+
+
 def _set_omega(module, value):
     OMEGA.loss.weight = value
 
@@ -443,6 +471,8 @@ CONFIG_CHANGES = {
     "partial-keyword": (ReadsAPartial, lambda m, v: m.loss_fn.keywords.__setitem__("beta", 1.0 / v)),
     "hparams-get": (ReadsHparamsWithGet, lambda m, v: m.hparams.__setitem__("loss_weight", v)),
     "module-level-dict-get": (ReadsATableWithGet, lambda m, v: TABLES.weights.__setitem__("loss", v)),
+    "dict-items": (WeighsItsLossesByItems, lambda m, v: m.task_weights.__setitem__("mae", v)),
+    "module-level-dict-values": (WeighsByAConfigsValues, lambda m, v: TABLES.weights.__setitem__("loss", v)),
 }
 
 
