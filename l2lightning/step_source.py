@@ -635,7 +635,7 @@ class _Visitor:
         """Whether `node` only feeds host-side text, or is batch_idx handed to one of the module's methods."""
         child, parent = node, parents.get(id(node))
         while parent is not None:
-            if isinstance(parent, ast.JoinedStr):
+            if isinstance(parent, ast.JoinedStr) and not _selects(parent, parents):
                 return True
             if isinstance(parent, ast.Call):
                 f = parent.func
@@ -1108,6 +1108,25 @@ def _constant_getattr(node: ast.AST) -> bool:
         and isinstance(node.args[1].value, str)
         and not node.args[1].value.startswith("__")
     )
+
+
+def _selects(text: ast.JoinedStr, parents: dict[int, ast.AST]) -> bool:
+    """Whether the f-string `text` picks what the step computes with rather than being host text: a
+    subscript's key (``losses[f"{CFG.task}_loss"]``) or the name given to ``getattr``."""
+    child, parent = text, parents.get(id(text))
+    while parent is not None and not isinstance(parent, ast.stmt):
+        if isinstance(parent, ast.Subscript) and child is parent.slice:
+            return True
+        if (
+            isinstance(parent, ast.Call)
+            and isinstance(parent.func, ast.Name)
+            and parent.func.id == "getattr"
+            and len(parent.args) >= 2
+            and child is parent.args[1]
+        ):
+            return True
+        child, parent = parent, parents.get(id(parent))
+    return False
 
 
 # Methods that hand back a mapping's entries whole (``for k, w in self.loss_weights.items()``)

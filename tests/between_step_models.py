@@ -456,6 +456,22 @@ class WeighsByAConfigsValues(WeighsItsLossesByItems):
         return loss
 
 
+TASKS = types.SimpleNamespace(name="mse")
+
+
+class PicksItsLossByName(TinyMLP):
+    """The loss picked by a config's task name through an f-string key (an f-string that selects, not
+    host text)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(self.net(x)).squeeze(-1)
+        losses = {"mse_loss": (pred - y).square().mean(), "mae_loss": (pred - y).abs().mean()}
+        loss = losses[f"{TASKS.name}_loss"]
+        self.log("train/loss", loss)
+        return loss
+
+
 def _set_omega(module, value):
     OMEGA.loss.weight = value
 
@@ -473,6 +489,7 @@ CONFIG_CHANGES = {
     "module-level-dict-get": (ReadsATableWithGet, lambda m, v: TABLES.weights.__setitem__("loss", v)),
     "dict-items": (WeighsItsLossesByItems, lambda m, v: m.task_weights.__setitem__("mae", v)),
     "module-level-dict-values": (WeighsByAConfigsValues, lambda m, v: TABLES.weights.__setitem__("loss", v)),
+    "f-string-key": (PicksItsLossByName, lambda m, v: setattr(TASKS, "name", "mse" if v % 2 else "mae")),
 }
 
 
