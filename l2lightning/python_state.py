@@ -558,6 +558,24 @@ def rebound(checks: list[tuple[dict, str, Any]], module: Any = None) -> list[str
     return [f"{paths[id(a)]}.{name}" if id(a) in paths else name for a, name in found]
 
 
+def addresses(checks: list[tuple[dict, str, torch.Tensor]]) -> tuple:
+    """The memory each tensor of `checks` (:func:`baked_tensors`) holds now: a graph reads a tensor at
+    its capture's address, and ``t.data = other`` or ``t.set_(other)`` keeps the object but moves it."""
+    return tuple(_address(tensor) for _, _, tensor in checks)
+
+
+def _address(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:  # a tensor without storage (sparse): compared by identity alone
+        return None
+
+
+def moved(checks: list[tuple[dict, str, torch.Tensor]], captured: tuple) -> list[str]:
+    """Names of the tensors in `checks` whose memory is not their :func:`addresses` at capture."""
+    return [name for (_, name, tensor), then in zip(checks, captured) if _address(tensor) != then]
+
+
 def partial_arguments(callables: list[tuple[dict, str, Any]]) -> list[tuple[dict, str, Any]]:
     """(attribute dict, name, snapshot) for each ``functools.partial`` among `callables` (from
     :func:`baked_callables`, :func:`baked_globals`): the arguments it binds

@@ -75,6 +75,8 @@ class _Graph:
     containers: list[tuple[dict, str, Any]] = field(default_factory=list)
     # tensors it reads from plain attributes (python_state.baked_tensors), checked before each replay
     tensors: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
+    # their memory at the capture (python_state.addresses): `t.data = ...` keeps the object, not the memory
+    tensor_addresses: tuple = ()
     # the functions and submodules it calls through attributes (python_state.baked_callables), likewise
     callables: list[tuple[dict, str, Any]] = field(default_factory=list)
     # the arguments the functools.partial among them bind (python_state.partial_arguments), likewise
@@ -317,6 +319,7 @@ class StepCapture:
         # compared once
         graph.scalars = python_state.unique_checks(graph.scalars)
         graph.tensors = python_state.unique_checks(graph.tensors)
+        graph.tensor_addresses = python_state.addresses(graph.tensors)
         graph.hooks = StepHooks.of(module)
         graph.numerics = numerics_settings.read()
         graph.registered = self._flags.tensors()

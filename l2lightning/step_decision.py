@@ -138,6 +138,12 @@ class StepDecision:
                 f"the module's tensors {_first_names(rebound)} are other objects than at capture (the graph reads "
                 "the old ones; update them in place, `self.w.mul_(0.9)`, to keep one graph)"
             )
+        if graph.tensor_addresses and python_state.addresses(graph.tensors) != graph.tensor_addresses:
+            moved = python_state.moved(graph.tensors, graph.tensor_addresses)
+            return self._recapture(
+                f"the module's tensors {_first_names(moved)} hold other memory than at capture (`t.data = ...`, "
+                "`t.set_(...)`; the graph reads the old memory)"
+            )
         # after the tensors' own check, whose message is the more specific for an attribute's tensor
         counters = self._source.changed_counter_values(graph.counters, module, batch_idx)
         if counters:

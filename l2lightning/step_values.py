@@ -61,15 +61,20 @@ MAX_FROZEN_ITEMS = 64
 
 class Same:
     """A tensor in a snapshot, equal only to a snapshot of the same tensor object (it holds it, so its
-    id cannot be taken by another tensor while the snapshot lives)."""
+    id cannot be taken by another tensor while the snapshot lives) at the same memory (a graph reads
+    the address of its capture; ``t.data = other`` keeps the object and moves the memory)."""
 
-    __slots__ = ("obj",)
+    __slots__ = ("obj", "address")
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
+        try:
+            self.address = obj.data_ptr()
+        except RuntimeError:  # no storage (sparse): the object alone
+            self.address = None
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Same) and other.obj is self.obj
+        return isinstance(other, Same) and other.obj is self.obj and other.address == self.address
 
     def __hash__(self) -> int:
         return id(self.obj)

@@ -513,3 +513,23 @@ class SetsTheLoggedNumbersEachEpoch(Callback):
         global LOGGED_TEMPERATURE
         LOGGED_TEMPERATURE = 1.0 / (1 + trainer.current_epoch)
         SETTINGS.loss_weight = 1.0 + trainer.current_epoch
+
+
+class ScalesByAPlainTensor(TinyMLP):
+    """A loss scale in a plain tensor attribute (not a buffer) on the module's device, whose memory a
+    callback replaces at each epoch's start (``.data = ...``): the CPU emulator replays by tensor
+    object, so only a GPU shows a graph reading the old memory."""
+
+    def on_fit_start(self):
+        self.scale = torch.ones((), device=self.device)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean() * self.scale
+        self.log("train/loss", loss)
+        return loss
+
+
+class MovesTheScaleEachEpoch(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        pl_module.scale.data = torch.full_like(pl_module.scale, 1.0 + trainer.current_epoch)

@@ -45,10 +45,12 @@ from tests.between_step_models import (
     AnomalyDetectionFromEpochOne,
     LogsAnUnrecomputableNumber,
     LogsModuleLevelNumbers,
+    MovesTheScaleEachEpoch,
     NoisyDataset,
     ReadsACallback,
     ReadsTheDataset,
     ReadsWhatItAppended,
+    ScalesByAPlainTensor,
     SeedsInTheStep,
     SetsTheConfigEachEpoch,
     SetsTheLoggedNumbersEachEpoch,
@@ -1003,6 +1005,17 @@ def test_logged_module_level_numbers_are_evaluated_per_replay_and_equal_the_base
     assert cb.summary()["captured"] and cb.summary()["captures"] == 1, cb.summary()
     assert_same(base, run)
     assert [float(run[1].logged[i]["config_weight"]) for i in (29, 30, 60)] == [1.0, 2.0, 3.0]
+
+
+def test_a_plain_tensor_attribute_moved_to_other_memory_is_captured_again():
+    """The emulator replays by tensor object, so its fit would equal the baseline either way; what this
+    shows is that the move is seen before the replay (on a GPU the graph reads the old memory)."""
+    assert_captured_again_like_baseline(
+        ScalesByAPlainTensor,
+        r"the module's tensors scale hold other memory than at capture",
+        captures=3,
+        callbacks=[MovesTheScaleEachEpoch()],
+    )
 
 
 class EMAHook(TinyMLP):

@@ -384,3 +384,26 @@ def test_the_arguments_a_partial_binds_are_compared_and_a_keyword_changed_in_pla
     assert python_state.changed_partial_arguments(checks) == []
     holder["loss_fn"].keywords["beta"] = 0.5  # the same partial object
     assert python_state.changed_partial_arguments(checks) == ["loss_fn"]
+
+
+def test_a_tensor_moved_to_other_memory_is_named_though_it_is_the_same_object():
+    """A graph reads a tensor at its capture's address: `t.data = other` and `t.set_(other)` keep the
+    object (so an identity check passes) and move the memory."""
+    from l2lightning import python_state
+    from l2lightning.step_values import frozen
+
+    holder = {"scale": torch.ones(3), "shift": torch.zeros(3)}
+    checks = [(holder, name, value) for name, value in holder.items()]
+    captured = python_state.addresses(checks)
+    snapshot = frozen({"w": holder["scale"]}, tensors=True)
+    assert python_state.addresses(checks) == captured and python_state.moved(checks, captured) == []
+    holder["scale"].mul_(2)  # in place: the same memory
+    assert (
+        python_state.moved(checks, captured) == []
+        and frozen({"w": holder["scale"]}, tensors=True) == snapshot
+    )
+    holder["scale"].data = torch.full((3,), 5.0)
+    assert python_state.moved(checks, captured) == ["scale"]
+    assert frozen({"w": holder["scale"]}, tensors=True) != snapshot  # a tensor in a container likewise
+    holder["shift"].set_(torch.ones(3))
+    assert python_state.moved(checks, captured) == ["scale", "shift"]

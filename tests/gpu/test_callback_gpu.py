@@ -15,8 +15,10 @@ from tests.between_step_models import (
     LAYER_CODE_CHANGES,
     LogsAnUnrecomputableNumber,
     LogsModuleLevelNumbers,
+    MovesTheScaleEachEpoch,
     ReadsACallback,
     ReadsWhatItAppended,
+    ScalesByAPlainTensor,
     SeedsInTheStep,
     SetsTheConfigEachEpoch,
     SetsTheLoggedNumbersEachEpoch,
@@ -1035,3 +1037,15 @@ def test_logged_module_level_numbers_follow_the_epoch_hook_in_replays():
     assert summary["captured"] and summary["captures"] == 1, summary
     assert logged["callback"] == logged["baseline"]
     assert logged["callback"][30] == (0.5, 2.0)
+
+
+def test_a_plain_tensor_attribute_moved_to_other_memory_is_captured_again_and_bitwise_the_baseline():
+    """`self.scale.data = ...` between epochs keeps the tensor object: a graph would go on reading the
+    old memory (the CPU emulator replays by object, so this is a GPU test only)."""
+    assert_captured_like_baseline(
+        ScalesByAPlainTensor,
+        3,
+        "hold other memory than at capture",
+        callbacks=lambda: [MovesTheScaleEachEpoch()],
+        steps=90,
+    )
