@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from l2lightning.metric_binding import metric_type
-from l2lightning.step_values import NUMPY_SCALARS, frozen
+from l2lightning.step_values import NUMPY_SCALARS, address, frozen
 
 # the scalar attributes a step may bake in: Python's numbers and strings, and NumPy's scalars
 _SCALARS = (int, float, bool, str, *NUMPY_SCALARS)
@@ -561,19 +561,12 @@ def rebound(checks: list[tuple[dict, str, Any]], module: Any = None) -> list[str
 def addresses(checks: list[tuple[dict, str, torch.Tensor]]) -> tuple:
     """The memory each tensor of `checks` (:func:`baked_tensors`) holds now: a graph reads a tensor at
     its capture's address, and ``t.data = other`` or ``t.set_(other)`` keeps the object but moves it."""
-    return tuple(_address(tensor) for _, _, tensor in checks)
-
-
-def _address(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor.data_ptr()
-    except RuntimeError:  # a tensor without storage (sparse): compared by identity alone
-        return None
+    return tuple(address(tensor) for _, _, tensor in checks)
 
 
 def moved(checks: list[tuple[dict, str, torch.Tensor]], captured: tuple) -> list[str]:
     """Names of the tensors in `checks` whose memory is not their :func:`addresses` at capture."""
-    return [name for (_, name, tensor), then in zip(checks, captured) if _address(tensor) != then]
+    return [name for (_, name, tensor), then in zip(checks, captured) if address(tensor) != then]
 
 
 def partial_arguments(callables: list[tuple[dict, str, Any]]) -> list[tuple[dict, str, Any]]:

@@ -59,6 +59,14 @@ _PLAIN = (int, float, bool, str, type(None), tuple, *NUMPY_SCALARS)
 MAX_FROZEN_ITEMS = 64
 
 
+def address(tensor: torch.Tensor) -> int | None:
+    """Where `tensor`'s memory starts (what a graph reads), or None for a tensor without storage (sparse)."""
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return None
+
+
 class Same:
     """A tensor in a snapshot, equal only to a snapshot of the same tensor object (it holds it, so its
     id cannot be taken by another tensor while the snapshot lives) at the same memory (a graph reads
@@ -68,10 +76,7 @@ class Same:
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
-        try:
-            self.address = obj.data_ptr()
-        except RuntimeError:  # no storage (sparse): the object alone
-            self.address = None
+        self.address = address(obj)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Same) and other.obj is self.obj and other.address == self.address
