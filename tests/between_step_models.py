@@ -517,8 +517,8 @@ class SetsTheLoggedNumbersEachEpoch(Callback):
 
 class ScalesByAPlainTensor(TinyMLP):
     """A loss scale in a plain tensor attribute (not a buffer) on the module's device, whose memory a
-    callback replaces at each epoch's start (``.data = ...``): the CPU emulator replays by tensor
-    object, so only a GPU shows a graph reading the old memory."""
+    callback replaces at each epoch's start (``.data = ...``): a graph would go on reading the old
+    memory (the CPU emulator replays through aliases of the capture's memory, as a GPU graph does)."""
 
     def on_fit_start(self):
         self.scale = torch.ones((), device=self.device)

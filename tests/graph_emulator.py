@@ -6,7 +6,9 @@ allocations exist), but every pre-existing tensor an op mutates is snapshotted f
 capture end, and the CPU RNG is restored too: like a real capture, nothing the capture "ran" has any
 effect on pre-existing state. Host syncs (.item(), bool(tensor), equal) raise, like a capture does.
 Replay: re-runs the recorded ops in order; out-of-place results are copied into the tensors recorded
-at capture (static addresses), in-place ops re-run on the same tensors. Python code does NOT run at
+at capture (static addresses), in-place ops re-run on the same memory; a tensor from before the
+capture is read through an alias of the memory it had then (a GPU graph holds addresses, so
+``t.data = other`` later is not seen by a replay). Python code does NOT run at
 replay -- exactly the property of CUDA graphs the callback has to cope with.
 
 Only what goes through the dispatcher is recorded: code torch.compile's inductor generated for the
@@ -20,7 +22,7 @@ import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 SYNC_OPS = {
     torch.ops.aten._local_scalar_dense.default,
@@ -84,8 +86,19 @@ class _Recorder(TorchDispatchMode):
         fresh = _fresh_outputs(func, result)
         for t in fresh:
             self.created.add(_storage_key(t))
+        # a CUDA graph keeps the addresses its capture read: a tensor from before the capture is
+        # replayed through an alias of its memory then, so `t.data = other` or `t.set_(other)` later
+        # leaves the replay reading the old memory, as on a GPU
+        args, kwargs = tree_map(self._at_capture_address, (args, kwargs))
         self.ops.append((func, args, kwargs, fresh))
         return result
+
+    def _at_capture_address(self, value):
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+            return value
+        if _storage_key(value) in self.created:
+            return value  # made by the capture: the replay writes this very tensor
+        return value.detach()
 
     def undo(self) -> None:
         with torch.no_grad():

@@ -1008,8 +1008,8 @@ def test_logged_module_level_numbers_are_evaluated_per_replay_and_equal_the_base
 
 
 def test_a_plain_tensor_attribute_moved_to_other_memory_is_captured_again():
-    """The emulator replays by tensor object, so its fit would equal the baseline either way; what this
-    shows is that the move is seen before the replay (on a GPU the graph reads the old memory)."""
+    """Silent before: the replays read the scale's old memory (the loss left the baseline's at step 30,
+    on the emulator since it replays through aliases of the capture's memory)."""
     assert_captured_again_like_baseline(
         ScalesByAPlainTensor,
         r"the module's tensors scale hold other memory than at capture",

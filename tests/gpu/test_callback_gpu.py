@@ -1041,7 +1041,7 @@ def test_logged_module_level_numbers_follow_the_epoch_hook_in_replays():
 
 def test_a_plain_tensor_attribute_moved_to_other_memory_is_captured_again_and_bitwise_the_baseline():
     """`self.scale.data = ...` between epochs keeps the tensor object: a graph would go on reading the
-    old memory (the CPU emulator replays by object, so this is a GPU test only)."""
+    old memory (shown on the CPU emulator once it replayed through aliases of the capture's memory)."""
     assert_captured_like_baseline(
         ScalesByAPlainTensor,
         3,
