@@ -3269,6 +3269,41 @@ def test_lightning_callbacks_that_make_a_scheduler_mid_fit_train_like_the_baseli
     assert_same(base, run)
 
 
+class ValidatedTinyMLP(TinyMLP):
+    """TinyMLP with a validation loop of its own (3 batches)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", (self.head(self.net(x)).squeeze(-1) - y).square().mean())
+
+    def val_dataloader(self):
+        return regression_loader(n=24, width=32)
+
+
+@pytest.mark.parametrize("ema_first", [True, False], ids=["ema-first", "graph-callback-first"])
+def test_lightnings_ema_weight_averaging_with_validation_swaps_trains_like_the_baseline(ema_first):
+    """Lightning's EMAWeightAveraging (2.5+) deep-copies the module at setup, updates the average after
+    every batch, swaps the weights in place around each validation and copies the average in at the
+    end: in either callback order the fit, its validations and its final weights equal the baseline's."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    settings = {"limit_val_batches": 3, "val_check_interval": 30, "num_sanity_val_steps": 0}
+
+    def callbacks(graph=None):
+        ema = EMAWeightAveraging(decay=0.9)
+        if graph is None:
+            return [ema]
+        return [ema, graph] if ema_first else [graph, ema]
+
+    base = fit(baseline_of(ValidatedTinyMLP), callbacks(), steps=90, fused=True, trainer_kwargs=settings)
+    cb = callback()
+    run = fit(ValidatedTinyMLP, callbacks(cb), steps=90, fused=True, trainer_kwargs=settings)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 1 and summary["fallback_steps"] == 0, summary
+    assert_same(base, run)
+    assert base[2].callback_metrics["val/loss"] == run[2].callback_metrics["val/loss"]
+
+
 def test_a_host_tensor_the_graph_read_changed_in_place_captures_the_step_again():
     """On the GPU a capture notes the host tensors its device ops read (a 0-d CPU tensor is a number in
     a kernel's arguments); on the CPU stand-in every tensor is the device's, so the note is made here as
