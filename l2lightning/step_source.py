@@ -212,6 +212,7 @@ def _analyse_object(
         tree, filename, first_line, params = _parse(method)
         if tree is None:
             continue
+        function = inspect.unwrap(getattr(method, "__func__", method))
         batch_idx = (
             params[batch_position + 1]
             if batch_position is not None and len(params) > batch_position + 1
@@ -229,12 +230,11 @@ def _analyse_object(
             reads,
             obj if callback else None,
             returns_step_output=not callback and depth == 0 and name == "training_step",
-            namespace=getattr(inspect.unwrap(getattr(method, "__func__", method)), "__globals__", None),
+            namespace=getattr(function, "__globals__", None),
+            closure=ClosureCells(function) if getattr(function, "__closure__", None) else None,
         )
         visitor.run(tree)
-        _record_outside_reads(
-            found, inspect.unwrap(getattr(method, "__func__", method)), visitor, depth, seen_functions
-        )
+        _record_outside_reads(found, function, visitor, depth, seen_functions)
         if depth < HELPER_DEPTH:
             pending += [
                 (helper, depth + 1, position, None) for helper, position in sorted(visitor.helpers.items())
@@ -295,11 +295,13 @@ class _Visitor:
         callback: Any = None,
         returns_step_output: bool = False,
         namespace: dict | None = None,
+        closure: Any = None,
     ):
         self.found = found
-        # the function's module globals: a logged expression may read them (``self.log("w", CFG.w)``),
-        # evaluated against them, live, at each replay
+        # the function's module globals and closure variables (a ClosureCells): a logged expression may
+        # read them (``self.log("w", CFG.w)``), evaluated against them, live, at each replay
         self.namespace = namespace
+        self.closure = closure
         # training_step itself: what its return statement holds is the step's output
         self.returns_step_output = returns_step_output
         self.filename = filename
@@ -681,8 +683,10 @@ class _Visitor:
                 if (
                     globals_ok
                     and node.id not in self.assigned
-                    and self.namespace is not None
-                    and node.id in self.namespace
+                    and (
+                        (self.namespace is not None and node.id in self.namespace)
+                        or (self.closure is not None and node.id in self.closure)
+                    )
                 ):
                     return node
                 value = self.assigned.get(node.id)
@@ -737,13 +741,16 @@ class _Visitor:
         inlined = self._inline(expr, globals_ok=globals_ok)
         if inlined is None or not _safe(inlined, allow_methods):
             return None
-        reads_globals = globals_ok and any(
-            isinstance(n, ast.Name)
-            and n.id not in (self.self_name, self.batch_idx, *self.extra)
-            and n.id not in _SAFE_BUILTINS
-            for n in ast.walk(inlined)
-        )
         args = [self.self_name, self.batch_idx or "_batch_idx", *self.extra]
+        outside = (
+            {n.id for n in ast.walk(inlined) if isinstance(n, ast.Name)} - set(args) - _SAFE_BUILTINS
+            if globals_ok
+            else set()
+        )
+        # closure variables first, as Python resolves a free name; passed in per evaluation, live
+        cells = sorted(outside & self.closure.names) if self.closure is not None else []
+        reads_globals = bool(outside - set(cells))
+        args += cells
         lam = ast.Expression(
             body=ast.Lambda(
                 args=ast.arguments(
@@ -767,6 +774,8 @@ class _Visitor:
                 evaluate = eval(code, {"__builtins__": {}, **env})  # noqa: S307 - only reads, see _safe
         except Exception:
             return None
+        if cells:
+            evaluate = _with_closure(evaluate, self.closure, cells)
         if self.callback is None:
             return evaluate
         cb, extra = self.callback, len(self.extra)
@@ -962,6 +971,15 @@ def _reading_root(holder: Any, root: str, read: Callable[[Any], Any]) -> Callabl
     return evaluate
 
 
+def _with_closure(evaluate: Callable[..., Any], closure: Any, names: list[str]) -> Callable[..., Any]:
+    """`evaluate` given the current values of the closure variables `names` after its own arguments."""
+
+    def value(*args: Any) -> Any:
+        return evaluate(*args, *(closure[name] for name in names))
+
+    return value
+
+
 class ClosureCells:
     """A function's closure variables by name, read like a namespace dict (``get``, ``in``, ``[]``): what
     the per-replay comparisons of module-level values read, for a module made in a factory function
@@ -969,6 +987,11 @@ class ClosureCells:
 
     def __init__(self, function: types.FunctionType) -> None:
         self._cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The function's closure variables' names."""
+        return frozenset(self._cells)
 
     def get(self, name: str, default: Any = None) -> Any:
         try:

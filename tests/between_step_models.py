@@ -379,10 +379,20 @@ def _reads_a_closure():
         def loss_weight(self):
             return settings.loss_weight
 
-    return ReadsAClosure
+    class LogsAClosure(TinyMLP):
+        """Logs its factory's config value (not part of its loss)."""
+
+        config = settings
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("closure_weight", settings.loss_weight)
+            return loss
+
+    return ReadsAClosure, LogsAClosure
 
 
-ReadsAClosure = _reads_a_closure()
+ReadsAClosure, LogsAClosure = _reads_a_closure()
 
 
 class ReadsAPartial(TinyMLP):

@@ -43,6 +43,7 @@ from tests.between_step_models import (
     CONFIG_CHANGES,
     LAYER_CODE_CHANGES,
     AnomalyDetectionFromEpochOne,
+    LogsAClosure,
     LogsAnUnrecomputableNumber,
     LogsModuleLevelNumbers,
     MovesTheScaleEachEpoch,
@@ -3267,6 +3268,21 @@ def test_lightning_callbacks_that_make_a_scheduler_mid_fit_train_like_the_baseli
     run = fit(TinyMLP, [made(), cb], steps=90, fused=True)
     assert cb.summary()["captured"], cb.summary()
     assert_same(base, run)
+
+
+def test_a_logged_closure_variable_of_a_factory_made_module_is_evaluated_per_replay():
+    """`self.log("closure_weight", settings.loss_weight)` in a module made in a factory function: silent
+    before (the replays logged the capture's value after the callback changed it)."""
+
+    def set_weight(module, value):
+        type(module).config.loss_weight = value
+
+    base = fit(baseline_of(LogsAClosure), [SetsTheConfigEachEpoch(set_weight)], steps=90)
+    cb = callback()
+    run = fit(LogsAClosure, [SetsTheConfigEachEpoch(set_weight), cb], steps=90)
+    assert cb.summary()["captured"] and cb.summary()["captures"] == 1, cb.summary()
+    assert_same(base, run)
+    assert [float(run[1].logged[i]["closure_weight"]) for i in (29, 30, 60)] == [1.0, 2.0, 3.0]
 
 
 class ValidatedTinyMLP(TinyMLP):
