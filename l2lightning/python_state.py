@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from l2lightning.compiled_calls import partial_arguments
 from l2lightning.metric_binding import metric_type
 from l2lightning.step_values import NUMPY_SCALARS, address, frozen
 
@@ -569,7 +570,7 @@ def moved(checks: list[tuple[dict, str, torch.Tensor]], captured: tuple) -> list
     return [name for (_, name, tensor), then in zip(checks, captured) if address(tensor) != then]
 
 
-def partial_arguments(callables: list[tuple[dict, str, Any]]) -> list[tuple[dict, str, Any]]:
+def partial_bindings(callables: list[tuple[dict, str, Any]]) -> list[tuple[dict, str, Any]]:
     """(attribute dict, name, snapshot) for each ``functools.partial`` among `callables` (from
     :func:`baked_callables`, :func:`baked_globals`): the arguments it binds
     (``partial(F.smooth_l1_loss, beta=1.0)``) reach the graph like the step's own numbers, and a keyword
@@ -578,21 +579,22 @@ def partial_arguments(callables: list[tuple[dict, str, Any]]) -> list[tuple[dict
     else (a module) is left out."""
     out = []
     for attributes, name, held in callables:
-        if isinstance(held, functools.partial):
-            snapshot = frozen((held.args, held.keywords), tensors=True)
-            if snapshot is not None:
-                out.append((attributes, name, snapshot))
+        if isinstance(held, functools.partial) and (snapshot := _bound(held)) is not None:
+            out.append((attributes, name, snapshot))
     return out
 
 
-def changed_partial_arguments(checks: list[tuple[dict, str, Any]]) -> list[str]:
-    """Names of the partials in `checks` (:func:`partial_arguments`) whose bound arguments changed."""
+def changed_partial_bindings(checks: list[tuple[dict, str, Any]]) -> list[str]:
+    """Names of the partials in `checks` (:func:`partial_bindings`) whose bound arguments changed."""
     return [
         name
         for attributes, name, snapshot in checks
-        if isinstance(held := attributes.get(name), functools.partial)
-        and frozen((held.args, held.keywords), tensors=True) != snapshot
+        if isinstance(held := attributes.get(name), functools.partial) and _bound(held) != snapshot
     ]
+
+
+def _bound(partial: functools.partial) -> Any:
+    return frozen(partial_arguments(partial), tensors=True)
 
 
 def unique_checks(checks: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:

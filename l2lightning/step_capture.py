@@ -79,7 +79,7 @@ class _Graph:
     tensor_addresses: tuple = ()
     # the functions and submodules it calls through attributes (python_state.baked_callables), likewise
     callables: list[tuple[dict, str, Any]] = field(default_factory=list)
-    # the arguments the functools.partial among them bind (python_state.partial_arguments), likewise
+    # the arguments the functools.partial among them bind (python_state.partial_bindings), likewise
     partials: list[tuple[dict, str, Any]] = field(default_factory=list)
     # its parameters and buffers (ModuleFlags.tensors), compared after any registration (generation);
     # the graph reads and writes their data at these addresses, compared before each replay
@@ -306,7 +306,7 @@ class StepCapture:
         appended = {(id(vars(a.owner)), a.name) for a, _ in graph.appends if hasattr(a.owner, "__dict__")}
         graph.containers = [c for c in baked.containers if (id(c[0]), c[1]) not in appended]
         graph.callables += baked.callables
-        graph.partials = python_state.partial_arguments(graph.callables)
+        graph.partials = python_state.partial_bindings(graph.callables)
         # the Trainer's clipping settings, which Lightning passes to `configure_gradient_clipping` as
         # numbers (a callback that changes `trainer.gradient_clip_val` mid-fit)
         trainer_attributes = vars(self._trainer)

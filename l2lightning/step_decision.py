@@ -122,7 +122,7 @@ class StepDecision:
                 f"the functions or submodules the step calls were replaced since capture ({', '.join(replaced)})"
             )
         if graph.partials:
-            bound = python_state.changed_partial_arguments(graph.partials)
+            bound = python_state.changed_partial_bindings(graph.partials)
             if bound:
                 return self._recapture(
                     f"the arguments `functools.partial` binds changed since capture ({', '.join(bound)})"

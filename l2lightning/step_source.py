@@ -553,11 +553,7 @@ class _Visitor:
             if id(node) in tests or id(node) in logged or self._host_only(node, parents):
                 continue
             chain = [n for n in ast.walk(node) if isinstance(n, (ast.Attribute, ast.Subscript, ast.Name))]
-            base = node.args[0] if by_getattr else node
-            while isinstance(base, (ast.Attribute, ast.Subscript)):
-                if isinstance(base, ast.Subscript) and not isinstance(base.slice, ast.Constant):
-                    break
-                base = base.value
+            base, _ = _chain_base(node.args[0] if by_getattr else node)
             if not (isinstance(base, ast.Name) and base.id in roots):
                 continue
             if any(isinstance(n, ast.Attribute) and n.attr in STEP_COUNTERS for n in chain):

@@ -379,11 +379,11 @@ def test_the_arguments_a_partial_binds_are_compared_and_a_keyword_changed_in_pla
     holder = {"loss_fn": functools.partial(torch.nn.functional.smooth_l1_loss, beta=1.0), "act": torch.tanh}
     binds_a_module = functools.partial(torch.nn.functional.linear, weight=nn.Linear(2, 2))
     holder["project"] = binds_a_module
-    checks = python_state.partial_arguments([(holder, name, value) for name, value in holder.items()])
+    checks = python_state.partial_bindings([(holder, name, value) for name, value in holder.items()])
     assert [name for _, name, _ in checks] == ["loss_fn"]  # not a plain function; not one binding a module
-    assert python_state.changed_partial_arguments(checks) == []
+    assert python_state.changed_partial_bindings(checks) == []
     holder["loss_fn"].keywords["beta"] = 0.5  # the same partial object
-    assert python_state.changed_partial_arguments(checks) == ["loss_fn"]
+    assert python_state.changed_partial_bindings(checks) == ["loss_fn"]
 
 
 def test_a_tensor_moved_to_other_memory_is_named_though_it_is_the_same_object():
