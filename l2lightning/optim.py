@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from l2lightning.step_values import address
+
 # Optimizers whose step is known to capture, and whether they can read a tensor LR inside the graph.
 # Adam/AdamW read a tensor LR on every path (single-tensor, foreach, fused) under capturable=True.
 TENSOR_LR_TYPES: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
@@ -259,7 +261,8 @@ class CapturableOptimizer:
         self._baked = [self._baked_values(i, g) for i, g in enumerate(self.optimizer.param_groups)]
         state = self.optimizer.state
         entries = tuple(state.values())
-        self._captured_state = (state, len(state), entries, _state_values(entries))
+        values = _state_values(entries)
+        self._captured_state = (state, len(state), entries, values, _state_addresses(values))
 
     def state_replaced(self) -> str | None:
         """Why the optimizer's state is not the one the graph was captured with, or None.
@@ -267,14 +270,15 @@ class CapturableOptimizer:
         The graph updates the state tensors it was captured with (moments, momentum buffers), so a
         state replaced between steps (``load_state_dict``) or emptied (``optimizer.state.clear()``, a
         momentum reset), one parameter's entry replaced (``optimizer.state[p] = {}``) or one tensor in
-        it (``optimizer.state[p]["exp_avg"] = torch.zeros_like(p)``) would be ignored by a replay,
-        which then trains on from the old tensors. Every entry and every value is compared by
-        identity, mapped in C: one comparison per state value per step.
+        it (``optimizer.state[p]["exp_avg"] = torch.zeros_like(p)``) or given other memory under the
+        same object (``exp_avg.data = ...``, ``set_``) would be ignored by a replay, which then trains
+        on from the old memory. Every entry and every value is compared by identity, mapped in C, and
+        every tensor value by the address of its memory: a few comparisons per state value per step.
         """
         captured = getattr(self, "_captured_state", None)
         if captured is None:
             return None
-        state, size, entries, values = captured
+        state, size, entries, values, addresses = captured
         if self.optimizer.state is not state:
             return "the optimizer's state was replaced (`load_state_dict`)"
         if len(state) != size:
@@ -286,6 +290,11 @@ class CapturableOptimizer:
             return (
                 "a value in the optimizer's state was replaced or added (`optimizer.state[p][key] = ...`; "
                 "update tensors in place, `.zero_()`, to keep one graph)"
+            )
+        if _state_addresses(now) != addresses:
+            return (
+                "a tensor in the optimizer's state was given other memory (`.data = ...`, `set_`; "
+                "update it in place, `.copy_()`, to keep one graph)"
             )
         return None
 
@@ -477,3 +486,8 @@ def installed_capturable(optimizer: torch.optim.Optimizer) -> CapturableOptimize
 def _state_values(entries: tuple) -> tuple:
     """Every value of every per-parameter state entry, in order (the objects, compared by identity)."""
     return tuple(chain.from_iterable(map(dict.values, entries)))
+
+
+def _state_addresses(values: tuple) -> tuple:
+    """Where each tensor among `values` has its memory (None for other values): what a graph updates."""
+    return tuple(address(v) if isinstance(v, torch.Tensor) else None for v in values)

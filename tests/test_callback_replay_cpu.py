@@ -2422,10 +2422,22 @@ class ReplaceOneTensor(Callback):
             optimizer.state[p]["momentum_buffer"] = optimizer.state[p]["momentum_buffer"] * 0.5
 
 
+class MoveOneTensor(Callback):
+    """One tensor in one parameter's state given other memory under the same object (``.data = ...``):
+    a graph updates the memory it was captured with."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 12:
+            optimizer = trainer.optimizers[0]
+            p = list(pl_module.parameters())[-1]
+            buffer = optimizer.state[p]["momentum_buffer"]
+            buffer.data = buffer * 0.5
+
+
 @pytest.mark.parametrize(
     "extra",
-    [ResetMomentum, ReloadOptimizer, ReplaceOneEntry, ReplaceOneTensor],
-    ids=["state-cleared", "state-reloaded", "one-entry-replaced", "one-tensor-replaced"],
+    [ResetMomentum, ReloadOptimizer, ReplaceOneEntry, ReplaceOneTensor, MoveOneTensor],
+    ids=["state-cleared", "state-reloaded", "one-entry-replaced", "one-tensor-replaced", "one-tensor-moved"],
 )
 def test_optimizer_state_replaced_between_steps_is_made_eagerly_then_captured_again(extra):
     plain = fit(MomentumRegressor, [extra()])

@@ -1049,3 +1049,24 @@ def test_a_plain_tensor_attribute_moved_to_other_memory_is_captured_again_and_bi
         callbacks=lambda: [MovesTheScaleEachEpoch()],
         steps=90,
     )
+
+
+class MovesAnAdamMomentAtStep12(Callback):
+    """``exp_avg.data = ...``: the same optimizer-state tensor object on other memory."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 12:
+            moment = trainer.optimizers[0].state[next(pl_module.parameters())]["exp_avg"]
+            moment.data = moment * 0.5
+
+
+def test_an_optimizer_state_tensor_moved_to_other_memory_is_made_eagerly_then_captured_again_bitwise():
+    """Compared by identity alone before, the replays went on updating the old memory (silent on the
+    CPU emulator: the losses left the plain fit's at step 14)."""
+    base = fit(TinyMLP, [MovesAnAdamMomentAtStep12()], baseline=True, fused=True)
+    cb = L2GraphCallback(prefetch="off")
+    with pytest.warns(UserWarning, match="given other memory"):
+        run = fit(TinyMLP, [MovesAnAdamMomentAtStep12(), cb], fused=True)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 2 and summary["fallback_steps"] == 1, summary
+    assert_same_run(base, run)
