@@ -32,6 +32,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import (
     Accuracy,
+    BinaryAUROC,
+    BinaryF1Score,
     MulticlassAccuracy,
     MulticlassF1Score,
     MulticlassPrecision,
@@ -453,6 +455,37 @@ class TorchmetricsDocsForward(LightningModule):
         loss = F.cross_entropy(logits, y)
         self.train_acc(logits, y)
         self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class BinaryMetricsOnLogits(LightningModule):
+    """A binary classifier as torchmetrics' docs write one: ``Accuracy(task="binary")``, a binary F1
+    and a binned ``BinaryAUROC`` called on the raw logits, which torchmetrics turns into probabilities
+    when any leaves [0, 1] (a data-dependent choice: torchmetrics 1.9 makes it with ``torch.where`` on a
+    GPU, with a host test on the CPU), logged as metric objects per step and epoch."""
+
+    def __init__(self, hidden: int = 128) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(28 * 28, hidden)
+        self.l2 = nn.Linear(hidden, 1)
+        self.train_acc = Accuracy(task="binary")
+        self.train_f1 = BinaryF1Score()
+        self.train_auroc = BinaryAUROC(thresholds=50)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.l2(torch.relu(self.l1(x.view(x.size(0), -1)))).squeeze(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, y.float())
+        self.train_acc(logits, y)
+        self.train_f1(logits, y)
+        self.train_auroc.update(logits, y)
+        self.log("train_loss", loss)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log("train_f1", self.train_f1, on_step=True, on_epoch=True)
+        self.log("train_auroc", self.train_auroc, on_step=False, on_epoch=True)
         return loss
 
     def configure_optimizers(self):
@@ -913,6 +946,12 @@ class ManualGAN(LightningModule):
 # --------------------------------------------------------------------------------------- loaders
 def _digits_loader(n: int = 640, batch_size: int = 32, seed: int = 0) -> DataLoader:
     return _loader(*_digits(n, seed), batch_size=batch_size)
+
+
+def _binary_digits_loader(n: int = 640, batch_size: int = 32, seed: int = 15) -> DataLoader:
+    """The synthetic digits with a binary label (the class is 5 or more)."""
+    x, y = _digits(n, seed)
+    return _loader(x, (y >= 5).long(), batch_size=batch_size)
 
 
 def _transitions_loader(
@@ -1381,6 +1420,14 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             _reg_loader,
             "capture",
             "a buffer's data moved through `.data`: its address is compared per replay, captured again",
+        ),
+        Idiom(
+            "binary_metrics_on_logits",
+            BinaryMetricsOnLogits,
+            _binary_digits_loader,
+            "capture",
+            "on a GPU torchmetrics picks sigmoid or not for logits with torch.where, and the binned AUROC "
+            "counts with bincount: neither waits for the host inside the graph",
         ),
     ]
 }

@@ -3452,3 +3452,28 @@ def test_compiled_code_is_compiled_under_the_callback(monkeypatch, request, how,
         torch._dynamo.reset()
         assert_same(fit(baseline_of(TinyMLP), steps=8, model=compiled(baseline_of(TinyMLP))), run)
     torch._dynamo.reset()
+
+
+def test_binary_metrics_on_logits_are_refused_on_the_cpu_naming_the_metric_call_and_train_like_plain():
+    """On the CPU torchmetrics 1.9 decides whether binary predictions are logits with a host test
+    (``normalize_logits_if_needed``; on a GPU with ``torch.where``, captured in
+    tests/gpu/test_idioms_gpu.py): the traced step names the metric's call and trains eagerly."""
+    from tests.idiom_modules import IDIOM_VARIANTS
+
+    idiom = IDIOM_VARIANTS["binary_metrics_on_logits"]
+
+    def run(cb):
+        seed_everything(0)
+        module = idiom.make_module()
+        rec = Recorder()
+        trainer = quiet_trainer(accelerator="cpu", max_steps=30, callbacks=[rec, *([cb] if cb else [])])
+        trainer.fit(module, idiom.make_loader())
+        return module, rec, trainer
+
+    plain = run(None)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"makes the host wait"):
+        got = run(cb)
+    assert not cb.summary()["captured"], cb.summary()
+    assert "`self.train_acc(logits, y)`" in cb.summary()["reason"], cb.summary()["reason"]
+    assert_same(plain, got)
