@@ -520,6 +520,7 @@ class _Visitor:
                 # kept in branch tests too: a flag changed captures again, and the capture takes the
                 # new branch (a test with a call is no Condition)
                 receiver, key, default = mapping_get
+                receiver = self._unaliased(receiver)  # hp = self.hparams; hp.get("w", 1.0)
                 base, _ = _chain_base(receiver)
                 chain = [n for n in ast.walk(receiver) if isinstance(n, ast.Attribute)]
                 if (
@@ -552,8 +553,10 @@ class _Visitor:
                 continue  # a method call, not a value
             if id(node) in tests or id(node) in logged or self._host_only(node, parents):
                 continue
-            chain = [n for n in ast.walk(node) if isinstance(n, (ast.Attribute, ast.Subscript, ast.Name))]
-            base, _ = _chain_base(node.args[0] if by_getattr else node)
+            # cb = self.trainer.callbacks[1]; cb.w: the chain the local holds, then the rest
+            target = self._unaliased(node.args[0] if by_getattr else node)
+            chain = [n for n in ast.walk(target) if isinstance(n, (ast.Attribute, ast.Subscript, ast.Name))]
+            base, _ = _chain_base(target)
             if not (isinstance(base, ast.Name) and base.id in roots):
                 continue
             if any(isinstance(n, ast.Attribute) and n.attr in STEP_COUNTERS for n in chain):
@@ -597,6 +600,7 @@ class _Visitor:
                 chain, getting = node, None
             else:
                 continue
+            chain = self._unaliased(chain)  # c = CFG; c.loss.weight
             base, depth = _chain_base(chain)
             if not (isinstance(base, ast.Name) and base.id in self.global_names) or not _safe(chain, False):
                 continue
@@ -798,8 +802,24 @@ class _Visitor:
                 self.found.conditions.append(Condition(self._line(test), evaluate, on_counters=False))
 
     def _reads_self(self, expr: ast.AST) -> bool:
+        """Whether `expr` reads the module (or a callback hook's own names), directly or through the
+        locals it reads (``me = self`` ... ``if me.flag:``)."""
         names = (self.self_name, *self.extra)
-        return any(isinstance(node, ast.Name) and node.id in names for node in ast.walk(expr))
+        inlined = self._inline(expr) if isinstance(expr, ast.expr) else None
+        return any(
+            isinstance(node, ast.Name) and node.id in names
+            for node in ast.walk(expr if inlined is None else inlined)
+        )
+
+    def _unaliased(self, chain: ast.expr) -> ast.expr:
+        """`chain` read through the local at its base, where that local holds one value assigned once:
+        ``cb = self.trainer.callbacks[1]`` then ``cb.w`` reads ``self.trainer.callbacks[1].w``, and
+        ``c = CFG`` then ``c.loss.w`` reads ``CFG.loss.w``. Anything else comes back as it is."""
+        base, _ = _chain_base(chain)
+        if not isinstance(base, ast.Name) or self.assigned.get(base.id) is None:
+            return chain
+        inlined = self._inline(chain, globals_ok=True)
+        return chain if inlined is None else inlined
 
     def _helper_call(self, node: ast.Call) -> None:
         func = node.func

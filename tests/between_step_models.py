@@ -482,6 +482,38 @@ class PicksItsLossByName(TinyMLP):
         return loss
 
 
+class ReadsACallbackThroughALocal(TinyMLP):
+    """Finds the callback that holds its loss weight, keeps it in a local and reads the weight from it."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        holder = self.trainer.callbacks[1]
+        loss = holder.loss_weight * (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+class ReadsAConfigThroughALocal(WeightedByAConfig):
+    """A module-level config kept in a local first (``cfg = SETTINGS``)."""
+
+    def loss_weight(self):
+        cfg = SETTINGS
+        return cfg.loss_weight
+
+
+class BranchesOnAConfigThroughALocal(TinyMLP):
+    """A branch on a module-level config's value, read through a local."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        cfg = SETTINGS
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        if cfg.loss_weight > 1.5:
+            loss = loss * 2.0
+        self.log("train/loss", loss)
+        return loss
+
+
 def _set_omega(module, value):
     OMEGA.loss.weight = value
 
@@ -500,6 +532,16 @@ CONFIG_CHANGES = {
     "dict-items": (WeighsItsLossesByItems, lambda m, v: m.task_weights.__setitem__("mae", v)),
     "module-level-dict-values": (WeighsByAConfigsValues, lambda m, v: TABLES.weights.__setitem__("loss", v)),
     "f-string-key": (PicksItsLossByName, lambda m, v: setattr(TASKS, "name", "mse" if v % 2 else "mae")),
+    # the fits' callbacks: a recorder, then the one that sets the config (index 1)
+    "callback-through-a-local": (
+        ReadsACallbackThroughALocal,
+        lambda m, v: setattr(m.trainer.callbacks[1], "loss_weight", v),
+    ),
+    "config-through-a-local": (ReadsAConfigThroughALocal, lambda m, v: setattr(SETTINGS, "loss_weight", v)),
+    "branch-through-a-local": (
+        BranchesOnAConfigThroughALocal,
+        lambda m, v: setattr(SETTINGS, "loss_weight", v),
+    ),
 }
 
 
