@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from l2lightning.step_values import AttributeValue, CounterValue, guarded, unreadable
+from l2lightning.step_values import AttributeValue, CounterValue, frozen, guarded, unreadable
 
 # What changes from step to step on the module and its Trainer: the step counters, and the fit
 # loop's flag for an epoch's last batch (``if self.trainer.is_last_batch:``)
@@ -550,7 +550,12 @@ class _Visitor:
             ):
                 continue  # part of a longer chain (`self.weights[i]` follows `self.weights` whole)
             if isinstance(parent, ast.Call) and parent.func is node:
-                continue  # a method call, not a value
+                # a method call, not a value; but a method of the user's object on the Trainer
+                # (`self.trainer.callbacks[1].weight()`) reads what no check follows: that object's
+                # own numbers are compared instead
+                if not (isinstance(node, ast.Attribute) and _through_users_object_on_trainer(node.value)):
+                    continue
+                node = node.value
             if id(node) in tests or id(node) in logged or self._host_only(node, parents):
                 continue
             # cb = self.trainer.callbacks[1]; cb.w: the chain the local holds, then the rest
@@ -570,6 +575,10 @@ class _Visitor:
                 continue
             evaluate = self._compile(node, allow_methods=False)
             if evaluate is not None:
+                if _through_users_object_on_trainer(target):
+                    # `next(c for c in self.trainer.callbacks if ...)`, a loop over them, a method of
+                    # one: the objects reached are compared by their own numbers
+                    evaluate = _users_objects_state_when_opaque(evaluate)
                 self.found.attribute_values.append(AttributeValue(self._line(node), evaluate))
 
     def _global_chains(self, func: ast.AST, logged: set[int], parents: dict[int, ast.AST]) -> None:
@@ -1076,6 +1085,44 @@ def _is_users_object_on_trainer(node: ast.AST) -> bool:
         and isinstance(node.value, ast.Attribute)
         and node.value.attr == "trainer"
     )
+
+
+def _through_users_object_on_trainer(expr: ast.AST) -> bool:
+    """Whether the chain `expr` passes through one of the user's objects on the Trainer."""
+    return any(_is_users_object_on_trainer(n) for n in ast.walk(expr))
+
+
+def _users_objects_state_when_opaque(evaluate: Callable[..., Any]) -> Callable[..., Any]:
+    """`evaluate`, whose value, where it is not a Python value a snapshot can hold (a callback, the data
+    module, a list of callbacks), is replaced by the state of the user's objects in it: per object of a
+    class from the user's own files, its attributes that are Python numbers or strings, or dicts or
+    tuples of them. A step that reaches such an object in a way no check follows (``next(...)`` over
+    the callbacks, a loop, one of its methods) reads those numbers; a change between steps then
+    captures the step again. Lists are left out: a callback's list is most often a history it appends
+    to at every step, which would otherwise make every step a new capture."""
+
+    def value(*args: Any) -> Any:
+        held = evaluate(*args)
+        if frozen(held, tensors=True) is not None:
+            return held
+        objects = held if isinstance(held, (list, tuple)) else [held]
+        return tuple(
+            (type(obj).__qualname__, _own_numbers(obj))
+            for obj in objects
+            if not isinstance(obj, type) and _is_user_code(type(obj))
+        )
+
+    return value
+
+
+def _own_numbers(obj: Any) -> str:
+    """The attributes of `obj` a snapshot can hold, as one text (``repr`` keeps every float's bits)."""
+    try:
+        held = vars(obj)
+    except TypeError:  # __slots__
+        return ""
+    items = [(k, f) for k, v in held.items() if not isinstance(v, list) and (f := frozen(v)) is not None]
+    return repr(sorted(items, key=lambda kv: str(kv[0])))
 
 
 def _is_user_code(obj: Any) -> bool:

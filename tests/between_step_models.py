@@ -418,6 +418,10 @@ class SetsTheConfigEachEpoch(Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         self.set(pl_module, 1.0 + trainer.current_epoch)
 
+    def current_weight(self):
+        """The weight a change set on this callback (the cases that keep it here)."""
+        return self.loss_weight
+
 
 class ReadsHparamsWithGet(WeightedByAConfig):
     """``self.hparams.get(name, default)``, as steps read optional hyperparameters."""
@@ -493,6 +497,32 @@ class ReadsACallbackThroughALocal(TinyMLP):
         return loss
 
 
+class FindsItsCallbackWithNext(WeightedByAConfig):
+    """Finds the callback holding its weight with ``next(...)`` over the Trainer's callbacks."""
+
+    def loss_weight(self):
+        holder = next(c for c in self.trainer.callbacks if hasattr(c, "loss_weight"))
+        return holder.loss_weight
+
+
+class FindsItsCallbackInALoop(WeightedByAConfig):
+    """Looks for the callback holding its weight in a loop over the Trainer's callbacks."""
+
+    def loss_weight(self):
+        weight = 1.0
+        for c in self.trainer.callbacks:
+            if hasattr(c, "loss_weight"):
+                weight = c.loss_weight
+        return weight
+
+
+class AsksItsCallbackForTheWeight(WeightedByAConfig):
+    """Calls a method of the callback that holds its weight."""
+
+    def loss_weight(self):
+        return self.trainer.callbacks[1].current_weight()
+
+
 class ReadsAConfigThroughALocal(WeightedByAConfig):
     """A module-level config kept in a local first (``cfg = SETTINGS``)."""
 
@@ -514,6 +544,11 @@ class BranchesOnAConfigThroughALocal(TinyMLP):
         return loss
 
 
+def _set_on_the_callback(module, value):
+    # the fits' callbacks: a recorder, then the one that sets the config (index 1)
+    module.trainer.callbacks[1].loss_weight = value
+
+
 def _set_omega(module, value):
     OMEGA.loss.weight = value
 
@@ -532,11 +567,10 @@ CONFIG_CHANGES = {
     "dict-items": (WeighsItsLossesByItems, lambda m, v: m.task_weights.__setitem__("mae", v)),
     "module-level-dict-values": (WeighsByAConfigsValues, lambda m, v: TABLES.weights.__setitem__("loss", v)),
     "f-string-key": (PicksItsLossByName, lambda m, v: setattr(TASKS, "name", "mse" if v % 2 else "mae")),
-    # the fits' callbacks: a recorder, then the one that sets the config (index 1)
-    "callback-through-a-local": (
-        ReadsACallbackThroughALocal,
-        lambda m, v: setattr(m.trainer.callbacks[1], "loss_weight", v),
-    ),
+    "callback-through-a-local": (ReadsACallbackThroughALocal, _set_on_the_callback),
+    "callback-found-with-next": (FindsItsCallbackWithNext, _set_on_the_callback),
+    "callback-found-in-a-loop": (FindsItsCallbackInALoop, _set_on_the_callback),
+    "callback-method": (AsksItsCallbackForTheWeight, _set_on_the_callback),
     "config-through-a-local": (ReadsAConfigThroughALocal, lambda m, v: setattr(SETTINGS, "loss_weight", v)),
     "branch-through-a-local": (
         BranchesOnAConfigThroughALocal,
