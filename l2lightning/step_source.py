@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import ast
 import builtins
+import functools
 import inspect
 import os
 import sysconfig
@@ -1109,10 +1110,16 @@ def _users_objects_state_when_opaque(evaluate: Callable[..., Any]) -> Callable[.
         return tuple(
             (type(obj).__qualname__, _own_numbers(obj))
             for obj in objects
-            if not isinstance(obj, type) and _is_user_code(type(obj))
+            if not isinstance(obj, type) and _users_class(type(obj))
         )
 
     return value
+
+
+@functools.cache
+def _users_class(cls: type) -> bool:
+    """:func:`_is_user_code` for a class, once per class (it reads the file system; this runs per replay)."""
+    return _is_user_code(cls)
 
 
 def _own_numbers(obj: Any) -> str:
