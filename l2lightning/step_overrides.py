@@ -7,6 +7,8 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 from __future__ import annotations
 
 import functools
+import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -266,5 +268,32 @@ def presenting_signature_of(
     def presented(*args: Any, **kwargs: Any) -> Any:
         return replacement(*args, **kwargs)
 
-    presented.__wrapped__ = getattr(original, "__wrapped__", original)
+    presented.__wrapped__ = _inspected_as(getattr(original, "__wrapped__", original))
     return presented
+
+
+def _inspected_as(target: Any) -> Any:
+    """A stand-in for `target` whose signature is read once, here, instead of at every step.
+
+    Lightning inspects ``training_step`` at every batch (``inspect.getfullargspec``, which rebuilds the
+    signature from the code object each time: a few tens of microseconds, a share of a small model's
+    replayed step). A function, or a method bound like `target`, that carries `target`'s signature as
+    ``__signature__`` reads the same to ``getfullargspec`` and ``inspect.signature`` (a bound method's
+    first parameter shown to the one, dropped by the other, as for `target`); it is never called.
+    Anything but a Python function or method comes back as it is.
+    """
+    bound_to = target.__self__ if isinstance(target, types.MethodType) else None
+    function = target.__func__ if bound_to is not None else target
+    if not isinstance(function, types.FunctionType):
+        return target
+    try:
+        signature = inspect.signature(function, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return target
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{function.__qualname__}'s signature, for inspection only: call the step itself")
+
+    stand_in.__signature__ = signature
+    stand_in.__name__, stand_in.__qualname__ = function.__name__, function.__qualname__
+    return types.MethodType(stand_in, bound_to) if bound_to is not None else stand_in

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import inspect
 import re
 import warnings
 import weakref
@@ -924,8 +925,15 @@ def test_the_installed_training_step_is_inspected_by_lightning_as_the_users_own(
         def decorated_without_idx(self, batch):
             return batch
 
+        def any_args(self, *args):
+            return args
+
+        def keyword_idx(self, batch, *, batch_idx=0):
+            return batch, batch_idx
+
     steps, calls = Steps(), []
-    for name in ("without_idx", "with_idx", "fetching", "decorated_without_idx"):
+    names = ("without_idx", "with_idx", "fetching", "decorated_without_idx", "any_args", "keyword_idx")
+    for name in names:
         original = getattr(steps, name)
         presented = presenting_signature_of(original, lambda *a, **k: calls.append((a, k)) or "out")
         for param, kwargs in (("batch_idx", {"min_args": 2}), ("dataloader_iter", {"explicit": True})):
@@ -933,6 +941,11 @@ def test_the_installed_training_step_is_inspected_by_lightning_as_the_users_own(
             assert is_param_in_hook_signature(presented, param, **kwargs) == expected, (name, param)
         assert presented(1, batch_idx=2) == "out" and calls[-1] == ((1,), {"batch_idx": 2})
         assert presented.__name__ == name
+        # what other code reads: the signature Python shows (for an undecorated step; a decorated one
+        # shows what Lightning unwraps it to, its function), and the full argument spec
+        unwrapped = getattr(original, "__wrapped__", original)
+        assert inspect.signature(presented) == inspect.signature(unwrapped), name
+        assert inspect.getfullargspec(presented.__wrapped__) == inspect.getfullargspec(unwrapped), name
     # what the checks above decide for these steps, so that they cannot pass by always agreeing
     assert is_param_in_hook_signature(steps.with_idx, "batch_idx", min_args=2)
     assert not is_param_in_hook_signature(steps.without_idx, "batch_idx", min_args=2)
