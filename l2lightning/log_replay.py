@@ -83,10 +83,11 @@ class ReissuedLog:
         """The value the capture logged (a graph output tensor, a Python number or a metric)."""
         return self.args[1]
 
-    def issue(self, module: LightningModule, log: Callable[..., Any], value: Any) -> None:
-        """Log `value` for this call as `log` (the module's real ``self.log``) would."""
+    def issue(self, module: LightningModule, log: Callable[..., Any], value: Any, results: Any) -> None:
+        """Log `value` for this call as `log` (the module's real ``self.log``) would; `results` is the
+        Trainer's result collection now (``trainer._results``, a property that walks the loops: read
+        once for all the calls of a hook)."""
         trainer = module._trainer
-        results = getattr(trainer, "_results", None)
         metric = self._metric
         if (
             metric is not None

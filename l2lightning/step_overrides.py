@@ -177,11 +177,12 @@ class StepOverrides:
         if fx in self._reissued:
             return
         self._reissued.add(fx)
+        results = getattr(self._module._trainer, "_results", None)  # the same for every call of the hook
         for call in self._graph.log_calls:
             if call.fx == fx:
-                self._reissue_call(call)
+                self._reissue_call(call, results)
 
-    def _reissue_call(self, call: ReissuedLog) -> None:
+    def _reissue_call(self, call: ReissuedLog, results: Any) -> None:
         # A tensor value is the graph's static output: self.log clones it, so the logged value is
         # this step's even after the next replay overwrites the output.
         value = call.value
@@ -191,7 +192,7 @@ class StepOverrides:
             and call.name in self._live_log_values
         ):
             value = self._source.log_value(call.name, self._module, self._pending_batch_idx())
-        call.issue(self._module, self._originals["log"], value)
+        call.issue(self._module, self._originals["log"], value, results)
 
     def _pending_batch_idx(self) -> int:
         """This step's ``batch_idx`` (0 outside a step): what re-evaluated logs and outputs read."""
