@@ -262,7 +262,8 @@ class CapturableOptimizer:
         state = self.optimizer.state
         entries = tuple(state.values())
         values = _state_values(entries)
-        self._captured_state = (state, len(state), entries, values, _state_addresses(values))
+        tensors = tuple(v for v in values if isinstance(v, torch.Tensor))
+        self._captured_state = (state, len(state), entries, values, tensors, _addresses(tensors))
 
     def state_replaced(self) -> str | None:
         """Why the optimizer's state is not the one the graph was captured with, or None.
@@ -278,7 +279,7 @@ class CapturableOptimizer:
         captured = getattr(self, "_captured_state", None)
         if captured is None:
             return None
-        state, size, entries, values, addresses = captured
+        state, size, entries, values, tensors, addresses = captured
         if self.optimizer.state is not state:
             return "the optimizer's state was replaced (`load_state_dict`)"
         if len(state) != size:
@@ -291,7 +292,8 @@ class CapturableOptimizer:
                 "a value in the optimizer's state was replaced or added (`optimizer.state[p][key] = ...`; "
                 "update tensors in place, `.zero_()`, to keep one graph)"
             )
-        if _state_addresses(now) != addresses:
+        # the values are the captured objects (checked above): their memory, read in C
+        if _addresses(tensors) != addresses:
             return (
                 "a tensor in the optimizer's state was given other memory (`.data = ...`, `set_`; "
                 "update it in place, `.copy_()`, to keep one graph)"
@@ -488,6 +490,10 @@ def _state_values(entries: tuple) -> tuple:
     return tuple(chain.from_iterable(map(dict.values, entries)))
 
 
-def _state_addresses(values: tuple) -> tuple:
-    """Where each tensor among `values` has its memory (None for other values): what a graph updates."""
-    return tuple(address(v) if isinstance(v, torch.Tensor) else None for v in values)
+def _addresses(tensors: tuple) -> tuple:
+    """Where each of `tensors` has its memory (what a graph updates), mapped in C; one by one, with None
+    for a tensor without storage, where one has none (a sparse state)."""
+    try:
+        return tuple(map(torch.Tensor.data_ptr, tensors))
+    except RuntimeError:
+        return tuple(map(address, tensors))
