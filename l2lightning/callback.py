@@ -521,6 +521,16 @@ class L2GraphCallback(
                 'Read the learning rate from the optimizer (`self.optimizers().param_groups[0]["lr"]`), '
                 "which replays read as it is at each step",
             )
+        if source.clock_reads:
+            return _stale_read(
+                "the host clock",
+                source.clock_reads,
+                "which moves from step to step",
+                "the capture step's reading",
+                "Decide on the time in a hook outside the step (`on_train_batch_start`) and hand the "
+                "decision in through an attribute the step reads (compared before each replay), or run "
+                "such steps eagerly with `eager_steps=lambda trainer, batch_idx: ...`",
+            )
         if source.opaque_conditions and self.eager_steps is None:
             # A replayed graph would take the capture step's branch at every step: refused rather than
             # trained on the wrong branch; `eager_steps` tells the callback which steps take the other.

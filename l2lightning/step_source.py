@@ -40,11 +40,13 @@ from __future__ import annotations
 import argparse
 import ast
 import builtins
+import datetime
 import functools
 import inspect
 import os
 import sysconfig
 import textwrap
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +103,9 @@ class StepSource:
     # and an LR scheduler's state (``self.lr_schedulers().get_last_lr()[0]``). "file:line (...)"
     trainer_metric_reads: list[str] = field(default_factory=list)
     scheduler_reads: list[str] = field(default_factory=list)
+    # calls of the host clock (``time.monotonic()``) whose reading reaches the step's work (a branch, a
+    # factor) rather than only a log or host text: a replay keeps the capture step's reading
+    clock_reads: list[str] = field(default_factory=list)
 
     def attribute_snapshot(self, module: Any, batch_idx: int) -> list[tuple[AttributeValue, Any]]:
         """The attribute values that are Python numbers (or small containers of them) now, frozen;
@@ -159,6 +164,29 @@ HELPER_DEPTH = 3
 TRAINER_METRICS = frozenset({"callback_metrics", "logged_metrics", "progress_bar_metrics"})
 # what an LR scheduler holds of its progress (PyTorch's LRScheduler): changed by each scheduler step
 SCHEDULER_STATE = frozenset({"get_last_lr", "_last_lr", "last_epoch"})
+# The host clock's readers: what a step reads from them moves from step to step with no tensor to show it
+CLOCKS = (
+    time.time,
+    time.time_ns,
+    time.monotonic,
+    time.monotonic_ns,
+    time.perf_counter,
+    time.perf_counter_ns,
+    time.process_time,
+    time.process_time_ns,
+    time.thread_time,
+    time.thread_time_ns,
+    datetime.datetime.now,
+    datetime.datetime.utcnow,
+    datetime.datetime.today,
+    datetime.date.today,
+)
+# The same by the names a step calls them, where its module's globals cannot be read
+CLOCK_NAMES = frozenset(
+    {f"time.{f.__name__}" for f in CLOCKS[:10]}
+    | {"datetime.now", "datetime.utcnow", "datetime.today", "date.today"}
+    | {"datetime.datetime.now", "datetime.datetime.utcnow", "datetime.datetime.today", "datetime.date.today"}
+)
 
 
 def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> StepSource:
@@ -420,6 +448,14 @@ class _Visitor:
                 continue
             if id(node) not in logged and not self._host_only(node, parents):
                 reads.append(self._line(node))
+        # the host clock, where its reading reaches the step's work
+        for node in ast.walk(func):
+            if (
+                isinstance(node, ast.Call)
+                and self._is_clock(node.func)
+                and self._reaches_work(node, func, logged, parents, set())
+            ):
+                self.found.clock_reads.append(self._line(node))
         for node in ast.walk(func):
             if isinstance(node, (ast.If, ast.While, ast.IfExp)):
                 self._condition(node.test)
@@ -627,6 +663,58 @@ class _Visitor:
         """``self.last_epoch``: the module's own attribute (a LightningModule has no scheduler state of
         its own), compared before each replay like any other, not a scheduler's."""
         return isinstance(node.value, ast.Name) and node.value.id == self.self_name
+
+    def _is_clock(self, func: ast.expr) -> bool:
+        """Whether the called `func` is one of the host clock's readers (:data:`CLOCKS`): resolved in the
+        function's module globals where they can be read (``from time import monotonic`` too), else
+        by its dotted name (``time.time``)."""
+        path: list[str] = []
+        node = func
+        while isinstance(node, ast.Attribute):
+            path.insert(0, node.attr)
+            node = node.value
+        if (
+            not isinstance(node, ast.Name)
+            or node.id in (self.self_name, *self.extra)
+            or node.id in self.assigned
+        ):
+            return False
+        path.insert(0, node.id)
+        if self.namespace is not None and path[0] in self.namespace:
+            held = self.namespace[path[0]]
+            for name in path[1:]:
+                if not isinstance(held, (types.ModuleType, type)):
+                    return False
+                held = getattr(held, name, None)
+            return callable(held) and any(_same_callable(held, c) for c in CLOCKS)
+        return ".".join(path) in CLOCK_NAMES
+
+    def _reaches_work(
+        self, node: ast.AST, func: ast.AST, logged: set[int], parents: dict[int, ast.AST], followed: set[str]
+    ) -> bool:
+        """Whether the value of `node` reaches the step's work: not only a ``self.log`` argument or host
+        text, directly or through the locals it is assigned to (``t = time.time()`` read only in a
+        logged expression reaches nothing)."""
+        if id(node) in logged or self._host_only(node, parents):
+            return False
+        statement = parents.get(id(node))
+        while statement is not None and not isinstance(statement, ast.stmt):
+            statement = parents.get(id(statement))
+        if not (
+            isinstance(statement, ast.Assign)
+            and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name)
+        ):
+            return True
+        name = statement.targets[0].id
+        if name in followed:
+            return False
+        followed.add(name)
+        return any(
+            self._reaches_work(use, func, logged, parents, followed)
+            for use in ast.walk(func)
+            if isinstance(use, ast.Name) and use.id == name and isinstance(use.ctx, ast.Load)
+        )
 
     def _reads_trainer_metrics(self, node: ast.AST) -> bool:
         """`self.trainer.callback_metrics` (or ``logged_metrics``, ``progress_bar_metrics``), or in a
@@ -1067,7 +1155,7 @@ def _follow_functions(
         tree, filename, first_line, _ = _parse(target)
         if tree is None:
             continue
-        visitor = _Visitor(found, filename, first_line, "", None, (), set())
+        visitor = _Visitor(found, filename, first_line, "", None, (), set(), namespace=target.__globals__)
         visitor.run(tree)
         _record_outside_reads(found, target, visitor, depth, seen)
 
@@ -1085,6 +1173,19 @@ def _is_users_object_on_trainer(node: ast.AST) -> bool:
         and node.attr in USERS_OBJECTS_ON_TRAINER
         and isinstance(node.value, ast.Attribute)
         and node.value.attr == "trainer"
+    )
+
+
+def _same_callable(held: Any, clock: Any) -> bool:
+    """`held` is `clock`: the same function, or the same class's method (``datetime.now`` is a new
+    bound object at each lookup); never through ``==``, which an arbitrary object may redefine."""
+    if held is clock:
+        return True
+    owner = getattr(clock, "__self__", None)
+    return (
+        isinstance(owner, type)
+        and getattr(held, "__self__", None) is owner
+        and getattr(held, "__name__", None) == clock.__name__
     )
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import time
 import types
 from dataclasses import dataclass, field
+from time import monotonic
 
 import torch
 from lightning.pytorch import Callback
@@ -619,3 +621,49 @@ class ScalesByAPlainTensor(TinyMLP):
 class MovesTheScaleEachEpoch(Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         pl_module.scale.data = torch.full_like(pl_module.scale, 1.0 + trainer.current_epoch)
+
+
+# ---------------------------------------------------------------------------------------- the clock
+TRAINING_STARTED = [0.0]  # set by the tests before each fit
+
+
+class HalvesItsLossAfterAWhile(TinyMLP):
+    """Branches on the wall clock: after `seconds` of training the loss is halved (a time-based
+    curriculum). A replay would keep the capture step's branch."""
+
+    seconds = 0.3
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        if time.monotonic() - TRAINING_STARTED[0] > self.seconds:
+            loss = loss * 0.5
+        self.log("train/loss", loss)
+        return loss
+
+
+def _elapsed():
+    return monotonic() - TRAINING_STARTED[0]
+
+
+class AsksAHelperForTheTime(HalvesItsLossAfterAWhile):
+    """The same through a plain function of its module that calls ``monotonic`` imported by name."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        if _elapsed() > self.seconds:
+            loss = loss * 0.5
+        return loss
+
+
+class LogsItsThroughput(TinyMLP):
+    """Reads the clock only for a logged throughput (host text for the step's work)."""
+
+    def training_step(self, batch, batch_idx):
+        started = time.perf_counter()
+        x, y = batch
+        loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
+        elapsed = time.perf_counter() - started
+        self.log("samples_per_s", x.shape[0] / max(elapsed, 1e-9))
+        return loss

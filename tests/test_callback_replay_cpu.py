@@ -44,6 +44,8 @@ from tests.between_step_models import (
     CONFIG_CHANGES,
     LAYER_CODE_CHANGES,
     AnomalyDetectionFromEpochOne,
+    AsksAHelperForTheTime,
+    HalvesItsLossAfterAWhile,
     LogsAClosure,
     LogsAnUnrecomputableNumber,
     LogsModuleLevelNumbers,
@@ -3490,3 +3492,43 @@ def test_binary_metrics_on_logits_are_refused_on_the_cpu_naming_the_metric_call_
     assert not cb.summary()["captured"], cb.summary()
     assert "`self.train_acc(logits, y)`" in cb.summary()["reason"], cb.summary()["reason"]
     assert_same(plain, got)
+
+
+@pytest.mark.parametrize("cls", [HalvesItsLossAfterAWhile, AsksAHelperForTheTime])
+def test_a_step_branching_on_the_host_clock_is_refused_by_name_and_trains_like_plain(cls):
+    """A branch on ``time.monotonic()`` (here after 0.3 s of a fit that lasts longer) was captured with
+    the capture step's branch: the replays never halved the loss, silently, on the CPU emulator."""
+    import time
+
+    from tests.between_step_models import TRAINING_STARTED
+
+    def timed_fit(callbacks):
+        TRAINING_STARTED[0] = time.monotonic()
+        return fit(cls, callbacks, steps=30, fused=True)
+
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"the step reads the host clock \(.*between_step_models\.py"):
+        run = timed_fit([cb])
+    assert not cb.summary()["captured"], cb.summary()
+    assert "a replayed graph would keep the capture step's reading" in cb.summary()["reason"]
+    # the clock decides which steps halve: refused, the fit is eager, and a fit in which no step halves
+    # (the branch never taken) is bitwise plain's
+    cls.seconds, was = 1e9, cls.seconds
+    try:
+        plain = timed_fit([])
+        cb = callback()
+        with pytest.warns(UserWarning, match=r"the step reads the host clock"):
+            run = timed_fit([cb])
+    finally:
+        cls.seconds = was
+    assert_same(plain, run)
+
+
+def test_a_clock_read_only_for_a_logged_throughput_is_not_refused_as_a_clock_read():
+    from tests.between_step_models import LogsItsThroughput
+
+    cb = callback()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(LogsItsThroughput, [cb], steps=12)
+    assert "host clock" not in (cb.summary()["reason"] or ""), cb.summary()["reason"]
