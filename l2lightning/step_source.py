@@ -695,7 +695,7 @@ class _Visitor:
         """Whether the value of `node` reaches the step's work: not only a ``self.log`` argument or host
         text, directly or through the locals it is assigned to (``t = time.time()`` read only in a
         logged expression reaches nothing)."""
-        if id(node) in logged or self._host_only(node, parents):
+        if id(node) in logged or self._host_only(node, parents) or _written_out(node, parents):
             return False
         statement = parents.get(id(node))
         while statement is not None and not isinstance(statement, ast.stmt):
@@ -1174,6 +1174,45 @@ def _is_users_object_on_trainer(node: ast.AST) -> bool:
         and isinstance(node.value, ast.Attribute)
         and node.value.attr == "trainer"
     )
+
+
+# Calls that write their arguments out (``self.print``, Python logging, rank-zero messages, a logger's
+# experiment): a clock reading handed to one is host text (the writing itself is the tracer's business)
+_OUTPUT_CALLS = frozenset(
+    {
+        "print",
+        "debug",
+        "info",
+        "warning",
+        "warn",
+        "error",
+        "critical",
+        "exception",
+        "rank_zero_info",
+        "rank_zero_warn",
+        "rank_zero_debug",
+        "log_metrics",
+        "add_scalar",
+        "add_scalars",
+        "write",
+    }
+)
+
+
+def _written_out(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
+    """Whether `node` is (part of) an argument of a call that writes it out, within its statement."""
+    parent = parents.get(id(node))
+    while parent is not None and not isinstance(parent, ast.stmt):
+        if isinstance(parent, ast.Call):
+            name = (
+                parent.func.attr
+                if isinstance(parent.func, ast.Attribute)
+                else getattr(parent.func, "id", None)
+            )
+            if name in _OUTPUT_CALLS:
+                return True
+        parent = parents.get(id(parent))
+    return False
 
 
 def _same_callable(held: Any, clock: Any) -> bool:

@@ -658,7 +658,8 @@ class AsksAHelperForTheTime(HalvesItsLossAfterAWhile):
 
 
 class LogsItsThroughput(TinyMLP):
-    """Reads the clock only for a logged throughput (host text for the step's work)."""
+    """Reads the clock only for a logged throughput and for a message every 10 batches (host text for
+    the step's work)."""
 
     def training_step(self, batch, batch_idx):
         started = time.perf_counter()
@@ -666,4 +667,6 @@ class LogsItsThroughput(TinyMLP):
         loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
         elapsed = time.perf_counter() - started
         self.log("samples_per_s", x.shape[0] / max(elapsed, 1e-9))
+        if batch_idx % 10 == 0:
+            _log.info("batch %d at %.3f s", batch_idx, time.monotonic())
         return loss
