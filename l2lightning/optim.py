@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from l2lightning.step_values import address
+from l2lightning.step_values import addresses
 
 # Optimizers whose step is known to capture, and whether they can read a tensor LR inside the graph.
 # Adam/AdamW read a tensor LR on every path (single-tensor, foreach, fused) under capturable=True.
@@ -263,7 +263,7 @@ class CapturableOptimizer:
         entries = tuple(state.values())
         values = _state_values(entries)
         tensors = tuple(v for v in values if isinstance(v, torch.Tensor))
-        self._captured_state = (state, len(state), entries, values, tensors, _addresses(tensors))
+        self._captured_state = (state, len(state), entries, values, tensors, addresses(tensors))
 
     def state_replaced(self) -> str | None:
         """Why the optimizer's state is not the one the graph was captured with, or None.
@@ -279,7 +279,7 @@ class CapturableOptimizer:
         captured = getattr(self, "_captured_state", None)
         if captured is None:
             return None
-        state, size, entries, values, tensors, addresses = captured
+        state, size, entries, values, tensors, memory = captured
         if self.optimizer.state is not state:
             return "the optimizer's state was replaced (`load_state_dict`)"
         if len(state) != size:
@@ -293,7 +293,7 @@ class CapturableOptimizer:
                 "update tensors in place, `.zero_()`, to keep one graph)"
             )
         # the values are the captured objects (checked above): their memory, read in C
-        if _addresses(tensors) != addresses:
+        if addresses(tensors) != memory:
             return (
                 "a tensor in the optimizer's state was given other memory (`.data = ...`, `set_`; "
                 "update it in place, `.copy_()`, to keep one graph)"
@@ -488,12 +488,3 @@ def installed_capturable(optimizer: torch.optim.Optimizer) -> CapturableOptimize
 def _state_values(entries: tuple) -> tuple:
     """Every value of every per-parameter state entry, in order (the objects, compared by identity)."""
     return tuple(chain.from_iterable(map(dict.values, entries)))
-
-
-def _addresses(tensors: tuple) -> tuple:
-    """Where each of `tensors` has its memory (what a graph updates), mapped in C; one by one, with None
-    for a tensor without storage, where one has none (a sparse state)."""
-    try:
-        return tuple(map(torch.Tensor.data_ptr, tensors))
-    except RuntimeError:
-        return tuple(map(address, tensors))

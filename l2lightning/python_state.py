@@ -31,6 +31,7 @@ import torch
 from l2lightning.compiled_calls import partial_arguments
 from l2lightning.metric_binding import metric_type
 from l2lightning.step_values import NUMPY_SCALARS, address, frozen
+from l2lightning.step_values import addresses as _addresses
 
 # the scalar attributes a step may bake in: Python's numbers and strings, and NumPy's scalars
 _SCALARS = (int, float, bool, str, *NUMPY_SCALARS)
@@ -562,7 +563,7 @@ def rebound(checks: list[tuple[dict, str, Any]], module: Any = None) -> list[str
 def addresses(checks: list[tuple[dict, str, torch.Tensor]]) -> tuple:
     """The memory each tensor of `checks` (:func:`baked_tensors`) holds now: a graph reads a tensor at
     its capture's address, and ``t.data = other`` or ``t.set_(other)`` keeps the object but moves it."""
-    return tuple(address(tensor) for _, _, tensor in checks)
+    return _addresses([tensor for _, _, tensor in checks])
 
 
 def moved(checks: list[tuple[dict, str, torch.Tensor]], captured: tuple) -> list[str]:

@@ -37,6 +37,7 @@ from l2lightning.step_trace import (
     first_line,
     user_frame_of_traceback,
 )
+from l2lightning.step_values import addresses
 
 # PyTorch's warning when a gradient reaches a parameter through an AccumulateGrad node made in an
 # earlier step (kept alive by a tensor that still holds that step's autograd graph)
@@ -85,7 +86,7 @@ class _Graph:
     # the graph reads and writes their data at these addresses, compared before each replay
     registered: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     registered_tensors: tuple = ()
-    data_ptrs: list[int] = field(default_factory=list)
+    data_ptrs: tuple = ()
     generation: int = 0
     # the numbers the step computes from the step counters (StepSource.counter_values) at capture
     counters: tuple = ()
@@ -324,7 +325,7 @@ class StepCapture:
         graph.numerics = numerics_settings.read()
         graph.registered = self._flags.tensors()
         graph.registered_tensors = tuple(t for _, t in graph.registered)
-        graph.data_ptrs = [t.data_ptr() for t in graph.registered_tensors]
+        graph.data_ptrs = addresses(graph.registered_tensors)
         graph.generation = self._flags.generation
         if binding is not None:
             binding.finish_capture()

@@ -6,14 +6,11 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 
 from __future__ import annotations
 
-import torch
-
 from l2lightning import numerics_settings, python_state
 from l2lightning.capture import flatten_batch, read_signature
 from l2lightning.module_flags import ModuleFlags
 from l2lightning.step_trace import describe_frame
-
-_data_ptr = torch.Tensor.data_ptr  # per parameter per step: mapped in C, not a Python loop
+from l2lightning.step_values import addresses
 
 # Re-captures on consecutive steps after which a schedule is taken to change the graph every step.
 RECAPTURE_STREAK_LIMIT = 3
@@ -107,11 +104,11 @@ class StepDecision:
             scalars += python_state.changed_containers(graph.containers)
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
-        addresses = list(map(_data_ptr, graph.registered_tensors))
-        if addresses != graph.data_ptrs:
+        now = addresses(graph.registered_tensors)
+        if now != graph.data_ptrs:
             # `p.data = ...` or `module.half()` between steps: the graph's addresses are no longer the
             # tensors' (and the old memory may already hold something else)
-            moved = [name for (name, _), a, b in zip(graph.registered, addresses, graph.data_ptrs) if a != b]
+            moved = [name for (name, _), a, b in zip(graph.registered, now, graph.data_ptrs) if a != b]
             return self._recapture(
                 f"parameters' or buffers' data moved since capture ({', '.join(moved[:3])}"
                 f"{', ...' if len(moved) > 3 else ''}: `tensor.data = ...`, a dtype change)"

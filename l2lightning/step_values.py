@@ -17,7 +17,7 @@ turns a value into something comparable (Python scalars and small containers of 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,16 @@ def address(tensor: torch.Tensor) -> int | None:
         return tensor.data_ptr()
     except RuntimeError:
         return None
+
+
+def addresses(tensors: Iterable[torch.Tensor]) -> tuple:
+    """:func:`address` of each of `tensors`, read in C (these run before every replay, for every
+    parameter and optimizer state tensor); one by one only where a tensor has no storage."""
+    tensors = tuple(tensors)
+    try:
+        return tuple(map(torch.Tensor.data_ptr, tensors))
+    except RuntimeError:
+        return tuple(map(address, tensors))
 
 
 class Same:
