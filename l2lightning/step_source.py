@@ -603,8 +603,10 @@ class _Visitor:
                 continue
             if any(isinstance(n, ast.Attribute) and n.attr in STEP_COUNTERS for n in chain):
                 continue  # the counters have their own check
-            if any(isinstance(n, ast.Attribute) and n.attr == "trainer" for n in chain) and not any(
-                _is_users_object_on_trainer(n) for n in chain
+            on_users_object = _through_users_object_on_trainer(target)
+            if (
+                any(isinstance(n, ast.Attribute) and n.attr == "trainer" for n in chain)
+                and not on_users_object
             ):
                 # the Trainer's own state is not the step's (and some of its properties compute);
                 # the objects the user gave it are the user's (a curriculum's difficulty on the
@@ -612,7 +614,7 @@ class _Visitor:
                 continue
             evaluate = self._compile(node, allow_methods=False)
             if evaluate is not None:
-                if _through_users_object_on_trainer(target):
+                if on_users_object:
                     # `next(c for c in self.trainer.callbacks if ...)`, a loop over them, a method of
                     # one: the objects reached are compared by their own numbers
                     evaluate = _users_objects_state_when_opaque(evaluate)
