@@ -21,6 +21,7 @@ _EXPORTS = {
     "capture_step": "l2lightning.capture",
     "BatchMismatchError": "l2lightning.capture",
     "make_capturable": "l2lightning.optim",
+    "CapturableFrom": "l2lightning.baseline",
     "VerifyReport": "l2lightning.verify",
     "EquivalenceError": "l2lightning.verify",
     "assert_same_gradients": "l2lightning.verify",

@@ -14,9 +14,13 @@ A captured optimizer step bakes every Python number it reads into the graph. So:
   since capture, so the caller can capture again before replaying.
 
 Capturable Adam computes its bias corrections with device tensors instead of host floats, so it is
-not bit-identical to the default ``capturable=False`` path. Equivalence is therefore promised
-against an eager run of the *same* configuration: ``make_capturable(optimizer)`` gives users that
-baseline for their own checks.
+not bit-identical to the default ``capturable=False`` path. The callback therefore keeps the user's
+own configuration until it captures: :func:`intercept` installs the step wrapper alone, and
+:meth:`CapturableOptimizer.switch_on` makes the optimizer capturable at the capture step (and
+:meth:`CapturableOptimizer.switch_off` gives the configuration back where a capture is given up), so
+every step before it, and a whole fit the callback refuses, trains as plain Lightning does.
+``make_capturable(optimizer)`` (capturable from the first step) and :class:`l2lightning.CapturableFrom`
+(from a given step) give users the eager baselines for their own checks.
 """
 
 from __future__ import annotations
@@ -95,8 +99,12 @@ class CapturableOptimizer:
         tensor_lr: bool,
         original_capturable: list[Any],
         lr_tensors: list[torch.Tensor | None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.optimizer = optimizer
+        self.device = device if device is not None else _params_device(optimizer)
+        # whether the capturable configuration is on (switch_on); off, steps run the user's configuration
+        self.switched = lr_tensors is not None
         self.tensor_lr = tensor_lr
         self.original_capturable = list(original_capturable)
         self.lr_tensors: list[torch.Tensor | None] = (
@@ -169,7 +177,7 @@ class CapturableOptimizer:
         inner = self.inner_step
         if self._released:
             return inner(closure, **kwargs)
-        with self.tensor_hyperparameters():
+        with self.tensor_hyperparameters():  # switched off: only what the step's code writes is noted
             return inner(closure, **kwargs)
 
     def adopt_new_groups(self) -> None:
@@ -181,12 +189,56 @@ class CapturableOptimizer:
         cannot be captured. Adopted before their first step, they run as the first groups do, here and
         in a ``make_capturable`` baseline alike, and :meth:`release` gives them their own flag back.
         """
-        device = _params_device(self.optimizer)
         for group in self.optimizer.param_groups[len(self.lr_tensors) :]:
             self.original_capturable.append(group.get("capturable"))
-            tensor = _make_group_capturable(group, self.tensor_lr, device)
+            tensor = _make_group_capturable(group, self.tensor_lr, self.device) if self.switched else None
             self.lr_tensors.append(tensor)
             self._filled.append(group.get("lr") if tensor is not None else None)
+
+    def switch_on(self) -> None:
+        """Make the optimizer capturable (see :func:`make_capturable`); a no-op when it already is.
+
+        Sets ``capturable=True`` where the optimizer has the option, moves ``step`` state to the
+        parameters' device (exact: the counters are whole numbers) and, where :func:`reads_tensor_lr`
+        holds, gives each group the device tensor its step reads the learning rate from.
+        """
+        if self.switched:
+            return
+        self.switched = True
+        self.lr_tensors = [
+            _make_group_capturable(g, self.tensor_lr, self.device) for g in self.optimizer.param_groups
+        ]
+        self._filled = [
+            g.get("lr") if t is not None else None
+            for g, t in zip(self.optimizer.param_groups, self.lr_tensors)
+        ]
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                step = state.get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    state["step"] = step.to(p.device)
+        self.mark_captured()
+
+    def switch_off(self) -> None:
+        """Give the optimizer the user's configuration back (``capturable`` flags, step counters where
+        the optimizer keeps them, float learning rates); the step wrapper stays installed."""
+        if not self.switched:
+            return
+        self.switched = False
+        for i, (group, original) in enumerate(zip(self.optimizer.param_groups, self.original_capturable)):
+            if "capturable" in group:
+                group["capturable"] = original
+            tensor = self.lr_tensors[i] if i < len(self.lr_tensors) else None
+            if tensor is not None and group.get("lr") is tensor:  # switched off in the middle of a step
+                group["lr"] = self._lr_now(i, self._filled[i])
+        self.lr_tensors = [None] * len(self.optimizer.param_groups)
+        self._filled = [None] * len(self.optimizer.param_groups)
+        if not self._steps_stay_on_device():
+            for state in self.optimizer.state.values():
+                step = state.get("step")
+                if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                    state["step"] = step.detach().to("cpu", copy=True)
 
     def sync_tensors(self) -> None:
         """Copy each group's float LR into its device tensor where it changed (a fill, no host sync)."""
@@ -301,13 +353,13 @@ class CapturableOptimizer:
         return None
 
     def _baked_values(self, index: int, group: dict[str, Any]) -> dict[str, Any]:
-        tensor = self.lr_tensors[index] if index < len(self.lr_tensors) else None
+        # the LR a capturable step reads from a tensor is not baked, whether switched on yet or not
         return {
             key: value
             for key, value in group.items()
             if key not in _NOT_HYPERPARAMETERS
             and not isinstance(value, torch.Tensor)
-            and not (key == "lr" and tensor is not None)
+            and not (key == "lr" and self.tensor_lr)
         }
 
     def baked_changes(self) -> list[str]:
@@ -353,23 +405,13 @@ class CapturableOptimizer:
         """Undo :func:`make_capturable` in place: the step wrapper, ``capturable`` flags, step counters.
 
         The learning rates were floats all along. Step counters go back to the CPU where the
-        optimizer keeps them without capture (unless it was capturable or fused). Returns the
-        optimizer.
+        optimizer keeps them without capture (unless it was capturable or fused); see
+        :meth:`switch_off`. Returns the optimizer.
         """
+        self.switch_off()
         self.uninstall()
         self._released = True
         self.handler = None
-        for i, (group, original) in enumerate(zip(self.optimizer.param_groups, self.original_capturable)):
-            if "capturable" in group:
-                group["capturable"] = original
-            tensor = self.lr_tensors[i] if i < len(self.lr_tensors) else None
-            if tensor is not None and group.get("lr") is tensor:  # released in the middle of a step
-                group["lr"] = self._lr_now(i, self._filled[i])
-        if not self._steps_stay_on_device():
-            for state in self.optimizer.state.values():
-                step = state.get("step")
-                if isinstance(step, torch.Tensor) and step.device.type != "cpu":
-                    state["step"] = step.detach().to("cpu", copy=True)
         return self.optimizer
 
     def _steps_stay_on_device(self) -> bool:
@@ -424,16 +466,37 @@ def make_capturable(
     Sets ``capturable=True`` where the optimizer has the option, moves existing ``step`` state to
     the parameters' device (capturable steps live there), and where :func:`reads_tensor_lr` holds
     makes each step read its learning rate from a 0-dim float32 tensor on `device` that follows the
-    param group's float (see the module docstring). Apply it in ``configure_optimizers`` to get the eager baseline the
-    callback is bit-identical to.
+    param group's float (see the module docstring). Applied in ``configure_optimizers``, every step
+    of the fit runs the capturable configuration (the callback then keeps it from the first step
+    too); :class:`l2lightning.CapturableFrom` switches at a given step instead, which is the eager
+    reference of a fit the callback captures at that step.
 
     Raises:
         OptimizerNotCapturableError: the optimizer has no capturable mode (the message names it).
         ValueError: the parameters are not on a CUDA device.
     """
-    existing = getattr(optimizer, _INSTALLED, None)
-    if isinstance(existing, CapturableOptimizer) and existing._inner_step is not None:
-        return existing  # already capturable: a second wrapper would swap tensors into tensors
+    existing = installed_capturable(optimizer)
+    if existing is not None:
+        existing.switch_on()  # already wrapped: a second wrapper would swap tensors into tensors
+        return existing
+    wrapped = intercept(optimizer, device)
+    wrapped.switch_on()
+    return wrapped
+
+
+def intercept(optimizer: torch.optim.Optimizer, device: torch.device | None = None) -> CapturableOptimizer:
+    """Install the step wrapper of :class:`CapturableOptimizer` on `optimizer`, its configuration as it is.
+
+    Steps go through :attr:`CapturableOptimizer.handler` (the callback's capture and replay) and run
+    the user's configuration until :meth:`CapturableOptimizer.switch_on`.
+
+    Raises:
+        OptimizerNotCapturableError: the optimizer has no capturable mode (the message names it).
+        ValueError: the parameters are not on a CUDA device.
+    """
+    existing = installed_capturable(optimizer)
+    if existing is not None:
+        return existing
     reason = capture_support(optimizer)
     if reason:
         raise OptimizerNotCapturableError(reason)
@@ -444,18 +507,8 @@ def make_capturable(
             f"capturable optimizers need CUDA parameters; `optimizer`'s parameters are on {device}"
         )
     original = [g.get("capturable") for g in optimizer.param_groups]
-    tensor_lr = reads_tensor_lr(optimizer)
-    lr_tensors: list[torch.Tensor | None] = []
-    for group in optimizer.param_groups:
-        lr_tensors.append(_make_group_capturable(group, tensor_lr, device))
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            step = state.get("step")
-            if isinstance(step, torch.Tensor) and step.device != p.device:
-                state["step"] = step.to(p.device)
-    wrapped = CapturableOptimizer(optimizer, tensor_lr, original, lr_tensors)
+    wrapped = CapturableOptimizer(optimizer, reads_tensor_lr(optimizer), original, device=device)
     wrapped.install()
-    wrapped.mark_captured()
     return wrapped
 
 

@@ -157,21 +157,29 @@ class Recorder(Callback):
 
 
 class MakeCapturable(Callback):
-    """The baseline: every optimizer switched to the callback's configuration before the first step."""
+    """The baseline: every optimizer switched to the callback's configuration at global step `step`
+    (the callback fit's ``capturable_from_step``; None: never), as ``l2lightning.CapturableFrom``."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: int | None = 0) -> None:
         self.note: str | None = None
+        self.step = step
 
-    def on_fit_start(self, trainer, pl_module):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         from l2lightning import make_capturable
 
+        if self.step is None or trainer.global_step < self.step:
+            return
         device = trainer.strategy.root_device
-        if device.type != "cuda":
+        if device.type not in ("cuda", *_EXTRA_CAPTURABLE_DEVICES):
             # make_capturable needs CUDA parameters; off CUDA the callback never captures either.
             self.note = f"make_capturable skipped: the Trainer runs on {device}"
             return
         for optimizer in trainer.optimizers:
-            make_capturable(optimizer, device)
+            make_capturable(optimizer, device)  # a no-op once switched
+
+
+# Devices other than CUDA on which the baseline switches (the CPU tests' graph emulator adds "cpu")
+_EXTRA_CAPTURABLE_DEVICES: tuple[str, ...] = ()
 
 
 def _cpu(value: Any) -> Any:
@@ -194,6 +202,8 @@ def _plain_summary(summary: dict[str, Any]) -> dict[str, Any]:
         "captured",
         "reason",
         "capture_step",
+        "capturable_from_step",
+        "captures",
         "eager_step_ms",
         "graph_step_ms",
         "replay_speedup",
@@ -203,6 +213,7 @@ def _plain_summary(summary: dict[str, Any]) -> dict[str, Any]:
     out["fallback_steps"] = summary.get("fallback_steps")
     out["fallback_causes"] = list(summary.get("fallback_causes") or [])
     out["graph_pool_mib"] = summary.get("graph_pool_mib")
+    out["replay_check"] = summary.get("replay_check")
     return out
 
 
@@ -210,13 +221,17 @@ def default_accelerator() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def run_idiom(name: str, variant: str, steps: int = 60, accelerator: str = "gpu") -> IdiomRun:
-    """Fit idiom `name` for `steps` batches as `variant` ("plain", "baseline" or "callback")."""
+def run_idiom(
+    name: str, variant: str, steps: int = 60, accelerator: str = "gpu", switch_step: int | None = 0
+) -> IdiomRun:
+    """Fit idiom `name` for `steps` batches as `variant` ("plain", "baseline" or "callback"); the
+    baseline switches to make_capturable's configuration at `switch_step` (the callback fit's
+    ``capturable_from_step``)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     flags = _global_flags()
     try:
-        return _run_idiom(name, variant, steps, accelerator)
+        return _run_idiom(name, variant, steps, accelerator, switch_step)
     finally:
         _restore_global_flags(flags)
 
@@ -236,7 +251,7 @@ def _restore_global_flags(flags: tuple[bool, bool, bool, bool]) -> None:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[2], flags[3]
 
 
-def _run_idiom(name: str, variant: str, steps: int, accelerator: str) -> IdiomRun:
+def _run_idiom(name: str, variant: str, steps: int, accelerator: str, switch_step: int | None) -> IdiomRun:
     idiom = IDIOMS[name] if name in IDIOMS else IDIOM_VARIANTS[name]
     seed_everything(0, verbose=False)
     # Trainer(deterministic=True) below turns this into warn_only=False: a nondeterministic op raises.
@@ -247,7 +262,7 @@ def _run_idiom(name: str, variant: str, steps: int, accelerator: str) -> IdiomRu
     callbacks: list[Callback] = []
     cb = baseline = None
     if variant == "baseline":
-        baseline = MakeCapturable()
+        baseline = MakeCapturable(switch_step)
         callbacks.append(baseline)
     elif variant == "callback":
         from l2lightning import L2GraphCallback
@@ -406,12 +421,16 @@ def judge(name: str, steps: int = 60, accelerator: str = "gpu", recheck_plain: b
     pays one-time costs), the callback's summary and warnings.
     """
     plain = run_idiom(name, "plain", steps=steps, accelerator=accelerator)
+    cb = run_idiom(name, "callback", steps=steps, accelerator=accelerator)
+    # the callback's optimizer ran make_capturable's configuration from its first capture on
+    switch_step = cb.summary.get("capturable_from_step") if cb.summary else None
     try:
-        baseline: IdiomRun | None = run_idiom(name, "baseline", steps=steps, accelerator=accelerator)
+        baseline: IdiomRun | None = run_idiom(
+            name, "baseline", steps=steps, accelerator=accelerator, switch_step=switch_step
+        )
         baseline_error = None
     except Exception as exc:
         baseline, baseline_error = None, _short(exc)
-    cb = run_idiom(name, "callback", steps=steps, accelerator=accelerator)
     captured = bool(cb.captured)
     if cb.error:
         detail: str | None = cb.error

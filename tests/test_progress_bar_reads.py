@@ -9,8 +9,12 @@ from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 
-from l2lightning import L2GraphCallback, make_capturable
+from l2lightning import L2GraphCallback
 from l2lightning.progress_bar_reads import defer_progress_bar_reads
+from tests.baselines import (  # noqa: F401 -- the fixture records each callback fit's switch step
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,
+)
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike
 
@@ -56,27 +60,15 @@ def fit(model_cls, callbacks, steps=12, **trainer_kwargs):
     return trainer
 
 
-def capturable(cls):
-    """`cls` with its optimizer configured as the callback configures it: the eager reference."""
-
-    class Baseline(cls):
-        def configure_optimizers(self):
-            config = super().configure_optimizers()
-            make_capturable(config["optimizer"] if isinstance(config, dict) else config)
-            return config
-
-    return Baseline
-
-
-Baseline = capturable(ManyLogs)
+Baseline = baseline_of(ManyLogs)
 
 
 def test_the_batch_end_reads_nothing_and_every_read_sees_the_eager_numbers(emulated_cuda_graphs):
-    base_seen, base_reads = LoggedEverywhere(), CountsBatchEndReads()
-    base = fit(Baseline, [base_reads, base_seen])
     cb = L2GraphCallback(prefetch="off", log_timing=False)
     seen, reads = LoggedEverywhere(cb), CountsBatchEndReads()
     got = fit(ManyLogs, [reads, cb, seen])
+    base_seen, base_reads = LoggedEverywhere(), CountsBatchEndReads()
+    base = fit(Baseline, [base_reads, base_seen])
     assert cb.summary()["captured"]
     # plain Lightning converts each prog_bar value at every batch end; with the callback none are
     assert base_reads.reads_at_batch_end >= 12 * 3
@@ -102,13 +94,13 @@ def test_a_progress_bar_refreshed_every_few_steps_shows_what_eager_shows(emulate
                 self.shown.append(self.get_metrics(trainer, pl_module))
 
     bar_base, bar = Shown(), Shown()
-    fit(Baseline, [bar_base], enable_progress_bar=True, default_root_dir=tmp_path)
     fit(
         ManyLogs,
         [bar, L2GraphCallback(prefetch="off", log_timing=False)],
         enable_progress_bar=True,
         default_root_dir=tmp_path,
     )
+    fit(Baseline, [bar_base], enable_progress_bar=True, default_root_dir=tmp_path)
     assert len(bar.shown) == len(bar_base.shown) == 2
     assert bar.shown == bar_base.shown
     assert all(isinstance(v, (int, float, str)) for shown in bar.shown for v in shown.values())
@@ -192,9 +184,9 @@ def test_validation_progress_bar_values_read_later_are_the_eager_ones(emulated_c
         )
         return trainer, seen
 
-    base, base_seen = run(capturable(LogsInValidation), [])
     cb = L2GraphCallback(prefetch="off", log_timing=False)
     got, seen = run(LogsInValidation, [cb])
+    base, base_seen = run(baseline_of(LogsInValidation), [])
     assert cb.summary()["captured"]
     assert_logged_alike(base_seen, seen)
     assert got.progress_bar_metrics == base.progress_bar_metrics

@@ -1,0 +1,78 @@
+"""A fit the callback refuses, at whichever warm-up step or at the capture, is plain Lightning bit for
+bit, with foreach AdamW too (whose capturable arithmetic differs from the plain one in the last
+bits): the optimizer keeps the user's configuration until a capture succeeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import OneCycleLR
+
+from tests.lightning_models import TinyMLP
+from tests.test_callback_replay_cpu import FailsInCapture, assert_same, callback, fit
+
+pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
+
+
+class SyncsInItsStep(TinyMLP):
+    """Refused at the first traced step: `.item()` waits for the device."""
+
+    def __init__(self, **kw):
+        super().__init__(sync_in_step=True, **kw)
+
+
+class CountsItsSteps(TinyMLP):
+    """Refused at the second traced step: a Python counter a replay would freeze."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.updates = 0
+
+    def training_step(self, batch, batch_idx):
+        self.updates += 1
+        return super().training_step(batch, batch_idx)
+
+
+class CyclesItsBetas(TinyMLP):
+    """Refused at the capture decision, after three warm-up steps: OneCycleLR's default
+    ``cycle_momentum=True`` moves AdamW's beta1 at every step."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)
+        scheduler = OneCycleLR(opt, max_lr=1e-2, total_steps=200)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize(
+    ("cls", "match"),
+    [
+        (SyncsInItsStep, r"makes the host wait for the GPU inside the step"),
+        (CountsItsSteps, r"the step changes Python state \(`self.updates`\)"),
+        (CyclesItsBetas, r"AdamW's \['betas'\] changed at every warm-up step"),
+        (FailsInCapture, r"could not be captured \(RuntimeError: operation not permitted"),
+    ],
+    ids=["first-traced-step", "second-traced-step", "capture-decision", "failed-capture"],
+)
+def test_a_refused_fit_with_foreach_adamw_is_plain_bit_for_bit(cls, match):
+    plain = fit(cls, steps=20)
+    cb = callback()
+    with pytest.warns(UserWarning, match=match):
+        run = fit(cls, [cb], steps=20)
+    summary = cb.summary()
+    assert not summary["captured"] and summary["capturable_from_step"] is None, summary
+    assert_same(plain, run)
+    group = run[2].optimizers[0].param_groups[0]
+    assert group["capturable"] is False and isinstance(group["lr"], float) and group["foreach"] is True
+
+
+def test_without_the_switch_at_capture_the_refused_foreach_fit_would_differ(monkeypatch):
+    """The test above can fail: foreach AdamW made capturable from the first step trains otherwise."""
+    from l2lightning import callback as callback_module
+    from l2lightning.optim import make_capturable
+
+    monkeypatch.setattr(callback_module, "intercept", make_capturable)  # capturable from the first step
+    plain = fit(CountsItsSteps, steps=20)
+    with pytest.warns(UserWarning, match="the step changes Python state"):
+        run = fit(CountsItsSteps, [callback()], steps=20)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same(plain, run)
