@@ -173,6 +173,7 @@ def _measure(variant: str, case: str, build, make_trainer, untimed: int, steps: 
                 "captures": s["captures"],
                 "prefetch_layers": sum(1 for r in s["plans"] if r.get("forward") or r.get("backward")),
                 "prefetch_gate": s["prefetch_gate"],
+                "replay_check": s["replay_check"],
             }
         )
     return row

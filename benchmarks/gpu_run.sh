@@ -31,6 +31,10 @@
 #   memory-peak[=SCENARIO,...]  benchmarks/memory_peak.py: the allocations alive at the peak of the tuner's
 #                 training case and of callback fits, grouped by the code that made them -> memory_peak.json
 #   h2d-wait      benchmarks/h2d_wait.py: whether a pageable or pinned host-to-device copy waits for queued GPU work
+#   probe         benchmarks/probe_capture_idioms.py: cuDNN RNNs with carried state, checkpointed dropout and
+#                 fp16 GradScaler with fused AdamW under torch.cuda.graph, bitwise -> probe_capture_idioms.json
+#   replay-check[=ARGS]  benchmarks/bench_replay_check.py with ARGS (as host-overhead's): the sampled replay
+#                 check's cost per packaged family, on vs off -> replay_check.csv / replay_check.json
 # Wheels in .whl/ (an offline machine's dependencies) are installed to /tmp/site first when present.
 set -u
 if [ $# -lt 1 ]; then
@@ -124,6 +128,13 @@ for stage in "$@"; do
       extra=""; [[ "$stage" == *=* ]] && extra="--scenarios ${stage#*=}"
       timeout 240 python3 benchmarks/memory_peak.py --out "$OUT" $extra > "$OUT/memory_peak.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/memory_peak.log" | tail -40 ;;
+    probe)
+      timeout 120 python3 benchmarks/probe_capture_idioms.py --out "$OUT" > "$OUT/probe_capture_idioms.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/probe_capture_idioms.log" | tail -8 ;;
+    replay-check*)
+      extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
+      timeout 420 python3 benchmarks/bench_replay_check.py --out "$OUT" $(stage_args "$extra") > "$OUT/replay_check.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/replay_check.log" | tail -10 ;;
     h2d-wait)
       timeout 60 python3 benchmarks/h2d_wait.py --out "$OUT" > "$OUT/h2d_wait.log" 2>&1
       echo "rc=$?"; tail -12 "$OUT/h2d_wait.log" ;;

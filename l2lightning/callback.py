@@ -64,11 +64,12 @@ from l2lightning.optim import (
     CapturableOptimizer,
     OptimizerNotCapturableError,
     installed_capturable,
-    make_capturable,
+    intercept,
 )
 from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.prefetch_setup import PrefetchSetup
 from l2lightning.progress_bar_reads import defer_progress_bar_reads
+from l2lightning.replay_check import CheckSchedule, ReplayCheckReport
 from l2lightning.replay_closure import CLOSURE_HOOKS, ReplayClosure, why_not_fast
 from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
@@ -82,6 +83,7 @@ from l2lightning.step_trace import (
 from l2lightning.warmup_steps import WarmupSteps, _Group
 
 PREFETCH_MODES = ("off", "default", "auto", "decoy")
+VERIFY_MODES = ("sampled", "capture", False)
 UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
 # Module methods replaced for the fit: replay mode skips them or answers from the graph.
 _MODULE_OVERRIDES = ("training_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping", "log")
@@ -120,9 +122,16 @@ class L2GraphCallback(
             (same traffic at the wrong layer: a control for benchmarks), or a
             :class:`~l2lightning.PrefetchPlan` for every layer large enough.
         backward_prefetch: also prefetch W_{i-1} in backward.
-        verify: at capture, run the step once eagerly and once captured from the same state, and
-            raise :class:`~l2lightning.EquivalenceError` if the loss, a gradient or a parameter
-            differs in any bit. Meant for users' GPU CI.
+        verify: ``"sampled"`` (the default; :mod:`l2lightning.replay_check`): at replay 1, 2, 4, 8, ...
+            of each capture and at the first replay after each epoch start, validation loop and
+            checkpoint load, the step is also computed eagerly from the replay's state and compared
+            bit for bit (loss, returned tensors, gradients, parameters, buffers, optimizer and metric
+            states); the eager step is the one that stands, a difference is warned about naming the
+            first differing tensor and captured again once, a second one means eager training for
+            the rest of the fit; counts and wall time in ``summary()["replay_check"]``.
+            ``"capture"`` (or True): at capture only, run the step once eagerly and once captured from
+            the same state and raise :class:`~l2lightning.EquivalenceError` if the loss, a gradient
+            or a parameter differs in any bit (for users' GPU CI). False: no check.
         compile: compile the LightningModule's child modules with ``torch.compile`` (default mode,
             no CUDA graphs of its own) at the first step, so inductor's fusion runs inside the
             whole-step graph (prefetch through :mod:`l2lightning.prefetch.ops`).
@@ -165,7 +174,7 @@ class L2GraphCallback(
         warmup_steps: int = 3,
         prefetch: str | PrefetchPlan = "auto",
         backward_prefetch: bool = True,
-        verify: bool = False,
+        verify: str | bool = "sampled",
         compile: bool = False,
         report: bool = False,
         eager_optimizer_fallback: bool = False,
@@ -183,7 +192,6 @@ class L2GraphCallback(
             )
         for name, value in [
             ("backward_prefetch", backward_prefetch),
-            ("verify", verify),
             ("compile", compile),
             ("report", report),
             ("eager_optimizer_fallback", eager_optimizer_fallback),
@@ -200,6 +208,15 @@ class L2GraphCallback(
             raise ValueError(
                 f"`gate_pairs` must be 0 (no whole-step gate) or an int >= 2, got {gate_pairs!r}"
             )
+        if verify is True:
+            verify = "capture"  # what verify=True meant before the sampled check
+        if (
+            isinstance(verify, bool)
+            and verify
+            or not isinstance(verify, (str, bool))
+            or verify not in VERIFY_MODES
+        ):
+            raise ValueError(f"`verify` must be one of {VERIFY_MODES} (True means 'capture'), got {verify!r}")
         if eager_steps is not None and not callable(eager_steps):
             raise TypeError(
                 f"`eager_steps` must be None or a callable (trainer, batch_idx) -> bool, got {eager_steps!r}"
@@ -232,6 +249,14 @@ class L2GraphCallback(
         self.verify_report: Any = None
         self.fallback_steps = 0
         self.captures = 0
+        self.replay_check = ReplayCheckReport(mode=str(self.verify) if self.verify else "off")
+        self._check_schedule = CheckSchedule()
+        self._check_on = self.verify == "sampled"
+        self._record_output = False  # the checked step's eager training_step output is kept (_checked_output)
+        self._checked_output: Any = None
+        self._check_why = ""  # why this step is checked (CheckSchedule.due)
+        # the global step from which the optimizer ran make_capturable's configuration (first capture)
+        self.capturable_from_step: int | None = None
         self._fallback_causes: set[str] = set()
         self._warned: set[str] = set()
         self._module: LightningModule | None = None
@@ -243,6 +268,8 @@ class L2GraphCallback(
         self._undo_progress_bar_reads: Callable[[], None] | None = None
         self._mode = "eager"
         self._optimizer: CapturableOptimizer | None = None
+        # a capturable optimizer the callback no longer handles, kept switched on until the fit ends
+        self._kept_optimizer: CapturableOptimizer | None = None
         self._owns_optimizer = False
         self._nan_patched: list[Any] = []
         self._graph: _Graph | None = None
@@ -319,12 +346,14 @@ class L2GraphCallback(
             "captured": self._captured,
             "reason": self.disabled_reason,
             "capture_step": self.capture_step,
+            "capturable_from_step": self.capturable_from_step,
             "captures": self.captures,
             "eager_step_ms": eager_ms,
             "graph_step_ms": graph_ms,
             "replay_speedup": (eager_ms / graph_ms) if eager_ms and graph_ms else None,
             "plans": self.plans,
             "verify": str(self.verify_report) if self.verify_report is not None else None,
+            "replay_check": self.replay_check.to_dict(),
             "fallback_steps": self.fallback_steps,
             "fallback_causes": sorted(self._fallback_causes),
             "graph_pool_mib": self._pool_mib,
@@ -345,21 +374,44 @@ class L2GraphCallback(
         """Train eagerly for the rest of the fit, with the optimizer as configured, and one warning."""
         if self.disabled_reason is None:
             self.disabled_reason = reason
-            rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.")
+            rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.{self._capturable_stretch()}")
         self._mode = "eager"
         self._graph = None
         self._gate = None
         self._gate_turn = None
         self._release_optimizer()
 
-    def _release_optimizer(self) -> None:
-        """Give the optimizer back as the user configured it (the rest of the fit is plain Lightning)."""
+    def _capturable_stretch(self) -> str:
+        """What of the fit runs in make_capturable's configuration, for a warning that gives up after a capture."""
+        wrapped = self._optimizer
+        if wrapped is None or not self._owns_optimizer or not wrapped.switched:
+            return ""
+        name = type(wrapped.optimizer).__name__
+        step = self.capturable_from_step
+        return (
+            f" From step {step} on, {name} runs in make_capturable's configuration (`capturable=True`, the "
+            "one the replays used), whose arithmetic can differ from yours in the last bits (Adam and AdamW "
+            f"without `fused=True`); `l2lightning.CapturableFrom({step})` reproduces this fit eagerly"
+        )
+
+    def _release_optimizer(self, fit_ends: bool = False) -> None:
+        """Stop handling the optimizer's steps; give it back as the user configured it unless it has
+        run in make_capturable's configuration (from the capture step), which it then keeps until the
+        fit ends (`fit_ends`), so that the whole fit has one eager reference (CapturableFrom)."""
         wrapped, self._optimizer = self._optimizer, None
         if wrapped is None:
+            wrapped, self._kept_optimizer = self._kept_optimizer, None
+            if wrapped is not None and fit_ends:
+                wrapped.release()
             return
         wrapped.handler = None
         if self._owns_optimizer:
-            wrapped.release()
+            if wrapped.switched and self.captures and not fit_ends:
+                self._kept_optimizer = wrapped  # released at the fit's end (_cleanup)
+            else:
+                wrapped.release()
+                if not self.captures:  # switched for a capture that failed: the fit stayed plain
+                    self.capturable_from_step = None
         for metric in self._nan_patched:
             if "_cast_and_nan_check_input" in vars(metric):
                 del metric._cast_and_nan_check_input
@@ -475,7 +527,7 @@ class L2GraphCallback(
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
-        self._release_optimizer()
+        self._release_optimizer(fit_ends=True)
         self._graph = None
         self._gate = None
         self._gate_turn = None
@@ -572,7 +624,8 @@ class L2GraphCallback(
         optimizer = trainer.optimizers[0]
         existing = installed_capturable(optimizer)
         try:
-            wrapped = existing or make_capturable(optimizer, trainer.strategy.root_device)
+            # the user's configuration until the capture step (StepCapture switches it on there)
+            wrapped = existing or intercept(optimizer, trainer.strategy.root_device)
         except OptimizerNotCapturableError as exc:
             if not self.eager_optimizer_fallback:
                 raise OptimizerNotCapturableError(
@@ -644,12 +697,13 @@ class L2GraphCallback(
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self._optimizer is None or "optimizer_states" not in checkpoint:
+        wrapped = self._optimizer or self._kept_optimizer
+        if wrapped is None or "optimizer_states" not in checkpoint:
             return
         # Save what the optimizer would save without capture (original capturable flag, CPU steps).
         states = checkpoint["optimizer_states"]
         if states:
-            states[0] = self._optimizer.portable_state_dict(states[0])
+            states[0] = wrapped.portable_state_dict(states[0])
 
     @override
     def on_train_batch_end(
@@ -661,3 +715,18 @@ class L2GraphCallback(
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._log_timing(trainer)
+
+    # ------------------------------------------------------------------ the sampled replay check's events
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._check_schedule.after("an epoch start")
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._check_schedule.after("a validation loop")
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._check_schedule.after("a checkpoint load")

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from l2lightning import numerics_settings, python_state
 from l2lightning.called_code import StepHooks, analyse_called_code
 from l2lightning.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
+from l2lightning.carried_state import Carried, carried_attributes
 from l2lightning.cuda_memory import free_cached_memory, memory_state
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.metric_binding import (
@@ -37,7 +38,7 @@ from l2lightning.step_trace import (
     first_line,
     user_frame_of_traceback,
 )
-from l2lightning.step_values import addresses
+from l2lightning.step_values import Same, addresses
 
 # PyTorch's warning when a gradient reaches a parameter through an AccumulateGrad node made in an
 # earlier step (kept alive by a tensor that still holds that step's autograd graph)
@@ -70,6 +71,8 @@ class _Graph:
     flags: tuple = ()
     # lists the step appends to, with the element the capture appended (graph tensors: copied per replay)
     appends: list[tuple[python_state.Append, Any]] = field(default_factory=list)
+    # attributes the step reads and rebinds to its own results (a recurrent hidden state), replayed
+    carried: list[Carried] = field(default_factory=list)
     # Python numbers the capture may have baked in (python_state.baked_scalars), checked before each replay
     scalars: list[tuple[dict, str, Any]] = field(default_factory=list)
     # small containers of numbers it reads from module globals (python_state.baked_globals), the same
@@ -132,6 +135,12 @@ class StepCapture:
         key = self._pending_key
         group = self._groups.get(key)
         batch, batch_idx = self._pending
+        # The steps before ran the user's configuration, so that a fit refused before its capture is
+        # plain Lightning bit for bit; from here on the optimizer is capturable.
+        switching = not wrapped.switched
+        wrapped.switch_on()
+        if switching and self.capturable_from_step is None:
+            self.capturable_from_step = int(self._trainer.global_step)
         torch.cuda.synchronize()
         if group is not None and group.traces:
             try:
@@ -180,7 +189,7 @@ class StepCapture:
             module.zero_grad(set_to_none=True)
             self._static_for_prefetch = static
             self._install_prefetch(module)
-        eager_record = self._verify_eager(run, closure, kwargs, binding) if self.verify else None
+        eager_record = self._verify_eager(run, closure, kwargs, binding) if self.verify == "capture" else None
         python_state.restore(python_start)
         # What a failed capture must undo: the capture runs no kernel, so only host tensors and the RNG
         saved = TrainingState.save(
@@ -208,13 +217,17 @@ class StepCapture:
             out = self._run_traced(tracer, closure)
             if self._step_output is None:
                 raise _Defer()
-            appended, python_changed = python_state.split_appends(
-                python_before, python_state.snapshot(holders, ours, device_type)
+            python_after = python_state.snapshot(holders, ours, device_type)
+            appended, python_changed = python_state.split_appends(python_before, python_after)
+            carried = carried_attributes(
+                python_state.rebound_tensors(python_before, python_after), tracer.made
             )
+            python_changed = [label for label in python_changed if label not in {c.label for c in carried}]
             python_changed += self._optimizer_writes()
             if python_changed and self._traced_steps >= 1:
                 raise CaptureRefused(self._python_problem(python_changed))
             graph.appends = [(a, a.current()[-1]) for a in appended]
+            graph.carried = carried
             graph.host_reads = tracer.host_reads
             return out
 
@@ -250,6 +263,10 @@ class StepCapture:
             self._mode = "eager"
             if gate_capture:
                 self._graph = self._gate.graphs["prefetch"]  # the gate captures at a later step
+            elif switching:  # nothing captured yet: this step, too, runs the user's configuration
+                wrapped.switch_off()
+                if self.capturable_from_step == int(self._trainer.global_step):
+                    self.capturable_from_step = None
             return run(closure, **kwargs)  # training_step returned None: nothing to capture this step
         except Exception as exc:  # a host sync or an op that cannot be captured
             self._undo_capture(saved, binding, saved_metrics)
@@ -295,7 +312,10 @@ class StepCapture:
         graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)
         graph.callables = python_state.baked_callables(module, self._source.reads, ran, self._installed)
         graph.counters = self._source.counter_snapshot(module, batch_idx)
-        graph.attributes = self._source.attribute_snapshot(module, batch_idx)
+        carried = {id(t) for c in graph.carried for t in c.outputs}
+        graph.attributes = [  # a carried attribute is rebound by design: handed to each replay instead
+            (a, v) for a, v in self._source.attribute_snapshot(module, batch_idx) if not _holds(v, carried)
+        ]
         scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)
         graph.scalars += scalars
         graph.tensors += tensors
@@ -336,6 +356,7 @@ class StepCapture:
             self._gate.graphs["off"] = graph
         else:
             self.capture_step = int(self._trainer.global_step)
+            self._check_schedule.captured()  # the sampled check counts this capture's replays from 1
             self._start_gate(graph)
         self._captured = True
         self._groups = {}  # the traces and their host copies are not needed any more
@@ -346,13 +367,15 @@ class StepCapture:
             current = where.current()
             if current:
                 current[-1] = copied_element(element)
+        for carried in graph.carried:
+            carried.fresh_out()
         if binding is not None:
             binding.fresh_forward_caches()
         self._live_log_values, frozen_log = self._python_log_sources(graph.log_calls)
         self._mode = "replay"
         self._reissued = set()
         result = closure() if closure is not None else None
-        if self.verify:
+        if self.verify == "capture":
             self._finish_verify(eager_record)
         if self.report and not gate_capture:
             self._build_step_report()
@@ -434,6 +457,15 @@ class StepCapture:
             "host (`.item()`, `print(tensor)`, `if tensor:`), log the tensor with `self.log` or run such steps "
             "eagerly with `eager_steps`"
         )
+
+
+def _holds(frozen_value: Any, tensor_ids: set[int]) -> bool:
+    """Whether a :func:`l2lightning.step_values.frozen` value holds one of the tensors `tensor_ids`."""
+    if isinstance(frozen_value, Same):
+        return id(frozen_value.obj) in tensor_ids
+    if isinstance(frozen_value, tuple):
+        return any(_holds(v, tensor_ids) for v in frozen_value)
+    return False
 
 
 class _Defer(Exception):

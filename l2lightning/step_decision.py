@@ -61,6 +61,11 @@ class StepDecision:
         if key[1] != graph.static.signature:
             self._fall_back(f"batch {batch_idx}: {graph.static.mismatch(batch)}")
             return "eager"
+        for carried in graph.carried:
+            problem = carried.mismatch()
+            if problem:
+                self._fall_back(f"the carried state {problem}")
+                return "eager"
         flags = self._module_flags()
         if self._recapture_next:
             cause, self._recapture_next = self._recapture_next, None
@@ -167,6 +172,11 @@ class StepDecision:
                 "its capture chose)"
             )
         self._recapture_streak = 0
+        if self._check_on:
+            why = self._check_schedule.due()
+            if why is not None:
+                self._check_why = why
+                return "check"  # a gate trial under way takes its next turn at the next replay
         gate = self._gate
         if gate is not None:
             if gate.needs_off_graph:

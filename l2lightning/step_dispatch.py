@@ -15,6 +15,7 @@ import torch
 
 from l2lightning.capture import clear_cublas_workspaces, loss_of
 from l2lightning.cuda_memory import free_cached_memory
+from l2lightning.replay_check import WrittenState, first_difference, named_written_state, step_tensors
 from l2lightning.replay_closure import is_stock_closure, one_closure_count
 from l2lightning.step_overrides import copied_element
 
@@ -29,6 +30,8 @@ class StepDispatch:
         try:
             if mode == "replay":
                 return self._replay_step(closure)
+            if mode == "check":
+                return self._checked_step(run, closure, kwargs)
             # torch.compile compiles at the first call of each compiled child: the step after set-up
             compiling, self._compile_pending = self._compile_pending, False
             started = time.perf_counter()
@@ -108,21 +111,30 @@ class StepDispatch:
         clear_cublas_workspaces()
         free_cached_memory()
 
-    def _replay_step(self, closure: Any) -> Any:
-        graph = self._graph
+    def _launch_replay(self, graph: Any) -> tuple[Any, Any]:
+        """This step's batch into the static buffers, the graph's inputs in place, one replay: its events."""
         graph.static.copy_tensors(self._pending_tensors)  # _decide flattened the batch, compared signatures
         graph.bind_grads()
         if graph.binding is not None:
             graph.binding.bring_home()
+        for carried in graph.carried:  # the last step's recurrent state, into the memory the graph reads
+            carried.copy_in()
         self._optimizer.sync_tensors()
         start, end = self._events()
         start.record()
         graph.graph.replay()
         end.record()
+        return start, end
+
+    def _replay_step(self, closure: Any) -> Any:
+        graph = self._graph
+        start, end = self._launch_replay(graph)
         for where, element in graph.appends:  # what the step's Python appended, as in an eager step
             current = where.current()
             if current is not None:
                 current.append(copied_element(element))
+        for carried in graph.carried:  # what the step's Python rebound, as in an eager step
+            carried.fresh_out()
         self._timing.graph.append((start, end))
         self._timing.graph_count += 1
         if self._gate_turn is not None:
@@ -137,3 +149,125 @@ class StepDispatch:
         if self._replay_closure is not None and is_stock_closure(closure):
             return self._replay_closure(self._trainer, closure)
         return closure()
+
+    # ------------------------------------------------------------------ the sampled replay check
+    def _written_state(self, graph: Any) -> WrittenState:
+        """What this graph's step writes that outlives it (see :mod:`l2lightning.replay_check`)."""
+        binding = graph.binding
+        metric_states = (
+            [(name, binding.metrics[name], attr) for name, attr in binding.homes]
+            if binding is not None
+            else []
+        )
+        written = named_written_state(self._module, self._optimizer.optimizer, metric_states, graph.tensors)
+        devices = [self._device().index or 0] if self._device_type() == "cuda" else []
+        return WrittenState(written, devices)
+
+    def _checked_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """A replay compared bit for bit with the eager step from the same state; the eager step stands."""
+        started = time.perf_counter()
+        report, graph = self.replay_check, self._graph
+        if graph.binding is not None:
+            graph.binding.bring_home()  # the metrics' states on the home tensors the graph writes
+        written = self._written_state(graph)
+        try:
+            saved = written.save()
+        except torch.OutOfMemoryError:
+            free_cached_memory()
+            report.skipped_memory += 1
+            self._warn_once(
+                "check-memory",
+                "a sampled replay check was skipped: the copies of what the step writes did not fit in the "
+                "GPU's memory (counted in `summary()['replay_check']['skipped_memory']`)",
+            )
+            return self._replay_step(closure)
+        targets = written.current()  # the tensors the graph writes, whatever the eager step rebinds
+        self._launch_replay(graph)
+        replayed = written.snapshot()
+        replayed_out = {label: t.detach().clone() for label, t in step_tensors(graph.output)}
+        replayed_grads = list(graph.grad_tensors)  # in the graph's pool: the eager step allocates its own
+        replayed_carried = {c.label: [t.detach().clone() for t in c.outputs] for c in graph.carried}
+        saved.restore()
+        self._record_output, self._checked_output = True, None
+        try:
+            with self._on_step_stream(), one_closure_count(self._trainer, closure):
+                result = run(closure, **kwargs)  # the step as a plain step runs it: its result stands
+        finally:
+            self._record_output = False
+            self._mode = "eager"
+        eager_out = dict(step_tensors(self._checked_output))
+        self._checked_output = None
+        names = {id(p): name for name, p in self._module.named_parameters()}
+        pairs = [
+            (label, replayed_out.get(label), eager_out.get(label)) for label in {**replayed_out, **eager_out}
+        ]
+        pairs += [
+            (f"gradient of `{names.get(id(p), '?')}`", g, p.grad)
+            for p, g in zip(graph.params, replayed_grads)
+            if g is not None or p.grad is not None
+        ]
+        pairs += [(w.label, r, e) for w, r, e in zip(written.written, replayed, written.current())]
+        for carried in graph.carried:
+            now = carried.current() or []
+            pairs += [
+                (f"carried state {carried.label}[{i}]", r, now[i] if i < len(now) else None)
+                for i, r in enumerate(replayed_carried[carried.label])
+            ]
+        difference = first_difference(pairs)
+        report.checks += 1
+        report.reasons[self._check_why] = report.reasons.get(self._check_why, 0) + 1
+        if difference is not None:
+            self._replay_differed(difference, graph, written, saved, (targets, replayed), replayed_out)
+        report.seconds += time.perf_counter() - started
+        return result
+
+    def _replay_differed(
+        self,
+        difference: str,
+        graph: Any,
+        written: WrittenState,
+        saved: Any,
+        replayed: list,
+        replayed_out: dict,
+    ) -> None:
+        """A checked replay differed from its eager step (whose result stands): judge why, and act."""
+        report = self.replay_check
+        # Replayed once more from the same state: a graph that differs from itself holds kernels
+        # that are not deterministic, which a bitwise check cannot judge.
+        after_eager = written.save()
+        saved.restore()
+        graph.graph.replay()
+        targets, values = replayed
+        again = [(w.label, a, b) for w, a, b in zip(written.written, values, targets)]
+        again += [
+            (label, t, dict(step_tensors(graph.output)).get(label)) for label, t in replayed_out.items()
+        ]
+        unrepeatable = first_difference(again)
+        after_eager.restore()
+        if unrepeatable is not None:
+            self._check_on = False
+            report.off_reason = (
+                f"two replays from the same state differed ({unrepeatable}): the step's kernels are not "
+                "deterministic, which a bitwise check cannot judge"
+            )
+            self._warn_once(
+                "check-nondeterministic",
+                f"the sampled replay check is off for this fit: {report.off_reason}. "
+                "`Trainer(deterministic=True)` makes them deterministic where PyTorch can",
+            )
+            return
+        report.mismatches += 1
+        report.first_mismatch = report.first_mismatch or difference
+        cause = (
+            f"a sampled replay check ({self._check_why}, step {int(self._trainer.global_step)}) found the replay "
+            f"differing from the eager step from the same state: {difference}; something the step reads changed "
+            "in a way the checks before each replay do not see"
+        )
+        if report.mismatches >= 2:
+            self._disable(f"{cause}, for the second time")
+            return
+        self._warn_once(
+            "check-mismatch",
+            f"{cause}. The eager step's result was kept; the step is captured again at the next step.",
+        )
+        self._recapture_next = "a sampled replay check found the replay differing from the eager step"

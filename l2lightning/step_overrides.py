@@ -79,7 +79,10 @@ class StepOverrides:
             self._step_output = output
             return output
         with self._kernel_counter.phase("forward"):
-            return self._originals["training_step"](*args, **kwargs)
+            output = self._originals["training_step"](*args, **kwargs)
+        if self._record_output:  # the eager step of a sampled replay check: compared with the replay's
+            self._checked_output = output
+        return output
 
     def _captured_hook(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         """A hook the graph runs at capture: in replay mode only its log calls are re-issued."""

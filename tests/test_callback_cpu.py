@@ -50,7 +50,7 @@ def test_cpu_fit_with_callback_equals_fit_without():
         ({"warmup_steps": 0}, "`warmup_steps` must be an int >= 1"),
         ({"warmup_steps": True}, "`warmup_steps` must be an int >= 1"),
         ({"prefetch": "fast"}, r"`prefetch` must be one of \('off', 'default', 'auto', 'decoy'\)"),
-        ({"verify": "yes"}, "`verify` must be a bool"),
+        ({"verify": "yes"}, r"`verify` must be one of \('sampled', 'capture', False\)"),
         ({"compile": 1}, "`compile` must be a bool"),
         ({"eager_optimizer_fallback": None}, "`eager_optimizer_fallback` must be a bool"),
         (

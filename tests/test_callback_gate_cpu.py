@@ -16,6 +16,7 @@ import pytest
 
 from l2lightning import L2GraphCallback, step_gate
 from l2lightning.step_gate import VARIANTS
+from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.lightning_models import TinyMLP
 from tests.test_callback_replay_cpu import SGDEpochSchedule, assert_same, baseline_of, fit
 
@@ -184,7 +185,7 @@ def test_a_switched_trial_times_one_graph_with_prefetch_on_and_off_and_keeps_the
     monkeypatch, prefetch_ms, kept
 ):
     base = fit(baseline_of(TinyMLP), steps=40)
-    cb, hooks, switches, states = switched(monkeypatch, prefetch_ms, 1.0, gate_pairs=8)
+    cb, hooks, switches, states = switched(monkeypatch, prefetch_ms, 1.0, gate_pairs=8, verify=False)
     run = fit(TinyMLP, [cb], steps=40)
     s = cb.summary()
     gate = s["prefetch_gate"]

@@ -1,7 +1,8 @@
 """L2GraphCallback's capture, replay and fallback on the CPU, through the graph emulator.
 
 Every test compares a fit with the callback against the eager fit it must equal: the
-``make_capturable`` baseline when the step is captured, plain Lightning when it is refused.
+baseline when the step is captured (plain Lightning, switched to ``make_capturable``'s configuration
+at the callback's capture step: ``tests/baselines.py``), plain Lightning when it is refused.
 """
 
 from __future__ import annotations
@@ -36,10 +37,16 @@ from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader
 
-from l2lightning import L2GraphCallback, make_capturable, python_state
+from l2lightning import L2GraphCallback, python_state
 from l2lightning.fit_report import TIMING_WINDOW
 from tests import graph_emulator as emu
 from tests import user_step_config
+from tests.baselines import (  # noqa: F401 -- the fixture records each callback fit's switch step
+    DeferredFit,
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,
+    is_baseline,
+)
 from tests.between_step_models import (
     CONFIG_CHANGES,
     LAYER_CODE_CHANGES,
@@ -86,20 +93,6 @@ from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
 
-def baseline_of(cls):
-    """The eager reference for a captured fit: the optimizer configured as the callback configures it."""
-
-    class Baseline(cls):
-        def configure_optimizers(self):
-            config = super().configure_optimizers()
-            opt = config["optimizer"] if isinstance(config, dict) else config
-            make_capturable(opt)
-            return config
-
-    Baseline.__name__ = f"Baseline{cls.__name__}"
-    return Baseline
-
-
 class Recorder(Callback):
     """Per step: the loss Lightning saw, every logged value, and the step's outputs."""
 
@@ -121,6 +114,15 @@ class Recorder(Callback):
 def fit(
     model_cls, callbacks=(), steps=30, n=240, loader=None, model=None, trainer_kwargs=None, **model_kwargs
 ):
+    if is_baseline(model if model is not None else model_cls):
+        # the baseline switches where the callback fit of the test switched: run after it
+        return DeferredFit(
+            lambda: _fit(model_cls, callbacks, steps, n, loader, model, trainer_kwargs, **model_kwargs)
+        )
+    return _fit(model_cls, callbacks, steps, n, loader, model, trainer_kwargs, **model_kwargs)
+
+
+def _fit(model_cls, callbacks, steps, n, loader, model, trainer_kwargs, **model_kwargs):
     seed_everything(0)
     model = model_cls(width=32, depth=3, **model_kwargs) if model is None else model
     rec = Recorder()
@@ -248,9 +250,9 @@ def _saved(path):
 
 @pytest.mark.parametrize("scheduler", [None, "step"])
 def test_checkpoints_logs_and_early_stopping_are_those_of_the_baseline_fit(tmp_path, scheduler):
-    plain, plain_ck = _fit_with_lightnings_callbacks(baseline_of(ValidatedMLP), [], tmp_path / "a", scheduler)
     cb = callback()
     run, run_ck = _fit_with_lightnings_callbacks(ValidatedMLP, [cb], tmp_path / "b", scheduler)
+    plain, plain_ck = _fit_with_lightnings_callbacks(baseline_of(ValidatedMLP), [], tmp_path / "a", scheduler)
     assert cb.summary()["captured"] and emu.FakeGraph.replays > 40, cb.summary()
     assert run.global_step == plain.global_step and run.should_stop and plain.should_stop  # stopped early
     assert torch.equal(run_ck.best_model_score, plain_ck.best_model_score)
@@ -465,14 +467,15 @@ def test_a_module_level_list_the_step_appends_to_gets_every_steps_element(called
         if where == "training_step"
         else (called_code.Hooked, {"hook": "appends"})
     )
-    base = fit(baseline_of(cls), steps=30, **kwargs)
-    expected = list(called_code.SEEN)
-    called_code.reset()
     cb = callback()
     run = fit(cls, [cb], steps=30, **kwargs)
+    got = list(called_code.SEEN)
+    called_code.reset()
+    base = list(fit(baseline_of(cls), steps=30, **kwargs))
+    expected = list(called_code.SEEN)
     assert cb.summary()["captured"] and cb.summary()["captures"] == 1, cb.summary()
-    assert len(expected) == 30 and len(called_code.SEEN) == 30
-    assert all(torch.equal(a, b) for a, b in zip(expected, called_code.SEEN))
+    assert len(expected) == 30 and len(got) == 30
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert_same(base, run)
 
 
@@ -535,7 +538,8 @@ for _name in dir(LightningModule):
 def test_every_hook_is_called_as_in_the_baseline_fit():
     """The same Callback and LightningModule hooks, in the same order at the same steps, as the eager fit."""
     runs = []
-    for cls, callbacks in ((baseline_of(HookCallsMLP), []), (HookCallsMLP, [callback()])):
+    cb = callback()
+    for cls, callbacks in ((HookCallsMLP, [cb]), (baseline_of(HookCallsMLP), [])):  # the baseline after
         hooks = HookCalls()
         model, _, _ = fit(cls, [hooks, *callbacks], steps=12)
         in_step = {
@@ -543,8 +547,8 @@ def test_every_hook_is_called_as_in_the_baseline_fit():
             for k, v in {**hooks.in_step, **{f"module.{k}": v for k, v in model.in_step.items()}}.items()
         }
         runs.append((hooks.calls, model.hook_calls, in_step))
-    assert callbacks[0].summary()["captured"] and emu.FakeGraph.replays >= 6, callbacks[0].summary()
-    (calls, module_calls, in_step), (calls_cb, module_calls_cb, in_step_cb) = runs
+    assert cb.summary()["captured"] and emu.FakeGraph.replays >= 6, cb.summary()
+    (calls_cb, module_calls_cb, in_step_cb), (calls, module_calls, in_step) = runs
     assert ("on_train_batch_end", 12) in calls and ("on_train_batch_start", 11) in module_calls
     assert calls_cb == calls and module_calls_cb == module_calls
     assert in_step == in_step_cb and set(in_step.values()) == {12}
@@ -1412,10 +1416,10 @@ def test_a_number_the_step_reads_from_the_datamodule_is_compared_before_each_rep
         trainer.fit(model, datamodule=CurriculumData())
         return model, rec, trainer
 
-    base = run(baseline_of(ReadsTheDataModule), [])
     cb = callback()
     with pytest.warns(UserWarning, match=r"capturing the step again: values the step reads changed"):
         got = run(ReadsTheDataModule, [cb])
+    base = run(baseline_of(ReadsTheDataModule), [])
     assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
     assert_same(base, got)
 
@@ -1686,9 +1690,9 @@ def test_reissued_logs_take_the_shortcut_and_leave_what_eager_logging_leaves(tmp
         )
         return result, seen, (tmp_path / name / "version_0" / "metrics.csv").read_text()
 
-    base, base_seen, base_csv = run(baseline_of(ManyLogs), [], "eager")
     cb = callback()
     got, got_seen, got_csv = run(ManyLogs, [cb], "callback")
+    base, base_seen, base_csv = run(baseline_of(ManyLogs), [], "eager")
     assert cb.summary()["captured"] and cb.fallback_steps == 0
     assert_same(base, got)
     assert len(base_seen.seen) == len(got_seen.seen) == 36
@@ -1978,9 +1982,9 @@ def test_a_second_fit_on_the_same_trainer_and_callback_matches():
         trainer.fit(model, regression_loader(n=240, width=32))
         return model, trainer
 
-    base, _ = two_fits(baseline_of(TinyMLP), [])
     cb = callback()
     run, trainer = two_fits(TinyMLP, [cb])
+    base, _ = two_fits(baseline_of(TinyMLP), [])
     assert trainer.global_step == 25 and cb.summary()["captured"]
     assert all(torch.equal(p, q) for p, q in zip(base.parameters(), run.parameters()))
 
@@ -2006,9 +2010,9 @@ def test_partial_batches_with_a_step_schedule_and_validation_match():
         trainer.fit(model, regression_loader(n=kw["n"], width=32), regression_loader(n=16, width=32, seed=4))
         return model, trainer
 
-    base, tb = run(baseline_of(ValidatedStepSchedule), [])
     cb = callback()
     model, tr = run(ValidatedStepSchedule, [cb])
+    base, tb = run(baseline_of(ValidatedStepSchedule), [])
     assert cb.summary()["captured"] and cb.fallback_steps > 0  # the partial last batch of each epoch
     assert all(torch.equal(p, q) for p, q in zip(base.parameters(), model.parameters()))
     sb, sr = tb.lr_scheduler_configs[0].scheduler, tr.lr_scheduler_configs[0].scheduler
@@ -2048,8 +2052,8 @@ def test_families_update_their_metrics_in_the_graph_and_log_like_eager(family):
         trainer.fit(model, datamodule=dm)
         return model, seen, cb
 
-    base_model, base_seen, _ = run(False)
     model, seen, cb = run(True)
+    base_model, base_seen, _ = run(False)
     summary = cb.summary()
     assert summary["captured"] and summary["fallback_steps"] == 0, summary
     assert any(call.name.startswith("train/") and call.fx == "training_step" for call in seen.log_calls)

@@ -9,7 +9,13 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 
-from l2lightning import EquivalenceError, L2GraphCallback, make_capturable
+from l2lightning import EquivalenceError, L2GraphCallback
+from tests.baselines import (  # noqa: F401 -- the fixture records each callback fit's switch step
+    DeferredFit,
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,
+    is_baseline,
+)
 from tests.between_step_models import (
     CONFIG_CHANGES,
     LAYER_CODE_CHANGES,
@@ -44,20 +50,6 @@ from tests.lightning_models import (
 pytestmark = pytest.mark.gpu
 
 
-def baseline_of(cls):
-    """The eager reference: `cls` with the optimizer configured exactly as the callback configures it."""
-
-    class Baseline(cls):
-        def configure_optimizers(self):
-            config = super().configure_optimizers()
-            opt = config["optimizer"] if isinstance(config, dict) else config
-            make_capturable(opt, torch.device("cuda"))
-            return config
-
-    Baseline.__name__ = f"Baseline{cls.__name__}"
-    return Baseline
-
-
 CapturableBaseline = baseline_of(TinyMLP)
 
 
@@ -89,10 +81,24 @@ def fit(
     loader=None,
     **model_kwargs,
 ):
-    seed_everything(0)
-    torch.use_deterministic_algorithms(True, warn_only=True)
     if baseline:
         model_cls = baseline_of(model_cls)
+    arguments = dict(
+        n=n, batch_size=batch_size, precision=precision, ckpt_path=ckpt_path, trainer_out=trainer_out
+    )
+    if is_baseline(model_cls):
+        # the baseline switches where the test's callback fit switched: it runs after that fit
+        return DeferredFit(
+            lambda: _fit(model_cls, callbacks, steps, max_epochs, loader, arguments, model_kwargs)
+        )
+    return _fit(model_cls, callbacks, steps, max_epochs, loader, arguments, model_kwargs)
+
+
+def _fit(model_cls, callbacks, steps, max_epochs, loader, arguments, model_kwargs):
+    n, batch_size, precision = arguments["n"], arguments["batch_size"], arguments["precision"]
+    ckpt_path, trainer_out = arguments["ckpt_path"], arguments["trainer_out"]
+    seed_everything(0)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     model = model_cls(width=512, depth=4, **model_kwargs)
     rec = LossRecorder()
     trainer = quiet_trainer(
@@ -359,9 +365,9 @@ def test_gradient_clipping_is_captured_and_exact():
         trainer.fit(model, regression_loader(n=240, width=512))
         return model
 
-    a = run(CapturableBaseline, [])
     cb = L2GraphCallback(prefetch="off")
     b = run(TinyMLP, [cb])
+    a = run(CapturableBaseline, [])
     assert cb.summary()["captured"]
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -806,14 +812,14 @@ def test_tf32_switched_on_for_an_epoch_is_captured_again_and_the_fit_is_the_base
     replays after the switch would have trained in full precision (and back)."""
     found = torch.backends.cuda.matmul.allow_tf32
     try:
-        full = fit(TinyMLP, [], steps=90, baseline=True)
-        base = fit(TinyMLP, [TF32FromEpochOne()], steps=90, baseline=True)
-        # the switch changes the numbers (else this test could not fail): epoch 1 trains otherwise
-        assert torch.equal(full[1].losses[29], base[1].losses[29])
-        assert not torch.equal(full[1].losses[31], base[1].losses[31])
         cb = L2GraphCallback(prefetch="off")
         with pytest.warns(UserWarning, match="numerics settings changed since capture"):
             run = fit(TinyMLP, [TF32FromEpochOne(), cb], steps=90)
+        full = list(fit(TinyMLP, [], steps=90, baseline=True))
+        base = list(fit(TinyMLP, [TF32FromEpochOne()], steps=90, baseline=True))
+        # the switch changes the numbers (else this test could not fail): epoch 1 trains otherwise
+        assert torch.equal(full[1].losses[29], base[1].losses[29])
+        assert not torch.equal(full[1].losses[31], base[1].losses[31])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = found
     summary = cb.summary()

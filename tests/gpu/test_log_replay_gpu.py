@@ -9,7 +9,10 @@ from lightning.pytorch import seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
 from l2lightning import L2GraphCallback
-from tests.gpu.test_callback_gpu import baseline_of
+from tests.baselines import (  # noqa: F401 -- the fixture records each callback fit's switch step
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,
+)
 from tests.lightning_models import quiet_trainer, regression_loader
 from tests.logging_models import LoggedEverywhere, ManyLogs, assert_logged_alike
 
@@ -36,9 +39,9 @@ def _fit(cls, callbacks, tmp_path, name):
 
 @pytest.mark.parametrize("prefetch", ["off", "auto"])
 def test_reissued_logs_equal_the_eager_fit_everywhere_users_read_them(tmp_path, prefetch):
-    base_model, base_seen, base_csv = _fit(baseline_of(ManyLogs), [], tmp_path, "eager")
     cb = L2GraphCallback(prefetch=prefetch, log_timing=False)
     model, seen, csv_text = _fit(ManyLogs, [cb], tmp_path, f"callback_{prefetch}")
+    base_model, base_seen, base_csv = _fit(baseline_of(ManyLogs), [], tmp_path, "eager")
     summary = cb.summary()
     assert summary["captured"] and summary["fallback_steps"] == 0, summary
     # the replays dispatched only the overridden closure hooks (l2lightning.replay_closure)

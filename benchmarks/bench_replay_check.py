@@ -1,0 +1,150 @@
+"""What the sampled replay check (``verify="sampled"``, the default) costs a fit, per packaged family.
+
+Per family and batch, one full ``Trainer.fit`` of ``--steps`` steps with ``L2GraphCallback(prefetch=
+"off")`` (the check on, the default) and one with ``verify=False`` (off), interleaved over ``--rounds``
+rounds in one process (the order reversed in every other round). Prefetch is off in both so that the
+fit's wall time is the steps' and not the tuner's, which makes the check's share the larger. Each
+family's module, precision and data as ``bench_default_cost.py`` fits them (drawn once, cycled).
+
+Columns of ``replay_check.csv`` (medians over rounds): ``fit_wall_s`` with the check on and off, their
+ratio, the check's own wall seconds from ``summary()["replay_check"]["seconds"]`` (the checked steps:
+copies, the eager step, the comparison) and its share of the checked fit's wall time, the checks made
+and any mismatch. ``replay_check.json`` holds every fit, the command and the GPU check.
+
+    python benchmarks/bench_replay_check.py --out OUTDIR [--steps 1000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_default_cost  # noqa: E402  (the fit of a packaged family, its measurement)
+
+from l2lightning.tools import doctor  # noqa: E402
+
+VARIANTS = {"check_on": {"prefetch": "off"}, "check_off": {"prefetch": "off", "verify": False}}
+DEFAULT_FAMILIES = "mlp_stack@16,rl_policy@4,recommender@16,conv_stack@16,vit@16,text_encoder@16"
+CSV_COLUMNS = (
+    "case",
+    "fit_wall_s_on",
+    "fit_wall_s_off",
+    "on_over_off",
+    "check_s",
+    "check_share",
+    "checks",
+    "mismatches",
+    "step_ms_on",
+    "step_ms_off",
+)
+
+
+def _fit(variant: str, family: str, batch: int, steps: int) -> dict:
+    """One fit of `family` at `batch`, `steps` steps, the check on or off (bench_default_cost's fit)."""
+    bench_default_cost.VARIANTS.setdefault(variant, VARIANTS[variant])
+    return bench_default_cost.fit_family_once(variant, family, batch, 0, steps)
+
+
+def table(rows: list[dict], cases: list[str]) -> list[dict]:
+    out = []
+    for case in cases:
+        on = [r for r in rows if r["case"] == case and r["variant"] == "check_on" and "error" not in r]
+        off = [r for r in rows if r["case"] == case and r["variant"] == "check_off" and "error" not in r]
+        if not on or not off:
+            out.append({"case": case})
+            continue
+        wall_on = statistics.median(r["fit_wall_s"] for r in on)
+        wall_off = statistics.median(r["fit_wall_s"] for r in off)
+        check_s = statistics.median(r["replay_check"].get("seconds", 0.0) for r in on)
+        out.append(
+            {
+                "case": case,
+                "fit_wall_s_on": round(wall_on, 4),
+                "fit_wall_s_off": round(wall_off, 4),
+                "on_over_off": round(wall_on / wall_off, 4),
+                "check_s": round(check_s, 4),
+                "check_share": round(check_s / wall_on, 4),
+                "checks": statistics.median(r["replay_check"].get("checks", 0) for r in on),
+                "mismatches": max(r["replay_check"].get("mismatches", 0) for r in on),
+                "step_ms_on": round(statistics.median(r["step_ms"] for r in on), 4),
+                "step_ms_off": round(statistics.median(r["step_ms"] for r in off), 4),
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--families", default=DEFAULT_FAMILIES, help="FAMILY@BATCH items, comma-separated")
+    parser.add_argument("--steps", type=int, default=1000, help="steps per fit (default 1000)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
+    args = parser.parse_args(argv)
+    if args.steps < 10 or args.rounds < 1:
+        parser.error("`--steps` must be >= 10 and `--rounds` >= 1")
+    try:
+        families = bench_default_cost.parse_families(args.families)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not torch.cuda.is_available():
+        print("bench_replay_check: no CUDA device; nothing to time", file=sys.stderr)
+        return 2
+    check = doctor.check_before_timing(0, force=args.force, program="bench_replay_check")
+    if check.refused:
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for r in range(args.rounds):
+        for family, batch in families:
+            for variant in bench_default_cost.round_order(list(VARIANTS), r):
+                try:
+                    row = _fit(variant, family, batch, args.steps)
+                except Exception as exc:  # noqa: BLE001 -- a failed fit is reported, the rest go on
+                    row = {
+                        "case": f"{family} b{batch}",
+                        "variant": variant,
+                        "error": f"{type(exc).__name__}: {exc}",
+                    }
+                row["round"] = r
+                rows.append(row)
+                print(
+                    json.dumps({k: row.get(k) for k in ("case", "variant", "fit_wall_s", "error")}),
+                    flush=True,
+                )
+    cases = [f"{family} b{batch}" for family, batch in families]
+    summary = table(rows, cases)
+    with open(out / "replay_check.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(summary)
+    (out / "replay_check.json").write_text(
+        json.dumps(
+            {
+                "command": " ".join([sys.executable, *sys.argv]),
+                "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name(0),
+                "doctor": check.to_dict(),
+                "forced": check.forced,
+                "rows": rows,
+                "table": summary,
+            },
+            indent=2,
+            default=str,
+        )
+    )
+    for entry in summary:
+        print(entry, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""The sampled replay check: at chosen replays the step is also computed eagerly and compared bit for bit.
+
+Before each replay the callback decides from what it can read on the host (the step's source, Python
+state, tensor identities and addresses, the batch's structure) whether the graph still stands for
+the eager step. Those checks know the idioms they were written for. This module is the net under
+them that knows none: at chosen replays (:class:`CheckSchedule`: replay 1, 2, 4, 8, ... of each
+capture, and the first replay after an epoch starts, a validation loop ends or a checkpoint is
+loaded) the callback
+
+1. saves everything the step writes (:class:`WrittenState`: parameters, buffers, the optimizer's
+   state, the bound metrics' states, the tensors the step reads from attributes, the carried state)
+   and the random generators;
+2. replays the graph, and keeps what the replay produced (those tensors, the loss and the tensors
+   the step returns, the gradients the graph leaves);
+3. puts the saved state back and runs the step eagerly, as a plain step runs it (its logs, hooks and
+   Python effects are the step's own);
+4. compares the two bit for bit, with one host sync (:func:`first_difference`).
+
+The eager step is the step that stands, so a replay that differs is never kept. On a difference the
+callback replays once more from the saved state: a replay that differs from itself means the step's
+kernels are not deterministic (atomics in ``index_add``/``scatter_add``, some cuDNN backward
+algorithms), which a bitwise check cannot judge, so the check is switched off for the fit with one
+warning; otherwise the replay is wrong, the step is captured again once, and a second difference
+means eager training for the rest of the fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from l2lightning.verify import _bits, compare_tensors
+
+# Replays counted per capture: a check at replay 1, 2, 4, 8, ... (a power of two).
+FIRST_CHECKED_REPLAY = 1
+
+
+def is_checked_replay(replay: int) -> bool:
+    """Whether the `replay`-th replay of a capture (1-based) is checked: 1, 2, 4, 8, 16, ..."""
+    return replay >= FIRST_CHECKED_REPLAY and replay & (replay - 1) == 0
+
+
+class CheckSchedule:
+    """Which replays the sampled check computes eagerly too (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.replays = 0  # replays of the current capture
+        self.pending: str | None = None  # an event since the last check that asks for the next replay
+
+    def captured(self) -> None:
+        """A new capture: its replays are counted from 1, and the first is checked."""
+        self.replays = 0
+        self.pending = None
+
+    def after(self, event: str) -> None:
+        """The next replay is checked: `event` (an epoch start, a validation loop, a checkpoint load)
+        may have changed what the step reads in ways the per-replay checks do not see."""
+        if self.pending is None:
+            self.pending = event
+
+    def due(self) -> str | None:
+        """Count one replay; why it is checked, or None."""
+        self.replays += 1
+        if is_checked_replay(self.replays):
+            self.pending = None
+            return "a power-of-two replay of its capture"
+        if self.pending is not None:
+            why, self.pending = self.pending, None
+            return f"the first replay after {why}"
+        return None
+
+
+@dataclass
+class Written:
+    """One tensor the step writes: a label for messages, and how to read it (the object may change)."""
+
+    label: str
+    read: Callable[[], torch.Tensor | None]
+
+
+@dataclass
+class SavedState:
+    """Copies of the written tensors and the generators' states, to put back in place."""
+
+    tensors: list[tuple[torch.Tensor, torch.Tensor]]
+    cpu_rng: torch.Tensor
+    cuda_rng: list[tuple[int, torch.Tensor]]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for live, saved in self.tensors:
+                live.copy_(saved)
+        torch.set_rng_state(self.cpu_rng)
+        for device, state in self.cuda_rng:
+            torch.cuda.set_rng_state(state, device)
+
+
+class WrittenState:
+    """The tensors a step writes, read through their owners (an eager step may rebind some)."""
+
+    def __init__(self, written: Sequence[Written], cuda_devices: Sequence[int] = ()) -> None:
+        self.written = list(written)
+        self.cuda_devices = list(cuda_devices)
+
+    def current(self) -> list[torch.Tensor | None]:
+        return [w.read() for w in self.written]
+
+    def save(self) -> SavedState:
+        """Copies of every written tensor as it is now (raises ``torch.OutOfMemoryError`` if they do not fit)."""
+        tensors = [(t, t.detach().clone()) for t in self.current() if isinstance(t, torch.Tensor)]
+        cuda = [(d, torch.cuda.get_rng_state(d)) for d in self.cuda_devices]
+        return SavedState(tensors, torch.get_rng_state(), cuda)
+
+    def snapshot(self) -> list[torch.Tensor | None]:
+        """Copies of the written tensors as they are now, by position (for comparing later)."""
+        return [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in self.current()]
+
+
+def named_written_state(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    metric_states: Sequence[tuple[str, Any, str]] = (),
+    attributes: Sequence[tuple[dict, str, Any]] = (),
+) -> list[Written]:
+    """What a training step writes that outlives it, each with its label.
+
+    `metric_states`: (metric path, metric, state name); `attributes`: (owner's ``__dict__``, name,
+    tensor) for the tensors the step reads from plain attributes (it may update them in place).
+    """
+    written: list[Written] = []
+    names = {}
+    for name, p in module.named_parameters():
+        names[id(p)] = name
+        written.append(Written(f"parameter `{name}`", lambda p=p: p))
+    for name, b in module.named_buffers():
+        written.append(Written(f"buffer `{name}`", lambda b=b: b))
+    if optimizer is not None:
+        for p, state in optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    label = f"optimizer state `{key}` of `{names.get(id(p), 'a parameter')}`"
+                    written.append(Written(label, lambda state=state, key=key: state.get(key)))
+    for path, metric, attr in metric_states:
+        written.append(Written(f"metric state `{path}.{attr}`", lambda m=metric, a=attr: getattr(m, a, None)))
+    seen = {id(p) for p in module.parameters()} | {id(b) for b in module.buffers()}
+    for owner, name, tensor in attributes:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        written.append(Written(f"tensor attribute `{name}`", lambda owner=owner, name=name: owner.get(name)))
+    return written
+
+
+def _bits_differ(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | bool:
+    """A device bool: whether `a` and `b` differ in any bit (or a host bool where shapes decide)."""
+    if a is None or b is None:
+        return (a is None) != (b is None)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return True
+    if a.numel() == 0:
+        return False
+    return (_bits(a) != _bits(b.to(a.device))).any()
+
+
+def first_difference(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> str | None:
+    """The first of (label, replayed, eager) whose tensors differ in any bit, described; None if none.
+
+    One host sync for all of them (a stack of per-tensor flags read at once).
+    """
+    flags = [_bits_differ(a, b) for _, a, b in pairs]
+    on_device = [f for f in flags if isinstance(f, torch.Tensor)]
+    read = iter(torch.stack(on_device).cpu().tolist()) if on_device else iter(())
+    host = [bool(next(read)) if isinstance(f, torch.Tensor) else bool(f) for f in flags]
+    for (label, a, b), differs in zip(pairs, host):
+        if differs:
+            if a is None or b is None:
+                return f"{label} ({'the replay' if a is None else 'the eager step'} left none)"
+            mismatch = compare_tensors(label, a, b)
+            return str(mismatch) if mismatch is not None else label
+    return None
+
+
+def step_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(label, tensor) for the loss and every tensor a training step returned."""
+    if isinstance(output, torch.Tensor):
+        yield (prefix or "the loss"), output
+    elif isinstance(output, dict):
+        for key, value in output.items():
+            label = (
+                "the loss"
+                if key == "loss" and not prefix
+                else f"{prefix}[{key!r}]"
+                if prefix
+                else f"output {key!r}"
+            )
+            yield from step_tensors(value, label)
+    elif isinstance(output, (list, tuple)):
+        for i, value in enumerate(output):
+            yield from step_tensors(value, f"{prefix or 'output'}[{i}]")
+
+
+@dataclass
+class ReplayCheckReport:
+    """What the sampled replay check did in a fit (``summary()["replay_check"]``)."""
+
+    mode: str = "sampled"
+    checks: int = 0
+    mismatches: int = 0
+    # checks not made: the copies did not fit in memory
+    skipped_memory: int = 0
+    seconds: float = 0.0  # wall time of the checked steps (their eager step, copies and comparison)
+    off_reason: str | None = None  # why the check stopped for the rest of the fit
+    first_mismatch: str | None = None
+    reasons: dict[str, int] = field(default_factory=dict)  # what called for the checks, counted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "checks": self.checks,
+            "mismatches": self.mismatches,
+            "skipped_memory": self.skipped_memory,
+            "seconds": round(self.seconds, 6),
+            "off_reason": self.off_reason,
+            "first_mismatch": self.first_mismatch,
+            "reasons": dict(self.reasons),
+        }

@@ -1,0 +1,270 @@
+"""The sampled replay check (``verify="sampled"``, the default) on the CPU: its schedule, its bitwise
+comparison, and, through the graph emulator, that it catches a stale replay the per-replay checks are
+made to miss, keeps the eager result, and leaves no trace where the replays are right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchmetrics
+from torch import nn
+
+from l2lightning import L2GraphCallback, python_state
+from l2lightning.replay_check import (
+    CheckSchedule,
+    ReplayCheckReport,
+    first_difference,
+    is_checked_replay,
+    named_written_state,
+    step_tensors,
+)
+from tests import graph_emulator as emu
+from tests.baselines import (  # noqa: F401 -- the fixture records each callback fit's switch step
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,
+)
+from tests.between_step_models import MovesTheScaleEachEpoch, ScalesByAPlainTensor
+from tests.lightning_models import TinyMLP
+from tests.test_callback_replay_cpu import assert_same, fit
+
+
+# --------------------------------------------------------------------------- the schedule
+def test_replays_checked_are_the_powers_of_two_of_each_capture():
+    assert [r for r in range(1, 70) if is_checked_replay(r)] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_an_event_checks_the_next_replay_once_and_a_capture_starts_the_count_again():
+    schedule = CheckSchedule()
+    schedule.captured()
+    assert [schedule.due() is not None for _ in range(5)] == [True, True, False, True, False]
+    schedule.after("an epoch start")
+    schedule.after("a validation loop")  # the first event names the check
+    assert schedule.due() == "the first replay after an epoch start"
+    assert schedule.due() is None  # replay 7
+    assert schedule.due() == "a power-of-two replay of its capture"  # replay 8
+    schedule.after("a checkpoint load")
+    schedule.captured()  # a new capture: its own count, and the pending event is spent by its replay 1
+    assert schedule.due() == "a power-of-two replay of its capture"
+    assert schedule.due() == "a power-of-two replay of its capture"
+    assert schedule.due() is None
+
+
+# --------------------------------------------------------------------------- the comparison
+def test_first_difference_is_bitwise_and_names_the_first_tensor_that_differs():
+    a = torch.tensor([1.0, float("nan"), 0.0])
+    same = a.clone()
+    signed_zero = torch.tensor([1.0, float("nan"), -0.0])
+    assert first_difference([("x", a, same)]) is None  # NaN against NaN: the same bits
+    found = first_difference([("x", a, same), ("y", a, signed_zero), ("z", a, a + 1)])
+    assert found.startswith("y: 1 of 3 elements differ"), found
+    assert first_difference([("g", None, None)]) is None
+    assert first_difference([("g", a, None)]) == "g (the eager step left none)"
+    assert "shape/dtype" in first_difference([("w", a, a.double())])
+
+
+def test_step_tensors_label_the_loss_and_the_returned_tensors():
+    loss, preds = torch.ones(()), torch.zeros(3)
+    assert [label for label, _ in step_tensors({"loss": loss, "preds": preds, "n": 3})] == [
+        "the loss",
+        "output 'preds'",
+    ]
+    assert [label for label, _ in step_tensors(loss)] == ["the loss"]
+
+
+def test_the_written_state_names_parameters_buffers_optimizer_and_metric_states():
+    module = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    module(torch.randn(4, 2)).sum().backward()
+    opt.step()
+    metric = torchmetrics.MeanMetric()
+    extra = torch.zeros(())
+    labels = [
+        w.label
+        for w in named_written_state(module, opt, [("m", metric, "mean_value")], [({"e": extra}, "e", extra)])
+    ]
+    assert "parameter `0.weight`" in labels and "buffer `1.running_mean`" in labels
+    assert "optimizer state `momentum_buffer` of `0.weight`" in labels
+    assert "metric state `m.mean_value`" in labels and "tensor attribute `e`" in labels
+
+
+# --------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize("value", ["always", 1, None, "Sampled"])
+def test_verify_rejects_values_it_does_not_know_naming_the_accepted_ones(value):
+    with pytest.raises(ValueError, match=r"`verify` must be one of \('sampled', 'capture', False\)"):
+        L2GraphCallback(verify=value)
+
+
+def test_verify_true_means_the_check_at_capture():
+    assert L2GraphCallback(verify=True).verify == "capture"
+    assert L2GraphCallback().verify == "sampled"
+    assert L2GraphCallback(verify=False).summary()["replay_check"]["mode"] == "off"
+
+
+# --------------------------------------------------------------------------- in a fit (graph emulator)
+def _callback(**kwargs):
+    return L2GraphCallback(prefetch="off", log_timing=False, **kwargs)
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_checked_replays_leave_the_fit_bitwise_the_baseline_and_are_counted():
+    cb = _callback()
+    run = fit(TinyMLP, [cb], steps=90)
+    base = fit(baseline_of(TinyMLP), steps=90)
+    assert_same(base, run)
+    summary = cb.summary()
+    report = summary["replay_check"]
+    # captured at step 3: replays 1..86; powers of two 1..64 (7), and the first replays after the
+    # epoch starts at steps 30 and 60 (replays 27 and 57)
+    assert summary["captures"] == 1 and report["mismatches"] == 0, summary
+    assert report["checks"] == 9 and report["reasons"] == {
+        "a power-of-two replay of its capture": 7,
+        "the first replay after an epoch start": 2,
+    }, report
+    assert emu.FakeGraph.replays == 1 + 86  # the capture step's replay, then every step after it
+    assert summary["fallback_steps"] == 0 and report["seconds"] > 0
+
+
+class NormalizedMetricDropout(TinyMLP):
+    """What a check must leave as a plain step leaves it: BatchNorm statistics, a metric's states and
+    Python-side count, dropout's random numbers, logged values, a list the step appends to."""
+
+    def __init__(self, width=32, **kw):
+        super().__init__(width=width, **kw)
+        self.net = nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.GELU(), nn.Dropout(0.2))
+        self.train_mae = torchmetrics.MeanAbsoluteError()
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(self.net(x)).squeeze(-1)
+        loss = (pred - y).square().mean()
+        self.train_mae(pred, y)
+        self.seen.append(loss.detach())
+        self.log("train/loss", loss)
+        self.log("train/mae", self.train_mae, on_step=True, on_epoch=True)
+        return loss
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_a_checked_replay_leaves_no_trace_of_itself():
+    cb = _callback()
+    run = fit(NormalizedMetricDropout, [cb], steps=70)
+    rng_run = torch.get_rng_state()
+    base = list(fit(baseline_of(NormalizedMetricDropout), steps=70))
+    assert torch.equal(rng_run, torch.get_rng_state())  # dropout drew as often, from the same states
+    assert cb.summary()["captured"] and cb.summary()["replay_check"]["checks"] >= 7, cb.summary()
+    assert_same(base, run)
+    (mr, _, _), (mb, _, _) = run, base
+    for name in ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"):
+        assert torch.equal(mr.get_buffer(name), mb.get_buffer(name)), name
+    assert torch.equal(mr.train_mae.sum_abs_error, mb.train_mae.sum_abs_error)
+    assert mr.train_mae._update_count == mb.train_mae._update_count
+    assert len(mr.seen) == len(mb.seen) == 70
+    assert all(torch.equal(a, b) for a, b in zip(mr.seen, mb.seen))
+
+
+def _unseen_moves(monkeypatch):
+    """Switch off the two per-replay checks that see a plain tensor attribute moved to other memory
+    (its address, and its value read through the step's source), so the replays after the move are
+    stale (the emulator replays through the capture's memory, as a GPU graph does)."""
+    from l2lightning.step_source import StepSource
+
+    monkeypatch.setattr(python_state, "addresses", lambda checks: ())
+    monkeypatch.setattr(StepSource, "changed_attribute_values", lambda self, *args: [])
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_a_stale_replay_the_checks_before_it_miss_is_caught_redone_and_captured_again(monkeypatch):
+    _unseen_moves(monkeypatch)
+    stale = _callback(verify=False)
+    fit(ScalesByAPlainTensor, [MovesTheScaleEachEpoch(), stale], steps=60)
+    assert stale.summary()["captures"] == 1  # nothing saw the move: the replays read the old scale
+    cb = _callback()
+    with pytest.warns(
+        UserWarning, match=r"a sampled replay check \(the first replay after an epoch start, step 30\)"
+    ):
+        run = fit(ScalesByAPlainTensor, [MovesTheScaleEachEpoch(), cb], steps=60)
+    base = fit(baseline_of(ScalesByAPlainTensor), [MovesTheScaleEachEpoch()], steps=60)
+    assert_same(base, run)
+    summary = cb.summary()
+    assert summary["captures"] == 2 and summary["replay_check"]["mismatches"] == 1, summary
+    assert summary["replay_check"]["first_mismatch"].startswith("the loss"), summary
+    assert summary["reason"] is None  # one mismatch: captured again, and the replays go on
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_a_second_mismatch_means_eager_training_for_the_rest_of_the_fit(monkeypatch):
+    _unseen_moves(monkeypatch)
+    cb = _callback()
+    with pytest.warns(UserWarning, match=r"for the second time; training eagerly"):
+        run = fit(ScalesByAPlainTensor, [MovesTheScaleEachEpoch(), cb], steps=90)
+    base = fit(baseline_of(ScalesByAPlainTensor), [MovesTheScaleEachEpoch()], steps=90)
+    assert_same(base, run)  # the optimizer keeps make_capturable's configuration after the capture
+    summary = cb.summary()
+    assert summary["replay_check"]["mismatches"] == 2 and "sampled replay check" in summary["reason"], summary
+    assert summary["captures"] == 2
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_without_the_check_the_same_stale_replays_train_wrong(monkeypatch):
+    """The test above fails without the check: what it catches is real."""
+    _unseen_moves(monkeypatch)
+    cb = _callback(verify=False)
+    run = fit(ScalesByAPlainTensor, [MovesTheScaleEachEpoch(), cb], steps=60)
+    base = fit(baseline_of(ScalesByAPlainTensor), [MovesTheScaleEachEpoch()], steps=60)
+    with pytest.raises(AssertionError, match="loss differs at step 30"):
+        assert_same(base, run)
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_replays_that_differ_from_each_other_switch_the_check_off_with_a_warning(monkeypatch):
+    """Kernels that are not deterministic (atomics) make two replays from one state differ: the check
+    cannot judge them bitwise, says so once, and the fit goes on replaying."""
+    replay = emu.FakeGraph.replay
+    calls = [0]
+
+    def unrepeatable(graph):
+        replay(graph)
+        calls[0] += 1
+        module = _model[0]
+        with torch.no_grad():
+            module.head.bias.add_(1e-6 * calls[0])  # a different rounding at every replay
+
+    _model = [None]
+
+    class Remembers(TinyMLP):
+        def on_fit_start(self):
+            _model[0] = self
+
+    monkeypatch.setattr(emu.FakeGraph, "replay", unrepeatable)
+    cb = _callback()
+    with pytest.warns(
+        UserWarning, match=r"sampled replay check is off for this fit: two replays from the same state"
+    ):
+        fit(Remembers, [cb], steps=20)
+    summary = cb.summary()
+    assert summary["captured"] and summary["reason"] is None, summary
+    assert summary["replay_check"]["checks"] == 1 and summary["replay_check"]["mismatches"] == 0, summary
+    assert "not deterministic" in summary["replay_check"]["off_reason"]
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_a_check_whose_copies_do_not_fit_is_skipped_and_counted(monkeypatch):
+    from l2lightning import replay_check
+
+    def out_of_memory(self):
+        raise torch.OutOfMemoryError("no room for the copies")
+
+    monkeypatch.setattr(replay_check.WrittenState, "save", out_of_memory)
+    cb = _callback()
+    with pytest.warns(UserWarning, match="a sampled replay check was skipped"):
+        run = fit(TinyMLP, [cb], steps=20)
+    base = fit(baseline_of(TinyMLP), steps=20)
+    assert_same(base, run)
+    report = cb.summary()["replay_check"]
+    assert report["checks"] == 0 and report["skipped_memory"] == 5, report  # replays 1, 2, 4, 8, 16
+
+
+def test_the_report_is_plain_data():
+    report = ReplayCheckReport(checks=2, seconds=0.1234567891)
+    assert report.to_dict()["seconds"] == 0.123457 and report.to_dict()["mode"] == "sampled"
