@@ -173,6 +173,9 @@ def snapshot(
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "dict", (entries, dict(value)))
             elif tracks_tensors and isinstance(value, torch.Tensor):
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "tensor", value)
+            elif tracks_tensors and _tensor_tuple(value):
+                # an LSTM's (h, c) kept on the module: rebound each step, like a tensor (carried state)
+                out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "tensors", value)
             elif (state := _held_generator_state(value)) is not None:
                 # a random generator of the step's own (`self.rng = random.Random(0)`): a draw that
                 # only steers a rarely taken branch leaves the traced steps alike, so its state is
@@ -265,6 +268,8 @@ def _changes(before: Snapshot, after: Snapshot) -> list[tuple[_Value | None, _Va
             # recomputed from the parameters in every forward (weight_norm's `weight`): the graph
             # recomputes it too; a running value that a replay would freeze is detached
             continue
+        if now.kind == "tensors" and any(t.requires_grad for t in _flat_tensors(now.value)):
+            continue  # the same, for a tuple (a recurrent state that carried_state replays)
         if then is None or then.kind != now.kind or _differs(then.value, now.value, now.kind):
             found.append((then, now))
     found += [(None, then) for key, then in before.items() if key not in after]
@@ -276,9 +281,39 @@ def changed(before: Snapshot, after: Snapshot) -> list[str]:
     return sorted({now.label for _, now in _changes(before, after)})
 
 
+def _tensor_tuple(value: Any) -> bool:
+    """Whether `value` is a non-empty tuple of tensors (nested tuples too): an LSTM's ``(h, c)``."""
+    return isinstance(value, tuple) and bool(value) and _flat_tensors(value) is not None
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor] | None:
+    from l2lightning.carried_state import leaves
+
+    return leaves(value)
+
+
+def rebound_tensors(before: Snapshot, after: Snapshot) -> list[tuple[_Value, _Value]]:
+    """(before, after) of each plain attribute holding a tensor or a tuple of tensors that the step
+    rebound (the candidates for carried state, :func:`l2lightning.carried_state.carried_attributes`)."""
+    found = []
+    for key, now in after.items():
+        then = before.get(key)
+        if (
+            then is not None
+            and now.kind in ("tensor", "tensors")
+            and then.kind == now.kind
+            and then.value is not now.value
+            and now.name in getattr(now.owner, "__dict__", {})  # not a buffer or a parameter
+        ):
+            found.append((then, now))
+    return found
+
+
 def _differs(a: Any, b: Any, kind: str = "value") -> bool:
     if kind in ("rng", "dict", "held_rng"):
         return a[0] != b[0]
+    if kind == "tensors":
+        return a is not b  # rebound
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is not b  # rebound, not changed in place
     if type(a) is not type(b):
@@ -348,7 +383,7 @@ def restore(before: Snapshot) -> None:
                     break
             else:
                 attributes[entry.name] = entry.value
-        elif entry.kind == "value":
+        elif entry.kind in ("value", "tensors"):
             attributes[entry.name] = entry.value
         elif entry.kind == "dict":
             current = attributes.get(entry.name)

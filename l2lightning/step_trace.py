@@ -632,6 +632,9 @@ class StepTracer(TorchDispatchMode):
         # inside activation checkpointing's recomputation with the forward's random state put back
         self._recomputing_with_forward_rng = False
         self.trace = StepTrace()
+        # storages of every tensor the step's ops made (what an attribute rebound to them holds is
+        # the step's own result: carried state, l2lightning.carried_state)
+        self.made: set[int] = set()
         self._paused = 0
         self._hook: str | None = None
         self._hook_made: set[int] = set()  # storages created inside the current hook
@@ -1010,10 +1013,16 @@ class StepTracer(TorchDispatchMode):
         result = func(*args, **kwargs)
         if capturing_beside_host and not on_device and tensors:
             self._note_host_made(tensors, result)
+        made = [
+            r.untyped_storage().data_ptr()
+            for r in tree_flatten(result)[0]
+            if isinstance(r, torch.Tensor) and r.layout == torch.strided
+        ]
+        # a view of an input (`h.detach()`) is not the step's own result: its storage is the input's
+        inputs = {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}
+        self.made.update(ptr for ptr in made if ptr not in inputs)
         if self._hook is not None:
-            for r in tree_flatten(result)[0]:
-                if isinstance(r, torch.Tensor):
-                    self._hook_made.add(r.untyped_storage().data_ptr())
+            self._hook_made.update(made)
         self.trace.ops.append((_op_name(func), self._signature(func, args, kwargs)))
         self.trace.frames.append(frame)
         self.trace.op_hooks.append(self._hook)

@@ -1,4 +1,4 @@
-"""Sixteen small LightningModules written the way users write them (issue 12), and their registry.
+"""Small LightningModules written the way users write them, and their registry.
 
 Each module re-creates one public idiom (Lightning's docs and demos, lightning-hydra-template,
 torchmetrics' docs, CleanRL, timm, DLRM, the classic pytorch/examples scripts) on synthetic data
@@ -1013,6 +1013,119 @@ def _hydra_template_module() -> HydraTemplateMNIST:
     return HydraTemplateMNIST(net=SimpleDenseNet(), optimizer=optimizer)
 
 
+class RNNModel(nn.Module):
+    """pytorch/examples ``word_language_model``'s model: encoder, a recurrent layer, decoder."""
+
+    def __init__(self, ntoken: int, ninp: int, nhid: int, nlayers: int, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.ntoken = ntoken
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout)
+        self.decoder = nn.Linear(nhid, ntoken)
+        self.nlayers, self.nhid = nlayers, nhid
+
+    def forward(self, input, hidden):
+        emb = self.drop(self.encoder(input))
+        output, hidden = self.rnn(emb, hidden)
+        output = self.drop(output)
+        decoded = self.decoder(output).view(-1, self.ntoken)
+        return F.log_softmax(decoded, dim=1), hidden
+
+    def init_hidden(self, bsz: int):
+        weight = next(self.parameters())
+        return (
+            weight.new_zeros(self.nlayers, bsz, self.nhid),
+            weight.new_zeros(self.nlayers, bsz, self.nhid),
+        )
+
+
+def repackage_hidden(h):
+    """Wraps hidden states in new Tensors, to detach them from their history (the example's helper)."""
+    if isinstance(h, torch.Tensor):
+        return h.detach()
+    return tuple(repackage_hidden(v) for v in h)
+
+
+class WordLanguageModel(LightningModule):
+    """pytorch/examples ``word_language_model`` as a LightningModule: a 2-layer LSTM over batchified
+    text (``(bptt, batch)`` chunks in order), the hidden state kept on the module and carried across
+    steps under ``repackage_hidden``, ``init_hidden`` at every epoch start, SGD with momentum, value
+    clipping (``gradient_clip_algorithm="value"``) and ReduceLROnPlateau on the epoch's loss."""
+
+    def __init__(
+        self, ntoken: int = 200, ninp: int = 64, nhid: int = 64, nlayers: int = 2, batch_size: int = 8
+    ):
+        super().__init__()
+        self.model = RNNModel(ntoken, ninp, nhid, nlayers)
+        self.batch_size = batch_size
+        self.hidden = None
+
+    def on_train_epoch_start(self):
+        self.hidden = self.model.init_hidden(self.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        data, targets = batch
+        data, targets = data.t(), targets.t()  # the loader batches chunks; the model is sequence-first
+        self.hidden = repackage_hidden(self.hidden)
+        output, self.hidden = self.model(data, self.hidden)
+        loss = F.nll_loss(output, targets.reshape(-1))
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.25, patience=0)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "monitor": "train_loss_epoch"},
+        }
+
+
+def _text_loader(
+    n_tokens: int = 8 * 35 * 21, bptt: int = 35, batch_size: int = 8, vocab: int = 200
+) -> DataLoader:
+    """Synthetic text batchified as the example does: ``batch_size`` streams, chunks of ``bptt`` in order."""
+    g = _generator(16)
+    # a learnable stream: each token mostly follows from the one before
+    tokens = torch.empty(n_tokens + 1, dtype=torch.long)
+    tokens[0] = 0
+    jumps = torch.randint(0, vocab, (n_tokens,), generator=g)
+    keep = torch.rand(n_tokens, generator=g) < 0.7
+    for i in range(n_tokens):
+        tokens[i + 1] = (tokens[i] * 7 + 3) % vocab if keep[i] else jumps[i]
+    streams = tokens[: (n_tokens // batch_size) * batch_size + 1]
+    data = streams[:-1].view(batch_size, -1)  # (batch, time)
+    target = streams[1:].view(batch_size, -1)
+    chunks = data.size(1) // bptt
+    x = torch.stack([data[:, i * bptt : (i + 1) * bptt] for i in range(chunks)])  # (chunk, batch, bptt)
+    y = torch.stack([target[:, i * bptt : (i + 1) * bptt] for i in range(chunks)])
+    # one chunk per step, its (batch, bptt) block as it is (batch_size=None: no batching on top)
+    return DataLoader(TensorDataset(x, y), batch_size=None, shuffle=False)
+
+
+class AdamWOneCycleMomentum(LightningModule):
+    """Lightning's docs recipe: ``OneCycleLR`` over ``trainer.estimated_stepping_batches``, stepped per
+    batch, on foreach AdamW, with the scheduler's default ``cycle_momentum=True`` (it cycles beta1)."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, 128), nn.GELU(), nn.Linear(128, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x).squeeze(-1), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
+        scheduler = OneCycleLR(
+            optimizer, max_lr=1e-2, total_steps=int(self.trainer.estimated_stepping_batches)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 # -------------------------------------------------------------------------------------- registry
 @dataclass(frozen=True)
 class Idiom:
@@ -1169,6 +1282,24 @@ _IDIOM_LIST = [
         "manual optimization is refused with a ValueError at setup",
         trainer_kwargs=_steps(max_steps=2 * DEFAULT_STEPS),
         optimizer_steps_per_batch=2,
+    ),
+]
+
+_IDIOM_LIST += [
+    Idiom(
+        "word_language_model",
+        WordLanguageModel,
+        _text_loader,
+        "capture",
+        "the LSTM's hidden state is carried across steps on the module (repackage_hidden): replays carry it too",
+        trainer_kwargs=_steps(gradient_clip_val=0.25, gradient_clip_algorithm="value"),
+    ),
+    Idiom(
+        "adamw_onecycle_momentum",
+        AdamWOneCycleMomentum,
+        functools.partial(_regression_loader, n=640, dim=64, batch_size=16, seed=17),
+        "refuse",
+        "OneCycleLR cycles AdamW's beta1 every step (cycle_momentum=True): refused, and the fit equals plain",
     ),
 ]
 

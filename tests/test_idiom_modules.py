@@ -33,10 +33,12 @@ EXPECTED = [
     "bf16_true_lambdalr",
     "cleanrl_ppo",
     "manual_gan",
+    "word_language_model",
+    "adamw_onecycle_momentum",
 ]
 
 
-def test_registry_has_the_eighteen_idioms():
+def test_registry_has_the_twenty_idioms():
     assert list(IDIOMS) == EXPECTED
     for name, idiom in IDIOMS.items():
         assert idiom.name == name
@@ -44,7 +46,7 @@ def test_registry_has_the_eighteen_idioms():
         assert idiom.why
         assert idiom.callback_kwargs == {}
         assert idiom.trainer_kwargs["max_steps"] == 60 * idiom.optimizer_steps_per_batch
-    assert sum(idiom.expect == "capture" for idiom in IDIOMS.values()) == 16
+    assert sum(idiom.expect == "capture" for idiom in IDIOMS.values()) == 17
 
 
 @pytest.mark.parametrize("name", EXPECTED)

@@ -1,7 +1,7 @@
 """GPU: L2GraphCallback on modules written the way users write them (issue 12).
 
-Each idiom of ``tests/idiom_modules.py`` is fit for 60 steps plain, with the ``make_capturable``
-baseline, and with the callback (``tests/idiom_harness.judge``). Every idiom must end bitwise equal
+Each idiom of ``tests/idiom_modules.py`` is fit for 60 steps plain, with the callback and with its
+baseline (plain, switched to ``make_capturable``'s configuration at the callback's capture step) (``tests/idiom_harness.judge``). Every idiom must end bitwise equal
 to its reference: the baseline when the callback captured, plain Lightning when it refused (and a
 plain fit after the callback's fit must still equal the first one). Idioms expected to capture must
 capture; a run that does not capture must name its reason.
@@ -21,6 +21,7 @@ REFUSAL_NAMES = {
     "sgd_onecycle_clip": "['lr', 'momentum'] changed at every warm-up step",
     "manual_gan": "supports automatic optimization only",
     "own_step_counter": "the step changes Python state (`self.updates`)",
+    "adamw_onecycle_momentum": "AdamW's ['betas'] changed at every warm-up step",
 }
 
 

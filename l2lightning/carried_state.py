@@ -1,0 +1,108 @@
+"""Carried state: tensors a step reads from an attribute and rebinds to values it computes.
+
+pytorch/examples' word language model keeps its LSTM's hidden state on the module: each step reads
+``self.hidden`` and rebinds it to the state its forward returns (``self.hidden =
+repackage_hidden(self.hidden)``, then ``output, self.hidden = self.model(data, self.hidden)``), and
+``init_hidden`` puts zeros there at every epoch start. A graph reads the memory of the tensors it
+was captured with and writes its results to memory of its own, so without more, every replay would
+start from the capture's hidden state again.
+
+:func:`carried_attributes` finds such attributes at the capture, from the Python state before and
+after the captured step (:mod:`l2lightning.python_state`): a plain attribute (a tensor or a tuple of
+tensors) the step rebound to tensors of the same shapes, dtypes and devices that the step itself
+made. :class:`Carried` then replays it as an eager step would: before each replay the attribute's
+tensors, whatever set them (the last replay, an eager step, ``init_hidden``), are copied into the
+memory the graph reads; after it, the attribute holds fresh copies of what the graph computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def leaves(value: Any) -> list[torch.Tensor] | None:
+    """The tensors of a tensor or a tuple of tensors (nested tuples too), in order; None otherwise."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple) and value:
+        out: list[torch.Tensor] = []
+        for v in value:
+            inner = leaves(v)
+            if inner is None:
+                return None
+            out += inner
+        return out
+    return None
+
+
+def _rebuilt(template: Any, tensors: Iterable[torch.Tensor]) -> Any:
+    """`template`'s structure (a tensor or nested tuples) around `tensors`, in order."""
+    it = iter(tensors)
+
+    def build(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return next(it)
+        return tuple(build(v) for v in node)
+
+    return build(template)
+
+
+def _meta(tensors: list[torch.Tensor]) -> list[tuple]:
+    return [(tuple(t.shape), t.dtype, t.device, t.layout) for t in tensors]
+
+
+@dataclass
+class Carried:
+    """One carried attribute: where it lives, the tensors the graph reads and those it writes."""
+
+    label: str  # "`self.hidden`"
+    owner: dict  # the ``__dict__`` the attribute lives in
+    name: str
+    template: Any  # the value's structure (a tensor or nested tuples of them)
+    inputs: list[torch.Tensor]  # what the graph reads: the attribute's tensors at the capture
+    outputs: list[torch.Tensor]  # what the graph writes: the attribute's tensors after the capture
+
+    def current(self) -> list[torch.Tensor] | None:
+        return leaves(self.owner.get(self.name))
+
+    def mismatch(self) -> str | None:
+        """Why the attribute's value now cannot be handed to the graph, or None."""
+        now = self.current()
+        if now is None:
+            return f"{self.label} holds no tensor (or tuple of tensors) now"
+        if _meta(now) != _meta(self.inputs):
+            return f"{self.label} holds tensors of other shapes, dtypes or devices than at capture"
+        return None
+
+    def copy_in(self) -> None:
+        """Copy the attribute's tensors into the memory the graph reads (call :meth:`mismatch` first)."""
+        with torch.no_grad():
+            for dst, src in zip(self.inputs, self.current() or ()):
+                if src is not dst:
+                    dst.copy_(src)
+
+    def fresh_out(self) -> None:
+        """Point the attribute at fresh copies of what the graph computed (the next replay overwrites its own)."""
+        self.owner[self.name] = _rebuilt(self.template, [t.detach().clone() for t in self.outputs])
+
+
+def carried_attributes(changes: Iterable[tuple[Any, Any]], made: set[int]) -> list[Carried]:
+    """The carried attributes among `changes`, the (before, after) entries of
+    :func:`l2lightning.python_state.rebound_tensors`: rebound to tensors the step made (their storages
+    in `made`) of the same shapes, dtypes and devices."""
+    found = []
+    for then, now in changes:
+        before, after = leaves(then.value), leaves(now.value)
+        if before is None or after is None or _meta(before) != _meta(after):
+            continue
+        if not all(t.untyped_storage().data_ptr() in made for t in after):
+            continue  # rebound to tensors from before the step (an alias of a parameter, say)
+        owner = getattr(now.owner, "__dict__", None)
+        if owner is None or owner.get(now.name) is not now.value:
+            continue
+        found.append(Carried(now.label, owner, now.name, then.value, before, after))
+    return found
