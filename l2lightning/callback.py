@@ -237,6 +237,7 @@ class L2GraphCallback(
         self.gate_pairs = gate_pairs
         self._reset_run_state()
         # Persisted through state_dict (chosen plans and capture step of the last run).
+        self._resumed_capturable_from: int | None = None
         self.capture_step: int | None = None
         self.plans: list[dict[str, Any]] = []
 
@@ -257,6 +258,7 @@ class L2GraphCallback(
         self._check_why = ""  # why this step is checked (CheckSchedule.due)
         # the global step from which the optimizer ran make_capturable's configuration (first capture)
         self.capturable_from_step: int | None = None
+        self._resumed_switched = False  # switched at train start: a resumed fit that was capturable
         self._fallback_causes: set[str] = set()
         self._warned: set[str] = set()
         self._module: LightningModule | None = None
@@ -331,12 +333,19 @@ class L2GraphCallback(
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"capture_step": self.capture_step, "plans": self.plans}
+        return {
+            "capture_step": self.capture_step,
+            "plans": self.plans,
+            "capturable_from_step": self.capturable_from_step,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.capture_step = state_dict.get("capture_step")
         self.plans = list(state_dict.get("plans", []))
+        # a fit resumed past its capture step goes on in make_capturable's configuration, as the
+        # uninterrupted fit did (on_train_start switches the optimizer before the first step)
+        self._resumed_capturable_from = state_dict.get("capturable_from_step")
 
     def summary(self) -> dict[str, Any]:
         """What happened in the last fit: captured or not (and why), timings, plans, verify verdict."""
@@ -386,6 +395,8 @@ class L2GraphCallback(
         wrapped = self._optimizer
         if wrapped is None or not self._owns_optimizer or not wrapped.switched:
             return ""
+        if not (self.captures or self._resumed_switched):
+            return ""  # a capture that failed: the optimizer goes back to the user's configuration
         name = type(wrapped.optimizer).__name__
         step = self.capturable_from_step
         return (
@@ -406,7 +417,7 @@ class L2GraphCallback(
             return
         wrapped.handler = None
         if self._owns_optimizer:
-            if wrapped.switched and self.captures and not fit_ends:
+            if wrapped.switched and (self.captures or self._resumed_switched) and not fit_ends:
                 self._kept_optimizer = wrapped  # released at the fit's end (_cleanup)
             else:
                 wrapped.release()
@@ -636,6 +647,11 @@ class L2GraphCallback(
         self._optimizer = wrapped
         self._owns_optimizer = existing is None
         wrapped.handler = self._step
+        resumed, self._resumed_capturable_from = self._resumed_capturable_from, None
+        if resumed is not None and trainer.global_step >= resumed:
+            wrapped.switch_on()  # resumed after the capture step: the configuration the fit had there
+            self.capturable_from_step = resumed
+            self._resumed_switched = True
         # prog_bar values: read when the progress bar (or anyone) reads them, not with a host sync per step
         self._undo_progress_bar_reads = defer_progress_bar_reads(trainer)
         # replays dispatch only the closure's hooks that something overrides (l2lightning.replay_closure)

@@ -302,8 +302,7 @@ class TrainingState:
                                 )
                             value.zero_()
         torch.set_rng_state(self.cpu_rng)
-        for device, state in self.cuda_rng:
-            torch.cuda.set_rng_state(state, device)
+        put_back_cuda_rng(self.cuda_rng)
 
     def restore_rng(self) -> None:
         """Put the CPU and CUDA generators back where they were, after a capture that failed.
@@ -315,6 +314,25 @@ class TrainingState:
         """
         torch.set_rng_state(self.cpu_rng)
         reset_cuda_generators(self.cuda_rng)
+
+
+def put_back_cuda_rng(states: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Put each CUDA device's default generator back to a state saved with ``torch.cuda.get_rng_state``.
+
+    Where the seed is the saved one (only the offset moved, as every step's random ops move it), the
+    offset alone is put back: setting the whole state sets the seed too, which makes cuDNN re-seed its
+    RNN dropout state at the next ``nn.LSTM``/``nn.GRU`` call (a host sync, a draw from the generator,
+    and a new state buffer under a graph that holds the old one's address). The state's bytes are the
+    seed and then the offset, each a little-endian 64-bit integer.
+    """
+    for device, state in states:
+        generator = torch.cuda.default_generators[device]
+        seed = int.from_bytes(bytes(state[:8].tolist()), "little")
+        offset = int.from_bytes(bytes(state[8:16].tolist()), "little")
+        if state.numel() == 16 and generator.initial_seed() == seed and hasattr(generator, "set_offset"):
+            generator.set_offset(offset)
+        else:
+            torch.cuda.set_rng_state(state, device)
 
 
 def reset_cuda_generators(states: Sequence[tuple[int, torch.Tensor]]) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from l2lightning.capture import put_back_cuda_rng
 from l2lightning.verify import _bits, compare_tensors
 
 # Replays counted per capture: a check at replay 1, 2, 4, 8, ... (a power of two).
@@ -94,8 +95,7 @@ class SavedState:
             for live, saved in self.tensors:
                 live.copy_(saved)
         torch.set_rng_state(self.cpu_rng)
-        for device, state in self.cuda_rng:
-            torch.cuda.set_rng_state(state, device)
+        put_back_cuda_rng(self.cuda_rng)
 
 
 class WrittenState:
@@ -124,11 +124,14 @@ def named_written_state(
     optimizer: torch.optim.Optimizer | None,
     metric_states: Sequence[tuple[str, Any, str]] = (),
     attributes: Sequence[tuple[dict, str, Any]] = (),
+    written_in_place: Sequence[tuple[torch.Tensor, str]] = (),
 ) -> list[Written]:
     """What a training step writes that outlives it, each with its label.
 
     `metric_states`: (metric path, metric, state name); `attributes`: (owner's ``__dict__``, name,
-    tensor) for the tensors the step reads from plain attributes (it may update them in place).
+    tensor) for the tensors the step reads from plain attributes (it may update them in place);
+    `written_in_place`: (tensor, where) for the other tensors from before the step that its ops write
+    in place (seen by the step tracer at the capture: a counter in a dict, say).
     """
     written: list[Written] = []
     names = {}
@@ -151,6 +154,14 @@ def named_written_state(
             continue
         seen.add(id(tensor))
         written.append(Written(f"tensor attribute `{name}`", lambda owner=owner, name=name: owner.get(name)))
+    storages = {
+        t.untyped_storage().data_ptr() for t in (w.read() for w in written) if isinstance(t, torch.Tensor)
+    }
+    for tensor, where in written_in_place:
+        if tensor.untyped_storage().data_ptr() in storages:
+            continue
+        storages.add(tensor.untyped_storage().data_ptr())
+        written.append(Written(f"a tensor the step writes in place ({where})", lambda t=tensor: t))
     return written
 
 

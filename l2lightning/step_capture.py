@@ -6,6 +6,7 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ class _Graph:
     appends: list[tuple[python_state.Append, Any]] = field(default_factory=list)
     # attributes the step reads and rebinds to its own results (a recurrent hidden state), replayed
     carried: list[Carried] = field(default_factory=list)
+    # tensors from before the capture that its ops write in place, with the user's line (the step tracer's)
+    external_writes: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
     # Python numbers the capture may have baked in (python_state.baked_scalars), checked before each replay
     scalars: list[tuple[dict, str, Any]] = field(default_factory=list)
     # small containers of numbers it reads from module globals (python_state.baked_globals), the same
@@ -180,6 +183,9 @@ class StepCapture:
         # The chain discovery's dry run and the verify step run training_step's Python too: what they
         # do to Python state (an appended output, a drawn random number) is undone like their tensors.
         python_start = python_state.snapshot(holders, device_type=device_type)
+        # an LR scheduler the step itself steps (refused below, but it stepped in the dry run, the
+        # verify step and the capture attempt): its counters go back with the rest of the Python state
+        schedulers = _scheduler_states(self._trainer)
         if self._hooks is None and not self.compile:
             # The last eager step's gradients are spent (its optimizer step read them; this step's
             # closure zeroes them, and the capture below drops them anyway): dropped before the
@@ -191,6 +197,7 @@ class StepCapture:
             self._install_prefetch(module)
         eager_record = self._verify_eager(run, closure, kwargs, binding) if self.verify == "capture" else None
         python_state.restore(python_start)
+        _put_back_schedulers(schedulers)
         # What a failed capture must undo: the capture runs no kernel, so only host tensors and the RNG
         saved = TrainingState.save(
             module, wrapped.optimizer, binding.state_tensors() if binding else (), host_only=True
@@ -228,6 +235,7 @@ class StepCapture:
                 raise CaptureRefused(self._python_problem(python_changed))
             graph.appends = [(a, a.current()[-1]) for a in appended]
             graph.carried = carried
+            graph.external_writes = list(tracer.external_writes.values())
             graph.host_reads = tracer.host_reads
             return out
 
@@ -260,6 +268,7 @@ class StepCapture:
         except _Defer:
             self._undo_capture(saved, binding, saved_metrics)
             python_state.restore(python_before)
+            _put_back_schedulers(schedulers)
             self._mode = "eager"
             if gate_capture:
                 self._graph = self._gate.graphs["prefetch"]  # the gate captures at a later step
@@ -271,6 +280,7 @@ class StepCapture:
         except Exception as exc:  # a host sync or an op that cannot be captured
             self._undo_capture(saved, binding, saved_metrics)
             python_state.restore(python_before)  # the eager step below changes them once
+            _put_back_schedulers(schedulers)
             # Only what the fallback needs is kept: the exception's frames hold the partial
             # capture's tensors (in the graph's pool) until it is gone, and the eager step below
             # must not run next to them (with little memory to spare it would run out itself).
@@ -339,7 +349,11 @@ class StepCapture:
         # an attribute reached two ways (a loss object the module holds whose method the step calls):
         # compared once
         graph.scalars = python_state.unique_checks(graph.scalars)
-        graph.tensors = python_state.unique_checks(graph.tensors)
+        graph.tensors = [  # a carried attribute is rebound by design: handed to each replay instead
+            (owner, name, t)
+            for owner, name, t in python_state.unique_checks(graph.tensors)
+            if not any(owner is c.owner and name == c.name for c in graph.carried)
+        ]
         graph.tensor_addresses = python_state.addresses(graph.tensors)
         graph.hooks = StepHooks.of(module)
         graph.numerics = numerics_settings.read()
@@ -457,6 +471,17 @@ class StepCapture:
             "host (`.item()`, `print(tensor)`, `if tensor:`), log the tensor with `self.log` or run such steps "
             "eagerly with `eager_steps`"
         )
+
+
+def _scheduler_states(trainer: Any) -> list[tuple[Any, dict]]:
+    """Each LR scheduler of the Trainer with a copy of its state (its counters and last LRs)."""
+    configs = getattr(trainer, "lr_scheduler_configs", None) or []
+    return [(c.scheduler, copy.deepcopy(c.scheduler.state_dict())) for c in configs]
+
+
+def _put_back_schedulers(saved: list[tuple[Any, dict]]) -> None:
+    for scheduler, state in saved:
+        scheduler.load_state_dict(copy.deepcopy(state))
 
 
 def _holds(frozen_value: Any, tensor_ids: set[int]) -> bool:

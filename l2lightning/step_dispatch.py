@@ -18,6 +18,7 @@ from l2lightning.cuda_memory import free_cached_memory
 from l2lightning.replay_check import WrittenState, first_difference, named_written_state, step_tensors
 from l2lightning.replay_closure import is_stock_closure, one_closure_count
 from l2lightning.step_overrides import copied_element
+from l2lightning.step_trace import describe_frame
 
 
 class StepDispatch:
@@ -159,7 +160,10 @@ class StepDispatch:
             if binding is not None
             else []
         )
-        written = named_written_state(self._module, self._optimizer.optimizer, metric_states, graph.tensors)
+        in_place = [(t, describe_frame(frame)) for t, frame in graph.external_writes]
+        written = named_written_state(
+            self._module, self._optimizer.optimizer, metric_states, graph.tensors, in_place
+        )
         devices = [self._device().index or 0] if self._device_type() == "cuda" else []
         return WrittenState(written, devices)
 

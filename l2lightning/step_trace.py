@@ -635,6 +635,10 @@ class StepTracer(TorchDispatchMode):
         # storages of every tensor the step's ops made (what an attribute rebound to them holds is
         # the step's own result: carried state, l2lightning.carried_state)
         self.made: set[int] = set()
+        # capture: device tensors from before the step that its ops write in place (a counter in a
+        # dict, an EMA in a list), by storage, with the user's line: what a replay changes besides the
+        # module's parameters and buffers and the optimizer's state (l2lightning.replay_check)
+        self.external_writes: dict[int, tuple[torch.Tensor, tuple[str, int] | None]] = {}
         self._paused = 0
         self._hook: str | None = None
         self._hook_made: set[int] = set()  # storages created inside the current hook
@@ -1010,6 +1014,8 @@ class StepTracer(TorchDispatchMode):
         if self.host_state and not on_device and self._hook is None:
             # (a hook's writes have their own judgement: it may run after each replay instead)
             self._check_host_writes(func, args, kwargs, frame)
+        if self.constants is not None and on_device:
+            self._note_external_writes(func, args, kwargs, frame)
         result = func(*args, **kwargs)
         if capturing_beside_host and not on_device and tensors:
             self._note_host_made(tensors, result)
@@ -1052,6 +1058,16 @@ class StepTracer(TorchDispatchMode):
             if isinstance(r, torch.Tensor) and r.device.type == "cpu" and id(r) not in sources:
                 self._host_made.append(r)
                 self._host_sources[id(r)] = list(sources.values())
+
+    def _note_external_writes(
+        self, func: Any, args: tuple, kwargs: dict, frame: tuple[str, int] | None
+    ) -> None:
+        for t in _written_tensors(func, args, kwargs):
+            if t.device.type != self.device_type or t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage().data_ptr()
+            if storage not in self.made and storage not in self.external_writes:
+                self.external_writes[storage] = (t, frame)
 
     def _check_host_writes(self, func: Any, args: tuple, kwargs: dict, frame: tuple[str, int] | None) -> None:
         """The step changing a host tensor of :attr:`host_state` in place: a replay runs only the

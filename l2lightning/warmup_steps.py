@@ -279,6 +279,13 @@ class WarmupSteps:
                     )
                 )
         syncs = [s for s in trace.syncs if not self._runs_after_replay(s[2], trace)]
+        if syncs and problem is None and not trace.problems and not group.traces and not group.dropped_first:
+            # A first step that syncs once is set aside, like a first step that builds something: a
+            # lazy initialization (cuDNN seeds its RNN dropout state with a number read back at the
+            # first nn.LSTM call after torch.manual_seed). The traced steps after it must not sync.
+            group.dropped_first = True
+            group.metrics.update(updated)
+            return
         if syncs and problem is None:
             what, frame, _ = syncs[0]
             problem = (

@@ -4,10 +4,11 @@ The callback trains with the user's optimizer configuration until its capture st
 ``make_capturable``'s configuration from then on until the fit ends (``summary()["capturable_from_step"]``;
 see ``l2lightning.baseline``). A test's baseline is therefore plain Lightning that switches at the
 step the callback fit switched at and switches back when the fit ends: :func:`baseline_of` makes
-such a module class. Its n-th fit in a test reads the step of the test's n-th callback fit (or of
-the last one, when there were fewer), recorded at each callback fit's teardown by the autouse
-fixture :func:`capturable_from_of_the_last_callback_fit`, which a test module imports. A baseline
-fit that starts before any callback fit of its test raises instead of guessing.
+such a module class. A baseline module's n-th fit reads the step of the n-th fit of the callback
+that ended a fit last (a module fit twice by one Trainer and callback: two switch steps), recorded at
+each callback fit's teardown by the autouse fixture :func:`capturable_from_of_the_last_callback_fit`,
+which a test module imports. A baseline fit that starts before any callback fit of its test raises
+instead of guessing.
 """
 
 from __future__ import annotations
@@ -19,37 +20,36 @@ import pytest
 from l2lightning import L2GraphCallback, make_capturable
 from l2lightning.optim import installed_capturable
 
-# the test's callback fits' capturable_from_step, in order, and how many baseline fits have started
-_recorded: list[int | None] = []
-_baseline_fits = [0]
+# the test's callback fits, in order: (the callback's id, its capturable_from_step)
+_recorded: list[tuple[int, int | None]] = []
 
 
 @pytest.fixture(autouse=True)
 def capturable_from_of_the_last_callback_fit(monkeypatch):
     """Record, at each callback fit's teardown, the step from which its optimizer was capturable."""
     _recorded.clear()
-    _baseline_fits[0] = 0
     original = L2GraphCallback.teardown
 
     def teardown(self, trainer, pl_module, stage):
         original(self, trainer, pl_module, stage)
         if stage == "fit":
-            _recorded.append(self.capturable_from_step)
+            _recorded.append((id(self), self.capturable_from_step))
 
     monkeypatch.setattr(L2GraphCallback, "teardown", teardown)
     yield
 
 
-def next_switch_step() -> int | None:
-    """The switch step of the callback fit that this baseline fit mirrors (None: it never switched)."""
+def next_switch_step(fits_before: int) -> int | None:
+    """The switch step of the callback fit that a baseline module's fit mirrors (None: it never switched),
+    `fits_before`: the module's fits before this one."""
     if not _recorded:
         raise RuntimeError(
             "a baseline fit started before any fit with L2GraphCallback in this test: run the callback "
             "fit first (the baseline switches the optimizer at the step that fit switched at)"
         )
-    index = min(_baseline_fits[0], len(_recorded) - 1)
-    _baseline_fits[0] += 1
-    return _recorded[index]
+    last = _recorded[-1][0]
+    steps = [step for owner, step in _recorded if owner == last]
+    return steps[min(fits_before, len(steps) - 1)]
 
 
 def is_baseline(model_or_class: Any) -> bool:
@@ -65,7 +65,8 @@ def baseline_of(cls: type) -> type:
         _l2_baseline = True
 
         def on_fit_start(self):
-            self._l2_switch_step = next_switch_step()
+            fits = getattr(self, "_l2_fits", 0)
+            self._l2_switch_step, self._l2_fits = next_switch_step(fits), fits + 1
             return super().on_fit_start()
 
         def on_fit_end(self):

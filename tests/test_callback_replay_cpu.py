@@ -1196,26 +1196,19 @@ class SchedulerInStep(TinyMLP):
         return loss
 
 
-@pytest.mark.parametrize(
-    "schedule, written",
-    [("lambda", "written in place"), ("step", "written in place"), ("assign", "assigned")],
-)
-def test_a_learning_rate_changed_inside_training_step_is_refused_by_name(schedule, written):
+@pytest.mark.parametrize("schedule", ["lambda", "step", "assign"])
+def test_a_learning_rate_changed_inside_training_step_is_refused_by_name(schedule):
     """A replay runs no Python: an LR changed inside the step would stay at the capture's value (with
     StepLR, silently: its LR is constant through the warm-up steps, so nothing else differs). Refused,
-    and the fit's learning rates follow the schedule as in plain Lightning."""
+    and the fit is plain Lightning's bit for bit: the warm-up steps kept the float LRs, and StepLR, which
+    computes each LR from the last, no longer carries the float32 rounding of an LR tensor."""
     plain = fit(SchedulerInStep, steps=25, schedule=schedule)
     cb = callback()
-    with pytest.warns(UserWarning, match=rf"optimizer's hyperparameters \(param group 0's `lr` \({written}"):
+    with pytest.warns(UserWarning, match=r"optimizer's hyperparameters \(param group 0's `lr`"):
         run = fit(SchedulerInStep, [cb], steps=25, schedule=schedule)
     assert not cb.summary()["captured"]
-    plain_lr = plain[2].optimizers[0].param_groups[0]["lr"]
-    run_lr = run[2].optimizers[0].param_groups[0]["lr"]
-    assert run_lr == pytest.approx(plain_lr, rel=1e-6)  # StepLR decayed twice: 1e-4, not a frozen 1e-2
-    if schedule != "step":
-        assert_same(plain, run)
-    # StepLR computes each LR from the last: the warm-up steps' LR lived in a float32 tensor, so the
-    # refused fit's LRs carry float32 rounding (README: Known problems), last bits apart from plain's
+    assert run[2].optimizers[0].param_groups[0]["lr"] == plain[2].optimizers[0].param_groups[0]["lr"]
+    assert_same(plain, run)
 
 
 class ScaledMSE:
@@ -1688,6 +1681,7 @@ def test_reissued_logs_take_the_shortcut_and_leave_what_eager_logging_leaves(tmp
             n=96,
             trainer_kwargs={"max_epochs": 3, "logger": logger, "log_every_n_steps": 1},
         )
+        result = tuple(result)  # a baseline fit runs now, before its CSV is read
         return result, seen, (tmp_path / name / "version_0" / "metrics.csv").read_text()
 
     cb = callback()
@@ -1700,7 +1694,8 @@ def test_reissued_logs_take_the_shortcut_and_leave_what_eager_logging_leaves(tmp
     assert got_csv == base_csv
     calls = got_seen.log_calls
     assert len(calls) == 12  # with TinyMLP's two
-    replays = 36 - 3
+    # the steps after the capture replay, but those the sampled check computes eagerly log for real
+    replays = 36 - 3 - cb.summary()["replay_check"]["checks"]
     # the first re-issue of each call registers it through the real self.log; the rest take the shortcut
     assert all(call.fast_issues == replays - 1 for call in calls), [(c.name, c.fast_issues) for c in calls]
 
@@ -2237,7 +2232,8 @@ def test_a_captured_fit_keeps_its_stream_and_frees_nothing_between_steps(monkeyp
     seed_everything(0)
     trainer.fit(TinyMLP(width=32, depth=3), regression_loader(n=240, width=32))
     assert cb.summary()["captured"]
-    assert ledger.freed == [] and ledger.on_stream == list(range(cb.warmup_steps + 1))
+    # the warm-up steps, the capture, and the eager steps of the sampled check (replays 1, 2 and 4)
+    assert ledger.freed == [] and ledger.on_stream == [*range(cb.warmup_steps + 1), 4, 5, 7]
 
 
 def test_out_of_memory_while_tuning_captures_without_prefetch(monkeypatch):
@@ -3062,7 +3058,8 @@ class HeldGeneratorRareBranch(TinyMLP):
 
 
 class RebindsRunningMean(TinyMLP):
-    """A running baseline bound anew each step (REINFORCE style): a graph keeps reading the old tensor."""
+    """A running baseline bound anew each step (REINFORCE style): carried state, which a replay hands
+    on (a graph alone would keep reading the old tensor)."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -3079,6 +3076,18 @@ class RebindsRunningBuffer(RebindsRunningMean):
         super().__init__(**kw)
         del self.running
         self.register_buffer("running", torch.zeros(()))
+
+
+def test_a_running_value_rebound_every_step_is_carried_into_each_replay():
+    """Refused before (a graph alone keeps reading the capture's tensor): carried state now."""
+    cb = callback()
+    run = fit(RebindsRunningMean, [cb], steps=40)
+    base = fit(baseline_of(RebindsRunningMean), steps=40)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 1 and summary["fallback_steps"] == 0, summary
+    assert summary["replay_check"]["mismatches"] == 0, summary
+    assert_same(base, run)
+    assert torch.equal(run[0].running, base[0].running)
 
 
 class WeightNormHead(TinyMLP):
@@ -3102,7 +3111,6 @@ def test_a_weight_recomputed_every_forward_is_captured():
         (KeepsTwoOutputs, "`self.training_step_outputs`"),
         (PythonRandomBranch, "Python's global `random` generator"),
         (HeldGeneratorRareBranch, "`self.rng` (a random generator)"),
-        (RebindsRunningMean, "`self.running`"),
         (RebindsRunningBuffer, "`self.running`"),
     ],
     ids=[
@@ -3110,7 +3118,6 @@ def test_a_weight_recomputed_every_forward_is_captured():
         "two-appends-per-step",
         "python-random",
         "held-generator",
-        "rebound-tensor",
         "rebound-buffer",
     ],
 )
@@ -3272,7 +3279,11 @@ def test_every_idiom_gets_its_verdict_on_the_cpu_stand_in(name):
     cb = callback()
     settings = {**idiom.trainer_kwargs, "max_steps": 40}
     trainer = quiet_trainer(accelerator="cpu", callbacks=[cb], **settings)
-    with warnings.catch_warnings():
+    # An LSTM on the CPU runs oneDNN's kernel eagerly but the decomposed ops under a dispatch mode
+    # (the emulator records those): other bits, which the sampled check rightly reports; on a GPU
+    # both are cuDNN's. The emulator's LSTM runs without oneDNN.
+    mkldnn = torch.backends.mkldnn.flags(enabled=name != "word_language_model")
+    with warnings.catch_warnings(), mkldnn:
         warnings.simplefilter("ignore")
         trainer.fit(module, idiom.make_loader())
     summary = cb.summary()
