@@ -845,196 +845,200 @@ def main(argv: list[str] | None = None) -> int:
     empty_why.setdefault("compile_ro_ms (other families)", f"only measured for {', '.join(ANCHOR_FAMILIES)}")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(tempfile.mkdtemp(prefix="host_overhead_logs_"))
-    setups: dict[tuple[str, int], FamilySetup] = {}
-    errors: list[dict[str, Any]] = []
-    for fam in args.families:
-        for b in args.batches:
-            overrides = bench.TINY_FAMILY_OVERRIDES.get(fam, []) if args.smoke else []
-            try:
-                setups[fam, b] = FamilySetup(fam, b, overrides, log_dir)
-            except Exception as exc:
-                errors.append({"family": fam, "batch": b, "variant": "setup", "error": repr(exc)[:400]})
-                print(f"{fam} b{b}: setup failed: {exc!r}", flush=True)
-
-    runs: list[dict[str, Any]] = []
-    compiled: dict[str, Any] = {}
-
-    def attempt(fam: str, b: int, variant: str, fn: Callable[[], Any]) -> Any:
-        try:
-            value = fn()
-        except Exception as exc:  # a failing variant is a result too
-            errors.append(
-                {
-                    "family": fam,
-                    "batch": b,
-                    "variant": variant,
-                    "error": repr(exc)[:400],
-                    "trace": traceback.format_exc()[-1500:],
-                }
-            )
-            print(f"{fam} b{b} {variant}: FAILED {exc!r}", flush=True)
-            return None
-        return value
-
-    log_costs: list[dict[str, Any]] = []
-    for rnd in range(args.rounds):
-        cost = attempt("log_cost", 0, "log_cost", lambda: log_cost(args))
-        if cost:
-            log_costs.append({"round": rnd, **cost})
-            print({"round": rnd, **{k: _rounded(v) for k, v in cost.items()}}, flush=True)
+    # the fits' CSV logs and checkpoints: nothing of them is kept, and nothing is left behind
+    with tempfile.TemporaryDirectory(prefix="host_overhead_logs_") as logs:
+        log_dir = Path(logs)
+        setups: dict[tuple[str, int], FamilySetup] = {}
+        errors: list[dict[str, Any]] = []
         for fam in args.families:
-            floor = attempt(fam, 0, "floor", lambda: fit_floor(args))
-            bare = attempt(fam, 0, "lightning_bare", lambda: fit_bare(args))
             for b in args.batches:
-                setup = setups.get((fam, b))
-                if setup is None:
-                    continue
-                run: dict[str, Any] = {
-                    "round": rnd,
-                    "family": fam,
-                    "batch": b,
-                    "floor_ms": floor,
-                    "lightning_bare_ms": bare,
-                }
-                eager = attempt(fam, b, "lightning_eager", lambda s=setup: fit_family(s, args, False))
-                run["lightning_eager_ms"] = eager and eager.get("step_ms")
-                cbr = attempt(fam, b, "callback", lambda s=setup: fit_family(s, args, True))
-                if cbr:
-                    run["callback_step_ms"] = cbr.get("step_ms")
-                    run["replay_ms"] = cbr.get("replay_ms") if cuda else None
-                    run["callback"] = cbr.get("callback")
-                if cuda and args.pinned:
-                    pinned = attempt(
-                        fam, b, "callback_pinned", lambda s=setup: fit_family(s, args, True, pinned=True)
-                    )
-                    run["callback_pinned_step_ms"] = pinned and pinned.get("step_ms")
-                if cuda and fam in ANCHOR_FAMILIES:
-                    run["raw_graph_loop_ms"] = attempt(
-                        fam, b, "raw_graph_loop", lambda s=setup: raw_graph_loop(s, args)
-                    )
-                    run["compile_ro_ms"] = attempt(
-                        fam, b, "compile_ro", lambda s=setup: compile_ro_loop(s, args, compiled)
-                    )
-                runs.append(run)
-                print(
+                overrides = bench.TINY_FAMILY_OVERRIDES.get(fam, []) if args.smoke else []
+                try:
+                    setups[fam, b] = FamilySetup(fam, b, overrides, log_dir)
+                except Exception as exc:
+                    errors.append({"family": fam, "batch": b, "variant": "setup", "error": repr(exc)[:400]})
+                    print(f"{fam} b{b}: setup failed: {exc!r}", flush=True)
+
+        runs: list[dict[str, Any]] = []
+        compiled: dict[str, Any] = {}
+
+        def attempt(fam: str, b: int, variant: str, fn: Callable[[], Any]) -> Any:
+            try:
+                value = fn()
+            except Exception as exc:  # a failing variant is a result too
+                errors.append(
                     {
-                        k: (round(v, 4) if isinstance(v, float) else v)
-                        for k, v in run.items()
-                        if k != "callback"
-                    },
-                    flush=True,
+                        "family": fam,
+                        "batch": b,
+                        "variant": variant,
+                        "error": repr(exc)[:400],
+                        "trace": traceback.format_exc()[-1500:],
+                    }
                 )
+                print(f"{fam} b{b} {variant}: FAILED {exc!r}", flush=True)
+                return None
+            return value
 
-    rows = []
-    for (fam, b), _setup in setups.items():
-        mine = [r for r in runs if r["family"] == fam and r["batch"] == b]
-        row: dict[str, Any] = {"family": fam, "batch": b}
-        for col in (*CSV_COLUMNS[2:], "lightning_bare_ms"):
-            row[col] = _median([r.get(col) for r in mine if r.get(col) is not None])
-        if args.pinned:
-            row["callback_pinned_step_ms"] = _median(
-                [
-                    r.get("callback_pinned_step_ms")
-                    for r in mine
-                    if r.get("callback_pinned_step_ms") is not None
-                ]
-            )
-        row["captured"] = [(r.get("callback") or {}).get("captured") for r in mine]
-        row["capture_reason"] = next(
-            (
-                (r.get("callback") or {}).get("reason")
-                for r in mine
-                if (r.get("callback") or {}).get("reason")
-            ),
-            None,
-        )
-        rows.append(row)
-
-    profiles: list[dict[str, Any]] = []
-    profile_note = None
-    if args.no_profile:
-        profile_note = "skipped (--no-profile)"
-    else:
-        for fam in args.families:
-            for b in PROFILE_BATCHES:
-                setup = setups.get((fam, b))
-                if setup is None:
-                    continue
-                prof = attempt(fam, b, "profile", lambda s=setup: profile_family(s, args))
-                if prof:
-                    profiles.append(prof)
+        log_costs: list[dict[str, Any]] = []
+        for rnd in range(args.rounds):
+            cost = attempt("log_cost", 0, "log_cost", lambda: log_cost(args))
+            if cost:
+                log_costs.append({"round": rnd, **cost})
+                print({"round": rnd, **{k: _rounded(v) for k, v in cost.items()}}, flush=True)
+            for fam in args.families:
+                floor = attempt(fam, 0, "floor", lambda: fit_floor(args))
+                bare = attempt(fam, 0, "lightning_bare", lambda: fit_bare(args))
+                for b in args.batches:
+                    setup = setups.get((fam, b))
+                    if setup is None:
+                        continue
+                    run: dict[str, Any] = {
+                        "round": rnd,
+                        "family": fam,
+                        "batch": b,
+                        "floor_ms": floor,
+                        "lightning_bare_ms": bare,
+                    }
+                    eager = attempt(fam, b, "lightning_eager", lambda s=setup: fit_family(s, args, False))
+                    run["lightning_eager_ms"] = eager and eager.get("step_ms")
+                    cbr = attempt(fam, b, "callback", lambda s=setup: fit_family(s, args, True))
+                    if cbr:
+                        run["callback_step_ms"] = cbr.get("step_ms")
+                        run["replay_ms"] = cbr.get("replay_ms") if cuda else None
+                        run["callback"] = cbr.get("callback")
+                    if cuda and args.pinned:
+                        pinned = attempt(
+                            fam, b, "callback_pinned", lambda s=setup: fit_family(s, args, True, pinned=True)
+                        )
+                        run["callback_pinned_step_ms"] = pinned and pinned.get("step_ms")
+                    if cuda and fam in ANCHOR_FAMILIES:
+                        run["raw_graph_loop_ms"] = attempt(
+                            fam, b, "raw_graph_loop", lambda s=setup: raw_graph_loop(s, args)
+                        )
+                        run["compile_ro_ms"] = attempt(
+                            fam, b, "compile_ro", lambda s=setup: compile_ro_loop(s, args, compiled)
+                        )
+                    runs.append(run)
                     print(
-                        f"profile {fam} b{b}: "
-                        + ", ".join(f"{k} {v:.3f}" for k, v in prof.get("buckets_ms_per_step", {}).items()),
+                        {
+                            k: (round(v, 4) if isinstance(v, float) else v)
+                            for k, v in run.items()
+                            if k != "callback"
+                        },
                         flush=True,
                     )
-        if not profiles:
-            profile_note = f"no family ran at the profiled batches {list(PROFILE_BATCHES)}"
 
-    write_csv(args.out / "host_overhead.csv", rows)
-    if args.pinned:
-        write_csv(args.out / "host_overhead_pinned.csv", rows, PINNED_CSV_COLUMNS)
-    plot_note = plot(args.out / "host_overhead.png", rows)
-    result = {
-        "machine": machine,
-        "settings": {
-            "families": args.families,
-            "batches": args.batches,
-            "steps": args.steps,
-            "rounds": args.rounds,
-            "skip": SKIP,
-            "smoke": args.smoke,
-            "anchor_optimizer": f"AdamW({args.anchor_optimizer}=True, capturable=True) for raw_graph_loop_ms; "
-            "AdamW(fused=True) for compile_ro_ms; the family's own configure_optimizers() in the fits",
-            "trainer": "family's progress bar and loggers; checkpointing, model summary, validation off",
-            # each refresh reads every prog_bar value back from the GPU: the step times depend on it
-            "progress_bar_refresh_rate": {fam: packaged_refresh_rate(fam) for fam in args.families},
-            "data": f"{bench.FAMILY_BATCHES} host batches drawn once from the family's data module, cycled",
-        },
-        "columns": list(CSV_COLUMNS),
-        "empty_columns_why": empty_why,
-        "rows": rows,
-        "runs": runs,
-        "log_cost": {
-            "method": f"fit_floor's module logging its loss {LOG_COST_LOGS} times per step (prog_bar=True), "
-            "no logger or progress bar; ms_per_log = (step with the logs - step without) / logs, per pair of "
-            f"adjacent fits ({args.log_cost_pairs} per variant and round, order alternating), median of "
-            "the pairs per round, then of the rounds",
-            "median": {
-                k: _median([c.get(k) for c in log_costs])
-                for k in (log_costs[0] if log_costs else {})
-                if k != "round" and not k.endswith("_pairs")
+        rows = []
+        for (fam, b), _setup in setups.items():
+            mine = [r for r in runs if r["family"] == fam and r["batch"] == b]
+            row: dict[str, Any] = {"family": fam, "batch": b}
+            for col in (*CSV_COLUMNS[2:], "lightning_bare_ms"):
+                row[col] = _median([r.get(col) for r in mine if r.get(col) is not None])
+            if args.pinned:
+                row["callback_pinned_step_ms"] = _median(
+                    [
+                        r.get("callback_pinned_step_ms")
+                        for r in mine
+                        if r.get("callback_pinned_step_ms") is not None
+                    ]
+                )
+            row["captured"] = [(r.get("callback") or {}).get("captured") for r in mine]
+            row["capture_reason"] = next(
+                (
+                    (r.get("callback") or {}).get("reason")
+                    for r in mine
+                    if (r.get("callback") or {}).get("reason")
+                ),
+                None,
+            )
+            rows.append(row)
+
+        profiles: list[dict[str, Any]] = []
+        profile_note = None
+        if args.no_profile:
+            profile_note = "skipped (--no-profile)"
+        else:
+            for fam in args.families:
+                for b in PROFILE_BATCHES:
+                    setup = setups.get((fam, b))
+                    if setup is None:
+                        continue
+                    prof = attempt(fam, b, "profile", lambda s=setup: profile_family(s, args))
+                    if prof:
+                        profiles.append(prof)
+                        print(
+                            f"profile {fam} b{b}: "
+                            + ", ".join(
+                                f"{k} {v:.3f}" for k, v in prof.get("buckets_ms_per_step", {}).items()
+                            ),
+                            flush=True,
+                        )
+            if not profiles:
+                profile_note = f"no family ran at the profiled batches {list(PROFILE_BATCHES)}"
+
+        write_csv(args.out / "host_overhead.csv", rows)
+        if args.pinned:
+            write_csv(args.out / "host_overhead_pinned.csv", rows, PINNED_CSV_COLUMNS)
+        plot_note = plot(args.out / "host_overhead.png", rows)
+        result = {
+            "machine": machine,
+            "settings": {
+                "families": args.families,
+                "batches": args.batches,
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "skip": SKIP,
+                "smoke": args.smoke,
+                "anchor_optimizer": f"AdamW({args.anchor_optimizer}=True, capturable=True) for raw_graph_loop_ms; "
+                "AdamW(fused=True) for compile_ro_ms; the family's own configure_optimizers() in the fits",
+                "trainer": "family's progress bar and loggers; checkpointing, model summary, validation off",
+                # each refresh reads every prog_bar value back from the GPU: the step times depend on it
+                "progress_bar_refresh_rate": {fam: packaged_refresh_rate(fam) for fam in args.families},
+                "data": f"{bench.FAMILY_BATCHES} host batches drawn once from the family's data module, cycled",
             },
-            "rounds": log_costs,
-        },
-        "errors": errors,
-        "plot": plot_note or "host_overhead.png",
-        "elapsed_s": round(time.perf_counter() - t_start, 1),
-    }
-    (args.out / "host_overhead.json").write_text(json.dumps(result, indent=2, default=str))
-    (args.out / "host_profile.json").write_text(
-        json.dumps(
-            {
-                "machine": machine,
-                "buckets": list(BUCKETS),
-                "method": "cProfile of callback Trainer.fit steps after capture; own time by file, generic "
-                "code split over callers by time; ms per step (cProfile overhead included)",
-                "note": profile_note,
-                "profiles": profiles,
+            "columns": list(CSV_COLUMNS),
+            "empty_columns_why": empty_why,
+            "rows": rows,
+            "runs": runs,
+            "log_cost": {
+                "method": f"fit_floor's module logging its loss {LOG_COST_LOGS} times per step (prog_bar=True), "
+                "no logger or progress bar; ms_per_log = (step with the logs - step without) / logs, per pair of "
+                f"adjacent fits ({args.log_cost_pairs} per variant and round, order alternating), median of "
+                "the pairs per round, then of the rounds",
+                "median": {
+                    k: _median([c.get(k) for c in log_costs])
+                    for k in (log_costs[0] if log_costs else {})
+                    if k != "round" and not k.endswith("_pairs")
+                },
+                "rounds": log_costs,
             },
-            indent=2,
-            default=str,
+            "errors": errors,
+            "plot": plot_note or "host_overhead.png",
+            "elapsed_s": round(time.perf_counter() - t_start, 1),
+        }
+        (args.out / "host_overhead.json").write_text(json.dumps(result, indent=2, default=str))
+        (args.out / "host_profile.json").write_text(
+            json.dumps(
+                {
+                    "machine": machine,
+                    "buckets": list(BUCKETS),
+                    "method": "cProfile of callback Trainer.fit steps after capture; own time by file, generic "
+                    "code split over callers by time; ms per step (cProfile overhead included)",
+                    "note": profile_note,
+                    "profiles": profiles,
+                },
+                indent=2,
+                default=str,
+            )
         )
-    )
-    print_table(rows)
-    written = [
-        n
-        for n in ("host_overhead.csv", "host_overhead.json", "host_profile.json", "host_overhead.png")
-        if (args.out / n).exists()
-    ]
-    print(f"\nwrote {', '.join(written)} in {args.out}")
-    return 0
+        print_table(rows)
+        written = [
+            n
+            for n in ("host_overhead.csv", "host_overhead.json", "host_profile.json", "host_overhead.png")
+            if (args.out / n).exists()
+        ]
+        print(f"\nwrote {', '.join(written)} in {args.out}")
+        return 0
 
 
 if __name__ == "__main__":

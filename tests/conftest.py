@@ -1,6 +1,9 @@
-"""Shared test set-up: GPU tests skip with a clear reason where CUDA (or CuPy) is missing."""
+"""Shared test set-up: GPU tests skip with a clear reason where CUDA (or CuPy) is missing, and the
+run ends with one line per skip reason (how many tests it skipped, and why)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 
@@ -44,3 +47,20 @@ def emulated_cuda_graphs(monkeypatch, one_torch_thread):
 
     graph_emulator.install(monkeypatch.setattr)
     yield
+
+
+def skip_reason(report: pytest.TestReport) -> str:
+    """The reason a skipped test report gives, without pytest's ``Skipped: `` prefix."""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per skip reason, most frequent first: ``158 skipped: GPU test: ...`` instead of ``sss``."""
+    reasons = Counter(skip_reason(r) for r in terminalreporter.stats.get("skipped", []))
+    if not reasons:
+        return
+    terminalreporter.write_sep("-", "skip reasons")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count} skipped: {reason}")

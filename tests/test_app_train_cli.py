@@ -337,3 +337,66 @@ def test_help_says_what_the_app_is(tmp_path):
     assert "l2: autotune, default, graph, none, sized, verify" in proc.stdout
     assert "callbacks: default, l2, lr_monitor, model_checkpoint" in proc.stdout
     assert "logger: csv, tensorboard" in proc.stdout
+
+
+def help_examples(text: str) -> list[list[str]]:
+    """The example command lines `--help` prints (`  l2lightning-train ARGS`), as argument lists."""
+    import shlex
+
+    prefix = "l2lightning-train "
+    return [shlex.split(line.strip())[1:] for line in text.splitlines() if line.strip().startswith(prefix)]
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="runs the examples on the CPU default config")
+def test_every_help_example_runs_on_the_cpu_default_config(tmp_path):
+    # the issue's repro: the early-stopping example failed with a 41-line traceback on the CPU
+    proc = run_entry_point(["--help"], tmp_path)
+    examples = help_examples(proc.stdout)
+    assert len(examples) == 5 and any("-m" in args for args in examples), proc.stdout
+    for i, args in enumerate(examples):
+        where = "hydra.sweep.dir" if "-m" in args else "hydra.run.dir"
+        run = run_entry_point([*args, f"{where}={tmp_path / str(i)}"], tmp_path)
+        errors = [line for line in run.stderr.splitlines() if line.startswith("l2lightning: error: ")]
+        assert "Traceback" not in run.stdout + run.stderr, (args, run.stderr[-3000:])
+        if run.returncode == 0:
+            assert not errors and "l2lightning: run directory: " in run.stdout, (args, run.stdout[-2000:])
+        else:
+            # an example with a placeholder to fill in says what is wrong with it, in one line
+            assert run.returncode == 1 and len(errors) == 1, (args, run.stderr[-3000:])
+            assert errors[0].startswith("l2lightning: error: ckpt_path: no such file: "), errors
+    assert sum("ckpt_path=" in " ".join(args) for args in examples) == 1
+
+
+def test_a_configured_callback_that_fails_in_the_fit_is_one_line(tmp_path):
+    # EarlyStopping on val/loss in a fit that ends before its first validation
+    run_dir = tmp_path / "run"
+    early_stop = "+callbacks.early_stop={_target_:lightning.pytorch.callbacks.EarlyStopping,monitor:val/loss}"
+    proc = run_entry_point(
+        [*TINY["mlp_stack"], "data.train_batches=8", "trainer=cpu", "trainer.max_steps=2", early_stop]
+        + [f"hydra.run.dir={run_dir}"],
+        tmp_path,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("l2lightning:")]
+    assert line.startswith(
+        "l2lightning: error: callbacks.early_stop (EarlyStopping): Early stopping conditioned on metric "
+        "`val/loss` which is not available."
+    )
+    assert line.endswith(
+        "(no validation had run by step 2: it runs at the end of each epoch of the "
+        "training data, or every trainer.val_check_interval batches)"
+    )
+    result = read_result(run_dir)
+    assert result["status"] == "failed" and "Traceback" in result["traceback"]
+
+
+def test_an_error_outside_the_configured_callbacks_keeps_its_traceback(tmp_path, monkeypatch):
+    import lightning.pytorch as pl
+
+    def broken_fit(self, *args, **kwargs):
+        raise RuntimeError("a bug, not a config value")
+
+    monkeypatch.setattr(pl.Trainer, "fit", broken_fit)
+    with pytest.raises(RuntimeError, match="a bug, not a config value"):
+        train.run(compose_train([*TINY["mlp_stack"], "trainer=cpu"]), output_dir=tmp_path / "run")

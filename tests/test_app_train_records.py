@@ -150,3 +150,44 @@ def test_the_headline_goes_to_the_loggers_as_l2_speedup():
     assert logger.saved == 1
     train.log_headline([logger], 41, 6.0, None, None)  # no capture timed: nothing to claim
     assert len(logger.rows) == 1
+
+
+@pytest.mark.skipif(
+    _env.cuda_unavailable_reason() is None, reason="checks a CPU run; with CUDA the l2 entry is used"
+)
+def test_a_cpu_run_marks_the_callbacks_it_did_not_use(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_overrides([*TINY, "trainer.max_steps=2"], run_dir)
+    entries = result["config"]["callbacks"]
+    # trainer/cpu.yaml turns checkpoints off: no ModelCheckpoint was built, its directory never made
+    assert entries["model_checkpoint"]["_unused_"] == "trainer.enable_checkpointing is false"
+    assert not (run_dir / "checkpoints").exists()
+    assert entries["l2"]["_unused_"].startswith("no CUDA (")
+    # the entries that ran are left as configured
+    assert "_unused_" not in entries["lr_monitor"] and "_unused_" not in entries["progress_bar"]
+    assert entries["l2"]["_target_"] == "l2lightning.L2GraphCallback"
+
+
+def test_a_run_without_logger_marks_the_lr_monitor(tmp_path):
+    result = run_overrides([*TINY, "trainer.max_steps=2", "~logger", "l2=none"], tmp_path / "run")
+    assert result["config"]["callbacks"]["lr_monitor"]["_unused_"] == "no logger"
+    assert result["config"]["callbacks"]["l2"] is None  # l2=none: nothing to mark
+
+
+def test_summary_line_of_a_resumed_run():
+    result = {
+        "status": "ok",
+        "steps": 20,
+        "fit_steps": 10,
+        "resumed_from_step": 10,
+        "device": "cpu",
+        "callback": False,
+        "eager_step_ms": 2.0,
+        "eager_steps_timed": 7,
+        "l2": "none (l2=none)",
+        "final_loss": 0.5,
+    }
+    assert train.summary_line(result).startswith(
+        "l2lightning: 10 steps (resumed from step 10, to step 20) on cpu; eager 2 ms/step (7 steps timed)"
+    )
+    assert train.summary_line({**result, "fit_steps": 1}).startswith("l2lightning: 1 step (resumed")

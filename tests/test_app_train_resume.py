@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import l2lightning.app.train as train
 from l2lightning.app.models import VectorData
 from tests.train_helpers import run_overrides
 
@@ -79,6 +80,13 @@ def test_resume_from_mid_run_checkpoint_equals_uninterrupted_run(tmp_path):
     resumed = run_overrides(overrides, resumed_dir)
 
     assert resumed["ckpt_path"] == str(mid) and resumed["steps"] == STEPS
+    # it says it resumed, and counts the steps it ran itself
+    assert full["resumed_from_step"] is None and full["fit_steps"] == STEPS
+    assert resumed["resumed_from_step"] == MID and resumed["fit_steps"] == STEPS - MID
+    assert train.summary_line(resumed).startswith(
+        f"l2lightning: {STEPS - MID} steps (resumed from step {MID}, to step {STEPS}) on cpu;"
+    )
+    assert train.summary_line(full).startswith(f"l2lightning: {STEPS} steps on cpu;")
     assert resumed["final_loss"] == full["final_loss"]
     # only the steps after the checkpoint ran (and were timed)
     assert resumed["eager_steps_timed"] < full["eager_steps_timed"]

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
     [
         (["l2.prefetch=bogus"], r"^l2: `prefetch` must be one of \('off', 'default', 'auto', 'decoy'\)"),
         (["l2.warmup_steps=-1"], r"^l2: `warmup_steps` must be an int >= 1, got -1$"),
-        (["l2.verify=maybe"], r"^l2: `verify` must be a bool"),
+        (["l2.verify=maybe"], r"^l2: `verify` must be "),
         # the example: the unknown key is named first, with the accepted ones
         (
             ["+l2.prefetchh=auto", "l2.warmup_steps=-1"],
@@ -133,3 +133,52 @@ def test_missing_optional_package_prints_only_the_advice(tmp_path):
     # the traceback is kept in result.json for whoever needs it
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "failed" and "Traceback" in result["traceback"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        # the repro: Lightning's own failure named neither the key nor the type
+        ("trainer.max_steps=abc", "`trainer.max_steps` must be an int, got 'abc'"),
+        ("trainer.max_steps=true", "`trainer.max_steps` must be an int, got True"),
+        ("trainer.enable_progress_bar=maybe", "`trainer.enable_progress_bar` must be true or false or null"),
+        ("trainer.limit_val_batches=few", "`trainer.limit_val_batches` must be a number or an int or null"),
+        ("trainer.precision=bf17", "`trainer.precision` must be one of 64, 32, 16, 'transformer-engine'"),
+        (
+            "+trainer.max_step=3",
+            "unknown key `trainer.max_step`; the Trainer accepts: accelerator, strategy,",
+        ),
+        ("float32_matmul_precision=foo", "`float32_matmul_precision` must be one of highest, high, medium"),
+        ("validate=maybe", "`validate` must be true or false, got 'maybe'"),
+        ("seed=abc", "`seed` must be an int, got 'abc'"),
+    ],
+)
+def test_bad_trainer_and_top_level_values_name_the_key_and_the_type(override, message, tmp_path):
+    with pytest.raises(train.ConfigError) as info:
+        run_overrides([*TINY, override], tmp_path / "run")
+    assert str(info.value).startswith(message), str(info.value)
+    assert not (tmp_path / "run" / "result.json").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.limit_val_batches=0.5",
+        "trainer.devices=[0]",
+        "trainer.deterministic=warn",
+        "trainer.precision=32",
+        "+trainer.max_time=00:00:10:00",
+        "float32_matmul_precision=high",
+    ],
+)
+def test_good_trainer_and_top_level_values_pass(override):
+    train.check_config(compose_train([*TINY, override]))
+
+
+def test_bad_trainer_value_fails_before_the_cpu_line(tmp_path):
+    # before: "training eagerly on CPU" first, then "trainer: '<' not supported between ..."
+    run_dir = tmp_path / "run"
+    proc = run_entry_point(["trainer.max_steps=abc", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ""
+    assert proc.stderr.strip() == "l2lightning: error: `trainer.max_steps` must be an int, got 'abc'"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,16 @@ def _load():
     return module
 
 
-def test_smoke_writes_csv_json_profile_and_plot(tmp_path: Path) -> None:
+def test_smoke_writes_csv_json_profile_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bho = _load()
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the fits' logs go meanwhile
     code = bho.main(
         ["--out", str(tmp_path), "--smoke", "--families", "mlp_stack,rl_policy", "--batches", "4,16"]
     )
     assert code == 0
+    assert list(scratch.iterdir()) == []  # the fits' log folder is gone (it was left in /tmp before)
 
     with (tmp_path / "host_overhead.csv").open() as fh:
         rows = list(csv.reader(fh))

@@ -152,13 +152,19 @@ def build_callbacks(
     extra: Any,
     has_logger: bool,
     only: Sequence[str] | None = None,
+    left_out: dict[str, str] | None = None,
+    names: dict[int, str] | None = None,
 ) -> list[pl.Callback]:
     """The callbacks group's entries (except the l2 one) and ``trainer.callbacks``, built in that order.
 
     An entry that is null is skipped; ``model_checkpoint`` and ``progress_bar`` are left out when
     ``trainer.enable_checkpointing`` / ``trainer.enable_progress_bar`` is false, and ``lr_monitor``
     when there is no logger (Lightning would refuse each of them). `only`: build just these entries.
+    `left_out`, when given, receives each entry left out with the reason (result.json marks them);
+    `names` receives each built callback's config key by ``id`` (an error it raises names the key).
     """
+    left_out = {} if left_out is None else left_out
+    names = {} if names is None else names
     callbacks: list[pl.Callback] = []
     group = cfg.get("callbacks")
     if group is not None and not isinstance(group, DictConfig):
@@ -171,17 +177,37 @@ def build_callbacks(
             continue
         switch = SWITCHED_CALLBACKS.get(str(name))
         if switch is not None and trainer_node.get(switch, True) is False:
+            left_out[str(name)] = f"trainer.{switch} is false"
             log.debug("callbacks.%s left out: trainer.%s is false", name, switch)
             continue
         if name == "lr_monitor" and not has_logger:
+            left_out[str(name)] = "no logger"
             log.debug("callbacks.lr_monitor left out: no logger")
             continue
         if not isinstance(node, DictConfig) or "_target_" not in node:
             raise ConfigError(f"callbacks.{name} must be a config with a `_target_`, got {node!r}")
         callbacks.append(instantiate_node(node, f"callbacks.{name}"))
+        names[id(callbacks[-1])] = f"callbacks.{name}"
     for i, node in enumerate(_as_list(extra) if only is None else []):
         callbacks.append(instantiate_node(node, f"trainer.callbacks[{i}]"))
+        names[id(callbacks[-1])] = f"trainer.callbacks[{i}]"
     return callbacks
+
+
+def raising_callback(exc: BaseException, names: dict[int, str]) -> tuple[str, pl.Callback] | None:
+    """(config key, callback) of the configured callback in whose code `exc` was raised, or None.
+
+    The innermost frame whose ``self`` is one of the callbacks in `names` decides: an EarlyStopping
+    that monitors a metric nobody logged raises from its own hook.
+    """
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = (names[id(owner)], owner)
+        tb = tb.tb_next
+    return found
 
 
 def switches_for(callbacks: Sequence[pl.Callback], trainer_node: DictConfig) -> dict[str, bool]:

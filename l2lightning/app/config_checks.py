@@ -7,6 +7,9 @@ These checks read the config only; building its objects is :mod:`l2lightning.app
 
 from __future__ import annotations
 
+import datetime
+import types
+import typing
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +39,8 @@ TOP_LEVEL_KEYS = (
 )
 # the trainer keys that must change on a machine without CUDA, whatever the command line says
 FORCED_CPU_KEYS = ("accelerator", "devices")
+# torch.set_float32_matmul_precision's values (torch only warns on another, and keeps "highest")
+MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
 class ConfigError(ValueError):
@@ -95,8 +100,113 @@ def cpu_fallback(cfg: DictConfig, overrides: Sequence[str] = ()) -> str | None:
     return CPU_FALLBACK_MESSAGE.format(reason=reason, without=" without the callback" if wants_l2 else "")
 
 
+def _type_text(hint: Any) -> str:
+    """`hint` in words, as an error message names the expected value: ``Optional[int]`` -> ``an int or null``."""
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = typing.get_args(hint)
+        literals = [v for m in members if typing.get_origin(m) is typing.Literal for v in typing.get_args(m)]
+        parts = [_type_text(m) for m in members if typing.get_origin(m) is not typing.Literal]
+        if literals:
+            parts.insert(0, "one of " + ", ".join(repr(v) for v in literals))
+        return " or ".join(dict.fromkeys(parts))
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    origin = typing.get_origin(hint) or hint
+    words = {
+        bool: "true or false",
+        int: "an int",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+        datetime.timedelta: "a duration",
+    }
+    return words.get(origin, f"a {getattr(origin, '__name__', origin)}")
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a config value (a plain Python value after OmegaConf) fits the type hint `hint`.
+
+    Only the types a command line can spell are judged (numbers, bools, strings, null, lists,
+    mappings, literals); a hint naming a class (an Accelerator, a Logger) accepts anything, since
+    such a value is a config that Hydra instantiates.
+    """
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, m) for m in typing.get_args(hint))
+    if origin is typing.Literal:
+        return any(value == v and type(value) is type(v) for v in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if (origin or hint) is list:
+        return isinstance(value, list)
+    if (origin or hint) is dict:
+        return isinstance(value, dict)
+    if hint is datetime.timedelta:
+        return False
+    return True
+
+
+def _trainer_hints(node: DictConfig) -> dict[str, Any] | None:
+    """The type hints of the ``__init__`` of `node`'s ``_target_`` (Lightning's Trainer), or None if unknown."""
+    try:
+        cls = hydra.utils.get_class(str(node.get("_target_")))
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # a _target_ that does not import is reported when the Trainer is built
+        return None
+    hints.pop("return", None)
+    return hints
+
+
+def check_trainer(node: DictConfig) -> None:
+    """Refuse a ``trainer.*`` key the Trainer does not take, or a value of a type it does not take.
+
+    Lightning itself fails on these deep inside the fit with a message that names neither the key nor
+    the type (``'<' not supported between instances of 'str' and 'int'`` for ``max_steps=abc``).
+    """
+    hints = _trainer_hints(node)
+    if hints is None:
+        return
+    values = OmegaConf.to_container(node, resolve=True)
+    for key, value in values.items():
+        if str(key).startswith("_") or key in ("callbacks", "logger", "plugins", "profiler"):
+            continue
+        if key not in hints:
+            raise ConfigError(f"unknown key `trainer.{key}`; the Trainer accepts: {', '.join(hints)}")
+        if not _matches(value, hints[key]):
+            raise ConfigError(f"`trainer.{key}` must be {_type_text(hints[key])}, got {value!r}")
+
+
+def _check_top_level_values(cfg: DictConfig) -> None:
+    """The top-level settings of train.yaml: each a value of its own type."""
+    seed = cfg.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"`seed` must be an int, got {seed!r}")
+    validate = cfg.get("validate", True)
+    if not isinstance(validate, bool):
+        raise ConfigError(f"`validate` must be true or false, got {validate!r}")
+    precision = cfg.get("float32_matmul_precision", "highest")
+    if precision not in MATMUL_PRECISIONS:
+        raise ConfigError(
+            f"`float32_matmul_precision` must be one of {', '.join(MATMUL_PRECISIONS)}, got {precision!r}"
+        )
+    steps = cfg.get("eager_baseline_steps", 0)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ConfigError(f"`eager_baseline_steps` must be an int >= 0, got {steps!r}")
+
+
 def check_config(cfg: DictConfig) -> None:
-    """Refuse unknown top-level keys and malformed top-level values before anything is built."""
+    """Refuse unknown top-level keys, malformed top-level values and bad ``trainer.*`` values before anything is built."""
     unknown = [str(k) for k in cfg if k not in TOP_LEVEL_KEYS and k != "hydra"]
     if unknown:
         raise ConfigError(
@@ -107,9 +217,8 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("model", "data", "trainer"):
         if not isinstance(cfg.get(key), DictConfig):
             raise ConfigError(f"`{key}` must be a config with a `_target_`, got {cfg.get(key)!r}")
-    steps = cfg.get("eager_baseline_steps", 0)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ConfigError(f"`eager_baseline_steps` must be an int >= 0, got {steps!r}")
+    _check_top_level_values(cfg)
+    check_trainer(cfg.trainer)
 
 
 def check_ckpt_path(value: Any) -> str | None:

@@ -11,8 +11,20 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+import lightning.pytorch as pl
+
 # eager steps left out of the eager step time (lazy initialisation, allocator growth)
 EAGER_SKIP = 3
+
+
+class FitStart(pl.Callback):
+    """Remembers the global step a fit started from: 0, or the step of the checkpoint it resumed from."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = trainer.global_step
 
 
 def eager_step_time(

@@ -70,7 +70,12 @@ def summary_line(result: Mapping[str, Any]) -> str:
     """The one line printed at the end of a run: steps, step times, speedup, captured or why not, final loss."""
     if result.get("status") != "ok":
         return f"failed: {result.get('error')}"
-    parts = [f"{result.get('steps')} steps on {result.get('device')}"]
+    n = result.get("fit_steps", result.get("steps"))
+    steps = f"{n} step" if n == 1 else f"{n} steps"
+    resumed = result.get("resumed_from_step")
+    if resumed is not None:
+        steps += f" (resumed from step {resumed}, to step {result.get('steps')})"
+    parts = [f"{steps} on {result.get('device')}"]
     if result.get("callback"):
         text = (
             f"eager fit {_ms(result.get('eager_step_ms'))}/step, "

@@ -60,6 +60,7 @@ from l2lightning.app.builders import (
     build_loggers,
     has_l2_entry,
     instantiate_node,
+    raising_callback,
     switches_for,
 )
 from l2lightning.app.config_checks import (
@@ -72,6 +73,7 @@ from l2lightning.app.config_checks import (
     group_option,
 )
 from l2lightning.app.fit_timing import (
+    FitStart,
     eager_step_time,
     fit_speedup,
     graph_step_time,
@@ -235,7 +237,13 @@ def run(
         trainer_logger = trainer_node.pop("logger", None)
 
     loggers = build_loggers(cfg, trainer_logger)
-    callbacks = build_callbacks(cfg, trainer_node, extra_callbacks, has_logger=bool(loggers))
+    left_out: dict[str, str] = {}
+    names: dict[int, str] = {}
+    callbacks = build_callbacks(
+        cfg, trainer_node, extra_callbacks, has_logger=bool(loggers), left_out=left_out, names=names
+    )
+    if l2_in_callbacks and l2_callback is not None and not use_l2:
+        left_out["l2"] = f"no CUDA ({cuda_reason})" if cuda_reason else "not used"
 
     torch.set_float32_matmul_precision(cfg.get("float32_matmul_precision", "highest"))
     baseline: tuple[list[tuple[int, float]], str] | None = None
@@ -245,16 +253,16 @@ def run(
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     model = instantiate_node(cfg.model, "model", _convert_="all")
     datamodule = instantiate_node(cfg.data, "data", _convert_="all")
-    timer = StepTimer()
+    timer, start = StepTimer(), FitStart()
     trainer = instantiate_node(
         trainer_node,
         "trainer",
-        callbacks=[timer, *callbacks, *([l2_callback] if use_l2 else [])],
+        callbacks=[timer, start, *callbacks, *([l2_callback] if use_l2 else [])],
         logger=loggers or False,
         default_root_dir=str(out),
         **switches_for(callbacks, trainer_node),
     )
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    _fit(trainer, model, datamodule, ckpt_path, names)
     train_metrics = scalar_metrics(trainer.callback_metrics)
     val_metrics = None
     if cfg.get("validate", True) and has_validation(datamodule) and trainer.limit_val_batches:
@@ -307,7 +315,10 @@ def run(
         "callback": use_l2,
         "batch_size": cfg.data.get("batch_size"),
         "device": device_name(trainer),
+        # the global step reached (a resumed fit counts on from its checkpoint's) and this fit's own steps
         "steps": trainer.global_step,
+        "fit_steps": trainer.global_step - start.step,
+        "resumed_from_step": start.step if ckpt_path is not None else None,
         "captured": captured,
         "reason": reason,
         # the headline: Trainer.fit wall-clock per-step times and their ratio
@@ -336,7 +347,7 @@ def run(
         "overrides": list(overrides),
         "job_num": OmegaConf.select(hydra_node, "job.num", default=None) if hydra_node else None,
         "versions": {"torch": torch.__version__, "lightning": pl.__version__},
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": _marked_config(cfg, left_out),
     }
     result = jsonable(result)
     log_headline(trainer.loggers, trainer.global_step, eager[0], graph[0], speedup)
@@ -344,6 +355,44 @@ def run(
     log.info("l2lightning: run directory: %s", out)
     log.info(summary_line(result))
     return result
+
+
+def _fit(
+    trainer: pl.Trainer,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule,
+    ckpt_path: str | None,
+    names: dict[int, str],
+) -> None:
+    """``trainer.fit``; an error raised by a callback the config added is a ConfigError naming its key.
+
+    (An ``EarlyStopping`` that monitors ``val/loss`` in a fit that ends before its first validation.)
+    """
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    except Exception as exc:
+        raised = raising_callback(exc, names)
+        if raised is None:
+            raise
+        key, callback = raised
+        text = advice_line(str(exc))
+        if "val/" in text and not any(str(k).startswith("val/") for k in trainer.callback_metrics):
+            text += (
+                f" (no validation had run by step {trainer.global_step}: it runs at the end of each epoch"
+                " of the training data, or every trainer.val_check_interval batches)"
+            )
+        raise ConfigError(f"{key} ({type(callback).__name__}): {text}") from exc
+
+
+def _marked_config(cfg: DictConfig, left_out: Mapping[str, str]) -> dict[str, Any]:
+    """The resolved config for result.json, each callbacks entry that was not used marked ``_unused_: why``."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    entries = config.get("callbacks")
+    if isinstance(entries, dict):
+        for name, why in left_out.items():
+            if isinstance(entries.get(name), dict):
+                entries[name] = {**entries[name], "_unused_": why}
+    return config
 
 
 # ---------------------------------------------------------------------- entry point
