@@ -256,6 +256,9 @@ class L2GraphCallback(
         self._record_output = False  # the checked step's eager training_step output is kept (_checked_output)
         self._checked_output: Any = None
         self._check_why = ""  # why this step is checked (CheckSchedule.due)
+        # where the step draws from a random state torch cannot save and restore (cuDNN's RNN dropout
+        # state): no eager work may run beside the fit's own steps (the check, the prefetch dry run)
+        self._hidden_random: str | None = None
         # the global step from which the optimizer ran make_capturable's configuration (first capture)
         self.capturable_from_step: int | None = None
         self._resumed_switched = False  # switched at train start: a resumed fit that was capturable

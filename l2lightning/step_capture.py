@@ -182,6 +182,7 @@ class StepCapture:
         device_type = self._device_type()
         # The chain discovery's dry run and the verify step run training_step's Python too: what they
         # do to Python state (an appended output, a drawn random number) is undone like their tensors.
+        self._no_work_beside_the_steps()
         python_start = python_state.snapshot(holders, device_type=device_type)
         # an LR scheduler the step itself steps (refused below, but it stepped in the dry run, the
         # verify step and the capture attempt): its counters go back with the rest of the Python state
@@ -404,6 +405,28 @@ class StepCapture:
             # this step's own log was right (the capture ran its Python); the next ones would not be
             self._disable(frozen_log)
         return result
+
+    def _no_work_beside_the_steps(self) -> None:
+        """Where the step draws from cuDNN's RNN dropout state (saved nowhere torch can restore it, and
+        advanced by every call), any eager work beside the fit's own steps would move it on and change
+        every later dropout mask: the sampled check and the prefetch's dry run of the step are off."""
+        where = self._hidden_random
+        if where is None:
+            return
+        reason = (
+            f"the step draws dropout from cuDNN's RNN dropout state (at {where}), which lives outside "
+            "torch's generators, cannot be saved and put back, and moves on at every call"
+        )
+        if self._check_on:
+            self._check_on = False
+            self.replay_check.off_reason = reason
+        if self.prefetch != "off" and not self._prefetch_failed:
+            self._prefetch_failed = True
+        self._warn_once(
+            "hidden-random",
+            f"{reason}: the sampled replay check and the prefetch (whose set-up runs the step's forward "
+            "once) are off for this fit, so that it stays bitwise its eager reference",
+        )
 
     def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:
         module = self._module

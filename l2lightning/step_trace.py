@@ -223,6 +223,9 @@ class StepTrace:
     problems: list[str] = field(default_factory=list)  # what can never be captured, each naming its line
     # ids of the tensor objects the step's ops read (which of them a Python list held before the step)
     read_ids: set[int] = field(default_factory=set)
+    # the user's lines of ops that draw from a random state torch cannot save and put back (cuDNN's
+    # RNN dropout state): an eager step beside a replay would draw other numbers (hidden_random_state)
+    hidden_random: list[tuple[str, int] | None] = field(default_factory=list)
 
     def add_problem(self, problem: str) -> None:
         """Note `problem` once (a step may run the same call many times: each recomputed block, each
@@ -395,6 +398,21 @@ _RANDOM_WITHOUT_GENERATOR_ARG = frozenset(
         "aten::randint",
     }
 )
+
+
+def draws_hidden_random_state(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether aten op `func` draws from a random state that lives outside torch's generators: cuDNN's
+    RNN with dropout in training (``nn.LSTM``/``nn.GRU``/``nn.RNN(dropout=p)``, p > 0), whose dropout
+    masks come from a state buffer cuDNN keeps per device and advances at every call."""
+    if getattr(func, "__name__", "") != "_cudnn_rnn.default" and str(func) != "aten._cudnn_rnn.default":
+        return False
+    names = [a.name for a in func._schema.arguments]
+
+    def argument(name: str) -> Any:
+        i = names.index(name)
+        return args[i] if i < len(args) else kwargs.get(name)
+
+    return bool(argument("train")) and float(argument("dropout") or 0.0) > 0.0
 
 
 def draws_random_numbers(func: Any) -> bool:
@@ -980,6 +998,8 @@ class StepTracer(TorchDispatchMode):
                 "(only the device's default generator is), so the step trains eagerly. Draw from the default "
                 "generator (seeded by `torch.manual_seed`), or draw the numbers outside the step"
             )
+        if draws_hidden_random_state(func, args, kwargs):
+            self.trace.hidden_random.append(frame)
         if self._recomputing_with_forward_rng and draws_random_numbers(func):
             problem = (
                 f"`{_op_name(func)}` at {describe_frame(frame)} draws random numbers (dropout) inside a block "

@@ -243,6 +243,8 @@ class WarmupSteps:
         self, group: _Group, trace: StepTrace, updated: list[str], python_changed: list[str]
     ) -> None:
         """Compare a traced step with its group; refuse (before the update) what can never be replayed."""
+        if trace.hidden_random and self._hidden_random is None:
+            self._hidden_random = describe_frame(trace.hidden_random[0])
         metrics = dict(named_metrics(self._module))
         for name in updated:
             reason = unreplayable_reason(name, metrics[name])

@@ -84,3 +84,20 @@ def test_a_carried_attribute_is_copied_in_checked_for_shape_and_rebound_to_fresh
     assert "other shapes" in carried.mismatch()
     owner["hidden"] = None
     assert "holds no tensor" in carried.mismatch()
+
+
+def test_cudnns_rnn_dropout_is_known_as_a_random_state_torch_cannot_restore():
+    from l2lightning.step_trace import draws_hidden_random_state
+
+    op = torch.ops.aten._cudnn_rnn.default
+    names = [a.name for a in op._schema.arguments]
+
+    def args(dropout, train):
+        values = [None] * len(names)
+        values[names.index("dropout")], values[names.index("train")] = dropout, train
+        return tuple(values)
+
+    assert draws_hidden_random_state(op, args(0.2, True), {})
+    assert not draws_hidden_random_state(op, args(0.0, True), {})  # no dropout between the layers
+    assert not draws_hidden_random_state(op, args(0.2, False), {})  # eval: no dropout drawn
+    assert not draws_hidden_random_state(torch.ops.aten.mm.default, (None, None), {})

@@ -208,11 +208,11 @@ def test_l2_none_gives_no_callback():
 @pytest.mark.parametrize(
     ("option", "prefetch", "verify"),
     [
-        ("default", "auto", False),
-        ("graph", "off", False),
-        ("sized", "default", False),
-        ("autotune", "auto", False),
-        ("verify", "default", True),
+        ("default", "auto", "sampled"),
+        ("graph", "off", "sampled"),
+        ("sized", "default", "sampled"),
+        ("autotune", "auto", "sampled"),
+        ("verify", "default", "capture"),
     ],
 )
 def test_l2_configs_instantiate_the_callback(option, prefetch, verify):

@@ -335,6 +335,7 @@ def run(
         "replay_speedup": summary.get("replay_speedup"),
         "plans": summary.get("plans") or [],
         "verify": summary.get("verify"),
+        "replay_check": summary.get("replay_check"),
         "capture_step": capture_step,
         "fallback_steps": summary.get("fallback_steps", 0),
         "fallback_causes": summary.get("fallback_causes") or [],
