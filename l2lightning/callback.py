@@ -136,8 +136,9 @@ class L2GraphCallback(
             no CUDA graphs of its own) at the first step, so inductor's fusion runs inside the
             whole-step graph (prefetch through :mod:`l2lightning.prefetch.ops`).
         report: print the step report (per-layer plans, tuning table, timings) at capture.
-        eager_optimizer_fallback: train eagerly (with a warning) when the optimizer cannot be
-            captured, instead of raising.
+        eager_optimizer_fallback: when the optimizer cannot be captured (it has no ``capturable``
+            mode: Adagrad, LBFGS), train eagerly with one warning naming it (the default), or, with
+            False, raise :class:`~l2lightning.optim.OptimizerNotCapturableError`.
         log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/replay_speedup`` (their ratio:
             CUDA-event time of an eager step over one graph replay, Lightning's host work left out),
             ``l2/graph_pool_mib``, ``l2/tuning_s``, ``l2/capture_s``, ``l2/compile_s`` (wall seconds
@@ -177,7 +178,7 @@ class L2GraphCallback(
         verify: str | bool = "sampled",
         compile: bool = False,
         report: bool = False,
-        eager_optimizer_fallback: bool = False,
+        eager_optimizer_fallback: bool = True,
         log_timing: bool = True,
         eager_steps: Callable[[Trainer, int], bool] | None = None,
         autotune: Any = None,
@@ -473,11 +474,13 @@ class L2GraphCallback(
                 "(DDP falls back to eager). Unsupported: FSDP, DeepSpeed, ModelParallel, XLA."
             )
         if not pl_module.automatic_optimization:
-            raise ValueError(
-                "L2GraphCallback supports automatic optimization only; "
-                f"{type(pl_module).__name__} sets `automatic_optimization = False`. Remove the callback or "
-                "use automatic optimization."
+            # a fit plain Lightning runs must run with the callback too: eagerly, saying why
+            self._disable(
+                "L2GraphCallback supports automatic optimization only so far; "
+                f"{type(pl_module).__name__} sets `automatic_optimization = False` (manual optimization), "
+                "whose optimizer steps it does not capture yet"
             )
+            return
         reason = self._refusal(trainer, pl_module)
         if reason:
             self._disable(reason)
@@ -643,7 +646,8 @@ class L2GraphCallback(
         except OptimizerNotCapturableError as exc:
             if not self.eager_optimizer_fallback:
                 raise OptimizerNotCapturableError(
-                    f"{exc}. Pass L2GraphCallback(eager_optimizer_fallback=True) to train eagerly instead."
+                    f"{exc}. Leave L2GraphCallback(eager_optimizer_fallback=True) (the default) to train "
+                    "eagerly instead"
                 ) from exc
             self._disable(str(exc))
             return
