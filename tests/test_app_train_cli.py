@@ -187,7 +187,7 @@ def test_cpu_fallback_forces_cpu_settings_and_keeps_command_line(monkeypatch):
     assert (
         message == "l2lightning: no CUDA device (no GPU here); training eagerly on CPU without the callback"
     )
-    assert cfg.l2.verify is True  # still there: run() validates it, then does not use it
+    assert cfg.l2.verify == "capture"  # still there: run() validates it, then does not use it
     assert cfg.trainer.accelerator == "cpu"  # forced even though the command line said gpu
     assert cfg.trainer.max_steps == 5  # the command line's value survives
     assert cfg.trainer.log_every_n_steps == 1 and cfg.trainer.enable_checkpointing is False  # from cpu.yaml
