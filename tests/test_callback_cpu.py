@@ -78,24 +78,42 @@ def test_state_dict_round_trip():
 
 
 def test_manual_optimization_trains_eagerly_with_a_warning_naming_it():
+    """Lightning's basic-GAN tutorial style: the fit plain Lightning runs, the callback runs too (eagerly)."""
+
     class Manual(TinyMLP):
         def __init__(self):
             super().__init__()
             self.automatic_optimization = False
 
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        callbacks=[L2GraphCallback()],
-    )
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = super().training_step(batch, batch_idx)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = Manual()
+        trainer = Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        trainer.fit(model, regression_loader())
+        return model, trainer
+
+    graph = L2GraphCallback()
     with pytest.warns(UserWarning, match=r"supports automatic optimization only so far; Manual sets"):
-        trainer.fit(Manual(), regression_loader())  # a fit plain Lightning runs: it runs, eagerly
-    assert trainer.global_step == 1
-    graph = next(c for c in trainer.callbacks if isinstance(c, L2GraphCallback))
+        model, trainer = run([graph])
+    plain, _ = run([])
+    assert trainer.global_step == 3
     assert graph.summary()["captured"] is False and "manual optimization" in graph.summary()["reason"]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
 
 
 def test_unsupported_strategy_is_named():
