@@ -68,9 +68,11 @@ for stage in "$@"; do
       timeout 420 python3 benchmarks/bench_idioms.py --out "$OUT" $only > "$OUT/idioms.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/idioms.log" | tail -22 ;;
     tests*)
+      # one log per tests stage of the run: pytest_gpu.log, then pytest_gpu_2.log, ...
+      tests_run=$((${tests_run:-0} + 1)); log="$OUT/pytest_gpu.log"; [ "$tests_run" -gt 1 ] && log="$OUT/pytest_gpu_$tests_run.log"
       paths=tests/gpu; [[ "$stage" == *=* ]] && paths=${stage#*=}
-      timeout 540 "${PYTEST[@]}" ${paths//,/ } > "$OUT/pytest_gpu.log" 2>&1
-      echo "rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_gpu.log" | grep -v DEBUG | tail -15 ;;
+      timeout 540 "${PYTEST[@]}" ${paths//,/ } > "$log" 2>&1
+      echo "rc=$?"; grep -E "passed|failed|FAILED|Error" "$log" | grep -v DEBUG | tail -15 ;;
     autotune)
       timeout 200 python3 benchmarks/bench_autotune.py --out "$OUT/autotune" > "$OUT/autotune.log" 2>&1
       echo "rc=$?"; tail -8 "$OUT/autotune.log" ;;
