@@ -243,6 +243,50 @@ class CheckpointedBlock(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False, preserve_rng_state=True)
 
 
+def _graph_against_eager(model, opt, step, xs: torch.Tensor, steps: int, extra=()) -> dict:
+    """Warm `step` up on a side stream, run `steps` eager steps from a saved state, capture one step
+    and replay it `steps` times from the same state; losses and state (with `extra`) compared bitwise."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(3):
+            step(xs[i])
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    saved = _State(model, opt, extra=extra)
+    eager = [step(xs[3 + i]).detach().clone() for i in range(steps)]
+    torch.cuda.synchronize()
+    want = _snapshot(model, opt, extra)
+    saved.restore(model, opt)
+    static_x = xs[3].clone()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            static_loss = step(static_x)
+    except Exception as exc:  # noqa: BLE001 -- the probe reports what failed
+        return {
+            "captured": False,
+            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+            "where": traceback.format_exc().splitlines()[-8:],
+        }
+    saved.restore(model, opt)
+    replayed = []
+    for i in range(steps):
+        static_x.copy_(xs[3 + i])
+        graph.replay()
+        replayed.append(static_loss.detach().clone())
+    torch.cuda.synchronize()
+    got = _snapshot(model, opt, extra)
+    result = {
+        "captured": True,
+        "losses_equal": all(_bits_equal(a, b) for a, b in zip(replayed, eager)),
+        "differing": _compare(model, opt, got, want)[:8],
+    }
+    result["bitwise"] = result["losses_equal"] and not result["differing"]
+    return result
+
+
 def probe_checkpoint(steps: int = 6) -> dict:
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -257,40 +301,7 @@ def probe_checkpoint(steps: int = 6) -> dict:
         opt.step()
         return loss
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(3):
-            step(xs[i])
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    saved = _State(model, opt)
-    eager = [step(xs[3 + i]).detach().clone() for i in range(steps)]
-    torch.cuda.synchronize()
-    want = _snapshot(model, opt, ())
-    saved.restore(model, opt)
-    static_x = xs[3].clone()
-    graph = torch.cuda.CUDAGraph()
-    result: dict = {}
-    try:
-        opt.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
-            static_loss = step(static_x)
-    except Exception as exc:  # noqa: BLE001
-        return {"captured": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
-    saved.restore(model, opt)
-    replayed = []
-    for i in range(steps):
-        static_x.copy_(xs[3 + i])
-        graph.replay()
-        replayed.append(static_loss.detach().clone())
-    torch.cuda.synchronize()
-    got = _snapshot(model, opt, ())
-    result["captured"] = True
-    result["losses_equal"] = all(_bits_equal(a, b) for a, b in zip(replayed, eager))
-    result["differing"] = _compare(model, opt, got, want)[:8]
-    result["bitwise"] = result["losses_equal"] and not result["differing"]
-    return result
+    return _graph_against_eager(model, opt, step, xs, steps)
 
 
 def probe_amp_fused(steps: int = 6) -> dict:
@@ -311,45 +322,9 @@ def probe_amp_fused(steps: int = 6) -> dict:
         scaler.update()
         return loss
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(3):
-            step(xs[i])
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    scale_state = [scaler._scale, scaler._growth_tracker]
-    saved = _State(model, opt, extra=scale_state)
-    eager = [step(xs[3 + i]).detach().clone() for i in range(steps)]
-    torch.cuda.synchronize()
-    want = _snapshot(model, opt, scale_state)
-    saved.restore(model, opt)
-    static_x = xs[3].clone()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        opt.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
-            static_loss = step(static_x)
-    except Exception as exc:  # noqa: BLE001
-        return {
-            "captured": False,
-            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
-            "where": traceback.format_exc().splitlines()[-8:],
-        }
-    saved.restore(model, opt)
-    replayed = []
-    for i in range(steps):
-        static_x.copy_(xs[3 + i])
-        graph.replay()
-        replayed.append(static_loss.detach().clone())
-    torch.cuda.synchronize()
-    got = _snapshot(model, opt, scale_state)
-    return {
-        "captured": True,
-        "losses_equal": all(_bits_equal(a, b) for a, b in zip(replayed, eager)),
-        "differing": _compare(model, opt, got, want)[:8],
-        "scale_after": float(scaler._scale),
-    }
+    result = _graph_against_eager(model, opt, step, xs, steps, extra=[scaler._scale, scaler._growth_tracker])
+    result["scale_after"] = float(scaler._scale)
+    return result
 
 
 def main() -> None:

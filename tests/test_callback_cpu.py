@@ -95,15 +95,7 @@ def test_manual_optimization_trains_eagerly_with_a_warning_naming_it():
     def run(callbacks):
         torch.manual_seed(0)
         model = Manual()
-        trainer = Trainer(
-            accelerator="cpu",
-            max_steps=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=callbacks,
-        )
+        trainer = quiet_trainer(accelerator="cpu", max_steps=3, callbacks=callbacks)
         trainer.fit(model, regression_loader())
         return model, trainer
 
