@@ -32,9 +32,8 @@ from torch import nn
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return bool(
-        (a.detach().contiguous().view(torch.uint8) == b.detach().contiguous().view(torch.uint8)).all()
-    )
+    a, b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()  # a 0-dim view fails
+    return bool((a.view(torch.uint8) == b.view(torch.uint8)).all())
 
 
 def _clone_tree(x):
@@ -253,6 +252,7 @@ def _graph_against_eager(model, opt, step, xs: torch.Tensor, steps: int, extra=(
             step(xs[i])
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+    extra = list(extra)  # state the warm-up made (a GradScaler's scale)
     saved = _State(model, opt, extra=extra)
     eager = [step(xs[3 + i]).detach().clone() for i in range(steps)]
     torch.cuda.synchronize()
@@ -304,6 +304,17 @@ def probe_checkpoint(steps: int = 6) -> dict:
     return _graph_against_eager(model, opt, step, xs, steps)
 
 
+class _ScalerState:
+    """A GradScaler's device state as a list the probe saves and compares, read when first iterated
+    (after the warm-up steps have made it)."""
+
+    def __init__(self, scaler) -> None:
+        self.scaler = scaler
+
+    def __iter__(self):
+        return iter([self.scaler._scale, self.scaler._growth_tracker])
+
+
 def probe_amp_fused(steps: int = 6) -> dict:
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -322,7 +333,9 @@ def probe_amp_fused(steps: int = 6) -> dict:
         scaler.update()
         return loss
 
-    result = _graph_against_eager(model, opt, step, xs, steps, extra=[scaler._scale, scaler._growth_tracker])
+    # the scaler's scale and growth tracker are made at its first use: warmed up by the helper, read then
+    extra = _ScalerState(scaler)
+    result = _graph_against_eager(model, opt, step, xs, steps, extra=extra)
     result["scale_after"] = float(scaler._scale)
     return result
 

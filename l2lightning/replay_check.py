@@ -182,9 +182,15 @@ def first_difference(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tenso
     One host sync for all of them (a stack of per-tensor flags read at once).
     """
     flags = [_bits_differ(a, b) for _, a, b in pairs]
-    on_device = [f for f in flags if isinstance(f, torch.Tensor)]
-    read = iter(torch.stack(on_device).cpu().tolist()) if on_device else iter(())
-    host = [bool(next(read)) if isinstance(f, torch.Tensor) else bool(f) for f in flags]
+    # the flags of host tensors (a CPU tensor the step reads) and of device ones, read per device
+    by_device: dict[torch.device, list[int]] = {}
+    for i, f in enumerate(flags):
+        if isinstance(f, torch.Tensor):
+            by_device.setdefault(f.device, []).append(i)
+    host: list[bool] = [f if isinstance(f, bool) else False for f in flags]
+    for positions in by_device.values():
+        for i, value in zip(positions, torch.stack([flags[i] for i in positions]).cpu().tolist()):
+            host[i] = bool(value)
     for (label, a, b), differs in zip(pairs, host):
         if differs:
             if a is None or b is None:

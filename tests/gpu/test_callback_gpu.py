@@ -899,11 +899,15 @@ def test_code_beyond_the_steps_source_is_followed_and_the_fit_is_bitwise_the_bas
         "late-hook": (TinyMLP, {}, [late], 2),
     }[what]
     models.reset()
-    base = fit(cls, [c() for c in callbacks], steps=90, baseline=True, **kwargs)
-    expected = list(models.SEEN)
-    models.reset()
     cb = L2GraphCallback(prefetch="off")
     run = fit(cls, [*(c() for c in callbacks), cb], steps=90, **kwargs)
+    got = list(models.SEEN)
+    models.reset()
+    base = list(
+        fit(cls, [c() for c in callbacks], steps=90, baseline=True, **kwargs)
+    )  # after the callback fit
+    expected = list(models.SEEN)
+    models.SEEN[:] = got
     summary = cb.summary()
     assert summary["captured"] and summary["captures"] == captures, summary
     assert_same_run(base, run)
@@ -1031,13 +1035,13 @@ def test_logged_module_level_numbers_follow_the_epoch_hook_in_replays():
     """Silent on the CPU emulator before logged expressions were evaluated against the module's
     globals: the replays logged the capture's numbers."""
     logged = {}
-    for variant in ("baseline", "callback"):
+    for variant in ("callback", "baseline"):  # the baseline switches where the callback fit did
         seen = RecordsLogged("temperature", "config_weight")
         callbacks = [SetsTheLoggedNumbersEachEpoch(), seen]
         if variant == "callback":
             cb = L2GraphCallback(prefetch="off")
             callbacks.append(cb)
-        fit(LogsModuleLevelNumbers, callbacks, steps=90, baseline=variant == "baseline")
+        list(fit(LogsModuleLevelNumbers, callbacks, steps=90, baseline=variant == "baseline"))
         logged[variant] = seen.values
     summary = cb.summary()
     assert summary["captured"] and summary["captures"] == 1, summary

@@ -62,7 +62,7 @@ def test_family_is_captured_and_verified(family, tmp_path):
         overrides += ["data.train_batches=16", "data.val_batches=1"]
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
-    assert cfg.l2.verify is True and cfg.l2.prefetch == "default" and cfg.trainer.deterministic is True
+    assert cfg.l2.verify == "capture" and cfg.l2.prefetch == "default" and cfg.trainer.deterministic is True
 
     result = train.run(cfg, output_dir=tmp_path, overrides=overrides)
 
