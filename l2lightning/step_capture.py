@@ -75,7 +75,7 @@ class _Graph:
     # attributes the step reads and rebinds to its own results (a recurrent hidden state), replayed
     carried: list[Carried] = field(default_factory=list)
     # tensors from before the capture that its ops write in place, with the user's line (the step tracer's)
-    external_writes: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
+    external_writes: list[tuple[torch.Tensor, str]] = field(default_factory=list)
     # Python numbers the capture may have baked in (python_state.baked_scalars), checked before each replay
     scalars: list[tuple[dict, str, Any]] = field(default_factory=list)
     # small containers of numbers it reads from module globals (python_state.baked_globals), the same
@@ -236,7 +236,9 @@ class StepCapture:
                 raise CaptureRefused(self._python_problem(python_changed))
             graph.appends = [(a, a.current()[-1]) for a in appended]
             graph.carried = carried
-            graph.external_writes = list(tracer.external_writes.values())
+            graph.external_writes = [
+                (t, describe_frame(frame)) for t, frame in tracer.external_writes.values()
+            ]
             graph.host_reads = tracer.host_reads
             return out
 

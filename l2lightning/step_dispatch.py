@@ -18,7 +18,6 @@ from l2lightning.cuda_memory import free_cached_memory
 from l2lightning.replay_check import WrittenState, first_difference, named_written_state, step_tensors
 from l2lightning.replay_closure import is_stock_closure, one_closure_count
 from l2lightning.step_overrides import copied_element
-from l2lightning.step_trace import describe_frame
 
 
 class StepDispatch:
@@ -160,9 +159,8 @@ class StepDispatch:
             if binding is not None
             else []
         )
-        in_place = [(t, describe_frame(frame)) for t, frame in graph.external_writes]
         written = named_written_state(
-            self._module, self._optimizer.optimizer, metric_states, graph.tensors, in_place
+            self._module, self._optimizer.optimizer, metric_states, graph.tensors, graph.external_writes
         )
         devices = [self._device().index or 0] if self._device_type() == "cuda" else []
         return WrittenState(written, devices)
