@@ -229,10 +229,12 @@ class StepDispatch:
         graph: Any,
         written: WrittenState,
         saved: Any,
-        replayed: list,
+        replayed: tuple[list, list],
         replayed_out: dict,
     ) -> None:
-        """A checked replay differed from its eager step (whose result stands): judge why, and act."""
+        """A checked replay differed from its eager step (whose result stands): judge why, and act.
+
+        `replayed`: (the tensors the graph wrote, copies of what it wrote there)."""
         report = self.replay_check
         # Replayed once more from the same state: a graph that differs from itself holds kernels
         # that are not deterministic, which a bitwise check cannot judge.
