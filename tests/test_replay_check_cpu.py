@@ -268,3 +268,18 @@ def test_a_check_whose_copies_do_not_fit_is_skipped_and_counted(monkeypatch):
 def test_the_report_is_plain_data():
     report = ReplayCheckReport(checks=2, seconds=0.1234567891)
     assert report.to_dict()["seconds"] == 0.123457 and report.to_dict()["mode"] == "sampled"
+
+
+def test_the_joined_comparison_agrees_with_the_one_by_one_comparison():
+    """Mixed dtypes and sizes joined per element size: equal only where every pair's bits are."""
+    from l2lightning.replay_check import _all_same
+
+    tensors = [torch.randn(5), torch.randn(2, 3).half(), torch.arange(4), torch.tensor(True), torch.zeros(0)]
+    same = [(f"t{i}", t, t.clone()) for i, t in enumerate(tensors)]
+    assert _all_same(same) and first_difference(same) is None
+    for i in range(4):
+        changed = [(label, a, b.clone()) for label, a, b in same]
+        flipped = changed[i][2].reshape(-1)
+        flipped[0] = ~flipped[0] if flipped.dtype == torch.bool else flipped[0] + 1
+        assert not _all_same(changed)
+        assert first_difference(changed).startswith(f"t{i}"), first_difference(changed)
