@@ -384,7 +384,8 @@ class L2GraphCallback(
             rank_zero_warn(f"L2GraphCallback: {message}")
 
     def _disable(self, reason: str) -> None:
-        """Train eagerly for the rest of the fit, with the optimizer as configured, and one warning."""
+        """Train eagerly for the rest of the fit, with one warning: with the optimizer as configured, or,
+        after a capture, in make_capturable's configuration to the fit's end (the warning says so)."""
         if self.disabled_reason is None:
             self.disabled_reason = reason
             rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.{self._capturable_stretch()}")
