@@ -192,6 +192,17 @@ def medians(rows: list[dict], cases: list[str], variants: list[str]) -> list[dic
     return table
 
 
+def run_metadata(check) -> dict:
+    """What a result file records of its run: the command, torch, the GPU and the doctor's check."""
+    return {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "doctor": check.to_dict(),
+        "forced": check.forced,
+    }
+
+
 def round_order(variants: list[str], round_index: int) -> list[str]:
     """The variants in the order one round fits them: as given in even rounds, reversed in odd ones,
     so that no variant always runs right after the same other one (a fit started just after another
@@ -254,19 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         for entry in table:
             writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in entry.items()})
     (args.out / "default_cost.json").write_text(
-        json.dumps(
-            {
-                "command": " ".join([sys.executable, *sys.argv]),
-                "torch": torch.__version__,
-                "gpu": torch.cuda.get_device_name(0),
-                "doctor": check.to_dict(),
-                "forced": check.forced,
-                "runs": rows,
-                "table": table,
-            },
-            indent=2,
-            default=str,
-        )
+        json.dumps({**run_metadata(check), "runs": rows, "table": table}, indent=2, default=str)
     )
     print(f"{'case':<16}{'variant':<14}{'ms/step':>9}{'fit s':>8}{'alloc GiB':>11}{'reserved GiB':>14}")
     for e in table:

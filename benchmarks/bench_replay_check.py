@@ -128,17 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerows(summary)
     (out / "replay_check.json").write_text(
         json.dumps(
-            {
-                "command": " ".join([sys.executable, *sys.argv]),
-                "torch": torch.__version__,
-                "gpu": torch.cuda.get_device_name(0),
-                "doctor": check.to_dict(),
-                "forced": check.forced,
-                "rows": rows,
-                "table": summary,
-            },
-            indent=2,
-            default=str,
+            {**bench_default_cost.run_metadata(check), "rows": rows, "table": summary}, indent=2, default=str
         )
     )
     for entry in summary:
