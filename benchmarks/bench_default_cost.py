@@ -192,6 +192,15 @@ def medians(rows: list[dict], cases: list[str], variants: list[str]) -> list[dic
     return table
 
 
+def gpu_ready(program: str, force: bool):
+    """The doctor's check of GPU 0 before timing, or None (after saying why) when there is nothing to time."""
+    if not torch.cuda.is_available():
+        print(f"{program}: no CUDA device; nothing to time", file=sys.stderr)
+        return None
+    check = doctor.check_before_timing(0, force=force, program=program)
+    return None if check.refused else check
+
+
 def run_metadata(check) -> dict:
     """What a result file records of its run: the command, torch, the GPU and the doctor's check."""
     return {
@@ -235,11 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("rounds", "untimed", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"`--{name}` must be >= 1, got {getattr(args, name)}")
-    if not torch.cuda.is_available():
-        print("bench_default_cost: no CUDA device; nothing to time", file=sys.stderr)
-        return 2
-    check = doctor.check_before_timing(0, force=args.force, program="bench_default_cost")
-    if check.refused:
+    check = gpu_ready("bench_default_cost", args.force)
+    if check is None:
         return 2
     fits = [
         (f"d{w}x{d} b{b}", lambda v, w=w, d=d, b=b: fit_once(v, w, d, b, args.untimed, args.steps))

@@ -23,8 +23,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_default_cost  # noqa: E402  (the fit of a packaged family, its measurement)
 
@@ -94,11 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         families = bench_default_cost.parse_families(args.families)
     except ValueError as exc:
         parser.error(str(exc))
-    if not torch.cuda.is_available():
-        print("bench_replay_check: no CUDA device; nothing to time", file=sys.stderr)
-        return 2
-    check = doctor.check_before_timing(0, force=args.force, program="bench_replay_check")
-    if check.refused:
+    check = bench_default_cost.gpu_ready("bench_replay_check", args.force)
+    if check is None:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,18 @@ class Carried:
         self.owner[self.name] = _rebuilt(self.template, [t.detach().clone() for t in self.outputs])
 
 
+def split_carried(
+    before: Any, after: Any, made: set[int], changed: list[str]
+) -> tuple[list[Carried], list[str]]:
+    """The carried attributes between two :func:`l2lightning.python_state.snapshot` of a step, and the
+    labels among `changed` (its other Python changes) that are not theirs."""
+    from l2lightning import python_state
+
+    carried = carried_attributes(python_state.rebound_tensors(before, after), made)
+    labels = {c.label for c in carried}
+    return carried, [label for label in changed if label not in labels]
+
+
 def carried_attributes(changes: Iterable[tuple[Any, Any]], made: set[int]) -> list[Carried]:
     """The carried attributes among `changes`, the (before, after) entries of
     :func:`l2lightning.python_state.rebound_tensors`: rebound to tensors the step made (their storages

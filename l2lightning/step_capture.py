@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from l2lightning import numerics_settings, python_state
 from l2lightning.called_code import StepHooks, analyse_called_code
 from l2lightning.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
-from l2lightning.carried_state import Carried, carried_attributes
+from l2lightning.carried_state import Carried, split_carried
 from l2lightning.cuda_memory import free_cached_memory, memory_state
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.metric_binding import (
@@ -227,10 +227,7 @@ class StepCapture:
                 raise _Defer()
             python_after = python_state.snapshot(holders, ours, device_type)
             appended, python_changed = python_state.split_appends(python_before, python_after)
-            carried = carried_attributes(
-                python_state.rebound_tensors(python_before, python_after), tracer.made
-            )
-            python_changed = [label for label in python_changed if label not in {c.label for c in carried}]
+            carried, python_changed = split_carried(python_before, python_after, tracer.made, python_changed)
             python_changed += self._optimizer_writes()
             if python_changed and self._traced_steps >= 1:
                 raise CaptureRefused(self._python_problem(python_changed))

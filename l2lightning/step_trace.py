@@ -400,11 +400,14 @@ _RANDOM_WITHOUT_GENERATOR_ARG = frozenset(
 )
 
 
+_CUDNN_RNN = aten._cudnn_rnn.default
+
+
 def draws_hidden_random_state(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether aten op `func` draws from a random state that lives outside torch's generators: cuDNN's
     RNN with dropout in training (``nn.LSTM``/``nn.GRU``/``nn.RNN(dropout=p)``, p > 0), whose dropout
     masks come from a state buffer cuDNN keeps per device and advances at every call."""
-    if getattr(func, "__name__", "") != "_cudnn_rnn.default" and str(func) != "aten._cudnn_rnn.default":
+    if func is not _CUDNN_RNN:
         return False
     names = [a.name for a in func._schema.arguments]
 

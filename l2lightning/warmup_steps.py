@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from l2lightning import python_state
-from l2lightning.carried_state import carried_attributes
+from l2lightning.carried_state import split_carried
 from l2lightning.metric_binding import (
     named_metrics,
     unreplayable_reason,
@@ -146,10 +146,7 @@ class WarmupSteps:
             python_after = python_state.snapshot(holders, device_type=tracer.device_type)
             appended, python_changed = python_state.split_appends(python_before, python_after)
             # tensors the step rebinds to its own results (a recurrent hidden state): replayed as carried state
-            carried = carried_attributes(
-                python_state.rebound_tensors(python_before, python_after), tracer.made
-            )
-            python_changed = [label for label in python_changed if label not in {c.label for c in carried}]
+            _, python_changed = split_carried(python_before, python_after, tracer.made, python_changed)
             python_changed += self._optimizer_writes()
             group.appended.append(frozenset(a.label for a in appended))
             tracer.trace.problems += python_state.read_appended_elements(appended, tracer.trace.read_ids)

@@ -58,10 +58,6 @@ def test_the_hidden_state_is_carried_across_replays_and_epochs_bit_for_bit(cls):
 def test_without_carrying_it_the_replays_start_from_the_captures_hidden_state(monkeypatch):
     """Silent before: every replay read the capture's hidden state (22% apart after 40 steps)."""
     monkeypatch.setattr(carried_state, "carried_attributes", lambda changes, made: [])
-    from l2lightning import step_capture, warmup_steps
-
-    monkeypatch.setattr(step_capture, "carried_attributes", lambda changes, made: [])
-    monkeypatch.setattr(warmup_steps, "carried_attributes", lambda changes, made: [])
     run = _fit(WordLanguageModel, [callback(verify=False)])
     base = _fit(WordLanguageModel, baseline=True)
     with pytest.raises(AssertionError, match="differs"):
