@@ -23,20 +23,8 @@ from typing import Any
 
 import torch
 
-
-def leaves(value: Any) -> list[torch.Tensor] | None:
-    """The tensors of a tensor or a tuple of tensors (nested tuples too), in order; None otherwise."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple) and value:
-        out: list[torch.Tensor] = []
-        for v in value:
-            inner = leaves(v)
-            if inner is None:
-                return None
-            out += inner
-        return out
-    return None
+from l2lightning import python_state
+from l2lightning.python_state import leaves
 
 
 def _rebuilt(template: Any, tensors: Iterable[torch.Tensor]) -> Any:
@@ -95,8 +83,6 @@ def split_carried(
 ) -> tuple[list[Carried], list[str]]:
     """The carried attributes between two :func:`l2lightning.python_state.snapshot` of a step, and the
     labels among `changed` (its other Python changes) that are not theirs."""
-    from l2lightning import python_state
-
     carried = carried_attributes(python_state.rebound_tensors(before, after), made)
     labels = {c.label for c in carried}
     return carried, [label for label in changed if label not in labels]

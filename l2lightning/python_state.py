@@ -268,7 +268,7 @@ def _changes(before: Snapshot, after: Snapshot) -> list[tuple[_Value | None, _Va
             # recomputed from the parameters in every forward (weight_norm's `weight`): the graph
             # recomputes it too; a running value that a replay would freeze is detached
             continue
-        if now.kind == "tensors" and any(t.requires_grad for t in _flat_tensors(now.value)):
+        if now.kind == "tensors" and any(t.requires_grad for t in leaves(now.value)):
             continue  # the same, for a tuple (a recurrent state that carried_state replays)
         if then is None or then.kind != now.kind or _differs(then.value, now.value, now.kind):
             found.append((then, now))
@@ -283,13 +283,22 @@ def changed(before: Snapshot, after: Snapshot) -> list[str]:
 
 def _tensor_tuple(value: Any) -> bool:
     """Whether `value` is a non-empty tuple of tensors (nested tuples too): an LSTM's ``(h, c)``."""
-    return isinstance(value, tuple) and bool(value) and _flat_tensors(value) is not None
+    return isinstance(value, tuple) and bool(value) and leaves(value) is not None
 
 
-def _flat_tensors(value: Any) -> list[torch.Tensor] | None:
-    from l2lightning.carried_state import leaves
-
-    return leaves(value)
+def leaves(value: Any) -> list[torch.Tensor] | None:
+    """The tensors of a tensor or a tuple of tensors (nested tuples too), in order; None otherwise."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple) and value:
+        out: list[torch.Tensor] = []
+        for v in value:
+            inner = leaves(v)
+            if inner is None:
+                return None
+            out += inner
+        return out
+    return None
 
 
 def rebound_tensors(before: Snapshot, after: Snapshot) -> list[tuple[_Value, _Value]]:
