@@ -131,7 +131,7 @@ for stage in "$@"; do
       timeout 240 python3 benchmarks/memory_peak.py --out "$OUT" $extra > "$OUT/memory_peak.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/memory_peak.log" | tail -40 ;;
     probe)
-      timeout 120 python3 benchmarks/probe_capture_idioms.py --out "$OUT" > "$OUT/probe_capture_idioms.log" 2>&1
+      timeout 300 python3 benchmarks/probe_capture_idioms.py --out "$OUT" > "$OUT/probe_capture_idioms.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/probe_capture_idioms.log" | tail -8 ;;
     replay-check*)
       extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}

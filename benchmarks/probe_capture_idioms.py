@@ -1,13 +1,17 @@
 """Whether three training-step idioms can be held by a CUDA graph, bit for bit, on this GPU.
 
-Each probe builds the step with plain PyTorch (no Lightning, no l2lightning), runs it eagerly from a
-saved state, captures it in ``torch.cuda.graph`` and replays it from the same state, and compares
-every parameter, gradient and carried tensor bitwise:
+Each probe builds the step with plain PyTorch (no Lightning; of l2lightning only its generator
+put-back, ``l2lightning.rng.put_back_cuda_rng``), runs it eagerly from a saved state, captures it in
+``torch.cuda.graph`` and replays it from the same state, and compares every parameter, gradient and
+carried tensor bitwise. Each probe runs in its own process (a failed capture leaves the CUDA
+generator unusable):
 
 * ``lstm``: a word-language-model step (``nn.Embedding`` -> 2-layer cuDNN ``nn.LSTM`` with dropout
   between layers -> ``nn.Linear``), the hidden state carried across steps and detached
   (pytorch/examples ``word_language_model``'s ``repackage_hidden``), SGD with momentum and value
-  clipping; also with ``dropout=0``, and a GRU;
+  clipping, cuDNN's dropout-state buffer saved and put back with the rest; also without saving that
+  buffer, with the generator put back by ``torch.cuda.set_rng_state`` (which makes cuDNN re-seed:
+  a host sync inside the capture), with ``dropout=0``, and a GRU;
 * ``checkpoint``: a block with dropout under ``torch.utils.checkpoint`` (``use_reentrant=False``,
   ``preserve_rng_state=True``), whose backward recomputes the forward's dropout;
 * ``amp_fused``: ``GradScaler`` with a fused AdamW under fp16 autocast, ``scaler.scale(loss).backward()``,
@@ -21,12 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from l2lightning.rng import put_back_cuda_rng
+from l2lightning.step_trace import cudnn_dropout_state
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -63,10 +73,10 @@ class _State:
         }
         self.extra = [(t, t.detach().clone()) for t in extra]
         self.rng = torch.cuda.get_rng_state()
-        self.offset = torch.cuda.default_generators[torch.cuda.current_device()].get_offset()
-        # set_rng_state sets the seed too, which makes cuDNN re-seed its RNN dropout state at the
-        # next call (a host sync and a draw); restoring the offset alone does not
-        self.offset_only = False
+        # torch.cuda.set_rng_state (like set_offset and manual_seed) makes cuDNN re-seed its RNN
+        # dropout state at the next call, a host sync and a draw; put_back_cuda_rng sets the state
+        # through a second generator on the same state object, which leaves the re-seed flag alone
+        self.restore_with = "put_back"
 
     def restore(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         with torch.no_grad():
@@ -76,10 +86,10 @@ class _State:
                 for k, v in s.items():
                     if isinstance(v, torch.Tensor):
                         v.copy_(self.opt[id(p)][k])
-        if self.offset_only:
-            torch.cuda.default_generators[torch.cuda.current_device()].set_offset(self.offset)
-        else:
+        if self.restore_with == "set_rng_state":
             torch.cuda.set_rng_state(self.rng)
+        else:
+            put_back_cuda_rng([(torch.cuda.current_device(), self.rng)])
 
 
 def _compare(model, opt, got, want) -> list[str]:
@@ -133,7 +143,24 @@ def repackage_hidden(h):
     return h.detach() if isinstance(h, torch.Tensor) else tuple(repackage_hidden(v) for v in h)
 
 
-def probe_rnn(cell: str, dropout: float, steps: int = 6, offset_only: bool = False) -> dict:
+class _DropoutStateFinder(TorchDispatchMode):
+    """The cuDNN RNN dropout-state buffer the step's ``_cudnn_rnn`` calls read and advance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: dict[int, torch.Tensor] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        state = cudnn_dropout_state(func, args, kwargs)
+        if state is not None:
+            self.found[state.untyped_storage().data_ptr()] = state
+        return func(*args, **kwargs)
+
+
+def probe_rnn(
+    cell: str, dropout: float, steps: int = 6, restore_with: str = "put_back", save_dropout_state: bool = True
+) -> dict:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = WordLM(dropout=dropout, cell=cell).to(dev)
@@ -156,19 +183,29 @@ def probe_rnn(cell: str, dropout: float, steps: int = 6, offset_only: bool = Fal
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for i in range(3):  # warm-up (and momentum buffers made)
+        for i in range(2):  # warm-up (and momentum buffers made)
             step(data[i, :-1], data[i, 1:])
+        finder = _DropoutStateFinder()
+        with finder:
+            step(data[2, :-1], data[2, 1:])
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    result: dict = {"cell": cell, "dropout": dropout}
+    dropout_states = list(finder.found.values())
+    result: dict = {
+        "cell": cell,
+        "dropout": dropout,
+        "dropout_state_bytes": [t.numel() for t in dropout_states],
+    }
     static_x = data[3, :-1].clone()
     static_y = data[3, 1:].clone()
     # the carried state the graph reads: static buffers; the step rebinds holder["hidden"] to its output
     static_h = _clone_tree(holder["hidden"])
     h_start = _clone_tree(holder["hidden"])
-    saved = _State(model, opt, extra=_flat(static_h))
-    saved.offset_only = offset_only
-    result["offset_only"] = offset_only
+    kept = dropout_states if save_dropout_state else []
+    saved = _State(model, opt, extra=[*_flat(static_h), *kept])
+    saved.restore_with = restore_with
+    result["restore_with"] = restore_with
+    result["dropout_state_saved"] = bool(kept)
 
     def run_eager():
         saved.restore(model, opt)
@@ -340,35 +377,56 @@ def probe_amp_fused(steps: int = 6) -> dict:
     return result
 
 
+PROBES = {
+    "lstm_dropout": lambda: probe_rnn("LSTM", 0.2),
+    "lstm_dropout_state_not_saved": lambda: probe_rnn("LSTM", 0.2, save_dropout_state=False),
+    "lstm_dropout_set_rng_state": lambda: probe_rnn("LSTM", 0.2, restore_with="set_rng_state"),
+    "lstm_no_dropout": lambda: probe_rnn("LSTM", 0.0),
+    "gru_dropout": lambda: probe_rnn("GRU", 0.2),
+    "checkpoint_dropout": probe_checkpoint,
+    "amp_fused_adamw": probe_amp_fused,
+}
+
+
+def run_one(name: str) -> dict:
+    started = time.perf_counter()
+    try:
+        result = PROBES[name]()
+    except Exception as exc:  # noqa: BLE001 -- the probe reports what failed
+        result = {"error": f"{type(exc).__name__}: {exc}", "where": traceback.format_exc().splitlines()[-8:]}
+    result["seconds"] = round(time.perf_counter() - started, 2)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", help="output directory (all probes, each in its own process)")
+    parser.add_argument("--only", choices=sorted(PROBES), help="run one probe here and print its JSON line")
     args = parser.parse_args()
+    if args.only:
+        print("RESULT " + json.dumps(run_one(args.only)), flush=True)
+        return
+    if not args.out:
+        parser.error("--out is required unless --only is given")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
         "cudnn": torch.backends.cudnn.version(),
+        "command": "python3 benchmarks/probe_capture_idioms.py --out OUTDIR",
     }
-    probes = {
-        "lstm_dropout": lambda: probe_rnn("LSTM", 0.2),
-        "lstm_dropout_offset_restore": lambda: probe_rnn("LSTM", 0.2, offset_only=True),
-        "lstm_no_dropout": lambda: probe_rnn("LSTM", 0.0),
-        "gru_dropout": lambda: probe_rnn("GRU", 0.2),
-        "checkpoint_dropout": probe_checkpoint,
-        "amp_fused_adamw": probe_amp_fused,
-    }
-    for name, probe in probes.items():
-        started = time.perf_counter()
-        try:
-            results[name] = probe()
-        except Exception as exc:  # noqa: BLE001
-            results[name] = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "where": traceback.format_exc().splitlines()[-6:],
-            }
-        results[name]["seconds"] = round(time.perf_counter() - started, 2)
+    for name in PROBES:
+        # its own process: a capture that fails leaves the CUDA generator unusable for the next probe
+        done = subprocess.run(
+            [sys.executable, __file__, "--only", name], capture_output=True, text=True, timeout=300
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        results[name] = (
+            json.loads(lines[-1][len("RESULT ") :])
+            if lines
+            else {"error": f"exit {done.returncode}", "stderr": done.stderr.splitlines()[-8:]}
+        )
         print(name, json.dumps(results[name]), flush=True)
     (out / "probe_capture_idioms.json").write_text(json.dumps(results, indent=2))
 

@@ -71,6 +71,7 @@ from l2lightning.prefetch_setup import PrefetchSetup
 from l2lightning.progress_bar_reads import defer_progress_bar_reads
 from l2lightning.replay_check import CheckSchedule, ReplayCheckReport
 from l2lightning.replay_closure import CLOSURE_HOOKS, ReplayClosure, why_not_fast
+from l2lightning.rng import watch_cuda_state_setters
 from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
@@ -257,9 +258,12 @@ class L2GraphCallback(
         self._record_output = False  # the checked step's eager training_step output is kept (_checked_output)
         self._checked_output: Any = None
         self._check_why = ""  # why this step is checked (CheckSchedule.due)
-        # where the step draws from a random state torch cannot save and restore (cuDNN's RNN dropout
-        # state): no eager work may run beside the fit's own steps (the check, the prefetch dry run)
+        # where the step draws from cuDNN's RNN dropout state (a buffer outside torch's generators):
+        # eager work beside the fit's steps that cannot put it back (the prefetch's dry run, the
+        # capture's eager check) is off; the sampled check saves and puts it back
         self._hidden_random: str | None = None
+        self._verify_capture_off = False
+        self._undo_cuda_state_watch: Callable[[], None] | None = None
         # the global step from which the optimizer ran make_capturable's configuration (first capture)
         self.capturable_from_step: int | None = None
         self._resumed_switched = False  # switched at train start: a resumed fit that was capturable
@@ -535,6 +539,9 @@ class L2GraphCallback(
         if self._undo_progress_bar_reads is not None:
             self._undo_progress_bar_reads()
             self._undo_progress_bar_reads = None
+        if self._undo_cuda_state_watch is not None:
+            self._undo_cuda_state_watch()
+            self._undo_cuda_state_watch = None
         for cb, hook, before in self._callback_overrides:
             put_back(cb, hook, before)
         self._callback_overrides = []
@@ -662,6 +669,11 @@ class L2GraphCallback(
             self._resumed_switched = True
         # prog_bar values: read when the progress bar (or anyone) reads them, not with a host sync per step
         self._undo_progress_bar_reads = defer_progress_bar_reads(trainer)
+        # a CUDA generator's state set between steps (a seed in a hook) re-seeds cuDNN's RNN dropout at
+        # the next eager nn.LSTM call, never at a replay: the next replay is checked
+        self._undo_cuda_state_watch = watch_cuda_state_setters(
+            lambda name: self._check_schedule.after(f"a call of `torch.cuda.{name}`")
+        )
         # replays dispatch only the closure's hooks that something overrides (l2lightning.replay_closure)
         self._replay_closure = ReplayClosure() if why_not_fast(trainer) is None else None
         for _, metric in named_metrics(pl_module):

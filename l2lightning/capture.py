@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from l2lightning.batch_reads import BatchReads
+from l2lightning.rng import cuda_rng_states, put_back_cuda_rng, reset_cuda_generators
 
 
 class BatchMismatchError(ValueError):
@@ -275,7 +276,7 @@ class TrainingState:
                     for k, v in state.items()
                 }
         devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-        cuda_rng = [(d, torch.cuda.get_rng_state(d)) for d in devices]
+        cuda_rng = cuda_rng_states(devices)
         return cls(params, buffers, opt_state, torch.get_rng_state(), cuda_rng)
 
     def restore(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -314,40 +315,6 @@ class TrainingState:
         """
         torch.set_rng_state(self.cpu_rng)
         reset_cuda_generators(self.cuda_rng)
-
-
-def put_back_cuda_rng(states: Sequence[tuple[int, torch.Tensor]]) -> None:
-    """Put each CUDA device's default generator back to a state saved with ``torch.cuda.get_rng_state``.
-
-    Where the seed is the saved one (only the offset moved, as every step's random ops move it), the
-    offset alone is put back: setting the whole state sets the seed too, which makes cuDNN re-seed its
-    RNN dropout state at the next ``nn.LSTM``/``nn.GRU`` call (a host sync, a draw from the generator,
-    and a new state buffer under a graph that holds the old one's address). The state's bytes are the
-    seed and then the offset, each a little-endian 64-bit integer.
-    """
-    for device, state in states:
-        generator = torch.cuda.default_generators[device]
-        seed = int.from_bytes(bytes(state[:8].tolist()), "little")
-        offset = int.from_bytes(bytes(state[8:16].tolist()), "little")
-        if state.numel() == 16 and generator.initial_seed() == seed and hasattr(generator, "set_offset"):
-            generator.set_offset(offset)
-        else:
-            torch.cuda.set_rng_state(state, device)
-
-
-def reset_cuda_generators(states: Sequence[tuple[int, torch.Tensor]]) -> None:
-    """Give each CUDA device's default generator a fresh state holding `states`' seed and offset.
-
-    A generator's state object keeps a per-capture offset that only a completed capture resets.
-    ``graphsafe_set_state`` swaps in the state object of a new generator (offset 0, not capturing)
-    after ``set_state`` has put the saved seed and offset into it, so the default generator goes
-    on from exactly where it was, with nothing left of the failed capture.
-    """
-    for device, state in states:
-        generator = torch.cuda.default_generators[device]
-        fresh = torch.Generator(device=f"cuda:{device}")
-        fresh.set_state(state)
-        generator.graphsafe_set_state(fresh)
 
 
 def _dampening(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> float:

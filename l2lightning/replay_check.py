@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from l2lightning.capture import put_back_cuda_rng
+from l2lightning.rng import cuda_rng_states, put_back_cuda_rng
 from l2lightning.verify import _bits, compare_tensors
 
 # Replays counted per capture: a check at replay 1, 2, 4, 8, ... (a power of two).
@@ -111,7 +111,7 @@ class WrittenState:
     def save(self) -> SavedState:
         """Copies of every written tensor as it is now (raises ``torch.OutOfMemoryError`` if they do not fit)."""
         tensors = [(t, t.detach().clone()) for t in self.current() if isinstance(t, torch.Tensor)]
-        cuda = [(d, torch.cuda.get_rng_state(d)) for d in self.cuda_devices]
+        cuda = cuda_rng_states(self.cuda_devices)
         return SavedState(tensors, torch.get_rng_state(), cuda)
 
     def snapshot(self) -> list[torch.Tensor | None]:

@@ -196,7 +196,11 @@ class StepCapture:
             module.zero_grad(set_to_none=True)
             self._static_for_prefetch = static
             self._install_prefetch(module)
-        eager_record = self._verify_eager(run, closure, kwargs, binding) if self.verify == "capture" else None
+        eager_record = (
+            self._verify_eager(run, closure, kwargs, binding)
+            if self.verify == "capture" and not self._verify_capture_off
+            else None
+        )
         python_state.restore(python_start)
         _put_back_schedulers(schedulers)
         # What a failed capture must undo: the capture runs no kernel, so only host tensors and the RNG
@@ -406,26 +410,32 @@ class StepCapture:
         return result
 
     def _no_work_beside_the_steps(self) -> None:
-        """Where the step draws from cuDNN's RNN dropout state (saved nowhere torch can restore it, and
-        advanced by every call), any eager work beside the fit's own steps would move it on and change
-        every later dropout mask: the sampled check and the prefetch's dry run of the step are off."""
+        """Where the step draws from cuDNN's RNN dropout state (a buffer outside torch's generators,
+        advanced by every call), eager work beside the fit's own steps that does not put that buffer
+        back would move it on and change every later dropout mask. The sampled check saves and puts it
+        back (the capture records it among the tensors the step writes); the prefetch's dry run of the
+        forward and ``verify="capture"``'s eager step, both run before the capture has found the
+        buffer, are off."""
         where = self._hidden_random
         if where is None:
             return
-        reason = (
-            f"the step draws dropout from cuDNN's RNN dropout state (at {where}), which lives outside "
-            "torch's generators, cannot be saved and put back, and moves on at every call"
-        )
-        if self._check_on:
-            self._check_on = False
-            self.replay_check.off_reason = reason
+        turned_off = []
         if self.prefetch != "off" and not self._prefetch_failed:
             self._prefetch_failed = True
-        self._warn_once(
-            "hidden-random",
-            f"{reason}: the sampled replay check and the prefetch (whose set-up runs the step's forward "
-            "once) are off for this fit, so that it stays bitwise its eager reference",
-        )
+            turned_off.append("the prefetch (whose set-up runs the step's forward once)")
+        if self.verify == "capture":
+            self._verify_capture_off = True
+            turned_off.append(
+                "the capture's eager check (`verify='sampled'` checks the first replay, with that state saved)"
+            )
+        if turned_off:
+            self._warn_once(
+                "hidden-random",
+                f"the step draws dropout from cuDNN's RNN dropout state (at {where}), which lives outside "
+                f"torch's generators and moves on at every call: {' and '.join(turned_off)} "
+                f"{'is' if len(turned_off) == 1 else 'are'} off for this fit, so that it stays bitwise its "
+                "eager reference",
+            )
 
     def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:
         module = self._module

@@ -409,13 +409,27 @@ def draws_hidden_random_state(func: Any, args: tuple, kwargs: dict) -> bool:
     masks come from a state buffer cuDNN keeps per device and advances at every call."""
     if func is not _CUDNN_RNN:
         return False
+    return (
+        bool(_argument(func, args, kwargs, "train"))
+        and float(_argument(func, args, kwargs, "dropout") or 0.0) > 0.0
+    )
+
+
+def cudnn_dropout_state(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The dropout-state buffer a cuDNN RNN op with dropout reads and advances (see
+    :func:`draws_hidden_random_state`), None for any other op. It is one buffer per device, the same
+    tensor at every call until cuDNN re-seeds (after the generator's state is set), so the step's
+    graph and the replay check can hold, save and put it back like any tensor the step writes."""
+    if not draws_hidden_random_state(func, args, kwargs):
+        return None
+    state = _argument(func, args, kwargs, "dropout_state")
+    return state if isinstance(state, torch.Tensor) else None
+
+
+def _argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
     names = [a.name for a in func._schema.arguments]
-
-    def argument(name: str) -> Any:
-        i = names.index(name)
-        return args[i] if i < len(args) else kwargs.get(name)
-
-    return bool(argument("train")) and float(argument("dropout") or 0.0) > 0.0
+    i = names.index(name)
+    return args[i] if i < len(args) else kwargs.get(name)
 
 
 def draws_random_numbers(func: Any) -> bool:
@@ -1003,6 +1017,12 @@ class StepTracer(TorchDispatchMode):
             )
         if draws_hidden_random_state(func, args, kwargs):
             self.trace.hidden_random.append(frame)
+            dropout_state = cudnn_dropout_state(func, args, kwargs)
+            if self.constants is not None and dropout_state is not None:
+                # not marked written in the op's schema, but advanced by it: the graph holds it (a
+                # re-seed elsewhere cannot free it under the graph) and the check saves and compares it
+                storage = dropout_state.untyped_storage().data_ptr()
+                self.external_writes.setdefault(storage, (dropout_state, frame))
         if self._recomputing_with_forward_rng and draws_random_numbers(func):
             problem = (
                 f"`{_op_name(func)}` at {describe_frame(frame)} draws random numbers (dropout) inside a block "

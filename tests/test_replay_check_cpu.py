@@ -4,6 +4,7 @@ made to miss, keeps the eager result, and leaves no trace where the replays are 
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
@@ -283,3 +284,24 @@ def test_the_joined_comparison_agrees_with_the_one_by_one_comparison():
         flipped[0] = ~flipped[0] if flipped.dtype == torch.bool else flipped[0] + 1
         assert not _all_same(changed)
         assert first_difference(changed).startswith(f"t{i}"), first_difference(changed)
+
+
+class SeedsInAHook(pl.Callback):
+    """A user's callback that re-seeds at step 40 (``seed_everything`` in a hook)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 40:
+            torch.manual_seed(40)
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_a_seed_set_between_steps_checks_the_next_replay():
+    """torch.manual_seed sets the CUDA generators through torch.cuda.manual_seed_all: the replay after it
+    is checked (cuDNN re-seeds its RNN dropout state at the next eager nn.LSTM call, never in a replay)."""
+    cb = _callback()
+    run = fit(TinyMLP, [SeedsInAHook(), cb], steps=50)
+    base = fit(baseline_of(TinyMLP), [SeedsInAHook()], steps=50)
+    assert_same(base, run)
+    reasons = cb.summary()["replay_check"]["reasons"]
+    assert reasons.get("the first replay after a call of `torch.cuda.manual_seed_all`") == 1, reasons
+    assert torch.cuda.manual_seed_all is torch.cuda.random.manual_seed_all, "the watch outlived the fit"

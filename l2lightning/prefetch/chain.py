@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from l2lightning.rng import forked_rng
+
 # Blocks PyTorch runs through fused kernels that bypass their submodules' forward: hook them whole.
 FUSED_BLOCK_TYPES: tuple[type[nn.Module], ...] = (
     nn.TransformerEncoderLayer,
@@ -104,7 +106,7 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
         {b.device.index for b in model.buffers() if b.is_cuda}
         | {p.device.index for p in model.parameters() if p.is_cuda}
     )
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with forked_rng(devices), torch.no_grad():
         try:
             yield
         finally:

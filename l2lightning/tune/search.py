@@ -49,6 +49,7 @@ import torch
 
 from l2lightning.prefetch.chain import Layer, device_l2_bytes
 from l2lightning.prefetch.plan import KINDS, MIB, PrefetchPlan
+from l2lightning.rng import forked_rng
 from l2lightning.tune.cache import PlanCache
 from l2lightning.tune.candidates import (
     BLOCK_PREFETCH_RATE,
@@ -321,12 +322,12 @@ class Autotuner(StagedSearch):
         """Around all measurements: the layer's device current, the RNG forked (random weights and
         graph replays must not move the model's RNG), inference mode off (backward graphs need grad)."""
         if not active or device.type != "cuda":
-            with torch.random.fork_rng(devices=[]):
+            with forked_rng():
                 yield
             return
         with (
             torch.cuda.device(device),
-            torch.random.fork_rng(devices=[device.index]),
+            forked_rng([device.index]),
             torch.inference_mode(False),
         ):
             yield
