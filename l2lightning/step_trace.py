@@ -453,8 +453,15 @@ def draws_from_its_own_generator(func: Any, args: tuple, kwargs: dict, device_ty
         if not isinstance(generator, torch.Generator) or generator.device.type != device_type:
             return False
         defaults = torch.cuda.default_generators if device_type == "cuda" else (torch.default_generator,)
-        return all(generator is not default for default in defaults)
+        # by the C++ generator, not the Python object: an op that draws inside another (cuDNN seeding
+        # its RNN dropout state with `random_(generator)`) hands a second Python wrapper of the default
+        return all(_generator_id(generator) != _generator_id(default) for default in defaults)
     return False
+
+
+def _generator_id(generator: torch.Generator) -> int:
+    """The address of the C++ generator a Python ``torch.Generator`` wraps."""
+    return int(getattr(generator, "_cdata", id(generator)))
 
 
 # Helpers that only pass a message on: the call that counts is the one made to them (Logger.info and
