@@ -671,9 +671,7 @@ class L2GraphCallback(
         self._undo_progress_bar_reads = defer_progress_bar_reads(trainer)
         # a CUDA generator's state set between steps (a seed in a hook) re-seeds cuDNN's RNN dropout at
         # the next eager nn.LSTM call, never at a replay: the next replay is checked
-        self._undo_cuda_state_watch = watch_cuda_state_setters(
-            lambda name: self._check_schedule.after(f"a call of `torch.cuda.{name}`")
-        )
+        self._undo_cuda_state_watch = watch_cuda_state_setters(self._cuda_state_set)
         # replays dispatch only the closure's hooks that something overrides (l2lightning.replay_closure)
         self._replay_closure = ReplayClosure() if why_not_fast(trainer) is None else None
         for _, metric in named_metrics(pl_module):
@@ -753,6 +751,13 @@ class L2GraphCallback(
         self._log_timing(trainer)
 
     # ------------------------------------------------------------------ the sampled replay check's events
+    def _cuda_state_set(self, name: str) -> None:
+        """`torch.cuda.NAME` set a CUDA generator's state. Between steps (a hook) the next replay is
+        checked; inside a step it is the step's own (activation checkpointing's recomputation puts the
+        forward's state back at every backward), which the step tracer judges."""
+        if not self._in_step:
+            self._check_schedule.after(f"a call of `torch.cuda.{name}`")
+
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._check_schedule.after("an epoch start")

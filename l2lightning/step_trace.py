@@ -1030,13 +1030,17 @@ class StepTracer(TorchDispatchMode):
                 # re-seed elsewhere cannot free it under the graph) and the check saves and compares it
                 storage = dropout_state.untyped_storage().data_ptr()
                 self.external_writes.setdefault(storage, (dropout_state, frame))
-        if self._recomputing_with_forward_rng and draws_random_numbers(func):
+        if self._recomputing_with_forward_rng and draws_random_numbers(func) and self.device_type != "cuda":
+            # On CUDA the recomputation puts the forward's state back through the graph-safe generator
+            # state, so a replay's backward redraws its own forward's masks: bitwise on the H200 with
+            # torch 2.11 (benchmarks/probe_capture_idioms.py, `checkpoint_dropout`; the sampled check
+            # compares such replays with the eager step too). Elsewhere nothing puts it back in a replay.
             problem = (
                 f"`{_op_name(func)}` at {describe_frame(frame)} draws random numbers (dropout) inside a block "
-                "that `torch.utils.checkpoint` recomputes with the forward's random state put back; that a "
-                "replay's recomputation draws its own forward's numbers again is not established for CUDA "
-                "graphs (were it not, the gradients would be wrong), so the step trains eagerly. Keep the "
-                "dropout outside the checkpointed block, or pass `preserve_rng_state=False`"
+                "that `torch.utils.checkpoint` recomputes with the forward's random state put back; outside "
+                f"CUDA ({self.device_type}) a replay's recomputation would not draw its own forward's numbers "
+                "again, so the step trains eagerly. Keep the dropout outside the checkpointed block, or pass "
+                "`preserve_rng_state=False`"
             )
             self.trace.add_problem(problem)
         if self._hook is not None:

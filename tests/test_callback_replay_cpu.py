@@ -1472,9 +1472,9 @@ def test_a_step_that_seeds_torch_is_refused_by_name_and_trains_like_plain(consta
 
 
 def test_dropout_in_a_block_checkpointing_recomputes_with_the_forwards_rng_is_refused_by_name():
-    """On the CPU stand-in the replays' recomputation drew other masks than their forward (its replay
-    does not put the generator's state back): captured, the fit left the baseline at the first replay.
-    On CUDA graphs it is not established either, so the step is refused by name."""
+    """On the CPU stand-in the replays' recomputation would draw other masks than their forward (its
+    replay does not put the generator's state back), so outside CUDA the step is refused by name. On
+    CUDA it is captured (tests/gpu/test_callback_gpu.py)."""
     assert_refused_like_plain(
         CheckpointedDropout,
         r"`bernoulli_.float` at .*lightning_models.py:\d+ .* draws random numbers .* inside a block "

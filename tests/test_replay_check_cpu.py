@@ -366,3 +366,15 @@ def test_a_seed_set_between_steps_checks_the_next_replay():
     reasons = cb.summary()["replay_check"]["reasons"]
     assert reasons.get("the first replay after a call of `torch.cuda.manual_seed_all`") == 1, reasons
     assert torch.cuda.manual_seed_all is torch.cuda.random.manual_seed_all, "the watch outlived the fit"
+
+
+def test_a_cuda_state_set_inside_the_step_is_the_steps_own_and_checks_nothing():
+    """Activation checkpointing's recomputation puts the forward's CUDA state back at every eager
+    backward: inside the step it must not call for a check (every replay would be checked)."""
+    cb = _callback()
+    cb._in_step = True
+    cb._cuda_state_set("set_rng_state")
+    assert cb._check_schedule.pending is None
+    cb._in_step = False
+    cb._cuda_state_set("set_rng_state")
+    assert cb._check_schedule.pending == "a call of `torch.cuda.set_rng_state`"

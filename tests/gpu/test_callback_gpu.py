@@ -257,26 +257,20 @@ def test_randperm_and_multinomial_in_the_step_replay_the_draws_of_eager_steps():
 
 
 @pytest.mark.parametrize(
-    ("cls", "captured"),
-    [(CheckpointedDropout, False), (CheckpointedDropoutUnpreserved, True), (DropoutOutsideCheckpoint, True)],
+    "cls",
+    [CheckpointedDropout, CheckpointedDropoutUnpreserved, DropoutOutsideCheckpoint],
     ids=["dropout-inside-preserved", "dropout-inside-unpreserved", "dropout-outside"],
 )
-def test_activation_checkpointing_with_dropout_is_refused_where_the_recomputation_puts_the_rng_back(
-    cls, captured
-):
-    """Dropout inside a block recomputed with the forward's random state put back is refused by name
-    (that a replay's recomputation redraws its forward's masks is not established; a mismatch would
-    train on wrong gradients silently); without the put-back, or with the dropout outside the block,
-    the step is captured and bitwise its baseline."""
-    if not captured:
-        assert_refused_and_trains_like_plain(
-            cls, "torch.utils.checkpoint", "recomputes", steps=30, fused=True
-        )
-        return
+def test_activation_checkpointing_with_dropout_is_captured_and_bitwise_its_baseline(cls):
+    """Dropout inside a block recomputed with the forward's random state put back (the replay's
+    backward must redraw its own forward's masks, through the graph-safe generator state), without
+    the put-back, and with the dropout outside the block: captured, checked, bitwise the baseline."""
     cb = L2GraphCallback(prefetch="off")
     run = fit(cls, [cb], steps=30, fused=True)
     summary = cb.summary()
     assert summary["captured"] and summary["fallback_steps"] == 0, summary
+    report = summary["replay_check"]
+    assert report["checks"] >= 4 and report["mismatches"] == 0 and report["within_spread"] == 0, report
     assert_same_run(fit(cls, [], steps=30, fused=True, baseline=True), run)
 
 
