@@ -38,6 +38,7 @@ RNG (the CUDA generator included) and process as a plain fit would have them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,7 @@ from l2lightning.optim import (
 from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.prefetch_setup import PrefetchSetup
 from l2lightning.progress_bar_reads import defer_progress_bar_reads
-from l2lightning.replay_check import CheckSchedule, ReplayCheckReport
+from l2lightning.replay_check import CHECK_SHARE, CheckSchedule, ReplayCheckReport
 from l2lightning.replay_closure import CLOSURE_HOOKS, ReplayClosure, why_not_fast
 from l2lightning.rng import watch_cuda_state_setters
 from l2lightning.step_capture import StepCapture, _Graph
@@ -133,6 +134,10 @@ class L2GraphCallback(
             ``"capture"`` (or True): at capture only, run the step once eagerly and once captured from
             the same state and raise :class:`~l2lightning.EquivalenceError` if the loss, a gradient
             or a parameter differs in any bit (for users' GPU CI). False: no check.
+        check_share: with ``verify="sampled"``, the most of the fit's wall time (so far, from the
+            training start) the checks may take, a number in (0, 1]: a scheduled check beyond it is
+            deferred to the first replay within it (counted in ``summary()["replay_check"]["deferred"]``);
+            the first replay of every capture is always checked. 1.0 checks every scheduled replay.
         compile: compile the LightningModule's child modules with ``torch.compile`` (default mode,
             no CUDA graphs of its own) at the first step, so inductor's fusion runs inside the
             whole-step graph (prefetch through :mod:`l2lightning.prefetch.ops`).
@@ -177,6 +182,7 @@ class L2GraphCallback(
         prefetch: str | PrefetchPlan = "auto",
         backward_prefetch: bool = True,
         verify: str | bool = "sampled",
+        check_share: float = CHECK_SHARE,
         compile: bool = False,
         report: bool = False,
         eager_optimizer_fallback: bool = True,
@@ -210,6 +216,16 @@ class L2GraphCallback(
             raise ValueError(
                 f"`gate_pairs` must be 0 (no whole-step gate) or an int >= 2, got {gate_pairs!r}"
             )
+        if (
+            isinstance(check_share, bool)
+            or not isinstance(check_share, (int, float))
+            or not 0.0 < float(check_share) <= 1.0
+        ):
+            raise ValueError(
+                f"`check_share` must be a number in (0, 1] (the most of the fit's time the sampled replay "
+                f"check may take), got {check_share!r}"
+            )
+        self.check_share = float(check_share)
         if verify is True:
             verify = "capture"  # what verify=True meant before the sampled check
         if (
@@ -253,7 +269,8 @@ class L2GraphCallback(
         self.fallback_steps = 0
         self.captures = 0
         self.replay_check = ReplayCheckReport(mode=str(self.verify) if self.verify else "off")
-        self._check_schedule = CheckSchedule()
+        self._check_schedule = CheckSchedule(self.check_share)
+        self._fit_started_at: float | None = None  # perf_counter at the training start: the check's budget
         self._check_on = self.verify == "sampled"
         self._record_output = False  # the checked step's eager training_step output is kept (_checked_output)
         self._checked_output: Any = None
@@ -672,6 +689,7 @@ class L2GraphCallback(
         # a CUDA generator's state set between steps (a seed in a hook) re-seeds cuDNN's RNN dropout at
         # the next eager nn.LSTM call, never at a replay: the next replay is checked
         self._undo_cuda_state_watch = watch_cuda_state_setters(self._cuda_state_set)
+        self._fit_started_at = time.perf_counter()
         # replays dispatch only the closure's hooks that something overrides (l2lightning.replay_closure)
         self._replay_closure = ReplayClosure() if why_not_fast(trainer) is None else None
         for _, metric in named_metrics(pl_module):

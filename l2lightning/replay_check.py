@@ -4,8 +4,9 @@ Before each replay the callback decides from what it can read on the host (the s
 state, tensor identities and addresses, the batch's structure) whether the graph still stands for
 the eager step. Those checks know the idioms they were written for. This module is the net under
 them that knows none: at chosen replays (:class:`CheckSchedule`: replay 1, 2, 4, 8, ... of each
-capture, and the first replay after an epoch starts, a validation loop ends or a checkpoint is
-loaded) the callback
+capture, and the first replay after an epoch starts, a validation loop ends, a checkpoint is loaded
+or a hook sets a CUDA generator's state; all but replay 1 within a share of the fit's wall time) the
+callback
 
 1. saves everything the step writes (:class:`WrittenState`: parameters, buffers, the optimizer's
    state, the bound metrics' states, the tensors the step reads from attributes, the carried state)
@@ -19,9 +20,10 @@ loaded) the callback
 The eager step is the step that stands, so a replay that differs is never kept. On a difference the
 callback replays once more from the saved state: a replay that differs from itself means the step's
 kernels are not deterministic (atomics in ``index_add``/``scatter_add``, some cuDNN backward
-algorithms), which a bitwise check cannot judge, so the check is switched off for the fit with one
-warning; otherwise the replay is wrong, the step is captured again once, and a second difference
-means eager training for the rest of the fit.
+algorithms), and the eager step is judged against the two replays' spread
+(:func:`beyond_replay_spread`); a difference beyond it, or a deterministic replay that differs, is a
+wrong replay: the step is captured again once, and a second one means eager training for the rest
+of the fit.
 """
 
 from __future__ import annotations
@@ -44,17 +46,31 @@ def is_checked_replay(replay: int) -> bool:
     return replay >= FIRST_CHECKED_REPLAY and replay & (replay - 1) == 0
 
 
-class CheckSchedule:
-    """Which replays the sampled check computes eagerly too (see the module docstring)."""
+# The most of a fit's wall time the checks may take by default (L2GraphCallback(check_share=...)).
+CHECK_SHARE = 0.02
 
-    def __init__(self) -> None:
+
+class CheckSchedule:
+    """Which replays the sampled check computes eagerly too (see the module docstring).
+
+    The first replay of each capture is always checked. Every other scheduled check (a power-of-two
+    replay, the first replay after an event) runs only while the checks so far have taken at most
+    `share` of the fit's wall time; beyond it the check is owed, and made at the first replay within
+    it, so a fast fit is checked as its time grows rather than at a fixed cost per replay.
+    """
+
+    def __init__(self, share: float = CHECK_SHARE) -> None:
+        self.share = share
         self.replays = 0  # replays of the current capture
         self.pending: str | None = None  # an event since the last check that asks for the next replay
+        self.owed: str | None = None  # a scheduled check put off by the time share
+        self.deferred = 0  # scheduled checks put off (or merged into an owed one), over the fit
 
     def captured(self) -> None:
         """A new capture: its replays are counted from 1, and the first is checked."""
         self.replays = 0
         self.pending = None
+        self.owed = None
 
     def after(self, event: str) -> None:
         """The next replay is checked: `event` (an epoch start, a validation loop, a checkpoint load)
@@ -62,16 +78,29 @@ class CheckSchedule:
         if self.pending is None:
             self.pending = event
 
-    def due(self) -> str | None:
-        """Count one replay; why it is checked, or None."""
+    def due(self, spent_s: float = 0.0, elapsed_s: float = float("inf")) -> str | None:
+        """Count one replay; why it is checked, or None. `spent_s`: the checks' seconds so far in the
+        fit; `elapsed_s`: the fit's seconds so far."""
         self.replays += 1
+        reason = None
         if is_checked_replay(self.replays):
             self.pending = None
-            return "a power-of-two replay of its capture"
-        if self.pending is not None:
-            why, self.pending = self.pending, None
-            return f"the first replay after {why}"
-        return None
+            reason = "a power-of-two replay of its capture"
+        elif self.pending is not None:
+            reason, self.pending = f"the first replay after {self.pending}", None
+        if self.replays == 1:
+            return reason
+        if reason is None and self.owed is None:
+            return None
+        if spent_s > self.share * elapsed_s:
+            if reason is not None:
+                self.deferred += 1
+                self.owed = self.owed or reason
+            return None
+        if reason is None:
+            reason = f"{self.owed} (deferred to keep the checks within {self.share:.0%} of the fit's time)"
+        self.owed = None
+        return reason
 
 
 @dataclass
@@ -362,6 +391,8 @@ class ReplayCheckReport:
     mismatches: int = 0
     # checks not made: the copies did not fit in memory
     skipped_memory: int = 0
+    # scheduled checks put off because the checks had taken their share of the fit's time
+    deferred: int = 0
     seconds: float = 0.0  # wall time of the checked steps (their eager step, copies and comparison)
     off_reason: str | None = None  # why the check stopped for the rest of the fit
     # checks whose eager step and replay differed only as two replays of the step differ (kernels that
@@ -376,6 +407,7 @@ class ReplayCheckReport:
             "checks": self.checks,
             "mismatches": self.mismatches,
             "skipped_memory": self.skipped_memory,
+            "deferred": self.deferred,
             "seconds": round(self.seconds, 6),
             "off_reason": self.off_reason,
             "within_spread": self.within_spread,

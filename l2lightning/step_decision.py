@@ -6,6 +6,8 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 
 from __future__ import annotations
 
+import time
+
 from l2lightning import numerics_settings, python_state
 from l2lightning.capture import flatten_batch, read_signature
 from l2lightning.module_flags import ModuleFlags
@@ -173,7 +175,10 @@ class StepDecision:
             )
         self._recapture_streak = 0
         if self._check_on:
-            why = self._check_schedule.due()
+            started = self._fit_started_at
+            elapsed = time.perf_counter() - started if started is not None else float("inf")
+            why = self._check_schedule.due(self.replay_check.seconds, elapsed)
+            self.replay_check.deferred = self._check_schedule.deferred
             if why is not None:
                 self._check_why = why
                 return "check"  # a gate trial under way takes its next turn at the next replay

@@ -51,6 +51,42 @@ def test_an_event_checks_the_next_replay_once_and_a_capture_starts_the_count_aga
 
 
 # --------------------------------------------------------------------------- the comparison
+def test_checks_beyond_the_time_share_are_owed_and_made_at_the_first_replay_within_it():
+    schedule = CheckSchedule(share=0.02)
+    schedule.captured()
+    # replay 1 of a capture is checked whatever the checks have cost
+    assert schedule.due(spent_s=5.0, elapsed_s=10.0) == "a power-of-two replay of its capture"
+    assert schedule.due(spent_s=5.0, elapsed_s=10.0) is None  # replay 2: 50% spent, owed
+    assert schedule.due(spent_s=5.0, elapsed_s=10.0) is None  # replay 3: nothing scheduled, still over
+    assert schedule.due(spent_s=5.0, elapsed_s=20.0) is None  # replay 4: scheduled too, merged
+    assert schedule.deferred == 2
+    assert schedule.due(spent_s=5.0, elapsed_s=300.0) == (
+        "a power-of-two replay of its capture (deferred to keep the checks within 2% of the fit's time)"
+    )
+    assert schedule.due(spent_s=5.0, elapsed_s=300.0) is None  # replay 6: nothing owed any more
+    schedule.after("an epoch start")
+    assert schedule.due(spent_s=5.0, elapsed_s=300.0) == "the first replay after an epoch start"
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.1, 1.5, True, "all", None])
+def test_check_share_rejects_values_outside_zero_to_one_naming_the_argument(value):
+    with pytest.raises(ValueError, match=r"`check_share` must be a number in \(0, 1\]"):
+        L2GraphCallback(check_share=value)
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_the_default_share_defers_checks_on_the_emulator_and_counts_them():
+    """The emulator's replays cost an eager step each, so a check (two steps and copies) soon exceeds
+    2% of the fit: most scheduled checks are deferred, replay 1 is checked, and the fit is its baseline."""
+    cb = L2GraphCallback(prefetch="off", log_timing=False)
+    run = fit(TinyMLP, [cb], steps=60)
+    base = fit(baseline_of(TinyMLP), steps=60)
+    assert_same(base, run)
+    report = cb.summary()["replay_check"]
+    assert report["reasons"].get("a power-of-two replay of its capture", 0) >= 1, report
+    assert report["deferred"] >= 1 and report["checks"] < 8, report
+
+
 def test_first_difference_is_bitwise_and_names_the_first_tensor_that_differs():
     a = torch.tensor([1.0, float("nan"), 0.0])
     same = a.clone()
@@ -103,7 +139,9 @@ def test_verify_true_means_the_check_at_capture():
 
 # --------------------------------------------------------------------------- in a fit (graph emulator)
 def _callback(**kwargs):
-    return L2GraphCallback(prefetch="off", log_timing=False, **kwargs)
+    # every scheduled check (the emulator's replays cost as much as an eager step: a 2% share would
+    # defer most of them); the share itself is tested on its own below
+    return L2GraphCallback(prefetch="off", log_timing=False, check_share=kwargs.pop("check_share", 1.0), **kwargs)
 
 
 @pytest.mark.usefixtures("emulated_cuda_graphs")

@@ -265,7 +265,7 @@ def test_activation_checkpointing_with_dropout_is_captured_and_bitwise_its_basel
     """Dropout inside a block recomputed with the forward's random state put back (the replay's
     backward must redraw its own forward's masks, through the graph-safe generator state), without
     the put-back, and with the dropout outside the block: captured, checked, bitwise the baseline."""
-    cb = L2GraphCallback(prefetch="off")
+    cb = L2GraphCallback(prefetch="off", check_share=1.0)  # every scheduled check
     run = fit(cls, [cb], steps=30, fused=True)
     summary = cb.summary()
     assert summary["captured"] and summary["fallback_steps"] == 0, summary

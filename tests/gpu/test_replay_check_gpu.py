@@ -37,7 +37,7 @@ def test_a_stale_replay_the_checks_before_it_miss_is_caught_redone_and_captured_
 
 
 def test_checked_replays_leave_no_trace_and_the_fit_is_its_baseline():
-    cb = L2GraphCallback(prefetch="off", log_timing=False)
+    cb = L2GraphCallback(prefetch="off", log_timing=False, check_share=1.0)  # every scheduled check
     run = fit(NormalizedMetricDropout, [cb], steps=70)
     base = list(fit(NormalizedMetricDropout, [], steps=70, baseline=True))
     report = cb.summary()["replay_check"]
