@@ -8,8 +8,9 @@ family's module, precision and data as ``bench_default_cost.py`` fits them (draw
 
 Columns of ``replay_check.csv`` (medians over rounds): ``fit_wall_s`` with the check on and off, their
 ratio, the check's own wall seconds from ``summary()["replay_check"]["seconds"]`` (the checked steps:
-copies, the eager step, the comparison) and its share of the checked fit's wall time, the checks made
-and any mismatch. ``replay_check.json`` holds every fit, the command and the GPU check.
+copies, the eager step, the comparison) and its share of the checked fit's wall time, the checks made,
+those deferred by the default ``check_share`` (2% of the fit's time), those judged against two
+replays' spread (kernels that are not deterministic) and any mismatch. ``replay_check.json`` holds every fit, the command and the GPU check.
 
     python benchmarks/bench_replay_check.py --out OUTDIR [--steps 1000] [--rounds 3]
 """
@@ -38,6 +39,8 @@ CSV_COLUMNS = (
     "check_s",
     "check_share",
     "checks",
+    "deferred",
+    "within_spread",
     "mismatches",
     "step_ms_on",
     "step_ms_off",
@@ -70,6 +73,8 @@ def table(rows: list[dict], cases: list[str]) -> list[dict]:
                 "check_s": round(check_s, 4),
                 "check_share": round(check_s / wall_on, 4),
                 "checks": statistics.median(r["replay_check"].get("checks", 0) for r in on),
+                "deferred": statistics.median(r["replay_check"].get("deferred", 0) for r in on),
+                "within_spread": statistics.median(r["replay_check"].get("within_spread", 0) for r in on),
                 "mismatches": max(r["replay_check"].get("mismatches", 0) for r in on),
                 "step_ms_on": round(statistics.median(r["step_ms"] for r in on), 4),
                 "step_ms_off": round(statistics.median(r["step_ms"] for r in off), 4),
