@@ -232,7 +232,9 @@ class StepDispatch:
             self._replay_differed(
                 difference, graph, written, saved, (targets, replayed), replayed_out, eager_out
             )
-        report.seconds += time.perf_counter() - started
+        spent = time.perf_counter() - started
+        report.seconds += spent
+        self._check_schedule.last_cost_s = spent
         return result
 
     def _check_skipped_for_memory(self) -> None:

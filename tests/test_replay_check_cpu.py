@@ -141,7 +141,9 @@ def test_verify_true_means_the_check_at_capture():
 def _callback(**kwargs):
     # every scheduled check (the emulator's replays cost as much as an eager step: a 2% share would
     # defer most of them); the share itself is tested on its own below
-    return L2GraphCallback(prefetch="off", log_timing=False, check_share=kwargs.pop("check_share", 1.0), **kwargs)
+    return L2GraphCallback(
+        prefetch="off", log_timing=False, check_share=kwargs.pop("check_share", 1.0), **kwargs
+    )
 
 
 @pytest.mark.usefixtures("emulated_cuda_graphs")
@@ -317,8 +319,12 @@ def test_beyond_replay_spread_judges_each_tensor_by_its_own_spread():
     # two replays further apart than rounding: not explained whatever the eager step
     wide = beyond_replay_spread([("w", r, r + 0.1, r)])
     assert wide is not None and "two replays from the same state differ by" in wide
-    # exact agreement where the replays agree: a tensor before the nondeterministic kernels
-    assert beyond_replay_spread([("loss", r, r.clone(), r + 1e-7)]) is not None
+    # a tensor whose two replays agree is allowed the spread other tensors show, relative to its values
+    # (rounding does not hit every tensor at every run), and not much more
+    w = torch.tensor([0.5, -0.25])
+    assert beyond_replay_spread([("w", r, r + 3e-6, r), ("b", w, w.clone(), w + 2e-6)]) is None
+    assert beyond_replay_spread([("w", r, r + 3e-6, r), ("b", w, w.clone(), w + 1e-3)]) is not None
+    assert beyond_replay_spread([("loss", r, r.clone(), r + 1e-3)]) is not None
     n = torch.tensor([1.0, float("nan")])
     assert beyond_replay_spread([("n", n, n.clone(), n.clone())]) is None  # NaN where all three have it
     assert beyond_replay_spread([("n", n, n.clone(), torch.tensor([1.0, 0.0]))]) is not None

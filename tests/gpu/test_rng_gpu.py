@@ -64,6 +64,6 @@ def test_the_word_language_model_is_captured_checked_and_its_baseline():
     result = judge("word_language_model", steps=60, accelerator="gpu")
     assert result["captured"] is True, result["reason"]
     assert result["equal"] is True, result["detail"]
-    report = result["summary"]["replay_check"]
+    report = result["extra"]["summary"]["replay_check"]
     # replay 1 of each capture always; the rest within the default 2% of the fit's time
     assert report["checks"] >= 1 and report["mismatches"] == 0 and report["off_reason"] is None, report
