@@ -301,7 +301,7 @@ class StepDispatch:
             after_eager = None
         unrepeatable = beyond = None
         if after_eager is None:
-            beyond = "(the second replay's copies did not fit in the GPU's memory)"
+            difference += " (not judged against a second replay: its copies did not fit in the GPU's memory)"
         else:
             try:
                 unrepeatable, beyond = self._replayed_again(
@@ -323,7 +323,7 @@ class StepDispatch:
             )
             return
         if beyond is not None:
-            difference = f"{beyond}, beyond the two replays' own spread"
+            difference = f"{difference}; a second replay from the same state differs too, and {beyond} lies beyond the two replays' spread"
         report.mismatches += 1
         report.first_mismatch = report.first_mismatch or difference
         cause = (
