@@ -2207,7 +2207,7 @@ def test_after_a_failed_capture_the_captures_stream_gives_back_its_memory_once_b
     the plain steps on Lightning's stream cannot use: freed once, before the first plain step, so
     that a fit with little memory to spare does not hold both (an H200 fit with 4% spare ran out)."""
     ledger = StreamLedger(monkeypatch)
-    cb = callback()
+    cb = callback(check_share=1.0)  # every scheduled check, whatever the emulator's steps cost
     trainer = quiet_trainer(accelerator="cpu", max_steps=8, callbacks=[Recorder(), cb])
     ledger.trainer = trainer
     seed_everything(0)
@@ -2226,7 +2226,7 @@ def test_after_a_failed_capture_the_captures_stream_gives_back_its_memory_once_b
 
 def test_a_captured_fit_keeps_its_stream_and_frees_nothing_between_steps(monkeypatch):
     ledger = StreamLedger(monkeypatch)
-    cb = callback()
+    cb = callback(check_share=1.0)  # every scheduled check, whatever the emulator's steps cost
     trainer = quiet_trainer(accelerator="cpu", max_steps=8, callbacks=[Recorder(), cb])
     ledger.trainer = trainer
     seed_everything(0)
