@@ -147,8 +147,9 @@ class L2GraphCallback(
             False, raise :class:`~l2lightning.optim.OptimizerNotCapturableError`.
         log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/replay_speedup`` (their ratio:
             CUDA-event time of an eager step over one graph replay, Lightning's host work left out),
-            ``l2/graph_pool_mib``, ``l2/tuning_s``, ``l2/capture_s``, ``l2/compile_s`` (wall seconds
-            of prefetch tuning, of the captures, of the first compiled step), ``l2/prefetch_layers``,
+            ``l2/graph_pool_mib``, ``l2/tuning_s``, ``l2/capture_s``, ``l2/compile_s``,
+            ``l2/recapture_s`` (wall seconds of prefetch tuning, of the captures, of the first compiled
+            step, of the captures after the fit's first with their tuning), ``l2/prefetch_layers``,
             ``l2/prefetch_mib`` and ``l2/fallback_steps`` through the Trainer's loggers on rank zero, once the first
             replays have finished on the device (read without a host sync), and at each epoch end.
         eager_steps: ``(trainer, batch_idx) -> bool``; steps for which it returns True run eagerly
@@ -340,7 +341,12 @@ class L2GraphCallback(
         self._step_stream: Any = None
         # What capturing cost: wall seconds of prefetch tuning (chain discovery and the tuner), of
         # the captures (verify included) and of torch.compile's first compiled step
-        self._cost_s: dict[str, float] = {"tuning_s": 0.0, "capture_s": 0.0, "compile_s": 0.0}
+        self._cost_s: dict[str, float] = {
+            "tuning_s": 0.0,
+            "capture_s": 0.0,
+            "compile_s": 0.0,
+            "recapture_s": 0.0,
+        }
         self._compile_pending = False  # compile=True: the next step compiles (and is timed as compile_s)
         # no prefetch for the rest of this fit: tuning ran out of memory, or the whole-step gate said no
         self._prefetch_failed = False

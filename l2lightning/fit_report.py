@@ -142,6 +142,7 @@ class FitReport:
                 "tuning_s",
                 "capture_s",
                 "compile_s",
+                "recapture_s",
             )
             if summary[key] is not None and math.isfinite(float(summary[key]))
         }

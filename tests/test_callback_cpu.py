@@ -321,6 +321,7 @@ def test_l2_metrics_are_logged_once_at_the_first_batch_end_after_timed_replays()
         "l2/tuning_s": 0.0,  # this state was set up by hand: no tuning, capture or compile ran
         "l2/capture_s": 0.0,
         "l2/compile_s": 0.0,
+        "l2/recapture_s": 0.0,
         "l2/prefetch_layers": 1.0,
         "l2/prefetch_mib": 1.5,
         "l2/fallback_steps": 0.0,

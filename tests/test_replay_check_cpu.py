@@ -154,6 +154,7 @@ def test_checked_replays_leave_the_fit_bitwise_the_baseline_and_are_counted():
     assert_same(base, run)
     summary = cb.summary()
     report = summary["replay_check"]
+    assert summary["recapture_s"] == 0.0  # one capture: nothing spent on capturing again
     # captured at step 3: replays 1..86; powers of two 1..64 (7), and the first replays after the
     # epoch starts at steps 30 and 60 (replays 27 and 57)
     assert summary["captures"] == 1 and report["mismatches"] == 0, summary
@@ -231,6 +232,8 @@ def test_a_stale_replay_the_checks_before_it_miss_is_caught_redone_and_captured_
     assert summary["captures"] == 2 and summary["replay_check"]["mismatches"] == 1, summary
     assert summary["replay_check"]["first_mismatch"].startswith("the loss"), summary
     assert summary["reason"] is None  # one mismatch: captured again, and the replays go on
+    # the second capture's wall time, within all the captures'
+    assert 0.0 < summary["recapture_s"] <= summary["capture_s"] + summary["tuning_s"], summary
 
 
 @pytest.mark.usefixtures("emulated_cuda_graphs")
