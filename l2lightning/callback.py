@@ -143,7 +143,7 @@ class L2GraphCallback(
             whole-step graph (prefetch through :mod:`l2lightning.prefetch.ops`).
         report: print the step report (per-layer plans, tuning table, timings) at capture.
         eager_optimizer_fallback: when the optimizer cannot be captured (it has no ``capturable``
-            mode: Adagrad, LBFGS), train eagerly with one warning naming it (the default), or, with
+            mode: LBFGS, Adagrad with ``lr_decay`` != 0), train eagerly with one warning naming it (the default), or, with
             False, raise :class:`~l2lightning.optim.OptimizerNotCapturableError`.
         log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/replay_speedup`` (their ratio:
             CUDA-event time of an eager step over one graph replay, Lightning's host work left out),

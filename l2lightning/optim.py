@@ -9,8 +9,11 @@ A captured optimizer step bakes every Python number it reads into the graph. So:
   floats; the step copies the float into the tensor when it changed (a device fill, no host sync)
   and swaps the tensor into the group only for the duration of the step. A replayed graph reads
   the tensor, so an LR change reaches it with no re-capture.
-* Every other hyperparameter (betas, eps, weight decay, SGD's LR and momentum, ...) is a float
-  baked into the graph. :meth:`CapturableOptimizer.baked_changes` names the ones that changed
+* Adagrad has no capturable mode; where its LR does not decay (``lr_decay=0``, the default) its
+  step needs none: its counters move to the device and its one host read of them, for the decay,
+  is answered without reading (:func:`_adagrad_step_count_unread`), every number unchanged.
+* Every other hyperparameter (betas, eps, weight decay, SGD's and Adagrad's LR, SGD's momentum, ...)
+  is a float baked into the graph. :meth:`CapturableOptimizer.baked_changes` names the ones that changed
   since capture, so the caller can capture again before replaying.
 
 Capturable Adam computes its bias corrections with device tensors instead of host floats, so it is
@@ -25,13 +28,15 @@ every step before it, and a whole fit the callback refuses, trains as plain Ligh
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import chain
 from operator import is_not
 from typing import Any
 
 import torch
+from torch.optim import adagrad as torch_adagrad  # the module (torch.optim's namespace drops it)
 
 from l2lightning.step_values import addresses
 
@@ -43,7 +48,9 @@ TENSOR_LR_TYPES: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
 # the else branch will internally call item()"). PyTorch takes the foreach path for CUDA parameters
 # unless the user asks for foreach=False or differentiable=True.
 FOREACH_TENSOR_LR_TYPES: tuple[type, ...] = (torch.optim.Adadelta, torch.optim.RMSprop)
-FLOAT_LR_TYPES: tuple[type, ...] = (torch.optim.SGD,)
+# SGD bakes its LR into the graph; so does Adagrad, which has no capturable mode but needs none where
+# its LR does not decay (see _adagrad_step_count_unread).
+FLOAT_LR_TYPES: tuple[type, ...] = (torch.optim.SGD, torch.optim.Adagrad)
 # Device types capturable optimizer states may live on (CPU tests widen this with the graph emulator).
 CAPTURABLE_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 # Param-group entries that are not hyperparameters of the update.
@@ -71,14 +78,54 @@ def reads_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
 def capture_support(optimizer: torch.optim.Optimizer) -> str | None:
     """None if `optimizer` can be captured, else a reason naming it."""
     name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return _adagrad_support(optimizer)
     if isinstance(optimizer, TENSOR_LR_TYPES + FLOAT_LR_TYPES):
         return None
     if all("capturable" in group for group in optimizer.param_groups):
         return None
     return (
         f"optimizer {name} has no `capturable` mode, so its step cannot run inside a CUDA graph "
-        "(supported: Adam, AdamW, SGD, and optimizers with a `capturable` option)"
+        "(supported: Adam, AdamW, SGD, Adagrad without `lr_decay`, and optimizers with a `capturable` option)"
     )
+
+
+def _adagrad_support(optimizer: torch.optim.Optimizer) -> str | None:
+    """None if this Adagrad's step can run inside a graph (see :func:`_adagrad_step_count_unread`)."""
+    decaying = [i for i, g in enumerate(optimizer.param_groups) if g.get("lr_decay", 0) != 0]
+    if decaying:
+        return (
+            f"Adagrad with `lr_decay` != 0 (param group {decaying[0]}) divides its learning rate by a number "
+            "it reads from its step count on the host (`.item()`), which a CUDA graph cannot hold; "
+            "`lr_decay=0` (the default) is captured"
+        )
+    if not hasattr(torch_adagrad, "_get_value"):
+        return "this torch's Adagrad reads its step count in a way l2lightning does not know"
+    return None
+
+
+@contextlib.contextmanager
+def _adagrad_step_count_unread(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Adagrad's step without its host read of the step count, where its LR does not decay.
+
+    torch's Adagrad reads each parameter's step count on the host (``_get_value(step_t)``, an
+    ``.item()`` of a device counter once the counters live on the device) for one purpose: its
+    learning rate ``lr / (1 + (step - 1) * lr_decay)``. With ``lr_decay == 0`` that is ``lr / 1.0``
+    whatever the count, so answering 1 instead of reading it leaves every number of the step as it
+    was, and the step, counters included (``step_t += 1`` on the device), runs inside a graph. The
+    read is answered only during this optimizer's step; with a decaying LR nothing is changed (the
+    capture then fails on the read and the step trains eagerly).
+    """
+    module = torch_adagrad
+    if not isinstance(optimizer, torch.optim.Adagrad) or _adagrad_support(optimizer) is not None:
+        yield
+        return
+    original = module._get_value
+    module._get_value = lambda step: 1.0
+    try:
+        yield
+    finally:
+        module._get_value = original
 
 
 _MISSING = object()  # a key a param group no longer has
@@ -177,7 +224,8 @@ class CapturableOptimizer:
         inner = self.inner_step
         if self._released:
             return inner(closure, **kwargs)
-        with self.tensor_hyperparameters():  # switched off: only what the step's code writes is noted
+        counts = _adagrad_step_count_unread(self.optimizer) if self.switched else contextlib.nullcontext()
+        with self.tensor_hyperparameters(), counts:  # switched off: only what the step's code writes is noted
             return inner(closure, **kwargs)
 
     def adopt_new_groups(self) -> None:

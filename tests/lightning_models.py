@@ -193,3 +193,18 @@ class StepWithoutBatchIdx(TinyMLP):
         loss = (self.head(self.net(x)).squeeze(-1) - y).square().mean()
         self.log("train/loss", loss)
         return loss
+
+
+class AdagradMLP(TinyMLP):
+    """DLRM's and TorchRec's optimizer, as torch gives it (no capturable mode), on a TinyMLP."""
+
+    lr_decay = 0.0
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=0.05, weight_decay=1e-4, lr_decay=self.lr_decay)
+
+
+class DecayingAdagradMLP(AdagradMLP):
+    """Adagrad whose LR decays with its step count, which it reads on the host."""
+
+    lr_decay = 0.01

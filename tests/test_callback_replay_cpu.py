@@ -75,8 +75,10 @@ from tests.between_step_models import (
 from tests.idiom_harness import loop_state
 from tests.idiom_modules import IDIOMS
 from tests.lightning_models import (
+    AdagradMLP,
     CheckpointedDropout,
     CheckpointedDropoutUnpreserved,
+    DecayingAdagradMLP,
     DropoutOutsideCheckpoint,
     Finetuned,
     IgnoresTheNames,
@@ -3547,3 +3549,21 @@ def test_a_clock_read_only_for_a_logged_throughput_is_not_refused_as_a_clock_rea
         warnings.simplefilter("ignore")
         fit(LogsItsThroughput, [cb], steps=12)
     assert "host clock" not in (cb.summary()["reason"] or ""), cb.summary()["reason"]
+
+
+# --------------------------------------------------------------------------- Adagrad
+
+
+def test_adagrad_is_captured_and_bitwise_the_plain_fit():
+    """Its switched step changes no number (l2lightning.optim._adagrad_step_count_unread): the fit with
+    the callback equals the plain fit itself, not only a make_capturable baseline."""
+    plain = fit(AdagradMLP, steps=30)
+    cb = callback()
+    run = fit(AdagradMLP, [cb], steps=30)
+    summary = cb.summary()
+    assert summary["captured"] and summary["fallback_steps"] == 0 and summary["reason"] is None, summary
+    assert_same(plain, run)
+
+
+def test_adagrad_with_a_decaying_lr_trains_eagerly_naming_lr_decay_and_like_plain():
+    assert_refused_like_plain(DecayingAdagradMLP, r"Adagrad with `lr_decay` != 0")

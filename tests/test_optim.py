@@ -35,7 +35,7 @@ def test_known_optimizers_capture(kind):
         (lambda: torch.optim.Adadelta(params(), foreach=False), False),  # alpha=-lr would read the host
         (lambda: torch.optim.RMSprop(params(), differentiable=True), False),
         (lambda: torch.optim.SGD(params(), lr=0.1), False),
-        (lambda: torch.optim.Adagrad(params()), False),
+        (lambda: torch.optim.Adagrad(params()), False),  # captured, its LR a baked float like SGD's
     ],
 )
 def test_which_optimizers_read_their_lr_from_a_tensor(make, tensor_lr):
@@ -118,3 +118,57 @@ def test_a_scheduler_made_after_make_capturable_wraps_the_step_and_the_step_stil
     assert calls == ["handler"] and opt.param_groups[0]["lr"] == 0.05
     wrapped.release()
     assert "step" not in vars(opt)  # the class's step again, the scheduler's wrapper with ours
+
+
+# --------------------------------------------------------------------------- Adagrad
+def test_adagrad_is_captured_where_its_lr_does_not_decay():
+    assert capture_support(torch.optim.Adagrad(params())) is None
+    reason = capture_support(torch.optim.Adagrad(params(), lr_decay=0.01))
+    assert reason is not None and "`lr_decay` != 0 (param group 0)" in reason and "lr_decay=0" in reason
+    with pytest.raises(OptimizerNotCapturableError, match="lr_decay"):
+        make_capturable(torch.optim.Adagrad(params(), lr_decay=0.01))
+
+
+def test_adagrad_reads_no_step_count_inside_its_switched_step_and_puts_the_read_back():
+    from torch.optim import adagrad
+
+    original = adagrad._get_value
+    read: list = []
+    opt = torch.optim.Adagrad(params())
+    with optim._adagrad_step_count_unread(opt):
+        assert adagrad._get_value(torch.tensor(7.0)) == 1.0
+        read.append(adagrad._get_value)
+    assert adagrad._get_value is original and read[0] is not original
+    decaying = torch.optim.Adagrad(params(), lr_decay=0.5)
+    with optim._adagrad_step_count_unread(decaying):  # its LR needs the count: read as torch reads it
+        assert adagrad._get_value is original
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"foreach": True}, {"weight_decay": 0.1}, {"foreach": True, "maximize": True, "weight_decay": 0.1}],
+    ids=["single-tensor", "foreach", "weight-decay", "foreach-maximize-decay"],
+)
+def test_switched_adagrad_steps_are_bitwise_the_plain_ones(monkeypatch, kwargs):
+    """The step count unread changes no number of Adagrad's update: five switched steps equal five
+    plain ones bit for bit, parameters, sums and counters."""
+    monkeypatch.setattr(optim, "CAPTURABLE_DEVICE_TYPES", ("cuda", "cpu"))
+
+    def run(switched: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.05, **kwargs)
+        wrapped = make_capturable(opt) if switched else None
+        for i in range(5):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            (wrapped.run if wrapped else opt.step)()
+        state = [(s["sum"].clone(), s["step"].clone()) for s in opt.state.values()]
+        return [p.detach().clone() for p in model.parameters()], state
+
+    plain, switched = run(False), run(True)
+    for a, b in zip(plain[0], switched[0]):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for (sa, ta), (sb, tb) in zip(plain[1], switched[1]):
+        assert torch.equal(sa, sb) and float(ta) == float(tb) == 5.0

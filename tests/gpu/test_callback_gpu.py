@@ -34,6 +34,7 @@ from tests.between_step_models import (
     WritesOutEveryStep,
 )
 from tests.lightning_models import (
+    AdagradMLP,
     CheckpointedDropout,
     CheckpointedDropoutUnpreserved,
     DropoutOutsideCheckpoint,
@@ -1074,3 +1075,16 @@ def test_an_optimizer_state_tensor_moved_to_other_memory_is_made_eagerly_then_ca
     summary = cb.summary()
     assert summary["captured"] and summary["captures"] == 2 and summary["fallback_steps"] == 1, summary
     assert_same_run(base, run)
+
+
+def test_adagrad_is_captured_and_bitwise_the_plain_fit():
+    """Adagrad (no capturable mode) on CUDA: its counters on the device, its step count unread where its
+    LR does not decay (l2lightning.optim._adagrad_step_count_unread), foreach as torch picks it for CUDA
+    parameters: captured, checked, and bitwise the plain fit itself."""
+    plain = fit(AdagradMLP, [], steps=30)
+    cb = L2GraphCallback(prefetch="off", check_share=1.0)
+    run = fit(AdagradMLP, [cb], steps=30)
+    summary = cb.summary()
+    assert summary["captured"] and summary["fallback_steps"] == 0 and summary["reason"] is None, summary
+    assert summary["replay_check"]["checks"] >= 4 and summary["replay_check"]["mismatches"] == 0, summary
+    assert_same_run(plain, run)
