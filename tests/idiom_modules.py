@@ -1482,6 +1482,14 @@ class BufferDataMoved(_BufferWeighted):
             self.w.data = self.w.data * 0.5
 
 
+class DLRMAdagrad(DLRMInteraction):
+    """facebookresearch/dlrm as it trains: the same model with Adagrad (its default optimizer for the
+    embedding tables and MLPs, ``lr_decay=0``), which has no capturable mode."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=0.01)
+
+
 _reg_loader = functools.partial(_regression_loader, n=640, dim=64, batch_size=32, seed=21)
 
 IDIOM_VARIANTS: dict[str, Idiom] = {
@@ -1509,6 +1517,13 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             "a branch on a module attribute is read per step",
         ),
         Idiom("own_step_counter", OwnStepCounter, _reg_loader, "refuse", "`self.updates` changes every step"),
+        Idiom(
+            "dlrm_adagrad",
+            DLRMAdagrad,
+            _dlrm_loader,
+            "capture",
+            "Adagrad without lr_decay: its step count is not read, its counters live on the device",
+        ),
         Idiom(
             "epoch_weighted_aux",
             EpochWeightedAux,

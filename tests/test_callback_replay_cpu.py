@@ -3160,6 +3160,7 @@ def test_python_state_set_once_at_the_first_step_is_allowed():
         "training_step_outputs",
         "aux_loss_flag",
         "own_step_counter",
+        "dlrm_adagrad",
         "epoch_weighted_aux",
         "rebound_loss_weight",
         "global_loss_weight",
