@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from l2lightning.batch_reads import BatchReads
-from l2lightning.rng import cuda_rng_states, put_back_cuda_rng, reset_cuda_generators
+from l2lightning.rng import GeneratorStates
 
 
 class BatchMismatchError(ValueError):
@@ -229,8 +229,7 @@ class TrainingState:
     params: list[tuple[torch.Tensor, torch.Tensor]]
     buffers: list[tuple[torch.Tensor, torch.Tensor]]
     optimizer_state: dict[int, dict[str, Any]]
-    cpu_rng: torch.Tensor
-    cuda_rng: list[tuple[int, torch.Tensor]]
+    generators: GeneratorStates
 
     @classmethod
     def save(
@@ -276,8 +275,7 @@ class TrainingState:
                     for k, v in state.items()
                 }
         devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-        cuda_rng = cuda_rng_states(devices)
-        return cls(params, buffers, opt_state, torch.get_rng_state(), cuda_rng)
+        return cls(params, buffers, opt_state, GeneratorStates.save(devices))
 
     def restore(self, optimizer: torch.optim.Optimizer | None) -> None:
         with torch.no_grad():
@@ -302,8 +300,7 @@ class TrainingState:
                                     "restore_state=False or use dampening=0"
                                 )
                             value.zero_()
-        torch.set_rng_state(self.cpu_rng)
-        put_back_cuda_rng(self.cuda_rng)
+        self.generators.put_back()
 
     def restore_rng(self) -> None:
         """Put the CPU and CUDA generators back where they were, after a capture that failed.
@@ -311,10 +308,9 @@ class TrainingState:
         A capture that fails (a host sync, an op that cannot be captured) ends without the CUDA
         generator's capture epilogue, and from then on every CUDA random op in the process raises
         ``Offset increment outside graph capture encountered unexpectedly``. See
-        :func:`reset_cuda_generators`.
+        :func:`l2lightning.rng.reset_cuda_generators`.
         """
-        torch.set_rng_state(self.cpu_rng)
-        reset_cuda_generators(self.cuda_rng)
+        self.generators.reset()
 
 
 def _dampening(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> float:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from l2lightning.rng import cuda_rng_states, put_back_cuda_rng
+from l2lightning.rng import GeneratorStates
 from l2lightning.verify import _bits, compare_tensors
 
 # Replays counted per capture: a check at replay 1, 2, 4, 8, ... (a power of two).
@@ -121,15 +121,13 @@ class SavedState:
     """Copies of the written tensors and the generators' states, to put back in place."""
 
     tensors: list[tuple[torch.Tensor, torch.Tensor]]
-    cpu_rng: torch.Tensor
-    cuda_rng: list[tuple[int, torch.Tensor]]
+    generators: GeneratorStates
 
     def restore(self) -> None:
         with torch.no_grad():
             for live, saved in self.tensors:
                 live.copy_(saved)
-        torch.set_rng_state(self.cpu_rng)
-        put_back_cuda_rng(self.cuda_rng)
+        self.generators.put_back()
 
 
 class WrittenState:
@@ -145,8 +143,7 @@ class WrittenState:
     def save(self) -> SavedState:
         """Copies of every written tensor as it is now (raises ``torch.OutOfMemoryError`` if they do not fit)."""
         tensors = [(t, t.detach().clone()) for t in self.current() if isinstance(t, torch.Tensor)]
-        cuda = cuda_rng_states(self.cuda_devices)
-        return SavedState(tensors, torch.get_rng_state(), cuda)
+        return SavedState(tensors, GeneratorStates.save(self.cuda_devices))
 
     def snapshot(self) -> list[torch.Tensor | None]:
         """Copies of the written tensors as they are now, by position (for comparing later)."""

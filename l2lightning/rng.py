@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,17 +59,37 @@ def reset_cuda_generators(states: Sequence[tuple[int, torch.Tensor]]) -> None:
         generator.graphsafe_set_state(fresh)
 
 
+@dataclass(frozen=True)
+class GeneratorStates:
+    """The CPU generator's state and `cuda` devices' default generators' states, saved to be put back."""
+
+    cpu: torch.Tensor
+    cuda: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def save(cls, cuda_devices: Sequence[int] = ()) -> GeneratorStates:
+        return cls(torch.get_rng_state(), cuda_rng_states(cuda_devices))
+
+    def put_back(self) -> None:
+        """Every generator back where it was, without a cuDNN re-seed (:func:`put_back_cuda_rng`)."""
+        torch.set_rng_state(self.cpu)
+        put_back_cuda_rng(self.cuda)
+
+    def reset(self) -> None:
+        """Every generator back where it was after a capture that failed (:func:`reset_cuda_generators`)."""
+        torch.set_rng_state(self.cpu)
+        reset_cuda_generators(self.cuda)
+
+
 @contextlib.contextmanager
 def forked_rng(cuda_devices: Sequence[int] = ()) -> Iterator[None]:
     """``torch.random.fork_rng`` for the CPU generator and `cuda_devices`' default generators, putting
     the CUDA ones back with :func:`put_back_cuda_rng` (no cuDNN re-seed) on the way out."""
-    cpu = torch.get_rng_state()
-    cuda = cuda_rng_states(cuda_devices)
+    saved = GeneratorStates.save(cuda_devices)
     try:
         yield
     finally:
-        torch.set_rng_state(cpu)
-        put_back_cuda_rng(cuda)
+        saved.put_back()
 
 
 # torch.cuda's functions that set a CUDA generator's state; torch.manual_seed and fork_rng's put-back

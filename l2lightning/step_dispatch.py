@@ -310,8 +310,7 @@ class StepDispatch:
                     graph, written, saved, replayed, replayed_out, eager_out, eager_now, after_eager
                 )
             except torch.OutOfMemoryError:
-                free_cached_memory()
-                unrepeatable, beyond = None, None
+                free_cached_memory()  # not judged: a mismatch, as a deterministic replay's would be
             finally:
                 after_eager.restore()  # the eager step's result stands
         if unrepeatable is not None and beyond is None:

@@ -341,13 +341,20 @@ def test_beyond_replay_spread_judges_each_tensor_by_its_own_spread():
 
 
 @pytest.mark.usefixtures("emulated_cuda_graphs")
-def test_a_check_whose_copies_do_not_fit_is_skipped_and_counted(monkeypatch):
+@pytest.mark.parametrize(
+    "copies",
+    ["save", "snapshot"],
+    ids=["before-the-replay", "after-the-replay"],
+)
+def test_a_check_whose_copies_do_not_fit_is_skipped_counted_and_the_fit_is_its_baseline(monkeypatch, copies):
+    """Out of memory for the copies of the state before the replay (the step replays as usual) or of
+    what the replay wrote (the state goes back and the eager step stands)."""
     from l2lightning import replay_check
 
     def out_of_memory(self):
         raise torch.OutOfMemoryError("no room for the copies")
 
-    monkeypatch.setattr(replay_check.WrittenState, "save", out_of_memory)
+    monkeypatch.setattr(replay_check.WrittenState, copies, out_of_memory)
     cb = _callback()
     with pytest.warns(UserWarning, match="a sampled replay check was skipped"):
         run = fit(TinyMLP, [cb], steps=20)
@@ -355,24 +362,6 @@ def test_a_check_whose_copies_do_not_fit_is_skipped_and_counted(monkeypatch):
     assert_same(base, run)
     report = cb.summary()["replay_check"]
     assert report["checks"] == 0 and report["skipped_memory"] == 5, report  # replays 1, 2, 4, 8, 16
-
-
-@pytest.mark.usefixtures("emulated_cuda_graphs")
-def test_a_check_whose_replay_copies_do_not_fit_keeps_the_eager_step_and_is_counted(monkeypatch):
-    """Out of memory after the replay (its copies): the state goes back, the eager step stands."""
-    from l2lightning import replay_check
-
-    def out_of_memory(self):
-        raise torch.OutOfMemoryError("no room for the replay's copies")
-
-    monkeypatch.setattr(replay_check.WrittenState, "snapshot", out_of_memory)
-    cb = _callback()
-    with pytest.warns(UserWarning, match="a sampled replay check was skipped"):
-        run = fit(TinyMLP, [cb], steps=20)
-    base = fit(baseline_of(TinyMLP), steps=20)
-    assert_same(base, run)
-    report = cb.summary()["replay_check"]
-    assert report["checks"] == 0 and report["skipped_memory"] == 5, report
 
 
 def test_the_report_is_plain_data():
