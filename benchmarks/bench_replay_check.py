@@ -10,17 +10,27 @@ Columns of ``replay_check.csv`` (medians over rounds): ``fit_wall_s`` with the c
 ratio, the check's own wall seconds from ``summary()["replay_check"]["seconds"]`` (the checked steps:
 copies, the eager step, the comparison) and its share of the checked fit's wall time, the checks made,
 those deferred by the default ``check_share`` (2% of the fit's time), those judged against two
-replays' spread (kernels that are not deterministic) and any mismatch. ``replay_check.json`` holds every fit, the command and the GPU check.
+replays' spread (kernels that are not deterministic), any mismatch, and the checks' seconds by
+phase (``summary()["replay_check"]["phases_s"]``: the copies, the replay, the eager step, the
+comparison, the second replay's judgment). ``replay_check.json`` holds every fit (with its place in
+its process and the number of Python objects alive after it), the command and the GPU check.
 
-    python benchmarks/bench_replay_check.py --out OUTDIR [--steps 1000] [--rounds 3]
+With ``--isolate`` every fit runs in a fresh Python process: the fits of one process are not
+independent when host-bound (a process's later fits of the same module ran slower than its first;
+``ab_host_path_between_step_checks.json``), which an on/off difference of a few tenths of a
+millisecond per step cannot be told from.
+
+    python benchmarks/bench_replay_check.py --out OUTDIR [--steps 1000] [--rounds 3] [--isolate]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,13 +54,35 @@ CSV_COLUMNS = (
     "mismatches",
     "step_ms_on",
     "step_ms_off",
+    "phases_ms_on",
 )
+# fits made in this process so far: a row's place among them
+_FITS_IN_PROCESS = 0
 
 
 def _fit(variant: str, family: str, batch: int, steps: int) -> dict:
     """One fit of `family` at `batch`, `steps` steps, the check on or off (bench_default_cost's fit)."""
+    global _FITS_IN_PROCESS
     bench_default_cost.VARIANTS.setdefault(variant, VARIANTS[variant])
-    return bench_default_cost.fit_family_once(variant, family, batch, 0, steps)
+    row = bench_default_cost.fit_family_once(variant, family, batch, 0, steps)
+    _FITS_IN_PROCESS += 1
+    gc.collect()
+    row.update({"fit_in_process": _FITS_IN_PROCESS, "python_objects_after": len(gc.get_objects())})
+    return row
+
+
+def _fit_isolated(variant: str, family: str, batch: int, steps: int) -> dict:
+    """The same fit in a fresh Python process (``--one``): its row from the last line it prints."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", variant, f"{family}@{batch}", "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the isolated fit exited {done.returncode}: {done.stderr.strip()[-600:]}")
+    return json.loads(lines[-1])
 
 
 def table(rows: list[dict], cases: list[str]) -> list[dict]:
@@ -78,6 +110,10 @@ def table(rows: list[dict], cases: list[str]) -> list[dict]:
                 "mismatches": max(r["replay_check"].get("mismatches", 0) for r in on),
                 "step_ms_on": round(statistics.median(r["step_ms"] for r in on), 4),
                 "step_ms_off": round(statistics.median(r["step_ms"] for r in off), 4),
+                "phases_ms_on": " ".join(
+                    f"{phase}={1000 * statistics.median(r['replay_check'].get('phases_s', {}).get(phase, 0.0) for r in on):.1f}"
+                    for phase in sorted({p for r in on for p in r["replay_check"].get("phases_s", {})})
+                ),
             }
         )
     return out
@@ -90,9 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1000, help="steps per fit (default 1000)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
+    parser.add_argument("--isolate", action="store_true", help="every fit in a fresh Python process")
+    parser.add_argument(
+        "--one", nargs=2, metavar=("VARIANT", "FAMILY@BATCH"), help=argparse.SUPPRESS
+    )  # one fit, its row printed as JSON (what --isolate runs)
     args = parser.parse_args(argv)
     if args.steps < 10 or args.rounds < 1:
         parser.error("`--steps` must be >= 10 and `--rounds` >= 1")
+    if args.one is not None:
+        if args.one[0] not in VARIANTS:
+            parser.error(f"`--one` variant must be one of {sorted(VARIANTS)}, got {args.one[0]!r}")
+        [(family, batch)] = bench_default_cost.parse_families(args.one[1])
+        print(json.dumps(_fit(args.one[0], family, batch, args.steps), default=str), flush=True)
+        return 0
     try:
         families = bench_default_cost.parse_families(args.families)
     except ValueError as exc:
@@ -107,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         for family, batch in families:
             for variant in bench_default_cost.round_order(list(VARIANTS), r):
                 try:
-                    row = _fit(variant, family, batch, args.steps)
+                    row = (_fit_isolated if args.isolate else _fit)(variant, family, batch, args.steps)
                 except Exception as exc:  # noqa: BLE001 -- a failed fit is reported, the rest go on
                     row = {
                         "case": f"{family} b{batch}",
@@ -115,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         "error": f"{type(exc).__name__}: {exc}",
                     }
                 row["round"] = r
+                row["isolated"] = args.isolate
                 rows.append(row)
                 print(
                     json.dumps({k: row.get(k) for k in ("case", "variant", "fit_wall_s", "error")}),

@@ -135,7 +135,7 @@ for stage in "$@"; do
       echo "rc=$?"; grep -v DEBUG "$OUT/probe_capture_idioms.log" | tail -8 ;;
     replay-check*)
       extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
-      timeout 420 python3 benchmarks/bench_replay_check.py --out "$OUT" $(stage_args "$extra") > "$OUT/replay_check.log" 2>&1
+      timeout 570 python3 benchmarks/bench_replay_check.py --out "$OUT" $(stage_args "$extra") > "$OUT/replay_check.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/replay_check.log" | tail -10 ;;
     h2d-wait)
       timeout 60 python3 benchmarks/h2d_wait.py --out "$OUT" > "$OUT/h2d_wait.log" 2>&1

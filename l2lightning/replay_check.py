@@ -28,6 +28,7 @@ of the fit.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -394,6 +395,28 @@ def step_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Ten
             yield from step_tensors(value, f"{prefix or 'output'}[{i}]")
 
 
+class PhaseClock:
+    """Wall seconds of a checked step's phases (the copies, the replay, the eager step, the comparison,
+    the second replay's judgment), for ``summary()["replay_check"]["phases_s"]``.
+
+    On CUDA each lap waits for the GPU first, so that a phase's seconds are its own work and not the
+    work queued before it; a checked step syncs once for its comparison anyway, and these few syncs
+    are made at checked steps only.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.laps[phase] = self.laps.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
 @dataclass
 class ReplayCheckReport:
     """What the sampled replay check did in a fit (``summary()["replay_check"]``)."""
@@ -412,6 +435,12 @@ class ReplayCheckReport:
     within_spread: int = 0
     first_mismatch: str | None = None
     reasons: dict[str, int] = field(default_factory=dict)  # what called for the checks, counted
+    # the checked steps' seconds by phase (PhaseClock), summed over the fit
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+    def add_phases(self, laps: dict[str, float]) -> None:
+        for phase, seconds in laps.items():
+            self.phases_s[phase] = self.phases_s.get(phase, 0.0) + seconds
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -425,4 +454,5 @@ class ReplayCheckReport:
             "within_spread": self.within_spread,
             "first_mismatch": self.first_mismatch,
             "reasons": dict(self.reasons),
+            "phases_s": {phase: round(seconds, 6) for phase, seconds in self.phases_s.items()},
         }

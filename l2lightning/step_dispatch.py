@@ -16,6 +16,7 @@ import torch
 from l2lightning.capture import clear_cublas_workspaces, loss_of
 from l2lightning.cuda_memory import free_cached_memory
 from l2lightning.replay_check import (
+    PhaseClock,
     WrittenState,
     beyond_replay_spread,
     first_difference,
@@ -177,6 +178,7 @@ class StepDispatch:
         """A replay compared bit for bit with the eager step from the same state; the eager step stands."""
         started = time.perf_counter()
         report, graph = self.replay_check, self._graph
+        clock = PhaseClock(self._device_type() == "cuda")
         if graph.binding is not None:
             graph.binding.bring_home()  # the metrics' states on the home tensors the graph writes
         written = self._written_state(graph)
@@ -185,6 +187,7 @@ class StepDispatch:
         except torch.OutOfMemoryError:
             self._check_skipped_for_memory()
             return self._replay_step(closure)
+        clock.lap("save")
         targets = written.current()  # the tensors the graph writes, whatever the eager step rebinds
         self._launch_replay(graph)
         try:
@@ -195,6 +198,7 @@ class StepDispatch:
             replayed = None  # the eager step below still stands; only the comparison is skipped
         replayed_grads = list(graph.grad_tensors)  # in the graph's pool: the eager step allocates its own
         saved.restore()
+        clock.lap("replay")
         self._record_output, self._checked_output = True, None
         try:
             with self._on_step_stream(), one_closure_count(self._trainer, closure):
@@ -204,6 +208,7 @@ class StepDispatch:
             self._mode = "eager"
         eager_out = dict(step_tensors(self._checked_output))
         self._checked_output = None
+        clock.lap("eager")
         if replayed is None:
             self._check_skipped_for_memory()
             return result
@@ -228,12 +233,15 @@ class StepDispatch:
         except torch.OutOfMemoryError:
             self._check_skipped_for_memory()
             return result
+        clock.lap("compare")
         report.checks += 1
         report.reasons[self._check_why] = report.reasons.get(self._check_why, 0) + 1
         if difference is not None:
             self._replay_differed(
                 difference, graph, written, saved, (targets, replayed), replayed_out, eager_out
             )
+            clock.lap("judge")
+        report.add_phases(clock.laps)
         spent = time.perf_counter() - started
         report.seconds += spent
         self._check_schedule.last_cost_s = spent

@@ -164,6 +164,11 @@ def test_checked_replays_leave_the_fit_bitwise_the_baseline_and_are_counted():
     }, report
     assert emu.FakeGraph.replays == 1 + 86  # the capture step's replay, then every step after it
     assert summary["fallback_steps"] == 0 and report["seconds"] > 0
+    # the phases of the checked steps: none judged (no difference), and they add up to at most the
+    # checks' own seconds (the bookkeeping between them is not a phase)
+    phases = report["phases_s"]
+    assert set(phases) == {"save", "replay", "eager", "compare"}, phases
+    assert all(v > 0 for v in phases.values()) and sum(phases.values()) <= report["seconds"] + 1e-6
 
 
 class NormalizedMetricDropout(TinyMLP):
@@ -366,7 +371,10 @@ def test_a_check_whose_copies_do_not_fit_is_skipped_counted_and_the_fit_is_its_b
 
 def test_the_report_is_plain_data():
     report = ReplayCheckReport(checks=2, seconds=0.1234567891)
+    report.add_phases({"save": 0.25, "eager": 1.0})
+    report.add_phases({"save": 0.5})
     assert report.to_dict()["seconds"] == 0.123457 and report.to_dict()["mode"] == "sampled"
+    assert report.to_dict()["phases_s"] == {"save": 0.75, "eager": 1.0}
 
 
 def test_the_joined_comparison_agrees_with_the_one_by_one_comparison():
