@@ -121,7 +121,7 @@ def table(rows: list[dict], cases: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", help="output directory (required but with --one)")
     parser.add_argument("--families", default=DEFAULT_FAMILIES, help="FAMILY@BATCH items, comma-separated")
     parser.add_argument("--steps", type=int, default=1000, help="steps per fit (default 1000)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         [(family, batch)] = bench_default_cost.parse_families(args.one[1])
         print(json.dumps(_fit(args.one[0], family, batch, args.steps), default=str), flush=True)
         return 0
+    if args.out is None:
+        parser.error("the following arguments are required: --out")
     try:
         families = bench_default_cost.parse_families(args.families)
     except ValueError as exc:
