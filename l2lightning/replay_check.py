@@ -28,6 +28,7 @@ of the fit.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from l2lightning.rng import GeneratorStates
-from l2lightning.verify import _bits, compare_tensors
+from l2lightning.verify import compare_tensors
 
 # Replays counted per capture: a check at replay 1, 2, 4, 8, ... (a power of two).
 FIRST_CHECKED_REPLAY = 1
@@ -197,6 +198,16 @@ def named_written_state(
     return written
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes, flat: two tensors of one dtype and shape are bit-identical iff their bytes are.
+
+    Every dtype compared as bytes runs one kind of kernel for all of them. A fit usually makes one
+    check (the rest keep to the time share), and on the H200 that check's first use of each kind of
+    kernel (integer views of every width, bool, their joins) was most of its comparison's time.
+    """
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _bits_differ(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | bool:
     """A device bool: whether `a` and `b` differ in any bit (or a host bool where shapes decide)."""
     if a is None or b is None:
@@ -205,7 +216,7 @@ def _bits_differ(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor
         return True
     if a.numel() == 0:
         return False
-    return (_bits(a) != _bits(b.to(a.device))).any()
+    return (_bytes(a) != _bytes(b.to(a.device))).any()
 
 
 _JOINED_BYTES = (
@@ -216,12 +227,12 @@ _JOINED_BYTES = (
 def _all_same(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> bool:
     """Whether every pair is bit-identical, decided with a few kernels and one read per device.
 
-    The common case of a check: the bit views of each side are joined per (device, element size), up
-    to `_JOINED_BYTES` at a time, and compared at once, instead of three kernels per tensor (on the
-    MLP stack a check compares a few hundred tensors); a tensor larger than that is compared in
-    slices of it. Shapes, dtypes and None are decided on the host first.
+    The common case of a check: the bytes of each side are joined per device, up to `_JOINED_BYTES` at
+    a time, and compared at once, instead of three kernels per tensor (on the MLP stack a check
+    compares a few hundred tensors); a tensor larger than that is compared in slices of it. Shapes,
+    dtypes and None are decided on the host first.
     """
-    groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for _, a, b in pairs:
         if a is None or b is None:
             if (a is None) != (b is None):
@@ -231,12 +242,10 @@ def _all_same(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | Non
             return False
         if a.numel() == 0:
             continue
-        groups.setdefault((a.device, a.element_size(), a.dtype == torch.bool), []).append(
-            (_bits(a).reshape(-1), _bits(b.to(a.device)).reshape(-1))
-        )
+        groups.setdefault(a.device, []).append((_bytes(a), _bytes(b.to(a.device))))
     flags: dict[torch.device, list[torch.Tensor]] = {}
-    for (device, size, _), views in groups.items():
-        for left, right in _joined_batches(views, max(1, _JOINED_BYTES // size)):
+    for device, views in groups.items():
+        for left, right in _joined_batches(views, _JOINED_BYTES):
             flags.setdefault(device, []).append((torch.cat(left) != torch.cat(right)).any())
     return not any(bool(torch.stack(f).any().cpu()) for f in flags.values())
 
@@ -328,28 +337,17 @@ def beyond_replay_spread(
             # integers and bools have no rounding: any difference, between the replays or from the
             # eager step, is beyond it
             differs = ((replay != eager).any() | (replay != again).any()).double()
-            measured.append((label, differs, differs * 0.0, differs * 0.0 + 1.0, -1.0))
+            measured.append((label, differs, differs, differs, -1.0))  # the flag, read as such
             continue
         if replay.is_complex():
             replay, again, eager = (
                 torch.view_as_real(t.detach().resolve_conj()) for t in (replay, again, eager)
             )
         eps = float(torch.finfo(replay.dtype).eps)
-        r, a, e = replay.detach().double(), again.detach().double(), eager.detach().double()
-        scale = (
-            torch.nan_to_num(r.abs(), nan=0.0, posinf=0.0).max().clamp_min(torch.finfo(torch.float64).tiny)
-        )
-        measured.append((label, _largest_difference(r, e), _largest_difference(r, a), scale, eps))
+        measured.append((label, replay.detach(), again.detach(), eager.detach(), eps))
     if not measured:
         return None
-    by_device: dict[torch.device, list[int]] = {}
-    for i, m in enumerate(measured):
-        by_device.setdefault(m[1].device, []).append(i)
-    host: dict[int, list[float]] = {}
-    for positions in by_device.values():
-        rows = torch.stack([torch.stack([measured[i][1], measured[i][2], measured[i][3]]) for i in positions])
-        for i, row in zip(positions, rows.cpu().tolist()):
-            host[i] = row
+    host = _measured_differences(measured)  # (gap, spread, scale) per row, on the host
     relative_spread = max((host[i][1] / host[i][2] for i, m in enumerate(measured) if m[4] > 0), default=0.0)
     for i, (label, _, _, _, eps) in enumerate(measured):
         gap, spread, scale = host[i]
@@ -369,10 +367,54 @@ def beyond_replay_spread(
     return None
 
 
+def _measured_differences(
+    rows: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, float]],
+) -> list[list[float]]:
+    """Rows (label, replay, again, eager, eps) -> [max |replay - eager|, max |replay - again|, the
+    replay's largest finite magnitude] per row, read to the host; an integer row (eps < 0) holds its
+    flag of any difference as its first tensor, and comes back as [flag, 0, 1].
+
+    Per (device, dtype), three multi-tensor subtractions and norms in the tensors' own dtype and one
+    read: a check of kernels that are not deterministic judges every tensor of the step, and on the
+    H200 the double-precision pass per tensor (a dozen kernels each) this replaces made that judgment
+    most of the check's time. The difference of two nearby floats is exact (Sterbenz) and of far ones
+    within one rounding, either way well inside `SPREAD_FACTOR`; where a norm comes out NaN or
+    infinite (a NaN or infinity in the values, an overflowing difference) that tensor is measured
+    again exactly, in double precision.
+    """
+    out: list[list[float]] = [[0.0, 0.0, 1.0] for _ in rows]
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, replay, _, _, eps) in enumerate(rows):
+        groups.setdefault((replay.device, replay.dtype if eps > 0 else None), []).append(i)
+    tiny = torch.finfo(torch.float64).tiny
+    inf = float("inf")
+    for (_, dtype), positions in groups.items():
+        if dtype is None:  # integer rows: their flags, read at once
+            for i, flag in zip(positions, torch.stack([rows[i][1] for i in positions]).tolist()):
+                out[i] = [float(flag), 0.0, 1.0]
+            continue
+        replays = [rows[i][1] for i in positions]
+        gaps = torch._foreach_norm(torch._foreach_sub(replays, [rows[i][3] for i in positions]), inf)
+        spreads = torch._foreach_norm(torch._foreach_sub(replays, [rows[i][2] for i in positions]), inf)
+        scales = torch._foreach_norm(replays, inf)
+        norms = torch.stack([torch.stack(gaps), torch.stack(spreads), torch.stack(scales)], dim=1)
+        for i, (gap, spread, scale) in zip(positions, norms.double().tolist()):
+            if all(map(math.isfinite, (gap, spread, scale))):
+                out[i] = [gap, spread, max(scale, tiny)]
+                continue
+            _, replay, again, eager, _ = rows[i]
+            r, a, e = replay.double(), again.double(), eager.double()
+            scale_t = torch.nan_to_num(r.abs(), nan=0.0, posinf=0.0).max().clamp_min(tiny)
+            exact = torch.stack([_largest_difference(r, e), _largest_difference(r, a), scale_t])
+            out[i] = exact.tolist()
+    return out
+
+
 def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """max |a - b| as a device scalar: NaN where both are NaN counts as equal, where one is as infinite."""
-    both_nan = a.isnan() & b.isnan()
-    diff = torch.where(both_nan, torch.zeros((), dtype=a.dtype, device=a.device), (a - b).abs())
+    """max |a - b| as a device scalar: NaN where both are NaN counts as equal, where one is as infinite;
+    equal infinities are equal (their difference is NaN)."""
+    same = (a.isnan() & b.isnan()) | (a == b)
+    diff = torch.where(same, torch.zeros((), dtype=a.dtype, device=a.device), (a - b).abs())
     return torch.nan_to_num(diff, nan=float("inf")).max()
 
 
@@ -399,15 +441,20 @@ class PhaseClock:
     """Wall seconds of a checked step's phases (the copies, the replay, the eager step, the comparison,
     the second replay's judgment), for ``summary()["replay_check"]["phases_s"]``.
 
-    On CUDA each lap waits for the GPU first, so that a phase's seconds are its own work and not the
-    work queued before it; a checked step syncs once for its comparison anyway, and these few syncs
-    are made at checked steps only.
+    On CUDA the clock starts once the GPU has finished the work queued before the check, and each lap
+    waits for the GPU first, so that a phase's seconds are its own work and not the work queued
+    before it; a checked step syncs once for its comparison anyway, and these few syncs are made at
+    checked steps only.
     """
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self.laps: dict[str, float] = {}
-        self._last = time.perf_counter()
+        if cuda:
+            # the steps queued before the check are theirs, not the check's: a GPU-bound fit's host
+            # runs ahead of it by several replays, which the check's first copies would wait for
+            torch.cuda.synchronize()
+        self.started = self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
         if self.cuda:

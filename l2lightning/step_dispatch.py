@@ -176,9 +176,9 @@ class StepDispatch:
 
     def _checked_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """A replay compared bit for bit with the eager step from the same state; the eager step stands."""
-        started = time.perf_counter()
         report, graph = self.replay_check, self._graph
-        clock = PhaseClock(self._device_type() == "cuda")
+        clock = PhaseClock(self._device_type() == "cuda")  # from when the steps queued before it are done
+        started = clock.started
         if graph.binding is not None:
             graph.binding.bring_home()  # the metrics' states on the home tensors the graph writes
         written = self._written_state(graph)

@@ -423,3 +423,33 @@ def test_a_cuda_state_set_inside_the_step_is_the_steps_own_and_checks_nothing():
     cb._in_step = False
     cb._cuda_state_set("set_rng_state")
     assert cb._check_schedule.pending == "a call of `torch.cuda.set_rng_state`"
+
+
+def test_the_multi_tensor_measurement_agrees_with_double_precision_per_tensor():
+    """The spread judgment's one pass per dtype (own-dtype subtraction and norms) against the exact
+    double-precision measurement of each tensor, NaN and infinity included (those take the exact path)."""
+    from l2lightning.replay_check import _largest_difference, _measured_differences
+
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for dtype, n in ((torch.float32, 40), (torch.bfloat16, 17), (torch.float64, 5), (torch.float32, 1)):
+        r = torch.randn(n, generator=gen).to(dtype)
+        a = r + (torch.randn(n, generator=gen) * 1e-3).to(dtype)
+        e = r - (torch.randn(n, generator=gen) * 1e-2).to(dtype)
+        rows.append(("t", r, a, e, float(torch.finfo(dtype).eps)))
+    inf_row = torch.tensor([float("inf"), 1.0, 3.0])
+    rows.append(("inf", inf_row, inf_row.clone(), torch.tensor([float("inf"), 1.5, 3.0]), 1e-7))
+    nan_row = torch.tensor([float("nan"), -2.0])
+    rows.append(("nan", nan_row, torch.tensor([1.0, -2.0]), nan_row.clone(), 1e-7))
+    rows.append(("int", torch.tensor(1.0, dtype=torch.float64), None, None, -1.0))  # a flag row
+    measured = _measured_differences(rows)
+    for (label, r, a, e, eps), (gap, spread, scale) in zip(rows, measured):
+        if eps < 0:
+            assert (gap, spread, scale) == (1.0, 0.0, 1.0)
+            continue
+        rd, ad, ed = r.double(), a.double(), e.double()
+        want_scale = float(torch.nan_to_num(rd.abs(), nan=0.0, posinf=0.0).max())
+        assert scale == pytest.approx(want_scale, rel=1e-6), label
+        assert gap == pytest.approx(float(_largest_difference(rd, ed)), rel=1e-2, abs=0), label
+        assert spread == pytest.approx(float(_largest_difference(rd, ad)), rel=1e-2, abs=0), label
+    assert measured[-3][0] == 0.5 and measured[-2][1] == float("inf")  # inf == inf; NaN against a number
