@@ -9,10 +9,17 @@ A captured optimizer step bakes every Python number it reads into the graph. So:
   floats; the step copies the float into the tensor when it changed (a device fill, no host sync)
   and swaps the tensor into the group only for the duration of the step. A replayed graph reads
   the tensor, so an LR change reaches it with no re-capture.
+* SGD driven by an LR scheduler (every param group holds the ``initial_lr`` a PyTorch scheduler
+  sets) runs its fused path from the switch on (``fused=True``, ``foreach=False``), whose kernel
+  reads a tensor LR on the device (``torch._fused_sgd_``'s tensor-LR overload; the foreach and
+  single-tensor paths pass ``alpha=-lr``, a host read). So StepLR, cosine and OneCycleLR on SGD
+  keep one graph. Fused SGD rounds as foreach SGD may not: the fit equals its ``CapturableFrom``
+  baseline, not plain Lightning, from the capture step on. SGD without a scheduler keeps its
+  configuration and its float LR (bitwise plain), baked into the graph.
 * Adagrad has no capturable mode; where its LR does not decay (``lr_decay=0``, the default) its
   step needs none: its counters move to the device and its one host read of them, for the decay,
   is answered without reading (:func:`_adagrad_step_count_unread`), every number unchanged.
-* Every other hyperparameter (betas, eps, weight decay, SGD's and Adagrad's LR, SGD's momentum, ...)
+* Every other hyperparameter (betas, eps, weight decay, Adagrad's LR, SGD's momentum, ...)
   is a float baked into the graph. :meth:`CapturableOptimizer.baked_changes` names the ones that changed
   since capture, so the caller can capture again before replaying.
 
@@ -48,9 +55,12 @@ TENSOR_LR_TYPES: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
 # the else branch will internally call item()"). PyTorch takes the foreach path for CUDA parameters
 # unless the user asks for foreach=False or differentiable=True.
 FOREACH_TENSOR_LR_TYPES: tuple[type, ...] = (torch.optim.Adadelta, torch.optim.RMSprop)
-# SGD bakes its LR into the graph; so does Adagrad, which has no capturable mode but needs none where
-# its LR does not decay (see _adagrad_step_count_unread).
+# SGD reads a tensor LR on its fused path only (see _sgd_reads_tensor_lr), else it bakes a float LR
+# into the graph; so does Adagrad, which has no capturable mode but needs none where its LR does not
+# decay (see _adagrad_step_count_unread).
 FLOAT_LR_TYPES: tuple[type, ...] = (torch.optim.SGD, torch.optim.Adagrad)
+# SGD's fused kernel takes these parameter dtypes (torch/optim/sgd.py, _get_fused_kernels_supported_devices)
+_FUSED_SGD_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 # Device types capturable optimizer states may live on (CPU tests widen this with the graph emulator).
 CAPTURABLE_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 # Param-group entries that are not hyperparameters of the update.
@@ -72,7 +82,23 @@ def reads_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
         return all(
             g.get("foreach") is not False and not g.get("differentiable") for g in optimizer.param_groups
         )
+    if isinstance(optimizer, torch.optim.SGD):
+        return _sgd_reads_tensor_lr(optimizer)
     return False
+
+
+def _sgd_reads_tensor_lr(optimizer: torch.optim.SGD) -> bool:
+    """Whether SGD runs fused with a tensor LR once switched on: where a PyTorch LR scheduler drives
+    every param group (it sets ``initial_lr``), so that its LR changes; the parameters are floats the
+    fused kernel takes, and the step is not differentiable. Without a scheduler SGD keeps its own
+    configuration, bitwise plain, and a baked LR."""
+    groups = optimizer.param_groups
+    return bool(groups) and all(
+        "initial_lr" in g
+        and not g.get("differentiable")
+        and all(p.dtype in _FUSED_SGD_DTYPES and not p.is_sparse for p in g["params"])
+        for g in groups
+    )
 
 
 def capture_support(optimizer: torch.optim.Optimizer) -> str | None:
@@ -154,6 +180,10 @@ class CapturableOptimizer:
         self.switched = lr_tensors is not None
         self.tensor_lr = tensor_lr
         self.original_capturable = list(original_capturable)
+        # SGD reads its tensor LR on the fused path only: switched on, its groups run fused, and
+        # each group's own (fused, foreach) flags are kept here to be given back
+        self._fused_for_lr = tensor_lr and isinstance(optimizer, torch.optim.SGD)
+        self.original_paths: list[tuple[Any, Any] | None] = [None] * len(optimizer.param_groups)
         self.lr_tensors: list[torch.Tensor | None] = (
             list(lr_tensors) if lr_tensors is not None else [None] * len(optimizer.param_groups)
         )
@@ -239,9 +269,28 @@ class CapturableOptimizer:
         """
         for group in self.optimizer.param_groups[len(self.lr_tensors) :]:
             self.original_capturable.append(group.get("capturable"))
+            self.original_paths.append(None)
             tensor = _make_group_capturable(group, self.tensor_lr, self.device) if self.switched else None
+            if self.switched:
+                self._take_fused_path(len(self.lr_tensors), group)
             self.lr_tensors.append(tensor)
             self._filled.append(group.get("lr") if tensor is not None else None)
+
+    def _take_fused_path(self, index: int, group: dict[str, Any]) -> None:
+        """SGD with a tensor LR: group `index` runs fused (its own flags kept to be given back)."""
+        if not self._fused_for_lr:
+            return
+        while len(self.original_paths) <= index:
+            self.original_paths.append(None)
+        if self.original_paths[index] is None:
+            self.original_paths[index] = (group.get("fused"), group.get("foreach"))
+        group["fused"], group["foreach"] = True, False
+
+    def _give_back_paths(self, groups: list[dict[str, Any]]) -> None:
+        """The (fused, foreach) flags each group had before :meth:`_take_fused_path`, in `groups`."""
+        for group, original in zip(groups, self.original_paths):
+            if original is not None:
+                group["fused"], group["foreach"] = original
 
     def switch_on(self) -> None:
         """Make the optimizer capturable (see :func:`make_capturable`); a no-op when it already is.
@@ -256,6 +305,8 @@ class CapturableOptimizer:
         self.lr_tensors = [
             _make_group_capturable(g, self.tensor_lr, self.device) for g in self.optimizer.param_groups
         ]
+        for i, group in enumerate(self.optimizer.param_groups):
+            self._take_fused_path(i, group)
         self._filled = [
             g.get("lr") if t is not None else None
             for g, t in zip(self.optimizer.param_groups, self.lr_tensors)
@@ -280,6 +331,8 @@ class CapturableOptimizer:
             tensor = self.lr_tensors[i] if i < len(self.lr_tensors) else None
             if tensor is not None and group.get("lr") is tensor:  # switched off in the middle of a step
                 group["lr"] = self._lr_now(i, self._filled[i])
+        self._give_back_paths(self.optimizer.param_groups)
+        self.original_paths = [None] * len(self.optimizer.param_groups)
         self.lr_tensors = [None] * len(self.optimizer.param_groups)
         self._filled = [None] * len(self.optimizer.param_groups)
         if not self._steps_stay_on_device():
@@ -440,6 +493,7 @@ class CapturableOptimizer:
             if "capturable" in group:
                 group["capturable"] = original
             groups.append(group)
+        self._give_back_paths(groups)
         state = {}
         for key, value in state_dict["state"].items():
             value = dict(value)

@@ -1185,7 +1185,7 @@ _IDIOM_LIST = [
         SGDOneCycleClip,
         _cifar_loader,
         "refuse",
-        "SGD bakes a float LR and momentum that OneCycleLR changes every step",
+        "OneCycleLR cycles SGD's momentum every step, a float baked into the graph (its LR is a tensor)",
         trainer_kwargs=_steps(gradient_clip_val=1.0),
     ),
     Idiom(
@@ -1419,6 +1419,20 @@ class EpochWeightedAux(_Regressor):
         return loss
 
 
+class SGDCosinePerEpoch(_Regressor):
+    """SimCLR-style optimization (and Lightning's BoringModel's SGD with a per-epoch schedule): SGD
+    with momentum and weight decay, ``CosineAnnealingLR`` stepped per epoch over short epochs."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        return [opt], [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)]
+
+
 class _BufferWeighted(_Regressor):
     """A loss weight kept in a buffer; the subclasses change it once, each in its own way."""
 
@@ -1531,6 +1545,14 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             "capture",
             "a number computed from current_epoch is compared per replay: captured again each epoch",
             trainer_kwargs={"max_epochs": 3},
+        ),
+        Idiom(
+            "sgd_cosine_per_epoch",
+            SGDCosinePerEpoch,
+            _reg_loader,
+            "capture",
+            "SGD under a scheduler runs fused with a tensor LR: one graph through every epoch's LR",
+            trainer_kwargs={"max_epochs": 4, "max_steps": DEFAULT_STEPS},
         ),
         Idiom(
             "rebound_loss_weight",

@@ -18,7 +18,7 @@ from l2lightning import L2GraphCallback, step_gate
 from l2lightning.step_gate import VARIANTS
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import SGDEpochSchedule, assert_same, baseline_of, fit
+from tests.test_callback_replay_cpu import assert_same, baseline_of, fit
 
 
 class StandInHooks:
@@ -112,20 +112,32 @@ def test_a_slower_prefetched_step_is_dropped_for_the_rest_of_the_fit(monkeypatch
     assert_same(base, run)
 
 
+class EpochWeightedLoss(TinyMLP):
+    """A Python loss weight an epoch hook changes: the step is captured again at each epoch."""
+
+    weight = 1.0
+
+    def on_train_epoch_start(self):
+        self.weight = 1.0 + 0.5 * self.current_epoch
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.weight
+
+
 def test_a_capture_during_the_trial_ends_it_without_prefetch(monkeypatch):
     kwargs = {
         "steps": -1,
         "n": 64,
         "trainer_kwargs": {"max_epochs": 3},
-    }  # 8 steps an epoch, SGD's LR per epoch
-    plain = fit(SGDEpochSchedule, **kwargs)
+    }  # 8 steps an epoch, a new loss weight per epoch
+    base = fit(baseline_of(EpochWeightedLoss), **kwargs)
     cb, hooks = gated(monkeypatch, prefetch_ms=0.5, off_ms=1.0, gate_pairs=8)
-    run = fit(SGDEpochSchedule, [cb], **kwargs)
+    run = fit(EpochWeightedLoss, [cb], **kwargs)
     s = cb.summary()
     assert s["prefetch_gate"]["kept"] == "off" and "captured again" in s["prefetch_gate"]["reason"], s
     assert s["prefetch_gate"]["method"] == "second capture"  # the emulator's graphs cannot be switched
     assert hooks[0].removed_at < 24 and hooks[0].scoped_captures == 1
-    assert_same(plain, run)
+    assert_same(base, run)
 
 
 def test_gate_pairs_zero_keeps_the_tuned_plans_without_a_trial(monkeypatch):

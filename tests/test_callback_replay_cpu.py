@@ -721,20 +721,27 @@ class SGDEpochSchedule(SGDSchedule):
     interval = "epoch"
 
 
-def test_sgd_with_a_per_step_schedule_is_refused_before_capture_and_trains_like_plain():
-    plain = fit(SGDSchedule)
-    cb = callback()
-    with pytest.warns(UserWarning, match=r"SGD's \['lr'\] changed at every warm-up step"):
-        run = fit(SGDSchedule, [cb])
-    assert not cb.summary()["captured"] and emu.FakeGraph.instances == 0
-    assert_same(plain, run)
+def test_sgd_with_a_per_step_schedule_is_captured_once_and_bitwise_its_baseline():
+    """A per-step cosine on SGD changes the LR at every step: a tensor the fused step reads, so the
+    warm-up is not refused and one graph serves every step."""
+    base, run, cb = captured_pair(SGDSchedule)
+    assert cb.summary()["captured"] and cb.captures == 1 and cb.fallback_steps == 0, cb.summary()
+    assert_same(base, run)
 
 
-def test_sgd_with_a_per_epoch_schedule_is_captured_again_each_epoch():
-    plain = fit(SGDEpochSchedule, steps=-1, n=64, trainer_kwargs={"max_epochs": 4})
+def test_sgd_without_a_scheduler_keeps_its_configuration_and_is_bitwise_plain():
+    """No scheduler: SGD keeps its own (foreach) path and a baked float LR, so the captured fit is
+    plain Lightning's bit for bit."""
+
+    class ConstantSGD(TinyMLP):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    plain = fit(ConstantSGD)
     cb = callback()
-    run = fit(SGDEpochSchedule, [cb], steps=-1, n=64, trainer_kwargs={"max_epochs": 4})
-    assert cb.summary()["captured"] and cb.captures == 4  # one per epoch: the LR is baked into SGD's graph
+    run = fit(ConstantSGD, [cb])
+    assert cb.summary()["captured"] and cb.captures == 1
+    assert not run[2].optimizers[0].param_groups[0]["fused"]
     assert_same(plain, run)
 
 
@@ -766,6 +773,42 @@ def test_adadelta_and_rmsprop_read_a_tensor_lr_so_an_epoch_schedule_needs_one_ca
     )
 
 
+class BoringSGDEpochStepLR(TinyMLP):
+    """Lightning's BoringModel optimizer: SGD(lr=0.1) with StepLR(step_size=1) per epoch; with momentum
+    and weight decay as the SimCLR-style modules add them."""
+
+    momentum = 0.0
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=self.momentum, weight_decay=1e-4)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        return [opt], [sched]
+
+
+class CosineSGDMomentum(BoringSGDEpochStepLR):
+    momentum = 0.9
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=self.momentum, nesterov=True)
+        return [opt], [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)]
+
+
+@pytest.mark.parametrize("cls", [SGDEpochSchedule, BoringSGDEpochStepLR, CosineSGDMomentum])
+def test_sgd_under_an_epoch_schedule_reads_a_tensor_lr_so_it_needs_one_capture(cls):
+    """SGD with a scheduler runs fused from the capture on, its LR a device tensor the scheduler's
+    floats fill: four epochs, four LRs, one capture, bitwise the CapturableFrom baseline."""
+    kwargs = {"steps": -1, "n": 64, "trainer_kwargs": {"max_epochs": 4}}
+    base, run, cb = captured_pair(cls, **kwargs)
+    summary = cb.summary()
+    assert summary["captured"] and cb.captures == 1 and cb.fallback_steps == 0, summary
+    assert summary["recapture_s"] == 0.0
+    assert_same(base, run)
+    group = run[2].optimizers[0].param_groups[0]
+    assert isinstance(group["lr"], float) and group["lr"] < 0.1
+    # the fit's end gives the user's configuration back
+    assert not group["fused"] and group["foreach"] is None
+
+
 class OneCycleSGD(TinyMLP):
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -776,7 +819,8 @@ class OneCycleSGD(TinyMLP):
 def test_onecycle_sgd_momentum_and_clipping_is_refused_by_name_and_equals_plain():
     plain = fit(OneCycleSGD, trainer_kwargs={"gradient_clip_val": 1.0})
     cb = callback()
-    with pytest.warns(UserWarning, match=r"\['lr', 'momentum'\] changed at every warm-up step"):
+    # the LR is a tensor (fused SGD under a scheduler); the momentum OneCycleLR cycles is baked
+    with pytest.warns(UserWarning, match=r"SGD's \['momentum'\] changed at every warm-up step"):
         run = fit(OneCycleSGD, [cb], trainer_kwargs={"gradient_clip_val": 1.0})
     assert_same(plain, run)
 
@@ -3162,6 +3206,7 @@ def test_python_state_set_once_at_the_first_step_is_allowed():
         "own_step_counter",
         "dlrm_adagrad",
         "epoch_weighted_aux",
+        "sgd_cosine_per_epoch",
         "rebound_loss_weight",
         "global_loss_weight",
         "momentum_reset_one_layer",
@@ -3190,6 +3235,8 @@ def test_idiom_variants_are_captured_and_equal_or_refused_and_plain(name):
     if idiom.expect == "capture":
         reference = run(False, True)
         assert cb.summary()["captured"], cb.summary()
+        if name == "sgd_cosine_per_epoch":  # three epochs, three LRs, read from a tensor: one graph
+            assert cb.captures == 1, cb.summary()
         assert_same(reference[:2] + reference[3:], got[:2] + got[3:])
         return
     reference = run(False, False)

@@ -25,6 +25,12 @@ def test_known_optimizers_capture(kind):
     assert capture_support(kind(params(), lr=0.1)) is None
 
 
+def scheduled(optimizer):
+    """`optimizer` with a PyTorch LR scheduler made for it (which sets each group's `initial_lr`)."""
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return optimizer
+
+
 @pytest.mark.parametrize(
     ("make", "tensor_lr"),
     [
@@ -34,7 +40,9 @@ def test_known_optimizers_capture(kind):
         (lambda: torch.optim.RMSprop(params(), foreach=True), True),
         (lambda: torch.optim.Adadelta(params(), foreach=False), False),  # alpha=-lr would read the host
         (lambda: torch.optim.RMSprop(params(), differentiable=True), False),
-        (lambda: torch.optim.SGD(params(), lr=0.1), False),
+        (lambda: torch.optim.SGD(params(), lr=0.1), False),  # no scheduler: its float LR, bitwise plain
+        (lambda: scheduled(torch.optim.SGD(params(), lr=0.1, momentum=0.9)), True),  # fused, a tensor LR
+        (lambda: scheduled(torch.optim.SGD(params(), lr=0.1, differentiable=True)), False),
         (lambda: torch.optim.Adagrad(params()), False),  # captured, its LR a baked float like SGD's
     ],
 )
@@ -172,3 +180,48 @@ def test_switched_adagrad_steps_are_bitwise_the_plain_ones(monkeypatch, kwargs):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     for (sa, ta), (sb, tb) in zip(plain[1], switched[1]):
         assert torch.equal(sa, sb) and float(ta) == float(tb) == 5.0
+
+
+def test_scheduled_sgd_runs_fused_with_a_tensor_lr_once_switched_and_gets_its_flags_back(monkeypatch):
+    """Switched on, SGD under a scheduler takes the fused path (the only one that reads a tensor LR
+    without a host read); switched off, and in a portable state dict, its own flags and float LR."""
+    monkeypatch.setattr(optim, "CAPTURABLE_DEVICE_TYPES", ("cuda", "cpu"))
+    opt = scheduled(torch.optim.SGD(params(), lr=0.1, momentum=0.9, foreach=True))
+    wrapped = optim.intercept(opt)
+    assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0]["fused"]  # not yet switched
+    wrapped.switch_on()
+    group = opt.param_groups[0]
+    assert group["fused"] is True and group["foreach"] is False and isinstance(group["lr"], float)
+    assert wrapped.lr_tensors[0] is not None and wrapped.baked_changes() == []
+    group["lr"] = 0.025  # a scheduler's step: a tensor fill, not a baked change
+    wrapped.sync_tensors()
+    assert wrapped.lr_tensors[0].item() == pytest.approx(0.025) and wrapped.baked_changes() == []
+    group["momentum"] = 0.8  # still baked: named
+    assert wrapped.baked_changes() == ["group 0 `momentum` 0.9 -> 0.8"]
+    portable = wrapped.portable_state_dict(opt.state_dict())["param_groups"][0]
+    assert portable["fused"] is None and portable["foreach"] is True and isinstance(portable["lr"], float)
+    wrapped.switch_off()
+    assert group["fused"] is None and group["foreach"] is True and group["lr"] == 0.025
+
+
+def test_fused_sgd_with_a_tensor_lr_steps_as_fused_sgd_with_that_float(monkeypatch):
+    """The switched step, its LR read from the tensor, is the fused step (momentum, weight decay,
+    nesterov) with that LR as a float, bit for bit, through an LR change."""
+    monkeypatch.setattr(optim, "CAPTURABLE_DEVICE_TYPES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    a = torch.nn.Linear(8, 8)
+    b = torch.nn.Linear(8, 8)
+    b.load_state_dict(a.state_dict())
+    kwargs = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2, "nesterov": True}
+    ours = scheduled(torch.optim.SGD(a.parameters(), **kwargs))
+    ref = torch.optim.SGD(b.parameters(), fused=True, **kwargs)
+    optim.make_capturable(ours)
+    x = torch.randn(4, 8)
+    for step in range(4):
+        for model, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.param_groups[0]["lr"] = 0.1 * 0.5 ** (step + 1)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
