@@ -225,3 +225,39 @@ def test_fused_sgd_with_a_tensor_lr_steps_as_fused_sgd_with_that_float(monkeypat
             opt.param_groups[0]["lr"] = 0.1 * 0.5 ** (step + 1)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_torchs_capturable_adam_reads_tensor_betas_on_the_host(monkeypatch):
+    """Why Adam's betas stay floats baked into the graph (OneCycleLR's and CyclicLR's
+    ``cycle_momentum=True`` captures again at every step, so the warm-up refuses it): torch's own
+    capturable AdamW, given its betas as device tensors, still turns them into host numbers
+    (``_local_scalar_dense``, a sync on CUDA) on the foreach and the single-tensor path, where a
+    tensor LR is read on the device. If this fails, torch reads tensor betas on the device: adopt them
+    as the LR is."""
+    from torch.optim import adam as torch_adam
+    from torch.optim import optimizer as torch_optimizer
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    devices = lambda supports_xla=True: ["cpu", "cuda"]  # noqa: E731 -- capturable on the CPU here
+    monkeypatch.setattr(torch_optimizer, "_get_capturable_supported_devices", devices)
+    monkeypatch.setattr(torch_adam, "_get_capturable_supported_devices", devices)
+    for foreach in (True, False):
+        reads = {}
+        for betas in ((0.9, 0.99), (torch.tensor(0.9), torch.tensor(0.99))):
+            p = torch.randn(4, requires_grad=True)
+            opt = torch.optim.AdamW([p], lr=torch.tensor(0.01), betas=betas, capturable=True, foreach=foreach)
+            p.grad = torch.randn(4)
+            opt.step()
+            with HostReads() as mode:
+                opt.step()
+            reads[isinstance(betas[0], torch.Tensor)] = mode.count
+        assert reads[False] == 0 and reads[True] > 0, (foreach, reads)
