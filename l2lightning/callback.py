@@ -54,6 +54,7 @@ from l2lightning.batch_reads import BatchReads, batch_reads
 from l2lightning.called_code import analyse_called_code
 from l2lightning.capture import StaticBatch
 from l2lightning.fit_report import FitReport, _NoPhaseEvents, _Timing
+from l2lightning.grad_norm_reads import GradNormNames
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.metric_binding import (
     named_metrics,
@@ -319,6 +320,7 @@ class L2GraphCallback(
         self._other_branch: tuple[Any, int] = (None, 0)  # a branch key other than the graph's, and its run
         self._live_log_values: set[str] = set()
         self._eager_hooks: set[str] = set()
+        self._grad_norm_names = GradNormNames()  # where those hooks find Lightning's grad_norm
         self._memo: list[tuple[str, Any]] = []
         self._originals: dict[str, Any] = {}
         self._capture_graph: _Graph | None = None

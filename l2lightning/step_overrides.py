@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from l2lightning.grad_norm_reads import batched_grad_norm_in
 from l2lightning.log_replay import ReissuedLog
 
 # What an instance held under a name the callback replaces for the fit, when it held nothing in its own
@@ -95,6 +96,9 @@ class StepOverrides:
                     return None
                 if mode == "trace" and self._tracer is not None:
                     with self._tracer.watching(name):
+                        return original(*args, **kwargs)
+                if mode == "replay":  # Lightning's grad_norm with one read back instead of one per parameter
+                    with batched_grad_norm_in(original, self._grad_norm_names):
                         return original(*args, **kwargs)
                 return original(*args, **kwargs)
             if mode == "replay":
