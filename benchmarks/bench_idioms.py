@@ -161,7 +161,9 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="directory for idioms.csv and idioms.json")
-    parser.add_argument("--only", default="", help="comma-separated idiom names (default: all 16)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated idiom names, variants included (default: every idiom)"
+    )
     parser.add_argument("--steps", type=int, default=60, help="batches per fit (default 60)")
     parser.add_argument(
         "--accelerator", choices=("gpu", "cpu"), default=None, help="default: gpu if CUDA is available"
@@ -176,12 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required")
 
     sys.path.insert(0, str(ROOT))
-    from tests.idiom_modules import IDIOMS
+    from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
 
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(IDIOMS)
-    unknown = [n for n in names if n not in IDIOMS]
+    unknown = [n for n in names if n not in IDIOMS and n not in IDIOM_VARIANTS]
     if unknown:
-        parser.error(f"unknown idioms {unknown}; known: {list(IDIOMS)}")
+        parser.error(
+            f"unknown idioms {unknown}; known: {list(IDIOMS)} and the variants {list(IDIOM_VARIANTS)}"
+        )
 
     rows = []
     started = time.perf_counter()
