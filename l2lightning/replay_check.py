@@ -15,7 +15,7 @@ callback
    the step returns, the gradients the graph leaves);
 3. puts the saved state back and runs the step eagerly, as a plain step runs it (its logs, hooks and
    Python effects are the step's own);
-4. compares the two bit for bit, with one host sync (:func:`first_difference`).
+4. compares the two bit for bit, with one host sync (:func:`first_differing`).
 
 The eager step is the step that stands, so a replay that differs is never kept. On a difference the
 callback replays once more from the saved state: a replay that differs from itself means the step's
@@ -271,11 +271,14 @@ def _joined_batches(
         yield left, right
 
 
-def first_difference(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> str | None:
-    """The first of (label, replayed, eager) whose tensors differ in any bit, described; None if none.
+def first_differing(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> int | None:
+    """The position of the first of (label, replayed, eager) whose tensors differ in any bit; None if none.
 
     All equal (the common case) is decided by :func:`_all_same`; only then are the pairs compared one by
-    one, with one host sync per device for their flags, to name the first that differs.
+    one, with one host sync per device for their flags. Nothing is described here: a fit usually
+    makes one check, and describing a difference (its count and size, :func:`describe_difference`)
+    runs kernels that check uses nowhere else, whose first use in a process is most of their cost
+    (``benchmarks/results/h200/check_first_use.json``); it is paid only for a message that needs it.
     """
     if _all_same(pairs):
         return None
@@ -289,13 +292,22 @@ def first_difference(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tenso
     for positions in by_device.values():
         for i, value in zip(positions, torch.stack([flags[i] for i in positions]).cpu().tolist()):
             host[i] = bool(value)
-    for (label, a, b), differs in zip(pairs, host):
-        if differs:
-            if a is None or b is None:
-                return f"{label} ({'the replay' if a is None else 'the eager step'} left none)"
-            mismatch = compare_tensors(label, a, b)
-            return str(mismatch) if mismatch is not None else label
-    return None
+    return next((i for i, differs in enumerate(host) if differs), None)
+
+
+def describe_difference(pair: tuple[str, torch.Tensor | None, torch.Tensor | None]) -> str:
+    """(label, replayed, eager) that differ, described: how many elements and by how much."""
+    label, a, b = pair
+    if a is None or b is None:
+        return f"{label} ({'the replay' if a is None else 'the eager step'} left none)"
+    mismatch = compare_tensors(label, a, b)
+    return str(mismatch) if mismatch is not None else label
+
+
+def first_difference(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> str | None:
+    """The first of (label, replayed, eager) whose tensors differ in any bit, described; None if none."""
+    i = first_differing(pairs)
+    return None if i is None else describe_difference(pairs[i])
 
 
 # Kernels that are not deterministic (atomics in scatter_add/index_add, some cuDNN backward algorithms)
@@ -336,7 +348,8 @@ def beyond_replay_spread(
         if not (replay.is_floating_point() or replay.is_complex()):
             # integers and bools have no rounding: any difference, between the replays or from the
             # eager step, is beyond it
-            differs = ((replay != eager).any() | (replay != again).any()).double()
+            # (the byte comparison's kernels, which the check has run already)
+            differs = torch.stack([_bits_differ(replay, eager), _bits_differ(replay, again)]).any()
             measured.append((label, differs, differs, differs, -1.0))  # the flag, read as such
             continue
         if replay.is_complex():
@@ -398,7 +411,7 @@ def _measured_differences(
         spreads = torch._foreach_norm(torch._foreach_sub(replays, [rows[i][2] for i in positions]), inf)
         scales = torch._foreach_norm(replays, inf)
         norms = torch.stack([torch.stack(gaps), torch.stack(spreads), torch.stack(scales)], dim=1)
-        for i, (gap, spread, scale) in zip(positions, norms.double().tolist()):
+        for i, (gap, spread, scale) in zip(positions, norms.tolist()):  # exact: floats of the dtype's values
             if all(map(math.isfinite, (gap, spread, scale))):
                 out[i] = [gap, spread, max(scale, tiny)]
                 continue

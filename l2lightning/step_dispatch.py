@@ -19,7 +19,8 @@ from l2lightning.replay_check import (
     PhaseClock,
     WrittenState,
     beyond_replay_spread,
-    first_difference,
+    describe_difference,
+    first_differing,
     named_written_state,
     step_tensors,
 )
@@ -229,16 +230,16 @@ class StepDispatch:
                 for i, r in enumerate(replayed_carried[carried.label])
             ]
         try:
-            difference = first_difference(pairs)
+            differing = first_differing(pairs)
         except torch.OutOfMemoryError:
             self._check_skipped_for_memory()
             return result
         clock.lap("compare")
         report.checks += 1
         report.reasons[self._check_why] = report.reasons.get(self._check_why, 0) + 1
-        if difference is not None:
+        if differing is not None:
             self._replay_differed(
-                difference, graph, written, saved, (targets, replayed), replayed_out, eager_out
+                pairs[differing], graph, written, saved, (targets, replayed), replayed_out, eager_out
             )
             clock.lap("judge")
         report.add_phases(clock.laps)
@@ -267,17 +268,18 @@ class StepDispatch:
         eager_now: list,
         after_eager: Any,
     ) -> tuple[str | None, str | None]:
-        """Replay once more from the checked step's state: (how the two replays differ, or None; what
-        of the eager step lies beyond the two replays' spread, or None)."""
+        """Replay once more from the checked step's state: (the first tensor in which the two replays
+        differ, or None; what of the eager step lies beyond the two replays' spread, or None)."""
         saved.restore()
         graph.graph.replay()
         targets, values = replayed
         again = [(w.label, a, b) for w, a, b in zip(written.written, values, targets)]
         now_out = dict(step_tensors(graph.output))
         again += [(label, t, now_out.get(label)) for label, t in replayed_out.items()]
-        unrepeatable = first_difference(again)
-        if unrepeatable is None:
+        first = first_differing(again)
+        if first is None:
             return None, None
+        unrepeatable = again[first][0]  # named only: its description's kernels are not worth their first use
         eager_copies = {id(live): copy for live, copy in after_eager.tensors}
         triples = [
             (w.label, r1, r2, eager_copies.get(id(e)) if e is not None else None)
@@ -288,7 +290,7 @@ class StepDispatch:
 
     def _replay_differed(
         self,
-        difference: str,
+        differing: tuple[str, Any, Any],
         graph: Any,
         written: WrittenState,
         saved: Any,
@@ -298,9 +300,14 @@ class StepDispatch:
     ) -> None:
         """A checked replay differed from its eager step (whose result stands): judge why, and act.
 
-        `replayed`: (the tensors the graph wrote, copies of what it wrote there); `eager_out`: the
-        eager step's loss and returned tensors by label."""
+        `differing`: the first (label, replayed, eager) that differs; `replayed`: (the tensors the graph
+        wrote, copies of what it wrote there); `eager_out`: the eager step's loss and returned tensors
+        by label."""
         report = self.replay_check
+        # Described only for a message that needs it (a mismatch): rounding, the common case, needs
+        # none. A gradient is described now, as the second replay below writes over the graph's.
+        in_pool = any(differing[1] is g for g in graph.grad_tensors)
+        difference = describe_difference(differing) if in_pool else None
         # Replayed once more from the same state: a graph that differs from itself holds kernels
         # that are not deterministic, whose eager step is judged against the two replays' spread.
         eager_now = written.current()
@@ -311,7 +318,10 @@ class StepDispatch:
             after_eager = None
         unrepeatable = beyond = None
         if after_eager is None:
-            difference += " (not judged against a second replay: its copies did not fit in the GPU's memory)"
+            difference = (
+                f"{difference or describe_difference(differing)} (not judged against a second replay: its "
+                "copies did not fit in the GPU's memory)"
+            )
         else:
             try:
                 unrepeatable, beyond = self._replayed_again(
@@ -331,6 +341,7 @@ class StepDispatch:
                 "`Trainer(deterministic=True)` makes them deterministic where PyTorch can",
             )
             return
+        difference = difference or describe_difference(differing)
         if beyond is not None:
             difference = f"{difference}; a second replay from the same state differs too, and {beyond} lies beyond the two replays' spread"
         report.mismatches += 1

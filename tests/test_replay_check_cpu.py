@@ -97,6 +97,12 @@ def test_first_difference_is_bitwise_and_names_the_first_tensor_that_differs():
     assert first_difference([("g", None, None)]) is None
     assert first_difference([("g", a, None)]) == "g (the eager step left none)"
     assert "shape/dtype" in first_difference([("w", a, a.double())])
+    # the position alone, without describing it (what a check of rounding needs)
+    from l2lightning.replay_check import first_differing
+
+    assert first_differing([("x", a, same), ("y", a, signed_zero), ("z", a, a + 1)]) == 1
+    assert first_differing([("x", a, same), ("g", None, None)]) is None
+    assert first_differing([("x", a, same), ("g", a, None)]) == 1
 
 
 def test_step_tensors_label_the_loss_and_the_returned_tensors():
