@@ -1274,9 +1274,25 @@ def _own_numbers(obj: Any) -> str:
     return repr(sorted(items, key=lambda kv: str(kv[0])))
 
 
+# _is_user_code's verdicts for functions, by their code's file name: a function's source file is a
+# function of that name alone, and every capture asks again for each method of the module's classes
+# (on the CPU a re-capture of a small module spent 0.1 s in these path lookups)
+_USER_FILES: dict[str, bool] = {}
+
+
 def _is_user_code(obj: Any) -> bool:
     """Whether a function or module comes from the user's own files: not from an installed package
     (site-packages, dist-packages), the standard library or l2lightning itself."""
+    code = getattr(obj, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return _judged_user_code(obj)
+    known = _USER_FILES.get(code.co_filename)
+    if known is None:
+        known = _USER_FILES[code.co_filename] = _judged_user_code(obj)
+    return known
+
+
+def _judged_user_code(obj: Any) -> bool:
     try:
         path = inspect.getsourcefile(obj) or ""
     except TypeError:
