@@ -153,6 +153,13 @@ class L2GraphCallback(
             step, of the captures after the fit's first with their tuning), ``l2/prefetch_layers``,
             ``l2/prefetch_mib`` and ``l2/fallback_steps`` through the Trainer's loggers on rank zero, once the first
             replays have finished on the device (read without a host sync), and at each epoch end.
+        recapture_wait: after a change that makes the graph stale (a value the step reads, the
+            optimizer's state), run the steps eagerly until they have cost, over replays, what the last
+            capture took (measured on the device: the eager step's and the replay's CUDA-event times),
+            and only then capture again, the wait doubled after each graph that did not pay for its
+            capture; so a value that changes every few steps costs no capture each time (the steps
+            waited are counted in ``summary()["fallback_steps"]``). False captures again at the next
+            step. CUDA only (elsewhere no step time is measured).
         eager_steps: ``(trainer, batch_idx) -> bool``; steps for which it returns True run eagerly
             (a periodic target-network sync, image logging, a print), and their effects flow into
             the next replay. Branches on ``self.global_step``/``current_epoch``/``batch_idx`` that
@@ -177,6 +184,9 @@ class L2GraphCallback(
     # Prefetch settings the whole-step gate judges: the tuner's plans. "default" and explicit plans are
     # what the user asked for, "decoy" is a control that benchmarks must see as it is.
     _GATED_MODES: tuple[str, ...] = ("auto",)
+    # devices whose step timings (CUDA events) decide when a re-capture pays for itself
+    # (StepDecision._capture_not_paid_for); tests on the graph emulator widen it
+    _RENTAL_DEVICES: tuple[str, ...] = ("cuda",)
 
     def __init__(
         self,
@@ -192,6 +202,7 @@ class L2GraphCallback(
         eager_steps: Callable[[Trainer, int], bool] | None = None,
         autotune: Any = None,
         gate_pairs: int = GATE_PAIRS,
+        recapture_wait: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
@@ -206,6 +217,7 @@ class L2GraphCallback(
             ("report", report),
             ("eager_optimizer_fallback", eager_optimizer_fallback),
             ("log_timing", log_timing),
+            ("recapture_wait", recapture_wait),
         ]:
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool (True or False), got {value!r}")
@@ -255,6 +267,7 @@ class L2GraphCallback(
         self.log_timing = log_timing
         self.eager_steps = eager_steps
         self.gate_pairs = gate_pairs
+        self.recapture_wait = recapture_wait
         self._reset_run_state()
         # Persisted through state_dict (chosen plans and capture step of the last run).
         self._resumed_capturable_from: int | None = None
@@ -315,6 +328,11 @@ class L2GraphCallback(
         self._in_step = False
         self._reissued: set[str] = set()
         self._recapture_streak = 0
+        # the wall seconds of the last capture (its tuning apart), and the replay time the eager steps
+        # since a change have forgone: a re-capture waits until the second reaches the first
+        self._last_capture_cost_s: float | None = None
+        self._rented_s = 0.0
+        self._rental_factor = 1  # doubled for each stale graph whose replays saved less than its capture cost
         # why the next step captures again after this one ran eagerly (new optimizer state to make eagerly)
         self._recapture_next: str | None = None
         self._other_branch: tuple[Any, int] = (None, 0)  # a branch key other than the graph's, and its run

@@ -181,7 +181,7 @@ def assert_captured_like_baseline(
     step after the first capture, bitwise the capturable baseline. `callbacks` makes the fit's other
     callbacks (each fit gets its own)."""
     base = fit(cls, callbacks(), baseline=True, **fit_kwargs)
-    cb = L2GraphCallback(prefetch="off")
+    cb = L2GraphCallback(prefetch="off", recapture_wait=False)  # captures counted
     with pytest.warns(UserWarning, match=warning) if warning else contextlib.nullcontext():
         run = fit(cls, [*callbacks(), cb], **fit_kwargs)
     summary = cb.summary()
@@ -807,7 +807,7 @@ def test_tf32_switched_on_for_an_epoch_is_captured_again_and_the_fit_is_the_base
     replays after the switch would have trained in full precision (and back)."""
     found = torch.backends.cuda.matmul.allow_tf32
     try:
-        cb = L2GraphCallback(prefetch="off")
+        cb = L2GraphCallback(prefetch="off", recapture_wait=False)  # captures counted
         with pytest.warns(UserWarning, match="numerics settings changed since capture"):
             run = fit(TinyMLP, [TF32FromEpochOne(), cb], steps=90)
         full = list(fit(TinyMLP, [], steps=90, baseline=True))
@@ -870,7 +870,7 @@ def test_a_backbone_unfrozen_mid_fit_is_captured_again_and_the_fit_is_bitwise_th
         return BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)
 
     base = fit(Finetuned, [unfreezing()], steps=90, baseline=True, fused=True, lr=1e-3)
-    cb = L2GraphCallback(prefetch="off")
+    cb = L2GraphCallback(prefetch="off", recapture_wait=False)  # captures counted
     run = fit(Finetuned, [unfreezing(), cb], steps=90, fused=True, lr=1e-3)
     summary = cb.summary()
     assert summary["captured"] and summary["captures"] == 2, summary
@@ -894,7 +894,7 @@ def test_code_beyond_the_steps_source_is_followed_and_the_fit_is_bitwise_the_bas
         "late-hook": (TinyMLP, {}, [late], 2),
     }[what]
     models.reset()
-    cb = L2GraphCallback(prefetch="off")
+    cb = L2GraphCallback(prefetch="off", recapture_wait=False)  # captures counted
     run = fit(cls, [*(c() for c in callbacks), cb], steps=90, **kwargs)
     got = list(models.SEEN)
     models.reset()
@@ -913,7 +913,7 @@ def test_code_beyond_the_steps_source_is_followed_and_the_fit_is_bitwise_the_bas
 def test_a_logged_number_a_replay_cannot_recompute_ends_the_capture_and_the_fit_is_bitwise_plain():
     """The capture step logs its own number; the steps after it run eagerly (replays would repeat it)."""
     plain = fit(LogsAnUnrecomputableNumber, [], steps=20, fused=True)
-    cb = L2GraphCallback(prefetch="off")
+    cb = L2GraphCallback(prefetch="off", recapture_wait=False)  # captures counted
     with pytest.warns(UserWarning, match="cannot recompute"):
         run = fit(LogsAnUnrecomputableNumber, [cb], steps=20, fused=True)
     assert "examples_seen" in cb.summary()["reason"] and cb.captures == 1, cb.summary()
@@ -1069,7 +1069,7 @@ def test_an_optimizer_state_tensor_moved_to_other_memory_is_made_eagerly_then_ca
     """Compared by identity alone before, the replays went on updating the old memory (silent on the
     CPU emulator: the losses left the plain fit's at step 14)."""
     base = fit(TinyMLP, [MovesAnAdamMomentAtStep12()], baseline=True, fused=True)
-    cb = L2GraphCallback(prefetch="off")
+    cb = L2GraphCallback(prefetch="off", recapture_wait=False)  # captures counted
     with pytest.warns(UserWarning, match="given other memory"):
         run = fit(TinyMLP, [MovesAnAdamMomentAtStep12(), cb], fused=True)
     summary = cb.summary()

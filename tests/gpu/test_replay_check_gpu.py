@@ -26,7 +26,7 @@ def test_a_stale_replay_the_checks_before_it_miss_is_caught_redone_and_captured_
     # the two per-replay checks that see the scale's memory move (its address, its value), off
     monkeypatch.setattr(python_state, "addresses", lambda checks: ())
     monkeypatch.setattr(StepSource, "changed_attribute_values", lambda self, *args: [])
-    cb = L2GraphCallback(prefetch="off", log_timing=False)
+    cb = L2GraphCallback(prefetch="off", log_timing=False, recapture_wait=False)  # captures counted
     with pytest.warns(UserWarning, match=r"a sampled replay check \(the first replay after an epoch start"):
         run = fit(ScalesByAPlainTensor, [MovesTheScaleEachEpoch(), cb], steps=60)
     base = fit(ScalesByAPlainTensor, [MovesTheScaleEachEpoch()], steps=60, baseline=True)

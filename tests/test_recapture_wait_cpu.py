@@ -1,0 +1,122 @@
+"""CPU (graph emulator): after a change that makes the graph stale, the step is captured again only
+once the eager steps since have cost what a capture costs (StepDecision._capture_not_paid_for).
+
+The emulator's step timings are host timings of emulated replays, so the wait runs on CUDA only;
+here the callback is told the device is one it waits on, and its measured costs are fixed: a capture
+costs 20 ms and a replay saves 4 ms over the eager step, so a capture pays for itself in 5 steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from l2lightning import L2GraphCallback, fit_report
+from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
+from tests.lightning_models import TinyMLP
+from tests.test_callback_replay_cpu import assert_same, baseline_of, fit
+
+pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
+
+CAPTURE_S = 0.02  # what each capture is said to cost
+EAGER_MS, REPLAY_MS = 5.0, 1.0  # so each eager step forgoes 4 ms
+
+
+class FixedCosts(L2GraphCallback):
+    """The callback with the device's measurements fixed (see the module docstring)."""
+
+    _RENTAL_DEVICES = ("cpu",)
+
+    @property
+    def _last_capture_cost_s(self):
+        return CAPTURE_S if self.captures else None
+
+    @_last_capture_cost_s.setter
+    def _last_capture_cost_s(self, value):
+        pass  # the wall time measured on the CPU is not what this test is about
+
+
+def fixed_costs(**kwargs):
+    return FixedCosts(prefetch="off", log_timing=False, check_share=1.0, **kwargs)
+
+
+@pytest.fixture
+def measured_steps(monkeypatch):
+    monkeypatch.setattr(fit_report._Timing, "eager_ms", lambda self: EAGER_MS)
+    monkeypatch.setattr(fit_report._Timing, "graph_ms", lambda self: REPLAY_MS)
+
+
+class EpochWeight(TinyMLP):
+    """A loss weight an epoch hook sets: the step is captured again when it changes."""
+
+    weight = 1.0
+    every = None  # change the weight every `every` steps instead of every epoch
+
+    def on_train_epoch_start(self):
+        if self.every is None:
+            self.weight = 1.0 + 0.5 * self.current_epoch
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.every is not None and self.global_step >= 8 and self.global_step % self.every == 0:
+            self.weight = 1.0 + 0.01 * self.global_step
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.weight
+
+
+class EveryThirdStep(EpochWeight):
+    every = 3
+
+
+EPOCHS = {"steps": -1, "n": 128, "trainer_kwargs": {"max_epochs": 3}}  # 16 steps an epoch
+
+
+@pytest.mark.usefixtures("measured_steps")
+def test_a_change_per_epoch_waits_five_eager_steps_then_captures_and_equals_the_baseline():
+    base = fit(baseline_of(EpochWeight), **EPOCHS)
+    cb = fixed_costs()
+    with pytest.warns(UserWarning, match=r"captured again .* once the eager steps since have cost"):
+        run = fit(EpochWeight, [cb], **EPOCHS)
+    summary = cb.summary()
+    # captured at step 3; the weight changes at steps 16 and 32, each followed by 5 eager steps
+    # (4 ms forgone each, 20 ms in all) and a capture at steps 21 and 37
+    assert summary["captures"] == 3 and summary["fallback_steps"] == 10, summary
+    assert_same(base, run)
+
+
+@pytest.mark.usefixtures("measured_steps")
+def test_a_value_changing_faster_than_a_capture_pays_waits_longer_each_time():
+    """Changed every 3 steps, no graph lives the 5 replays that pay for its capture: each wait is
+    twice the one before (10, 20, ... steps), so captures grow rarer, and the fit stays the baseline."""
+    kwargs = {"steps": 60}
+    base = fit(baseline_of(EveryThirdStep), **kwargs)
+    cb = fixed_costs()
+    run = fit(EveryThirdStep, [cb], **kwargs)
+    summary = cb.summary()
+    # capture at 3; change at 9: the first graph had 5 replays (4..8), paid: wait 5 (9..13), capture
+    # at 14; change at 15 after 0 replays: wait 10 (15..24), capture at 25; change at 27 after 1
+    # replay: wait 20 (27..46), capture at 47; change at 48: wait 40 (48..59, the fit ends)
+    assert summary["captures"] == 4, summary
+    assert summary["fallback_steps"] == 5 + 10 + 20 + 12, summary
+    assert_same(base, run)
+
+
+def test_without_device_timings_the_step_is_captured_again_at_once():
+    """Off the devices whose timings are measured (the CPU here), a change captures again at the next step."""
+    base = fit(baseline_of(EpochWeight), **EPOCHS)
+    cb = L2GraphCallback(prefetch="off", log_timing=False)
+    run = fit(EpochWeight, [cb], **EPOCHS)
+    assert cb.summary()["captures"] == 3 and cb.summary()["fallback_steps"] == 0, cb.summary()
+    assert_same(base, run)
+
+
+@pytest.mark.usefixtures("measured_steps")
+def test_recapture_wait_false_captures_again_at_the_next_step():
+    base = fit(baseline_of(EpochWeight), **EPOCHS)
+    cb = fixed_costs(recapture_wait=False)
+    run = fit(EpochWeight, [cb], **EPOCHS)
+    assert cb.summary()["captures"] == 3 and cb.summary()["fallback_steps"] == 0, cb.summary()
+    assert_same(base, run)
+
+
+def test_recapture_wait_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"`recapture_wait` must be a bool \(True or False\), got 'yes'"):
+        L2GraphCallback(recapture_wait="yes")
