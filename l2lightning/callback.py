@@ -294,6 +294,7 @@ class L2GraphCallback(
         # eager work beside the fit's steps that cannot put it back (the prefetch's dry run, the
         # capture's eager check) is off; the sampled check saves and puts it back
         self._hidden_random: str | None = None
+        self._disable_next: str | None = None  # why the next step trains eagerly for the rest of the fit
         self._verify_capture_off = False
         self._undo_cuda_state_watch: Callable[[], None] | None = None
         # the global step from which the optimizer ran make_capturable's configuration (first capture)
@@ -799,8 +800,18 @@ class L2GraphCallback(
         """`torch.cuda.NAME` set a CUDA generator's state. Between steps (a hook) the next replay is
         checked; inside a step it is the step's own (activation checkpointing's recomputation puts the
         forward's state back at every backward), which the step tracer judges."""
-        if not self._in_step:
-            self._check_schedule.after(f"a call of `torch.cuda.{name}`")
+        if self._in_step:
+            return
+        self._check_schedule.after(f"a call of `torch.cuda.{name}`")
+        if self._hidden_random is not None and not self._check_on and self._graph is not None:
+            # plain Lightning's next nn.LSTM/GRU call re-seeds cuDNN's dropout state after this; a replay
+            # never calls it, and without the sampled check no replay is compared: train eagerly
+            self._disable_next = (
+                f"`torch.cuda.{name}` was called between steps, after which cuDNN re-seeds its RNN dropout "
+                f"state at the next eager call ({self._hidden_random}), which a replay never makes; with "
+                f"verify={self.verify!r} no replay is compared with the eager step (verify='sampled' checks "
+                "the next replay and captures again)"
+            )
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

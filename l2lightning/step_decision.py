@@ -27,6 +27,9 @@ class StepDecision:
         """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture", "replay"."""
         if self.disabled_reason or self._pending is None or self._optimizer is None:
             return "eager"
+        if self._disable_next is not None:
+            self._disable(self._disable_next)
+            return "eager"
         trainer, module = self._trainer, self._module
         batch, batch_idx = self._pending
         if trainer.accumulate_grad_batches != 1:

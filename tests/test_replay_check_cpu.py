@@ -459,3 +459,38 @@ def test_the_multi_tensor_measurement_agrees_with_double_precision_per_tensor():
         assert gap == pytest.approx(float(_largest_difference(rd, ed)), rel=1e-2, abs=0), label
         assert spread == pytest.approx(float(_largest_difference(rd, ad)), rel=1e-2, abs=0), label
     assert measured[-3][0] == 0.5 and measured[-2][1] == float("inf")  # inf == inf; NaN against a number
+
+
+class SeedsAtStep10(pl.Callback):
+    """A hook that seeds CUDA between steps, in a fit whose step is said to draw from cuDNN's RNN
+    dropout state (the CPU has no cuDNN: the callback's record of such a draw is set by hand)."""
+
+    def __init__(self, graph_callback):
+        self.graph_callback = graph_callback
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 10:
+            self.graph_callback._hidden_random = "model.py:7 (`self.rnn(x, h)`)"
+            torch.cuda.manual_seed(1)
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+@pytest.mark.parametrize("verify", ["capture", False])
+def test_without_the_sampled_check_a_seed_between_steps_of_a_cudnn_dropout_fit_trains_eagerly(verify):
+    """Plain Lightning's next nn.LSTM call after a seed re-seeds cuDNN's dropout state; replays would
+    go on with the old one, unseen without the sampled check: the rest of the fit runs eagerly."""
+    base = fit(baseline_of(TinyMLP), steps=20)
+    cb = _callback(verify=verify)
+    with pytest.warns(UserWarning, match=r"`torch.cuda.manual_seed` was called between steps.*re-seeds"):
+        run = fit(TinyMLP, [SeedsAtStep10(cb), cb], steps=20)
+    summary = cb.summary()
+    assert "cuDNN re-seeds its RNN dropout state" in summary["reason"], summary
+    assert_same(base, run)
+    # with the sampled check the next replay is checked instead (tests above), and the fit goes on
+    cb = _callback()
+    fit(TinyMLP, [SeedsAtStep10(cb), cb], steps=20)
+    assert (
+        cb.summary()["reason"] is None
+        and "the first replay after a call of `torch.cuda.manual_seed`"
+        in (cb.summary()["replay_check"]["reasons"])
+    ), cb.summary()
