@@ -1276,7 +1276,8 @@ def _own_numbers(obj: Any) -> str:
 
 # _is_user_code's verdicts for functions, by their code's file name: a function's source file is a
 # function of that name alone, and every capture asks again for each method of the module's classes
-# (on the CPU a re-capture of a small module spent 0.1 s in these path lookups)
+# (a few file-system lookups each). Not a measured gain: a re-capture's host seconds on the CPU
+# emulator are the same with and without it (benchmarks/results/cpu-emulator/recapture_cost_cpu.json)
 _USER_FILES: dict[str, bool] = {}
 
 
