@@ -202,8 +202,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bytes, flat: two tensors of one dtype and shape are bit-identical iff their bytes are.
 
     Every dtype compared as bytes runs one kind of kernel for all of them. A fit usually makes one
-    check (the rest keep to the time share), and on the H200 that check's first use of each kind of
-    kernel (integer views of every width, bool, their joins) was most of its comparison's time.
+    check (the rest keep to the time share), and on the H200 a comparison's first run in a process
+    took 70 ms, its second 1.7 (``benchmarks/results/h200/check_first_use.json``): the kernels' first
+    use, which fewer kinds of kernel make shorter (the MLP stack's comparison 20 ms with integer views
+    of each width, 15 ms as bytes: ``replay_check_ab_before.csv``, ``replay_check.csv``).
     """
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -388,9 +390,10 @@ def _measured_differences(
     flag of any difference as its first tensor, and comes back as [flag, 0, 1].
 
     Per (device, dtype), three multi-tensor subtractions and norms in the tensors' own dtype and one
-    read: a check of kernels that are not deterministic judges every tensor of the step, and on the
-    H200 the double-precision pass per tensor (a dozen kernels each) this replaces made that judgment
-    most of the check's time. The difference of two nearby floats is exact (Sterbenz) and of far ones
+    read: a check of kernels that are not deterministic judges every tensor of the step. On the H200
+    the conv stack's judgment took 23 ms of its 44 ms check with a double-precision pass per tensor
+    (a dozen kernels each), 15 ms with this (``benchmarks/results/h200/replay_check_ab_before.csv``,
+    ``replay_check.csv``). The difference of two nearby floats is exact (Sterbenz) and of far ones
     within one rounding, either way well inside `SPREAD_FACTOR`; where a norm comes out NaN or
     infinite (a NaN or infinity in the values, an overflowing difference) that tensor is measured
     again exactly, in double precision.
