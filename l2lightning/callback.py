@@ -334,6 +334,7 @@ class L2GraphCallback(
         self._last_capture_cost_s: float | None = None
         self._rented_s = 0.0
         self._rental_factor = 1  # doubled for each stale graph whose replays saved less than its capture cost
+        self._replays_since_capture = 0  # replays of the current graph, checked ones included
         # why the next step captures again after this one ran eagerly (new optimizer state to make eagerly)
         self._recapture_next: str | None = None
         self._other_branch: tuple[Any, int] = (None, 0)  # a branch key other than the graph's, and its run

@@ -375,6 +375,7 @@ class StepCapture:
         else:
             self.capture_step = int(self._trainer.global_step)
             self._check_schedule.captured()  # the sampled check counts this capture's replays from 1
+            self._replays_since_capture = 0  # what the re-capture wait weighs against its cost
             self._start_gate(graph)
         self._captured = True
         self._groups = {}  # the traces and their host copies are not needed any more

@@ -177,6 +177,7 @@ class StepDecision:
                 "its capture chose)"
             )
         self._recapture_streak = 0
+        self._replays_since_capture += 1
         if self._check_on:
             started = self._fit_started_at
             elapsed = time.perf_counter() - started if started is not None else float("inf")
@@ -247,7 +248,7 @@ class StepDecision:
         if self._rented_s == 0.0:
             # the start of a wait: did the stale graph pay for its capture? Each one that did not
             # doubles the next wait, so captures that do not pay grow rarer and rarer
-            paid = self._check_schedule.replays * saved_per_step >= cost
+            paid = self._replays_since_capture * saved_per_step >= cost
             self._rental_factor = 1 if paid else self._rental_factor * 2
         target = cost * self._rental_factor
         if self._rented_s >= target:

@@ -120,3 +120,16 @@ def test_recapture_wait_false_captures_again_at_the_next_step():
 def test_recapture_wait_must_be_a_bool():
     with pytest.raises(TypeError, match=r"`recapture_wait` must be a bool \(True or False\), got 'yes'"):
         L2GraphCallback(recapture_wait="yes")
+
+
+@pytest.mark.usefixtures("measured_steps")
+@pytest.mark.parametrize("verify", ["capture", False])
+def test_the_wait_counts_replays_without_the_sampled_check_too(verify):
+    """Whether a stale graph paid for its capture is read from its replays, not from the sampled
+    check's schedule: without the check the waits are the same as with it."""
+    base = fit(baseline_of(EpochWeight), **EPOCHS)
+    cb = FixedCosts(prefetch="off", log_timing=False, verify=verify)
+    run = fit(EpochWeight, [cb], **EPOCHS)
+    summary = cb.summary()
+    assert summary["captures"] == 3 and summary["fallback_steps"] == 10, summary
+    assert_same(base, run)
