@@ -163,7 +163,10 @@ class WarmupSteps:
         if self._optimizer is not None:
             for state in self._optimizer.optimizer.state.values():
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+        # a sparse tensor (SGD's momentum for an nn.Embedding(sparse=True)) has no storage of its own:
+        # its values and indices have
+        dense = [p for t in tensors for p in ((t._values(), t._indices()) if t.is_sparse else (t,))]
+        return frozenset(t.untyped_storage().data_ptr() for t in dense)
 
     def _run_traced(self, tracer: StepTracer, closure: Any) -> Any:
         """Lightning's closure under `tracer` (the captured hooks and ``self.log`` consult it)."""
@@ -240,6 +243,17 @@ class WarmupSteps:
         self, group: _Group, trace: StepTrace, updated: list[str], python_changed: list[str]
     ) -> None:
         """Compare a traced step with its group; refuse (before the update) what can never be replayed."""
+        sparse = [
+            name for name, p in self._module.named_parameters() if p.grad is not None and p.grad.is_sparse
+        ]
+        if sparse:
+            # torch's optimizers take sparse gradients on paths of their own (coalescing reads sizes on
+            # the host), and a graph holds a sparse gradient's nonzeros as of the capture
+            self._disable(
+                f"parameters with sparse gradients ({_names(sparse)}: `nn.Embedding(sparse=True)` or "
+                "`nn.EmbeddingBag(sparse=True)`) are not captured; dense gradients (`sparse=False`) are"
+            )
+            return
         if trace.hidden_random and self._hidden_random is None:
             self._hidden_random = describe_frame(trace.hidden_random[0])
         metrics = dict(named_metrics(self._module))
@@ -339,6 +353,12 @@ class WarmupSteps:
             return False
         self._eager_hooks.add(hook)
         return True
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    """The first `shown` of `names` in backticks, and how many there are in all when that is more."""
+    listed = ", ".join(f"`{name}`" for name in names[:shown])
+    return listed if len(names) <= shown else f"{listed}, ... ({len(names)} in all)"
 
 
 def _baked_schedule_advice(changed: list[str]) -> str:

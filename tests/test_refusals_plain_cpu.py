@@ -76,3 +76,41 @@ def test_without_the_switch_at_capture_the_refused_foreach_fit_would_differ(monk
         run = fit(CountsItsSteps, [callback()], steps=20)
     with pytest.raises(AssertionError, match="differs"):
         assert_same(plain, run)
+
+
+class SparseEmbedding(TinyMLP):
+    """An `nn.Embedding(sparse=True)` (DLRM-style tables) beside the MLP; `kind` its optimizer."""
+
+    kind = "sgd"
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.emb = torch.nn.Embedding(10, 32, sparse=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        rows = (x[:, 0].abs() * 3).long().clamp(0, 9)
+        return super().training_step((x + self.emb(rows), y), batch_idx)
+
+    def configure_optimizers(self):
+        if self.kind == "adagrad":
+            return torch.optim.Adagrad(self.parameters(), lr=0.05)
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1)]
+
+
+class SparseEmbeddingAdagrad(SparseEmbedding):
+    kind = "adagrad"
+
+
+@pytest.mark.parametrize("cls", [SparseEmbedding, SparseEmbeddingAdagrad], ids=["sgd-momentum", "adagrad"])
+def test_sparse_gradients_are_refused_by_name_and_the_fit_is_plain(cls):
+    """The fit used to stop (a sparse momentum buffer has no storage); now it is refused at its first
+    traced step, before that step's update, and trains as plain Lightning does."""
+    kwargs = {"steps": -1, "n": 64, "trainer_kwargs": {"max_epochs": 3}}
+    plain = fit(cls, **kwargs)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"parameters with sparse gradients \(`emb.weight`"):
+        run = fit(cls, [cb], **kwargs)
+    assert not cb.summary()["captured"] and cb.captures == 0, cb.summary()
+    assert_same(plain, run)
