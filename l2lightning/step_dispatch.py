@@ -67,8 +67,8 @@ class StepDispatch:
                 return self._capture_step(run, closure, kwargs)
             finally:  # the tuning inside it is counted apart
                 elapsed = time.perf_counter() - started
-                self._cost_s["capture_s"] += elapsed - (self._cost_s["tuning_s"] - tuned)
                 self._last_capture_cost_s = elapsed - (self._cost_s["tuning_s"] - tuned)
+                self._cost_s["capture_s"] += self._last_capture_cost_s
                 if again:
                     self._cost_s["recapture_s"] += elapsed  # its tuning included
         self._mode = "eager"

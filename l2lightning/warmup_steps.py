@@ -21,6 +21,7 @@ from l2lightning.metric_binding import (
     update_counts,
     updated_between,
 )
+from l2lightning.step_decision import _first_names
 from l2lightning.step_trace import (
     StepTrace,
     StepTracer,
@@ -163,8 +164,9 @@ class WarmupSteps:
         if self._optimizer is not None:
             for state in self._optimizer.optimizer.state.values():
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        # a sparse tensor (SGD's momentum for an nn.Embedding(sparse=True)) has no storage of its own:
-        # its values and indices have
+        # a sparse tensor has no storage of its own, its values and indices have: SGD's momentum for an
+        # nn.Embedding(sparse=True) in a fit resumed from a checkpoint, read here before the first
+        # traced step refuses sparse gradients (_judge_trace)
         dense = [p for t in tensors for p in ((t._values(), t._indices()) if t.is_sparse else (t,))]
         return frozenset(t.untyped_storage().data_ptr() for t in dense)
 
@@ -250,7 +252,8 @@ class WarmupSteps:
             # torch's optimizers take sparse gradients on paths of their own (coalescing reads sizes on
             # the host), and a graph holds a sparse gradient's nonzeros as of the capture
             self._disable(
-                f"parameters with sparse gradients ({_names(sparse)}: `nn.Embedding(sparse=True)` or "
+                f"parameters with sparse gradients ({_first_names([f'`{n}`' for n in sparse], 3)}: "
+                "`nn.Embedding(sparse=True)` or "
                 "`nn.EmbeddingBag(sparse=True)`) are not captured; dense gradients (`sparse=False`) are"
             )
             return
@@ -353,12 +356,6 @@ class WarmupSteps:
             return False
         self._eager_hooks.add(hook)
         return True
-
-
-def _names(names: list[str], shown: int = 3) -> str:
-    """The first `shown` of `names` in backticks, and how many there are in all when that is more."""
-    listed = ", ".join(f"`{name}`" for name in names[:shown])
-    return listed if len(names) <= shown else f"{listed}, ... ({len(names)} in all)"
 
 
 def _baked_schedule_advice(changed: list[str]) -> str:
