@@ -329,9 +329,14 @@ class L2GraphCallback(
         self._in_step = False
         self._reissued: set[str] = set()
         self._recapture_streak = 0
-        # the wall seconds of the last capture (its tuning apart), and the replay time the eager steps
-        # since a change have forgone: a re-capture waits until the second reaches the first
+        # the wall seconds of the last capture (its tuning and what only a first capture spends apart),
+        # and the replay time the eager steps since a change have forgone: a re-capture waits until the
+        # second reaches the first
         self._last_capture_cost_s: float | None = None
+        self._capture_once_s = 0.0  # of the capture under way: what a later capture does not repeat
+        self._recaptures = 0  # captures after the fit's first (the gate's second capture included)
+        self._last_recapture_s: float | None = None  # the wall seconds of the last of them
+        self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
         self._rented_s = 0.0
         self._rental_factor = 1  # doubled for each stale graph whose replays saved less than its capture cost
         self._replays_since_capture = 0  # replays of the current graph, checked ones included
@@ -422,6 +427,9 @@ class L2GraphCallback(
             "prefetch_gate": self._gate_result.to_dict() if self._gate_result is not None else None,
             # wall seconds to the microsecond (a tuning that gives up at once is not 0)
             **{key: round(value, 6) for key, value in self._cost_s.items()},
+            "recaptures": self._recaptures,
+            "last_recapture_s": None if self._last_recapture_s is None else round(self._last_recapture_s, 6),
+            "recapture_wait_steps": self._waited_steps,
             "tuning": self._tuning_report.to_dict() if self._tuning_report is not None else None,
             "step_report": self.step_report.to_dict() if self.step_report is not None else None,
         }

@@ -86,6 +86,10 @@ class PrefetchSetup:
         if self._hooks is not None:
             self._tuning_report = self._hooks.tuning_report
             self.plans = self._hooks.plan_summary()
+        else:
+            # No prefetch here (no kernel to launch: no CuPy, no CUDA): a re-capture does not try
+            # again, which would save and put back the module's and the optimizer's state for nothing
+            self._prefetch_failed = True
 
     def _prefetch_hooks(self, pl_module: LightningModule) -> Any:
         if self.prefetch == "off":

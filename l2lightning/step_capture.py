@@ -7,6 +7,8 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 from __future__ import annotations
 
 import copy
+import gc
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -454,9 +456,23 @@ class StepCapture:
             # subtracted from the pool's size, which read 64 MiB (the graph's two workspaces) short
             # on the H200 whenever no tuning had released them first.
             clear_cublas_workspaces()
-            # Collected too: a dead autograd graph in a reference cycle keeps AccumulateGrad nodes
-            # bound to another stream, which would break the capture.
-            free_cached_memory()
+            if self.captures == 0:
+                # Collected too: a dead autograd graph in a reference cycle keeps AccumulateGrad nodes
+                # bound to another stream, which would break the capture.
+                collecting = time.perf_counter()
+                free_cached_memory()
+                self._capture_once_s += time.perf_counter() - collecting
+            else:
+                # A capture after the fit's first collects the young generations only. The full
+                # collection was most of a re-capture: 0.31-0.33 s of 0.34-0.37 s on the H200, whose
+                # capture itself took 0.02 s (benchmarks/results/h200/recapture_phases_before.json).
+                # What it was for is done by then: every step since the fit's start ran on this
+                # capture's stream (_on_step_stream), so no AccumulateGrad node of a step's autograd
+                # graph is bound to another, and the graph this one replaces died by reference count
+                # when _capture_graph_step dropped it, its pool with it
+                # (tests/test_recapture_cost_cpu.py), before the cache release below.
+                gc.collect(1)
+                torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved()
         caught: list = []
         try:

@@ -18,6 +18,8 @@ from l2lightning.step_values import addresses
 RECAPTURE_STREAK_LIMIT = 3
 # Steps on one other branch in a row after which that branch is captured in place of the current one
 BRANCH_SWITCH_STEPS = 3
+# The cause a waiting step counts under in summary()["fallback_causes"]
+WAIT_CAUSE = "waiting to capture again until the eager steps have cost what a capture costs"
 
 
 class StepDecision:
@@ -71,10 +73,12 @@ class StepDecision:
             if problem:
                 self._fall_back(f"the carried state {problem}")
                 return "eager"
-        flags = self._module_flags()
         if self._recapture_next:
+            # before the rest of the checks: a waiting step (StepDecision._capture_not_paid_for) runs
+            # eagerly whatever they find, and the capture that ends the wait reads everything anew
             cause, self._recapture_next = self._recapture_next, None
             return self._recapture(cause)
+        flags = self._module_flags()
         replaced = self._optimizer.state_replaced()
         if replaced:
             # the graph updates the old state tensors: this step makes the new state eagerly
@@ -203,15 +207,12 @@ class StepDecision:
         return "replay"
 
     def _recapture(self, cause: str) -> str:
-        wait = self._capture_not_paid_for(cause)
-        if wait is not None:
+        if self._capture_not_paid_for(cause):
             # The graph is stale and stays unused (the cause is kept, so it never replays again):
             # these steps run eagerly, as a plain step does, until they have cost what a capture costs.
             self._recapture_next = cause
-            self._count_fallback(
-                "waiting to capture again until the eager steps have cost what a capture costs"
-            )
-            self._warn_once("recapture-wait", wait)
+            self._waited_steps += 1
+            self._count_fallback(WAIT_CAUSE)
             return "eager"
         self._recapture_streak += 1
         if self._recapture_streak >= RECAPTURE_STREAK_LIMIT:
@@ -222,8 +223,8 @@ class StepDecision:
         self._warn_once(f"recapture:{cause.split(' ')[0]}", f"capturing the step again: {cause}.")
         return "capture"
 
-    def _capture_not_paid_for(self, cause: str) -> str | None:
-        """Why this step runs eagerly instead of capturing again (a message), or None to capture now.
+    def _capture_not_paid_for(self, cause: str) -> bool:
+        """Whether this step runs eagerly instead of capturing again (warned once per fit), or False to capture now.
 
         A capture costs the fit its wall time; each replay saves the eager step's time less the
         replay's. A value that changes every few steps (a loss weight an epoch hook sets over short
@@ -231,37 +232,53 @@ class StepDecision:
         idiom: 0.32x on the H200, ``benchmarks/results/h200/idioms_sgd_gradnorm_recapture.csv``). So,
         as one rents skis until the rent paid equals the price: after a change the steps run eagerly
         until what they cost over replays (the measured eager step less the measured replay, per
-        step) adds up to what the last capture took, and only then is the step captured again. A
-        value that changes sooner costs no capture; one that stays costs at most one capture's time
-        more than capturing at once. Only where both step times are measured on the device (CUDA
-        events of warm-up steps and replays): without them the step is captured again at once.
+        step) adds up to what the last capture took (of the fit's first capture, what a later one
+        repeats: StepDispatch._eager_modes leaves out its full garbage collection), and only then is
+        the step captured again. A value that changes sooner costs no capture; one that stays costs
+        at most one capture's time more than capturing at once. Only where both step times are
+        measured on the device (CUDA events of warm-up steps and replays): without them the step is
+        captured again at once.
         """
-        if not self.recapture_wait or self.captures == 0 or self._device_type() not in self._RENTAL_DEVICES:
-            return None
+        if not self.recapture_wait or self.captures == 0:
+            return False
+        if self._rented_s > 0.0:
+            # A step of a wait under way: its saving per step was fixed at the wait's start (the
+            # step times it reads do not change while no graph replays), so a waiting step does
+            # no more than a plain step's bookkeeping (benchmarks/recapture_phases.py).
+            if self._rented_s >= self._rent_target_s:
+                self._rented_s = 0.0
+                return False
+            self._rented_s += self._rent_per_step_s
+            return True
+        if self._device_type() not in self._RENTAL_DEVICES:
+            return False
         cost = self._last_capture_cost_s
         eager_ms, graph_ms = self._timing.eager_ms(), self._timing.graph_ms()
         if cost is None or eager_ms is None or graph_ms is None:
-            return None
+            return False
         saved_per_step = (eager_ms - graph_ms) / 1000.0
         if saved_per_step <= 0:
-            return None  # no graph has shown a gain here: capturing at once changes nothing to the cost
-        if self._rented_s == 0.0:
-            # the start of a wait: did the stale graph pay for its capture? Each one that did not
-            # doubles the next wait, so captures that do not pay grow rarer and rarer
-            paid = self._replays_since_capture * saved_per_step >= cost
-            self._rental_factor = 1 if paid else self._rental_factor * 2
+            return False  # no graph has shown a gain here: capturing at once changes nothing to the cost
+        # the start of a wait: did the stale graph pay for its capture? Each one that did not
+        # doubles the next wait, so captures that do not pay grow rarer and rarer
+        paid = self._replays_since_capture * saved_per_step >= cost
+        self._rental_factor = 1 if paid else self._rental_factor * 2
         target = cost * self._rental_factor
-        if self._rented_s >= target:
-            self._rented_s = 0.0
-            return None
-        self._rented_s += saved_per_step
-        return (
+        if target <= 0.0:
+            return False
+        self._rent_target_s, self._rent_per_step_s = target, saved_per_step
+        self._rented_s = saved_per_step
+        if "recapture-wait" in self._warned:
+            return True
+        self._warn_once(
+            "recapture-wait",
             f"the step will be captured again ({cause}) once the eager steps since have cost about what a "
             f"capture costs ({target:.3f} s, at {saved_per_step * 1000:.2f} ms per step: about "
             f"{max(1, round(target / saved_per_step))} steps, twice as many after each graph that did not pay "
             "for its capture); until then it runs eagerly, so that a value that changes every few steps costs no "
-            "capture each time (counted in `summary()['fallback_steps']`)"
+            "capture each time (counted in `summary()['fallback_steps']` and `['recapture_wait_steps']`)",
         )
+        return True
 
     def _module_flags(self) -> tuple:
         if self._flags is None:

@@ -79,6 +79,7 @@ def test_a_change_per_epoch_waits_five_eager_steps_then_captures_and_equals_the_
     # captured at step 3; the weight changes at steps 16 and 32, each followed by 5 eager steps
     # (4 ms forgone each, 20 ms in all) and a capture at steps 21 and 37
     assert summary["captures"] == 3 and summary["fallback_steps"] == 10, summary
+    assert summary["recapture_wait_steps"] == 10 and summary["recaptures"] == 2, summary
     assert_same(base, run)
 
 
