@@ -13,7 +13,9 @@ One step of automatic optimization goes ``optimizer_step`` hook -> ``LightningOp
 ``training_step``, ``on_before_zero_grad``/``optimizer_zero_grad``, ``backward`` with its hooks,
 ``on_before_optimizer_step`` and gradient clipping. The callback works at ``optimizer.step``, so a
 user's ``optimizer_step`` override (an LR warm-up setting ``pg["lr"]``) runs in Python every step,
-around whatever the step does:
+around whatever the step does. (Under ``precision="16-mixed"`` Lightning's precision plugin runs the
+closure itself, then the GradScaler's step and update: there the callback works one level up, at
+the plugin's ``optimizer_step``, with a fused optimizer; :mod:`l2lightning.amp_step`.) Each step:
 
 * warm-up steps run eagerly and are traced (:mod:`l2lightning.step_trace`): two steps that run
   different ops or host values, host syncs, host tensors that change, list-state metrics are
@@ -50,6 +52,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason
+from l2lightning.amp_step import ScaledStep, grad_scaler_of, run_through, scaled_step_refusal, unfused_refusal
 from l2lightning.batch_reads import BatchReads, batch_reads
 from l2lightning.called_code import analyse_called_code
 from l2lightning.capture import StaticBatch
@@ -187,6 +190,9 @@ class L2GraphCallback(
     # devices whose step timings (CUDA events) decide when a re-capture pays for itself
     # (StepDecision._capture_not_paid_for); tests on the graph emulator widen it
     _RENTAL_DEVICES: tuple[str, ...] = ("cuda",)
+    # under a GradScaler (16-mixed), the precision plugin's optimizer_step the fit's steps go through
+    # (set at the training start, removed at clean-up; a class default, for a clean-up before any set-up)
+    _scaled: ScaledStep | None = None
 
     def __init__(
         self,
@@ -514,10 +520,9 @@ class L2GraphCallback(
             )
         if trainer.accumulate_grad_batches != 1:
             return f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}) is not captured"
-        precision = str(trainer.precision)
-        if precision in ("16-mixed", "16"):
-            return f"precision={precision!r} uses a GradScaler whose step syncs with the host; use 'bf16-mixed' or 'bf16-true'"
-        return None
+        # 16-mixed: Lightning's GradScaler step is captured around a fused optimizer (l2lightning.amp_step;
+        # whether the optimizer is fused is known at the training start, once it is configured)
+        return scaled_step_refusal(trainer.precision_plugin)
 
     # ------------------------------------------------------------------ set-up and clean-up
     @override
@@ -525,6 +530,7 @@ class L2GraphCallback(
         if stage != "fit":
             return
         self._reset_run_state()
+        self._scaled = None
         strategy = type(trainer.strategy).__name__
         if strategy in UNSUPPORTED_STRATEGIES:
             raise ValueError(
@@ -606,6 +612,9 @@ class L2GraphCallback(
             self._hooks.remove()
             self._hooks = None
         self._release_optimizer(fit_ends=True)
+        if self._scaled is not None:
+            self._scaled.uninstall()
+            self._scaled = None
         self._graph = None
         self._gate = None
         self._gate_turn = None
@@ -700,6 +709,12 @@ class L2GraphCallback(
             )
             return
         optimizer = trainer.optimizers[0]
+        scaler = grad_scaler_of(trainer.precision_plugin)
+        if scaler is not None:
+            reason = unfused_refusal(optimizer, str(trainer.precision), scaler)
+            if reason:
+                self._disable(reason)
+                return
         existing = installed_capturable(optimizer)
         try:
             # the user's configuration until the capture step (StepCapture switches it on there)
@@ -714,7 +729,20 @@ class L2GraphCallback(
             return
         self._optimizer = wrapped
         self._owns_optimizer = existing is None
-        wrapped.handler = self._step
+        if scaler is None:
+            wrapped.handler = self._step
+        else:
+            # the whole step (closure, scaler.step, scaler.update) is handled at the precision plugin;
+            # the optimizer's step inside it runs as it is
+            self._scaled = ScaledStep(
+                trainer.precision_plugin,
+                optimizer,
+                self._scaled_step,
+                active=lambda: self._optimizer is not None,
+                undone=lambda: self._mode == "verify",
+            )
+            self._scaled.install()
+            wrapped.handler = run_through
         resumed, self._resumed_capturable_from = self._resumed_capturable_from, None
         if resumed is not None and trainer.global_step >= resumed:
             wrapped.switch_on()  # resumed after the capture step: the configuration the fit had there
@@ -740,6 +768,25 @@ class L2GraphCallback(
                 "and the steps your `eager_steps` selects run eagerly: it must select every step that takes "
                 "the other branch",
             )
+
+    def _scaled_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """The step under a GradScaler (:class:`~l2lightning.amp_step.ScaledStep`'s handler): the
+        callback's step, with what the graph holds of the scaler kept in view."""
+        scaled = self._scaled
+        if self._graph is not None and self._recapture_next is None:
+            changes = scaled.baked_changes()
+            if changes:
+                self._recapture_next = (
+                    f"the GradScaler's {', '.join(changes)} since capture (baked into the graph)"
+                )
+        captures = self.captures
+        result = self._step(run, closure, kwargs)
+        if self.captures != captures and self._graph is not None:
+            # written by scaler.update, outside the closure the step tracer sees: the sampled replay
+            # check saves, puts back and compares them with the rest of what the step writes
+            self._graph.external_writes += scaled.written()
+            scaled.mark_captured()
+        return result
 
     # ------------------------------------------------------------------ per-step decision
     @override

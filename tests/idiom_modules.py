@@ -1504,6 +1504,27 @@ class DLRMAdagrad(DLRMInteraction):
         return torch.optim.Adagrad(self.parameters(), lr=0.01)
 
 
+class FP16FusedAdamW(LightningModule):
+    """``Trainer(precision="16-mixed")`` with ``torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)``,
+    as Lightning's precision docs write it: the forward under fp16 autocast, and a GradScaler whose
+    unscale, inf check and skip run inside the fused step, its scale update on the device after it."""
+
+    def __init__(self, dim: int = 64, hidden: int = 256) -> None:
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.model(x).squeeze(-1), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+
 _reg_loader = functools.partial(_regression_loader, n=640, dim=64, batch_size=32, seed=21)
 
 IDIOM_VARIANTS: dict[str, Idiom] = {
@@ -1596,6 +1617,15 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             "capture",
             "on a GPU torchmetrics picks sigmoid or not for logits with torch.where, and the binned AUROC "
             "counts with bincount: neither waits for the host inside the graph",
+        ),
+        Idiom(
+            "fp16_fused_adamw",
+            FP16FusedAdamW,
+            _reg_loader,
+            "capture",
+            "16-mixed's GradScaler with a fused AdamW: unscale, inf check, skip and scale update run on the "
+            "device, inside the graph (on the CPU Lightning needs its plugin passed for fp16)",
+            trainer_kwargs=_steps(precision="16-mixed"),
         ),
     ]
 }
