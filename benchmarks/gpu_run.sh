@@ -34,7 +34,7 @@
 #   probe         benchmarks/probe_capture_idioms.py: cuDNN RNNs with carried state, checkpointed dropout and
 #                 fp16 GradScaler with fused AdamW under torch.cuda.graph, bitwise -> probe_capture_idioms.json
 #   check-first-use  benchmarks/probe_check_first_use.py --breakdown: the check's comparison timed on its first three runs
-#                 in a fresh process per model and comparison path (host, device), and the device path operation by operation -> check_first_use.json
+#                 in a fresh process per model and comparison path (joins of 64 or 4 MiB), and the device path operation by operation -> check_first_use.json
 #   replay-check[=ARGS]  benchmarks/bench_replay_check.py with ARGS (as host-overhead's): the sampled replay
 #                 check's cost per packaged family, on vs off -> replay_check.csv / replay_check.json
 # Wheels in .whl/ (an offline machine's dependencies) are installed to /tmp/site first when present.

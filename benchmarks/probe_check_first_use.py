@@ -7,10 +7,9 @@ then times three times each on that model's tensors (parameters, gradients, buff
 the bitwise comparison of equal tensors (``replay_check.first_differing``), of tensors one of which
 differs, and the judgment against two replays' spread (``beyond_replay_spread``). The paths:
 
-- ``host``: the tensors copied to the host and compared there (``host_copies``; the default for a
-  check whose tensors hold at most ``replay_check.HOST_BYTES``);
-- ``device``: joined and compared on the GPU (the default above that);
-- ``device-4mib``: the same with joins of at most 4 MiB a side instead of 64.
+- ``device``: the bytes joined in batches of at most 64 MiB a side and compared on the GPU (the
+  check's own);
+- ``device-4mib``: the same with joins of at most 4 MiB a side.
 
 A first call far above the second is the cost of the first use in the process (kernels, memory),
 not of the work. ``--breakdown`` adds a process that times each operation of the device path on the
@@ -33,7 +32,7 @@ import torch
 
 MODELS = ("conv_stack", "mlp_stack")
 DEVICE = "cuda"  # --device cpu runs the probe's code paths without a GPU (its times mean nothing)
-PATHS = ("host", "device", "device-4mib")
+PATHS = ("device", "device-4mib")
 
 
 def _sync() -> None:
@@ -80,7 +79,6 @@ def _one(model_name: str, path: str) -> dict:
     from l2lightning import replay_check
 
     tensors = _trained_tensors(model_name)
-    host_bytes = 2**62 if path == "host" else -1
     if path == "device-4mib":
         replay_check._JOINED_BYTES = 4 * 2**20
     same = [(f"t{i}", t, t.clone()) for i, t in enumerate(tensors)]
@@ -90,9 +88,9 @@ def _one(model_name: str, path: str) -> dict:
     triples = [(f"t{i}", t, t.clone(), n) for i, (t, n) in enumerate(zip(tensors, nudged))]
     rows = {}
     for name, fn in (
-        ("equal_first_differing", lambda: replay_check.first_differing(same, host_bytes)),
-        ("differing_first_differing", lambda: replay_check.first_differing(differ, host_bytes)),
-        ("beyond_replay_spread", lambda: replay_check.beyond_replay_spread(triples, host_bytes)),
+        ("equal_first_differing", lambda: replay_check.first_differing(same)),
+        ("differing_first_differing", lambda: replay_check.first_differing(differ)),
+        ("beyond_replay_spread", lambda: replay_check.beyond_replay_spread(triples)),
     ):
         rows[name] = {"first_ms": _timed(fn), "second_ms": _timed(fn), "third_ms": _timed(fn)}
     return {
