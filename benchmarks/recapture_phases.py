@@ -103,6 +103,29 @@ class _Phases:
         return _Open()
 
 
+def _step_times(device: str):
+    """A callback recording each training batch's wall seconds, from ``on_train_batch_start`` to
+    ``on_train_batch_end``, the GPU idle at both ends (a `device` other than "cpu")."""
+    import torch
+    from lightning.pytorch import Callback
+
+    class StepTimes(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, *args) -> None:
+            if device != "cpu":
+                torch.cuda.synchronize()
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, *args) -> None:
+            if device != "cpu":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.started)
+
+    return StepTimes()
+
+
 def _emulate(setattr_undone, device: str) -> None:
     if device != "cpu":
         return
@@ -122,8 +145,7 @@ def _trainer_kwargs(idiom, device: str) -> dict:
 
 def _captures_fit(name: str, device: str) -> dict:
     """One fit with `recapture_wait=False`: every capture's phases, the warm-up steps' times."""
-    import torch
-    from lightning.pytorch import Callback, seed_everything
+    from lightning.pytorch import seed_everything
 
     from l2lightning import L2GraphCallback, step_capture, step_dispatch, warmup_steps
     from tests.idiom_modules import IDIOM_VARIANTS
@@ -181,20 +203,6 @@ def _captures_fit(name: str, device: str) -> dict:
     ]:
         phases.wrap(owner, attr, phase, undo)
 
-    class StepTimes(Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, *args) -> None:
-            if device != "cpu":
-                torch.cuda.synchronize()
-            self.started = time.perf_counter()
-
-        def on_train_batch_end(self, *args) -> None:
-            if device != "cpu":
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self.started)
-
     modes: list[str] = []
     eager_modes = step_dispatch.StepDispatch._eager_modes
 
@@ -209,7 +217,7 @@ def _captures_fit(name: str, device: str) -> dict:
         seed_everything(0, verbose=False)
         module = idiom.make_module()
         cb = L2GraphCallback(recapture_wait=False, log_timing=False)
-        times = StepTimes()
+        times = _step_times(device)
         trainer = quiet_trainer(callbacks=[times, cb], **_trainer_kwargs(idiom, device))
         trainer.fit(module, idiom.make_loader())
         s = cb.summary()
@@ -249,8 +257,7 @@ def _captures_fit(name: str, device: str) -> dict:
 
 def _wait_fit(name: str, device: str, variant: str) -> dict:
     """`plain`, `baseline` (CapturableFrom at the callback's capture step) or `wait`: per-step times."""
-    import torch
-    from lightning.pytorch import Callback, seed_everything
+    from lightning.pytorch import seed_everything
 
     from l2lightning import L2GraphCallback, fit_report
     from tests.idiom_modules import IDIOM_VARIANTS
@@ -264,20 +271,6 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
 
     _emulate(setattr_undone, device)
     pieces: dict[str, list[float]] = defaultdict(list)
-
-    class StepTimes(Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, *args) -> None:
-            if device != "cpu":
-                torch.cuda.synchronize()
-            self.started = time.perf_counter()
-
-        def on_train_batch_end(self, *args) -> None:
-            if device != "cpu":
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self.started)
 
     class Waiting(L2GraphCallback):
         """The callback that waits out the rest of the fit after the change."""
@@ -312,7 +305,7 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
         idiom = IDIOM_VARIANTS[name]
         seed_everything(0, verbose=False)
         module = idiom.make_module()
-        times = StepTimes()
+        times = _step_times(device)
         callbacks: list = [times]
         cb = None
         if variant == "wait":
