@@ -59,6 +59,13 @@ from l2lightning.capture import StaticBatch
 from l2lightning.fit_report import FitReport, _NoPhaseEvents, _Timing
 from l2lightning.grad_norm_reads import GradNormNames
 from l2lightning.log_replay import ReissuedLog
+from l2lightning.manual_step import (
+    ManualStep,
+    manual_refusal,
+    manual_source_refusal,
+    manual_start_refusal,
+    none_as_empty,
+)
 from l2lightning.metric_binding import (
     named_metrics,
     needs_sync_free_nan_check,
@@ -193,6 +200,7 @@ class L2GraphCallback(
     # under a GradScaler (16-mixed), the precision plugin's optimizer_step the fit's steps go through
     # (set at the training start, removed at clean-up; a class default, for a clean-up before any set-up)
     _scaled: ScaledStep | None = None
+    _manual: ManualStep | None = None
 
     def __init__(
         self,
@@ -331,6 +339,9 @@ class L2GraphCallback(
         self._capture_logs: list[ReissuedLog] = []
         self._pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
         self._pending_key: tuple = ()
+        self._step_closure: Any = None  # the closure optimizer.step got, while its step is decided
+        # the accumulated gradients a closing micro-batch's capture adds to (l2lightning.accumulation)
+        self._capture_accumulated: Any = None
         self._pending_tensors: list[torch.Tensor] = []  # the pending batch flattened (by _decide)
         self._in_step = False
         self._reissued: set[str] = set()
@@ -518,8 +529,6 @@ class L2GraphCallback(
                 "`training_step` takes `dataloader_iter` and fetches its own batches; the capture needs the batch "
                 "Lightning passes to `training_step(batch, batch_idx)`"
             )
-        if trainer.accumulate_grad_batches != 1:
-            return f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}) is not captured"
         # 16-mixed: Lightning's GradScaler step is captured around a fused optimizer (l2lightning.amp_step;
         # whether the optimizer is fused is known at the training start, once it is configured)
         return scaled_step_refusal(trainer.precision_plugin)
@@ -531,6 +540,7 @@ class L2GraphCallback(
             return
         self._reset_run_state()
         self._scaled = None
+        self._manual = None
         strategy = type(trainer.strategy).__name__
         if strategy in UNSUPPORTED_STRATEGIES:
             raise ValueError(
@@ -538,17 +548,21 @@ class L2GraphCallback(
                 "(DDP falls back to eager). Unsupported: FSDP, DeepSpeed, ModelParallel, XLA."
             )
         if not pl_module.automatic_optimization:
-            # a fit plain Lightning runs must run with the callback too: eagerly, saying why
-            self._disable(
-                "L2GraphCallback supports automatic optimization only so far; "
-                f"{type(pl_module).__name__} sets `automatic_optimization = False` (manual optimization), "
-                "whose optimizer steps it does not capture yet"
-            )
-            return
+            # the whole training_step is the captured step (l2lightning.manual_step); what it cannot
+            # capture trains eagerly, saying why: a fit plain Lightning runs runs with the callback too
+            reason = manual_refusal(trainer, pl_module, self.verify, own=self)
+            if reason:
+                self._disable(reason)
+                return
+            self._manual = ManualStep(self)
         reason = self._refusal(trainer, pl_module)
         if reason:
             self._disable(reason)
             return
+        if self._manual is not None:
+            # the prefetch's chain discovery runs training_step under no_grad: a manual step's
+            # manual_backward and optimizer steps cannot run there (said at the training start)
+            self._prefetch_failed = True
         user_hooks = tuple(h for h in CLOSURE_HOOKS if is_overridden(h, pl_module))
         # every hook of the module that runs inside the captured step (analyse skips Lightning's own)
         self._source = analyse(
@@ -557,14 +571,17 @@ class L2GraphCallback(
         )
         analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CLOSURE_HOOKS, self._source)
         self._batch_reads = batch_reads(pl_module)
-        reason = self._source_refusal()
+        reason = self._source_refusal() or (
+            manual_source_refusal(self._source, pl_module) if self._manual is not None else None
+        )
         if reason:
             self._disable(reason)
             return
         self._module = pl_module
         self._trainer = trainer
+        step = self._training_step if self._manual is None else self._manual.training_step
         overrides: dict[str, Any] = {
-            "training_step": presenting_signature_of(pl_module.training_step, self._training_step),
+            "training_step": presenting_signature_of(pl_module.training_step, step),
             "optimizer_zero_grad": self._optimizer_zero_grad,
             "backward": self._backward,
             "configure_gradient_clipping": self._configure_gradient_clipping,
@@ -573,6 +590,8 @@ class L2GraphCallback(
         for hook in user_hooks:
             overrides[hook] = self._captured_hook(hook, getattr(pl_module, hook))
         self._originals = {name: getattr(pl_module, name) for name in overrides}
+        if self._manual is not None:  # a manual step returning None is a step to capture all the same
+            self._originals["training_step"] = none_as_empty(self._originals["training_step"])
         # what the module's instance itself holds (`model.training_step = fn`) goes back after the fit
         self._shadowed = {name: vars(pl_module).get(name, ABSENT) for name in overrides}
         for name, fn in overrides.items():
@@ -615,6 +634,7 @@ class L2GraphCallback(
         if self._scaled is not None:
             self._scaled.uninstall()
             self._scaled = None
+        self._manual = None
         self._graph = None
         self._gate = None
         self._gate_turn = None
@@ -703,6 +723,10 @@ class L2GraphCallback(
         if reason:
             self._disable(reason)
             return
+        reason = manual_start_refusal(trainer, pl_module) if self._manual is not None else None
+        if reason:
+            self._disable(reason)
+            return
         if len(trainer.optimizers) != 1:
             self._disable(
                 f"{len(trainer.optimizers)} optimizers configured; the capture supports exactly one"
@@ -729,7 +753,16 @@ class L2GraphCallback(
             return
         self._optimizer = wrapped
         self._owns_optimizer = existing is None
-        if scaler is None:
+        if self._manual is not None:
+            # the whole training_step is the step (ManualStep.training_step); its optimizer steps run as they are
+            wrapped.handler = self._manual.optimizer_step
+            if self.prefetch != "off":
+                self._warn_once(
+                    "prefetch-manual",
+                    "prefetch off under manual optimization (its set-up runs training_step without gradients, "
+                    "which a manual step's `manual_backward` needs); capturing the graph without it.",
+                )
+        elif scaler is None:
             wrapped.handler = self._step
         else:
             # the whole step (closure, scaler.step, scaler.update) is handled at the precision plugin;

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from l2lightning import numerics_settings, python_state
+from l2lightning.accumulation import AccumulatedGrads
 from l2lightning.called_code import StepHooks, analyse_called_code
 from l2lightning.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
 from l2lightning.carried_state import Carried, split_carried
@@ -106,6 +107,8 @@ class _Graph:
     host_reads: list[HostRead] = field(default_factory=list)
     # the process-wide settings that chose its kernels (numerics_settings.read), likewise
     numerics: tuple = ()
+    # a closing micro-batch's: the static copies of the accumulated gradients it adds to (l2lightning.accumulation)
+    accumulated: AccumulatedGrads | None = None
 
     def bind_grads(self) -> None:
         """Point every parameter's ``.grad`` at the tensor this graph writes for it (an eager step, the
@@ -129,6 +132,7 @@ class StepCapture:
             result = self._capture_graph_step(run, closure, kwargs, gate_capture)
         finally:
             self._capture_graph = None
+            self._capture_accumulated = None
             self._gate_capturing = False
         return result
 
@@ -189,6 +193,10 @@ class StepCapture:
         # an LR scheduler the step itself steps (refused below, but it stepped in the dry run, the
         # verify step and the capture attempt): its counters go back with the rest of the Python state
         schedulers = _scheduler_states(self._trainer)
+        # A closing micro-batch adds to the gradients the earlier ones left: copied before anything
+        # below drops them; each eager run of the step from here starts from copies of them again
+        accumulated = AccumulatedGrads(tuple(module.parameters())) if key[0][1].adds else None
+        self._capture_accumulated = accumulated
         if self._hooks is None and not self.compile:
             # The last eager step's gradients are spent (its optimizer step read them; this step's
             # closure zeroes them, and the capture below drops them anyway): dropped before the
@@ -198,11 +206,10 @@ class StepCapture:
             module.zero_grad(set_to_none=True)
             self._static_for_prefetch = static
             self._install_prefetch(module)
-        eager_record = (
-            self._verify_eager(run, closure, kwargs, binding)
-            if self.verify == "capture" and not self._verify_capture_off
-            else None
-        )
+        verifying = self.verify == "capture" and not self._verify_capture_off
+        if verifying and accumulated is not None:
+            accumulated.put_back()
+        eager_record = self._verify_eager(run, closure, kwargs, binding) if verifying else None
         python_state.restore(python_start)
         _put_back_schedulers(schedulers)
         # What a failed capture must undo: the capture runs no kernel, so only host tensors and the RNG
@@ -273,6 +280,8 @@ class StepCapture:
                 torch.distributions.Distribution.set_default_validate_args(distributions_validate)
         except _Defer:
             self._undo_capture(saved, binding, saved_metrics)
+            if accumulated is not None:
+                accumulated.put_back()  # the eager step below adds to them
             python_state.restore(python_before)
             _put_back_schedulers(schedulers)
             self._mode = "eager"
@@ -300,6 +309,8 @@ class StepCapture:
             failed = None
         if failed is not None:
             graph = self._capture_graph = None  # the partial graph's pool goes with it
+            if accumulated is not None:
+                accumulated.put_back()  # the eager step below adds to them
             if gate_capture:
                 # the step with prefetch was captured; only the comparison failed: keep that graph
                 self._graph = self._gate.graphs["prefetch"]
@@ -320,6 +331,7 @@ class StepCapture:
                 self._disable(failed)
             return run(closure, **kwargs)
         graph.output = self._step_output
+        graph.accumulated = accumulated
         graph.log_calls = self._capture_logs
         graph.params = tuple(module.parameters())
         graph.grad_tensors = tuple(p.grad for p in graph.params)

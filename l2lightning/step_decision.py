@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from l2lightning import numerics_settings, python_state
+from l2lightning.accumulation import accumulation_of
 from l2lightning.capture import flatten_batch, read_signature
 from l2lightning.module_flags import ModuleFlags
 from l2lightning.step_trace import describe_frame
@@ -34,10 +35,11 @@ class StepDecision:
             return "eager"
         trainer, module = self._trainer, self._module
         batch, batch_idx = self._pending
-        if trainer.accumulate_grad_batches != 1:
-            self._fall_back(
-                f"gradient accumulation ({trainer.accumulate_grad_batches} batches) is not captured"
-            )
+        # Lightning's accumulation state: a closing micro-batch that adds to the gradients the earlier
+        # ones left is a graph of its own (l2lightning.accumulation), the factor in its key
+        accumulation = accumulation_of(trainer, self._step_closure, module)
+        if isinstance(accumulation, str):
+            self._fall_back(accumulation)
             return "eager"
         if self.eager_steps is not None and self.eager_steps(trainer, batch_idx):
             self._count_fallback("`eager_steps` asked for it")
@@ -46,7 +48,7 @@ class StepDecision:
         self._pending_tensors = tensors  # a replay copies them into the static batch
         # values in parts of the batch the step never reads (file names, ids) may change
         key = (
-            self._source.branch_key(module, batch_idx),
+            (self._source.branch_key(module, batch_idx), accumulation),
             read_signature(batch, tensors, spec, self._batch_reads),
         )
         self._pending_key = key
@@ -59,6 +61,18 @@ class StepDecision:
             # steps) keeps running eagerly on its steps.
             run = self._other_branch[1] + 1 if self._other_branch[0] == key[0] else 1
             self._other_branch = (key[0], run)
+            if key[0][1] != graph.key[0][1]:
+                # an epoch's shorter last window, or a GradientAccumulationScheduler's new factor
+                if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
+                    self._other_branch = (None, 0)
+                    return self._recapture(
+                        f"gradient accumulation changed and stayed changed ({key[0][1].describe()})"
+                    )
+                self._fall_back(
+                    f"gradient accumulation ({key[0][1].describe()}) other than the captured closing "
+                    f"micro-batch's ({graph.key[0][1].describe()})"
+                )
+                return "eager"
             if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
                 self._other_branch = (None, 0)
                 return self._recapture("the step's branch changed and stayed changed")

@@ -33,7 +33,12 @@ class StepDispatch:
 
     def _step(self, run: Callable[..., Any], closure: Callable[[], Any] | None, kwargs: dict) -> Any:
         """Called by the capturable optimizer's ``step``: `run(closure)` is its eager step."""
-        mode = self._decide()
+        # Lightning's accumulation state is read off the closure (l2lightning.accumulation)
+        self._step_closure = closure
+        try:
+            mode = self._decide()
+        finally:
+            self._step_closure = None
         self._in_step = True
         try:
             if mode == "replay":
@@ -137,6 +142,8 @@ class StepDispatch:
     def _launch_replay(self, graph: Any) -> tuple[Any, Any]:
         """This step's batch into the static buffers, the graph's inputs in place, one replay: its events."""
         graph.static.copy_tensors(self._pending_tensors)  # _decide flattened the batch, compared signatures
+        if graph.accumulated is not None:  # before bind_grads: the sum the earlier micro-batches left
+            graph.accumulated.copy_in()
         graph.bind_grads()
         if graph.binding is not None:
             graph.binding.bring_home()
@@ -212,6 +219,11 @@ class StepDispatch:
             replayed = None  # the eager step below still stands; only the comparison is skipped
         replayed_grads = list(graph.grad_tensors)  # in the graph's pool: the eager step allocates its own
         saved.restore()
+        if graph.accumulated is not None:
+            # A closing micro-batch's eager step adds to the gradients the earlier micro-batches left:
+            # the replay copied them into its static tensors first, and may have written over them since
+            # (gradients zeroed in place between windows are the graph's own gradient tensors)
+            graph.accumulated.put_back()
         clock.lap("replay")
         self._record_output, self._checked_output = True, None
         try:

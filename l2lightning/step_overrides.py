@@ -114,7 +114,9 @@ class StepOverrides:
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self._mode == "replay":
             return None
-        if self._mode == "trace" and self._tracer is not None:
+        adds = bool(self._pending_key) and self._pending_key[0][1].adds
+        if self._mode == "trace" and self._tracer is not None and not adds:
+            # (a closing micro-batch adds to Lightning's accumulated gradients by design; its graph does too)
             stale = self._stale_gradients()
             if stale:
                 self._tracer.trace.problems.append(stale)
@@ -122,6 +124,10 @@ class StepOverrides:
             out = self._originals["backward"](loss, *args, **kwargs)
         if self._hooks is not None and self._hooks.via == "ops":
             self._hooks.join()  # custom-op points leave the backward join to the caller
+        if self._mode == "capture" and self._capture_accumulated is not None:
+            # the captured backward made fresh gradients: the earlier micro-batches' sum is added, as
+            # eager backward adds to it, before on_after_backward, the clipping and the update read it
+            self._capture_accumulated.add_into_grads()
         self._phase_events.mark("backward")
         return out
 

@@ -1279,7 +1279,8 @@ _IDIOM_LIST = [
         ManualGAN,
         functools.partial(_digits_loader, seed=13),
         "refuse",
-        "manual optimization is not captured yet: it trains eagerly, with a warning naming it",
+        "manual optimization with two optimizers is not captured yet (one optimizer is): it trains "
+        "eagerly, with a warning naming it",
         trainer_kwargs=_steps(max_steps=2 * DEFAULT_STEPS),
         optimizer_steps_per_batch=2,
     ),
@@ -1525,6 +1526,30 @@ class FP16FusedAdamW(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
 
 
+class AccumulateBF16DecayGroups(LightningModule):
+    """An HF-style fine-tune: ``accumulate_grad_batches=4``, ``precision="bf16-mixed"``, and AdamW with
+    weight decay on the weights only (biases and LayerNorm in a group with ``weight_decay=0.0``, as
+    ``transformers``' Trainer builds its groups)."""
+
+    def __init__(self, dim: int = 64, hidden: int = 128) -> None:
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(dim, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Linear(hidden, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.model(x).squeeze(-1).float(), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        no_decay = [p for n, p in self.named_parameters() if n.endswith("bias") or ".1." in n]
+        decay = [p for n, p in self.named_parameters() if not (n.endswith("bias") or ".1." in n)]
+        groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=5e-4)
+
+
 _reg_loader = functools.partial(_regression_loader, n=640, dim=64, batch_size=32, seed=21)
 
 IDIOM_VARIANTS: dict[str, Idiom] = {
@@ -1626,6 +1651,15 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             "16-mixed's GradScaler with a fused AdamW: unscale, inf check, skip and scale update run on the "
             "device, inside the graph (on the CPU Lightning needs its plugin passed for fp16)",
             trainer_kwargs=_steps(precision="16-mixed"),
+        ),
+        Idiom(
+            "accumulate_bf16_decay_groups",
+            AccumulateBF16DecayGroups,
+            _reg_loader,
+            "capture",
+            "each window's closing micro-batch replays a graph that adds the gradients the eager "
+            "accumulating micro-batches left; AdamW's two weight-decay groups live in one capturable step",
+            trainer_kwargs=_steps(accumulate_grad_batches=4, precision="bf16-mixed"),
         ),
     ]
 }

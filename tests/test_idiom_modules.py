@@ -114,9 +114,10 @@ def test_judge_on_cpu_callback_trains_eagerly_and_equals_plain(one_torch_thread)
     assert result["equal"] is True, result["detail"]
 
 
-def test_judge_manual_gan_is_refused_by_name_then_plain(one_torch_thread):
+def test_judge_manual_gan_is_refused_by_name_then_plain(one_torch_thread, emulated_cuda_graphs):
     result = judge("manual_gan", steps=3, accelerator="cpu")
     assert result["captured"] is False
     assert "automatic_optimization = False" in result["reason"]
+    assert "2 optimizers" in result["reason"]  # manual optimization with one optimizer is captured
     assert result["extra"]["refused_at_setup"] is False  # warned and trained eagerly, not raised
     assert result["equal"] is True, result["detail"]

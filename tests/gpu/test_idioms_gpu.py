@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 # What the refusal of each idiom expected to be refused must name.
 REFUSAL_NAMES = {
     "sgd_onecycle_clip": "SGD's ['momentum'] changed at every warm-up step",
-    "manual_gan": "supports automatic optimization only",
+    "manual_gan": "the capture of manual optimization supports exactly one",
     "own_step_counter": "the step changes Python state (`self.updates`)",
     "adamw_onecycle_momentum": "AdamW's ['betas'] changed at every warm-up step",
 }

@@ -1,0 +1,230 @@
+"""Manual optimization (``automatic_optimization = False``): the whole ``training_step`` as the captured step.
+
+Under manual optimization Lightning hands no closure to ``optimizer.step``: its ``_ManualOptimization``
+loop calls ``training_step`` once, and the step itself calls ``opt.zero_grad()``, ``manual_backward``
+and ``opt.step()`` (``LightningOptimizer.step``: the precision plugin's ``optimizer_step`` with a closure
+that does nothing but Lightning's ``_after_closure``). So the boundary of the captured step is the whole
+``training_step`` call: :class:`ManualStep` installs its :meth:`ManualStep.training_step` as the module's
+``training_step`` and hands the callback's ``StepDispatch._step`` a ``run`` that calls the closure and a
+closure that runs the callback's own ``training_step`` override (capture, replay and log re-issue as for
+automatic optimization). The optimizer steps inside it go through the capturable optimizer's wrapper
+straight to its step (:meth:`ManualStep.optimizer_step`), inside the graph at the capture.
+
+What a replay must keep right, though no Python runs in it:
+
+* the manual loop's step counter: ``LightningOptimizer.step`` counts each optimizer step in
+  ``optim_step_progress`` (``trainer.global_step`` under manual optimization). The capture counts the
+  optimizer steps the graph holds; after each replay the counter moves on by that many, as the eager
+  step's Python would have moved it;
+* what ``training_step`` returns: a manual step mostly returns None, which the capture reads as "no
+  step to capture" (a step that returned None skips the optimizer under automatic optimization). The
+  module's ``training_step`` is called through :func:`none_as_empty` so that None reaches the callback
+  as ``{}`` (which Lightning's ``ManualResult`` reads exactly as None) and goes back to None for Lightning.
+
+What is not captured (the fit trains eagerly, with one warning naming the cause, :func:`manual_refusal`):
+more than one optimizer (the callback wraps one optimizer and its state), LR schedulers (under manual
+optimization the step steps them in Python, which a replay would not run), a gradient scaler (16-mixed:
+the step calls ``scaler.step`` itself, outside the plugin step the callback wraps), hooks the module or
+a callback overrides that run inside the step (``on_before_backward``, ``on_after_backward``,
+``on_before_optimizer_step``: a replay would not call them), and ``verify="capture"`` (which compares a
+loss the manual step need not return).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+# the hooks that run inside a manual step (manual_backward: on_before_backward, on_after_backward;
+# LightningOptimizer.step: on_before_optimizer_step); Lightning's on_before_zero_grad runs only in automatic
+MANUAL_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+
+
+def manual_refusal(trainer: Any, pl_module: Any, verify: Any, own: Any = None) -> str | None:
+    """Why the manual-optimization fit of `pl_module` cannot be captured, known at set-up, or None
+    (`own`: the graph callback itself, whose hooks are not the user's)."""
+    name = type(pl_module).__name__
+    lead = f"{name} sets `automatic_optimization = False` (manual optimization)"
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        return (
+            f"{lead} under precision={str(trainer.precision)!r}: its step calls the GradScaler itself, which "
+            "the capture of manual optimization does not handle"
+        )
+    if verify == "capture":
+        return f"{lead} with verify='capture', which compares the step's loss; use verify='sampled' (the default)"
+    hooks = [h for h in MANUAL_STEP_HOOKS if is_overridden(h, pl_module)]
+    for cb in trainer.callbacks:
+        hooks += [
+            f"{type(cb).__name__}.{h}"
+            for h in MANUAL_STEP_HOOKS
+            if cb is not own and is_overridden(h, cb, parent=Callback)
+        ]
+    if hooks:
+        return (
+            f"{lead} with hooks that run inside the step ({', '.join(hooks)}); a replay of a manual step "
+            "does not call them"
+        )
+    return None
+
+
+def manual_start_refusal(trainer: Any, pl_module: Any) -> str | None:
+    """Why the manual-optimization fit cannot be captured, known once its optimizers are configured."""
+    lead = f"{type(pl_module).__name__} sets `automatic_optimization = False` (manual optimization)"
+    if len(trainer.optimizers) != 1:
+        names = ", ".join(type(o).__name__ for o in trainer.optimizers)
+        return (
+            f"{lead} with {len(trainer.optimizers)} optimizers ({names}); the capture of manual optimization "
+            "supports exactly one"
+        )
+    if trainer.lr_scheduler_configs:
+        names = ", ".join(type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs)
+        return (
+            f"{lead} with LR schedulers ({names}), which the step steps in Python (`self.lr_schedulers()`); "
+            "a replay would not step them"
+        )
+    return None
+
+
+def manual_source_refusal(source: Any, pl_module: Any) -> str | None:
+    """Why what the manual step's source reads of the step counters cannot be followed, or None.
+
+    Under manual optimization ``global_step`` counts optimizer steps: it moves inside the step, at each
+    ``opt.step()``. The callback evaluates the step's counter conditions, counter values and logged
+    counter expressions before each replay, with the counter as the step starts; code after an
+    ``opt.step()`` reads it one further, so such a read would take the wrong branch or log the wrong
+    value. Only reads that show ``batch_idx`` or ``current_epoch`` (constant through a step) and not
+    ``global_step`` or the Trainer are followed; anything else is refused, naming its line."""
+    lines = [c.line for c in source.conditions if c.on_counters]
+    lines += [c.line for c in source.counter_values]
+    lines += [line for line, _ in source.log_values.values()]
+    lines += [line for line, _ in source.output_values.values()]
+    unsure = [line for line in lines if not _follows_within_a_step(line)]
+    if "global_step" in source.reads and not unsure:
+        unsure = ["`self.global_step`"]
+    if not unsure:
+        return None
+    return (
+        f"{type(pl_module).__name__} sets `automatic_optimization = False` (manual optimization) and its step "
+        f"reads the step counters at {'; '.join(unsure[:3])}: under manual optimization `global_step` moves "
+        "inside the step at each `opt.step()`, where a replay cannot follow it. Read `batch_idx` instead, or "
+        "decide in `on_train_batch_start`"
+    )
+
+
+def _follows_within_a_step(line: str) -> bool:
+    """Whether the source of `line` ("file:line (`source`)") reads only counters a manual step keeps."""
+    code = line.split(" (`", 1)[-1]
+    if "global_step" in code or "trainer" in code:
+        return False
+    return "batch_idx" in code or "current_epoch" in code
+
+
+def none_as_empty(training_step: Callable[..., Any]) -> Callable[..., Any]:
+    """`training_step` returning ``{}`` where it returns None (Lightning's ManualResult reads both alike)."""
+
+    @functools.wraps(training_step)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        out = training_step(*args, **kwargs)
+        return {} if out is None else out
+
+    return step
+
+
+def _hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters (all but its parameters), as they are now."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _changed(before: list[dict[str, Any]], after: list[dict[str, Any]], ignored: tuple = ()) -> list[str]:
+    """The hyperparameters but `ignored` that differ between `before` and `after` (a new group counts)."""
+    if len(before) != len(after):
+        return [f"{len(before)} -> {len(after)} param groups"]
+    changed = []
+    for i, (was, now) in enumerate(zip(before, after)):
+        for key in sorted((set(was) | set(now)) - set(ignored)):
+            a, b = was.get(key, _MISSING), now.get(key, _MISSING)
+            if a is b or (isinstance(a, (int, float, bool, str, tuple)) and a == b):
+                continue
+            changed.append(f"param group {i}'s `{key}`")
+    return changed
+
+
+_MISSING = object()
+# what CapturableOptimizer.switch_on sets in each group at the capture step
+_SWITCHED_KEYS = ("capturable", "fused", "foreach")
+
+
+def _run(closure: Callable[[], Any], **kwargs: Any) -> Any:
+    """The eager manual step: the whole training_step (its optimizer steps inside it)."""
+    return closure()
+
+
+class ManualStep:
+    """The module's ``training_step`` for a manual-optimization fit the callback handles.
+
+    Args:
+        callback: the :class:`~l2lightning.callback.L2GraphCallback` (its ``_step``, ``_training_step``,
+            mode and counters).
+    """
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+        self._counting = 0  # the optimizer steps this step's capture recorded
+        self.graph_steps = 0  # the optimizer steps the graph holds: counted after each replay
+
+    def optimizer_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """The capturable optimizer's handler: its step as it is (inside the graph at the capture)."""
+        cb = self.callback
+        if cb._mode == "capture":
+            self._counting += 1
+        tracer = cb._tracer
+        if tracer is None:
+            return run(closure, **kwargs)
+        # outside what the step tracer sees, as the update after Lightning's closure is under
+        # automatic optimization (the capture's own checks judge the capturable step)
+        with tracer.paused():
+            return run(closure, **kwargs)
+
+    def _progress(self) -> Any:
+        return self.callback._trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        cb = self.callback
+        if cb.disabled_reason or cb._optimizer is None or cb._pending is None:
+            out = cb._training_step(*args, **kwargs)  # eager: the override passes it through
+            return None if isinstance(out, dict) and not out else out
+        progress = self._progress()
+        before = copy.deepcopy(progress.state_dict())
+        wrapped = cb._optimizer
+        hyperparameters, switched = _hyperparameters(wrapped.optimizer), wrapped.switched
+        captures = cb.captures
+        self._counting = 0
+        out = cb._step(_run, functools.partial(cb._training_step, *args, **kwargs), {})
+        captured = cb.captures != captures
+        if (captured or cb._mode != "replay") and cb._optimizer is not None:
+            # the capture step switched the optimizer to make_capturable's configuration: not the step's doing
+            ignored = _SWITCHED_KEYS if wrapped.switched != switched else ()
+            changed = _changed(hyperparameters, _hyperparameters(wrapped.optimizer), ignored)
+            if changed:
+                # the step's Python (an LR scheduler the module keeps, `pg["lr"] = ...`) ran in this step,
+                # outside the optimizer's own step, where the capturable optimizer notes such writes
+                cb._disable(
+                    f"{type(cb._module).__name__}'s training_step (manual optimization) changes the optimizer's "
+                    f"hyperparameters ({', '.join(changed)}), which a replay (it runs no Python) would freeze at "
+                    "the capture's values; change them in `on_train_batch_start`, which runs before each replay"
+                )
+        if captured:
+            self.graph_steps = self._counting
+        if captured or cb._mode == "replay":
+            # a replay ran no Python, a capture step ran it more than once (its dry runs, the graph's
+            # recording): the counter moves on as one eager step of the graph's optimizer steps moves it
+            progress.load_state_dict(copy.deepcopy(before))
+            for _ in range(self.graph_steps):
+                progress.increment_ready()
+                progress.increment_completed()
+        return None if isinstance(out, dict) and not out else out

@@ -1,0 +1,205 @@
+"""Gradient accumulation (``accumulate_grad_batches``) captured, on the CPU graph emulator.
+
+The closing micro-batch of each window is replayed from a graph that adds the gradients the eager
+accumulating micro-batches left (l2lightning.accumulation); each fit is compared bit for bit with
+its baseline: every micro-batch's loss and logged values, the parameters and the optimizer's state,
+Lightning's loop progress.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+from tests import graph_emulator as emu
+from tests.baselines import (  # noqa: F401 -- the fixture records each callback fit's switch step
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,
+)
+from tests.lightning_models import TinyMLP
+from tests.test_amp_fp16_cpu import FusedSGD, fp16
+from tests.test_callback_replay_cpu import assert_same, callback, fit
+
+pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
+
+
+def assert_same_state(a, b):
+    """assert_same, and the optimizer's state (what a checkpoint saves) bit for bit."""
+    assert_same(a, b)
+    sa, sb = a[2].optimizers[0].state_dict()["state"], b[2].optimizers[0].state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            x, y = sa[i][k], sb[i][k]
+            same = torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+            assert same, f"optimizer state {k!r} of parameter {i} differs"
+
+
+def accumulated_pair(
+    cls=TinyMLP, factor=2, steps=30, callbacks=list, trainer_kwargs=None, callback_kwargs=None, **kw
+):
+    callback_kwargs = callback_kwargs or {}
+    trainer_kwargs = {"accumulate_grad_batches": factor, **(trainer_kwargs or {})}
+    base = fit(baseline_of(cls), list(callbacks()), steps=steps, trainer_kwargs=trainer_kwargs, **kw)
+    cb = callback(check_share=1.0, **callback_kwargs)
+    run = fit(cls, [cb, *callbacks()], steps=steps, trainer_kwargs=trainer_kwargs, **kw)
+    base[0]  # the deferred baseline fit runs now
+    # the sampled check compares replays with their eager steps: a wrong replay would surface here
+    # (and then train eagerly, so the bitwise comparison alone would not tell)
+    assert cb.replay_check.mismatches == 0, cb.summary()["replay_check"]
+    return base, run, cb
+
+
+@pytest.mark.parametrize("factor", [2, 4])
+def test_accumulation_captures_the_closing_micro_batch_bitwise_the_baseline(factor):
+    base, run, cb = accumulated_pair(factor=factor, steps=30, fused=True)
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 1, s
+    assert emu.FakeGraph.replays > 15
+    assert s["replay_check"]["checks"] >= 1 and s["replay_check"]["mismatches"] == 0, s["replay_check"]
+    assert run[2].global_step == base[2].global_step == 30
+    # every micro-batch's loss and logs, as in plain Lightning (an epoch of 30 ends on a shorter window)
+    assert len(run[1].losses) == len(base[1].losses) > 30 * (factor - 1)
+    assert_same_state(base, run)
+
+
+def test_accumulation_with_foreach_adamw_and_gradient_clipping():
+    base, run, cb = accumulated_pair(factor=2, trainer_kwargs={"gradient_clip_val": 0.05})
+    assert cb.summary()["captured"], cb.summary()
+    assert_same_state(base, run)
+
+
+def test_an_epoch_not_a_multiple_of_the_factor_steps_at_its_last_batch():
+    # 30 batches an epoch, factor 4: windows of 4, 4, ..., then 2 (adds) at the epoch's end, and
+    # factor 7: a last window of 2; factor 3 over 31 batches: a last window of one (zeroes first)
+    for factor, n in ((4, 240), (7, 240), (3, 248)):
+        base, run, cb = accumulated_pair(factor=factor, steps=-1, n=n, trainer_kwargs={"max_epochs": 4})
+        assert run[2].global_step == base[2].global_step
+        assert cb.summary()["captured"], cb.summary()
+        assert_same_state(base, run)
+
+
+def test_a_gradient_accumulation_scheduler_changing_the_factor_mid_fit():
+    def schedule():
+        return [GradientAccumulationScheduler({0: 1, 1: 2, 2: 4})]
+
+    base, run, cb = accumulated_pair(
+        factor=1, steps=-1, n=240, callbacks=schedule, trainer_kwargs={"max_epochs": 4}
+    )
+    assert run[2].global_step == base[2].global_step
+    s = cb.summary()
+    assert s["captured"] and s["captures"] >= 3, s  # one graph per factor
+    assert_same_state(base, run)
+
+
+def test_accumulation_with_16_mixed_and_fused_sgd():
+    kw = {"plugins": [fp16()]}
+    base = fit(baseline_of(FusedSGD), steps=30, trainer_kwargs={"accumulate_grad_batches": 2, **kw})
+    cb = callback(check_share=1.0)
+    run = fit(FusedSGD, [cb], steps=30, trainer_kwargs={"accumulate_grad_batches": 2, "plugins": [fp16()]})
+    base[0]
+    assert cb.replay_check.mismatches == 0, cb.summary()["replay_check"]
+    assert cb.summary()["captured"], cb.summary()
+    assert_same_state(base, run)
+    sa, sb = base[2].precision_plugin.scaler, run[2].precision_plugin.scaler
+    assert torch.equal(sa._scale, sb._scale) and torch.equal(sa._growth_tracker, sb._growth_tracker)
+
+
+def test_the_capture_steps_eager_check_sees_the_accumulated_gradients():
+    base, run, cb = accumulated_pair(factor=3, callback_kwargs={"verify": True})
+    assert cb.summary()["captured"], cb.summary()
+    assert_same_state(base, run)
+
+
+def test_accumulating_micro_batches_keep_their_hooks_and_logs():
+    """on_after_backward / on_before_optimizer_step log per micro-batch (the accumulating ones run
+    eagerly, the closing one's logs are re-issued after its replay) the values of plain Lightning."""
+    from lightning.pytorch import Callback
+
+    class Hooks(Callback):
+        def on_after_backward(self, trainer, pl_module):
+            pl_module.log("grad_after_backward", pl_module.head.weight.grad.norm())
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            pl_module.log("grad_before_step", pl_module.head.weight.grad.norm())
+
+    base, run, cb = accumulated_pair(factor=2, callbacks=lambda: [Hooks()], fused=True)
+    assert cb.summary()["captured"], cb.summary()
+    assert emu.FakeGraph.replays > 15
+    assert "grad_before_step" in run[1].logged[-1] and "grad_after_backward" in run[1].logged[-2]
+    assert_same_state(base, run)  # every micro-batch's logged values, bit for bit
+
+
+def test_idiom_accumulate_bf16_decay_groups_is_captured_bitwise_the_baseline():
+    from lightning.pytorch import seed_everything
+
+    from tests.idiom_modules import IDIOM_VARIANTS
+    from tests.lightning_models import quiet_trainer
+    from tests.test_callback_replay_cpu import Recorder
+
+    idiom = IDIOM_VARIANTS["accumulate_bf16_decay_groups"]
+    assert idiom.expect == "capture"
+
+    def run(with_callback):
+        seed_everything(0)
+        module = idiom.make_module()
+        if not with_callback:
+            module.__class__ = baseline_of(type(module))
+        rec, cb = Recorder(), callback(check_share=1.0) if with_callback else None
+        kwargs = {**idiom.trainer_kwargs, "max_steps": 20}
+        trainer = quiet_trainer(accelerator="cpu", callbacks=[rec, *([cb] if cb else [])], **kwargs)
+        trainer.fit(module, idiom.make_loader())
+        return (module, rec, trainer), cb
+
+    got, cb = run(True)
+    base, _ = run(False)
+    assert cb.summary()["captured"] and cb.replay_check.mismatches == 0, cb.summary()
+    assert emu.FakeGraph.replays >= 5
+    assert_same_state(base, got)
+
+
+class ZeroesInPlace(TinyMLP):
+    """Gradients zeroed in place at each window's start (`set_to_none=False`): the same memory all fit."""
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+
+
+class HeadEveryOtherBatch(TinyMLP):
+    """An extra head reached only on even batches: on a closing micro-batch it may or may not hold an
+    accumulated gradient, so the windows differ in which parameters hold one."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.extra = torch.nn.Linear(32, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 2 == 0:
+            loss = loss + self.extra(batch[0]).square().mean()
+        return loss
+
+
+def test_gradients_zeroed_in_place_between_windows():
+    base, run, cb = accumulated_pair(ZeroesInPlace, factor=2, fused=True)
+    assert cb.summary()["captured"], cb.summary()
+    assert_same_state(base, run)
+
+
+def test_parameters_holding_an_accumulated_gradient_on_some_windows_only():
+    # factor 3 over batches 0..29: a closing micro-batch at idx 2, 5, 8, ... holds the extra head's
+    # gradient from an even batch in its window; the windows alternate which batches are even
+    base, run, cb = accumulated_pair(HeadEveryOtherBatch, factor=3, fused=True)
+    assert_same_state(base, run)
+
+
+def test_a_post_accumulate_grad_hook_trains_the_closing_micro_batches_eagerly_by_name():
+    class PostAccumulate(TinyMLP):
+        def on_fit_start(self):
+            self.head.weight.register_post_accumulate_grad_hook(lambda p: None)
+
+    with pytest.warns(UserWarning, match="register_post_accumulate_grad_hook"):
+        base, run, cb = accumulated_pair(PostAccumulate, factor=2, fused=True)
+    assert not cb.summary()["captured"], cb.summary()
+    assert_same_state(base, run)
