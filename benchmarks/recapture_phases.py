@@ -35,6 +35,7 @@ arguments: per pair the B/A ratios of the waiting steps' median and of the re-ca
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -103,6 +104,21 @@ class _Phases:
         return _Open()
 
 
+def _set_undone(undo: list, obj: object, attr: str, value: object) -> None:
+    """`setattr(obj, attr, value)`, what it replaces recorded in `undo` for :func:`_undo_all`."""
+    undo.append((obj, attr, vars(obj).get(attr) if isinstance(obj, type) else getattr(obj, attr)))
+    setattr(obj, attr, value)
+
+
+def _undo_all(undo: list) -> None:
+    """Put back what `undo` recorded, last first (a class attribute that was not its own goes)."""
+    for obj, attr, value in reversed(undo):
+        if value is None and isinstance(obj, type):
+            delattr(obj, attr)
+        else:
+            setattr(obj, attr, value)
+
+
 def _step_times(device: str):
     """A callback recording each training batch's wall seconds, from ``on_train_batch_start`` to
     ``on_train_batch_end``, the GPU idle at both ends (a `device` other than "cpu")."""
@@ -153,9 +169,7 @@ def _captures_fit(name: str, device: str) -> dict:
 
     undo: list = []
 
-    def setattr_undone(obj, attr, value):
-        undo.append((obj, attr, vars(obj).get(attr) if isinstance(obj, type) else getattr(obj, attr)))
-        setattr(obj, attr, value)
+    setattr_undone = functools.partial(_set_undone, undo)
 
     _emulate(setattr_undone, device)
     phases = _Phases()
@@ -222,11 +236,7 @@ def _captures_fit(name: str, device: str) -> dict:
         trainer.fit(module, idiom.make_loader())
         s = cb.summary()
     finally:
-        for obj, attr, value in reversed(undo):
-            if value is None and isinstance(obj, type):
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, value)
+        _undo_all(undo)
     warmup = [
         {"step": i, "mode": m, "ms": round(1000 * t, 3)}
         for i, (m, t) in enumerate(zip(modes, times.times))
@@ -265,9 +275,7 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
 
     undo: list = []
 
-    def setattr_undone(obj, attr, value):
-        undo.append((obj, attr, vars(obj).get(attr) if isinstance(obj, type) else getattr(obj, attr)))
-        setattr(obj, attr, value)
+    setattr_undone = functools.partial(_set_undone, undo)
 
     _emulate(setattr_undone, device)
     pieces: dict[str, list[float]] = defaultdict(list)
@@ -324,11 +332,7 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
         trainer = quiet_trainer(callbacks=callbacks, **_trainer_kwargs(idiom, device))
         trainer.fit(module, idiom.make_loader())
     finally:
-        for obj, attr, value in reversed(undo):
-            if value is None and isinstance(obj, type):
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, value)
+        _undo_all(undo)
     row = {"idiom": name, "variant": variant, "step_ms": [round(1000 * t, 4) for t in times.times]}
     if cb is not None:
         s = cb.summary()

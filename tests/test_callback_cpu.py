@@ -81,21 +81,11 @@ def test_manual_optimization_without_cuda_trains_eagerly_with_a_warning_naming_w
     """Lightning's basic-GAN tutorial style: the fit plain Lightning runs, the callback runs too (eagerly,
     here for want of CUDA; the capture itself: tests/test_manual_optimization_cpu.py)."""
 
-    class Manual(TinyMLP):
-        def __init__(self):
-            super().__init__()
-            self.automatic_optimization = False
-
-        def training_step(self, batch, batch_idx):
-            opt = self.optimizers()
-            loss = super().training_step(batch, batch_idx)
-            opt.zero_grad()
-            self.manual_backward(loss)
-            opt.step()
+    from tests.test_manual_optimization_cpu import ManualMLP  # zero_grad, manual_backward, step; returns None
 
     def run(callbacks):
         torch.manual_seed(0)
-        model = Manual()
+        model = ManualMLP()
         trainer = quiet_trainer(accelerator="cpu", max_steps=3, callbacks=callbacks)
         trainer.fit(model, regression_loader())
         return model, trainer

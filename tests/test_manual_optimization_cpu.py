@@ -27,13 +27,20 @@ from tests.test_callback_replay_cpu import assert_same, callback, fit
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
 
-class ManualMLP(TinyMLP):
+class ByHand(TinyMLP):
+    """TinyMLP with `automatic_optimization = False`: its subclasses' `training_step` steps by hand."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+
+class ManualMLP(ByHand):
     """TinyMLP trained by hand: ``opt.zero_grad(); self.manual_backward(loss); opt.step()``; returns
     nothing (`returns=False`) or the loss."""
 
     def __init__(self, returns: bool = False, toggle: bool = False, **kwargs):
         super().__init__(**kwargs)
-        self.automatic_optimization = False
         self.returns = returns
         self.toggle = toggle
 
@@ -209,12 +216,8 @@ def test_the_basic_gan_trains_eagerly_by_name_bitwise_plain():
         assert torch.equal(p, q), name
 
 
-class ManualClipped(TinyMLP):
+class ManualClipped(ByHand):
     """Lightning's `self.clip_gradients` between manual_backward and the step."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -226,12 +229,8 @@ class ManualClipped(TinyMLP):
         return loss
 
 
-class ManualEveryOther(TinyMLP):
+class ManualEveryOther(ByHand):
     """An optimizer step at every other batch only (the gradients of the others are dropped)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -301,12 +300,8 @@ def test_hyperparameters_changed_inside_the_manual_step_train_eagerly_naming_the
     )
 
 
-class ZeroGradAfterStep(TinyMLP):
+class ZeroGradAfterStep(ByHand):
     """The GAN tutorial's order: backward, step, then zero_grad (no gradients between steps)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -338,12 +333,8 @@ def test_manual_step_orders_and_lr_hooks_are_captured_bitwise_their_baseline(cls
     assert all(p.grad is None for p in run[0].parameters()) == (cls is ZeroGradAfterStep)
 
 
-class GlobalStepAfterStep(TinyMLP):
+class GlobalStepAfterStep(ByHand):
     """`global_step` read after `opt.step()`: under manual optimization it has moved on by then."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
