@@ -13,8 +13,9 @@ True when losses, logged ``callback_metrics`` (each step's start and end), final
 printed text are bitwise equal to the baseline (if captured) or to plain Lightning (if not), and the
 plain fit after the callback's fit equals the first one.
 
-How the time is taken: wall time (``time.perf_counter``) from the ``on_train_batch_start`` of step
-10 (after warm-up and capture) to the ``on_train_batch_end`` of the last step, with a
+How the time is taken: wall time (``time.perf_counter``) from the ``on_train_batch_start`` of the
+first batch that is batch 10 or later and optimizer step 10 or later (after warm-up and capture, which
+under gradient accumulation come several batches in) to the ``on_train_batch_end`` of the last step, with a
 ``torch.cuda.synchronize()`` before reading the end (and one at fit start), divided by the number
 of steps in between: what a user waits for per step, host work included. One fit per variant: the
 numbers are single samples, not medians.

@@ -105,7 +105,9 @@ def _snapshot(trainer: Trainer) -> dict[str, Any]:
 
 
 class Recorder(Callback):
-    """Per-step loss and logged metrics, and the wall time of steps ``first_timed``..last.
+    """Per-step loss and logged metrics, and the wall time from the first batch that is both batch
+    ``first_timed`` or later and optimizer step ``first_timed`` or later (under gradient accumulation
+    the capture comes at an optimizer step, several batches in: the clock starts after it) to the last.
 
     Host syncs only at fit start and right before reading the end time; everything recorded stays on
     the device until the fit is over. Callbacks' ``on_train_batch_end`` runs before the module's, so
@@ -121,13 +123,15 @@ class Recorder(Callback):
         self.t0: float | None = None
         self.t_end: float | None = None
         self.timed_until = 0
+        self.timed_from = 0  # the batch the clock started at
 
     def on_fit_start(self, trainer, pl_module):
         _sync(trainer.strategy.root_device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.started == self.first_timed:
+        if self.t0 is None and self.started >= self.first_timed and trainer.global_step >= self.first_timed:
             self.t0 = time.perf_counter()
+            self.timed_from = self.started
         self.metrics.append((f"start of step {self.started}", _snapshot(trainer)))
         self.started += 1
 
@@ -150,7 +154,7 @@ class Recorder(Callback):
         self.timed_until = self.ended
 
     def step_ms(self) -> tuple[float | None, int]:
-        timed = self.timed_until - self.first_timed
+        timed = self.timed_until - self.timed_from
         if self.t0 is None or self.t_end is None or timed <= 0:
             return None, 0
         return (self.t_end - self.t0) * 1000.0 / timed, timed
