@@ -20,7 +20,12 @@ independent when host-bound (a process's later fits of the same module ran slowe
 ``ab_host_path_between_step_checks.json``), which an on/off difference of a few tenths of a
 millisecond per step cannot be told from.
 
-    python benchmarks/bench_replay_check.py --out OUTDIR [--steps 1000] [--rounds 3] [--isolate]
+With ``--cupy-loaded`` the process imports CuPy and loads the prefetch kernels before its first fit,
+as a fit with prefetch on (``prefetch="auto"``, the default) has done at set-up: the check then
+compares with its own kernels (``l2lightning.check_kernels``), which it uses only once CuPy is
+imported. Without it, fits with prefetch off compare with torch's kernels.
+
+    python benchmarks/bench_replay_check.py --out OUTDIR [--steps 1000] [--rounds 3] [--isolate] [--cupy-loaded]
 """
 
 from __future__ import annotations
@@ -71,10 +76,20 @@ def _fit(variant: str, family: str, batch: int, steps: int) -> dict:
     return row
 
 
-def _fit_isolated(variant: str, family: str, batch: int, steps: int) -> dict:
+def load_cupy_as_prefetch_does() -> None:
+    """Import CuPy and load the prefetch kernels, as a fit with prefetch on does at set-up."""
+    import torch
+
+    from l2lightning.prefetch.kernels import load_prefetch_kernels
+
+    load_prefetch_kernels(torch.cuda.current_device())
+
+
+def _fit_isolated(variant: str, family: str, batch: int, steps: int, cupy_loaded: bool = False) -> dict:
     """The same fit in a fresh Python process (``--one``): its row from the last line it prints."""
     done = subprocess.run(
-        [sys.executable, __file__, "--one", variant, f"{family}@{batch}", "--steps", str(steps)],
+        [sys.executable, __file__, "--one", variant, f"{family}@{batch}", "--steps", str(steps)]
+        + (["--cupy-loaded"] if cupy_loaded else []),
         capture_output=True,
         text=True,
         check=False,
@@ -128,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help=doctor.FORCE_HELP)
     parser.add_argument("--isolate", action="store_true", help="every fit in a fresh Python process")
     parser.add_argument(
+        "--cupy-loaded",
+        action="store_true",
+        help="import CuPy and load the prefetch kernels before the fits, as prefetch on does at set-up",
+    )
+    parser.add_argument(
         "--one", nargs=2, metavar=("VARIANT", "FAMILY@BATCH"), help=argparse.SUPPRESS
     )  # one fit, its row printed as JSON (what --isolate runs)
     args = parser.parse_args(argv)
@@ -137,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.one[0] not in VARIANTS:
             parser.error(f"`--one` variant must be one of {sorted(VARIANTS)}, got {args.one[0]!r}")
         [(family, batch)] = bench_default_cost.parse_families(args.one[1])
+        if args.cupy_loaded:
+            load_cupy_as_prefetch_does()
         print(json.dumps(_fit(args.one[0], family, batch, args.steps), default=str), flush=True)
         return 0
     if args.out is None:
@@ -150,12 +172,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.cupy_loaded and not args.isolate:
+        load_cupy_as_prefetch_does()
     rows: list[dict] = []
     for r in range(args.rounds):
         for family, batch in families:
             for variant in bench_default_cost.round_order(list(VARIANTS), r):
                 try:
-                    row = (_fit_isolated if args.isolate else _fit)(variant, family, batch, args.steps)
+                    if args.isolate:
+                        row = _fit_isolated(variant, family, batch, args.steps, args.cupy_loaded)
+                    else:
+                        row = _fit(variant, family, batch, args.steps)
                 except Exception as exc:  # noqa: BLE001 -- a failed fit is reported, the rest go on
                     row = {
                         "case": f"{family} b{batch}",
@@ -164,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 row["round"] = r
                 row["isolated"] = args.isolate
+                row["cupy_loaded"] = args.cupy_loaded
                 rows.append(row)
                 print(
                     json.dumps({k: row.get(k) for k in ("case", "variant", "fit_wall_s", "error")}),

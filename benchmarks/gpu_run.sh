@@ -33,8 +33,8 @@
 #   h2d-wait      benchmarks/h2d_wait.py: whether a pageable or pinned host-to-device copy waits for queued GPU work
 #   probe         benchmarks/probe_capture_idioms.py: cuDNN RNNs with carried state, checkpointed dropout and
 #                 fp16 GradScaler with fused AdamW under torch.cuda.graph, bitwise -> probe_capture_idioms.json
-#   check-first-use  benchmarks/probe_check_first_use.py --breakdown: the check's comparison timed on its first three runs
-#                 in a fresh process per model and comparison path (joins of 64 or 4 MiB), and the device path operation by operation -> check_first_use.json
+#   check-first-use  benchmarks/probe_check_first_use.py: the check's comparison timed on its first three runs
+#                 in a fresh process per model and comparison path (torch's kernels, the check's own) -> check_first_use.json
 #   replay-check[=ARGS]  benchmarks/bench_replay_check.py with ARGS (as host-overhead's): the sampled replay
 #                 check's cost per packaged family, on vs off -> replay_check.csv / replay_check.json
 # Wheels in .whl/ (an offline machine's dependencies) are installed to /tmp/site first when present.
@@ -136,7 +136,7 @@ for stage in "$@"; do
       timeout 300 python3 benchmarks/probe_capture_idioms.py --out "$OUT" > "$OUT/probe_capture_idioms.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/probe_capture_idioms.log" | tail -8 ;;
     check-first-use)
-      timeout 240 python3 benchmarks/probe_check_first_use.py --out "$OUT" --breakdown > "$OUT/check_first_use.log" 2>&1
+      timeout 240 python3 benchmarks/probe_check_first_use.py --out "$OUT" > "$OUT/check_first_use.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/check_first_use.log" | tail -8 ;;
     replay-check*)
       extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}

@@ -7,9 +7,13 @@ then times three times each on that model's tensors (parameters, gradients, buff
 the bitwise comparison of equal tensors (``replay_check.first_differing``), of tensors one of which
 differs, and the judgment against two replays' spread (``beyond_replay_spread``). The paths:
 
-- ``device``: the bytes joined in batches of at most 64 MiB a side and compared on the GPU (the
-  check's own);
-- ``device-4mib``: the same with joins of at most 4 MiB a side.
+- ``torch``: torch's kernels (the bytes joined in batches of at most 64 MiB a side, compared and
+  reduced; multi-tensor subtractions and norms for the spread), ``check_kernels.ENABLED = False``;
+- ``kernel``: the check's own kernels (``l2lightning.check_kernels``, ``kernels/replay_check.cu``),
+  CuPy imported and the prefetch kernels loaded first, as a fit with prefetch on has them at set-up
+  (timed apart: ``cupy_import_ms``, ``prefetch_kernels_ms``); the first call includes compiling the
+  check's module with NVRTC where CuPy's kernel cache does not hold it yet (the conv stack's process
+  runs first: on a fresh machine it compiles, the MLP stack's loads).
 
 A first call far above the second is the cost of the first use in the process (kernels, memory),
 not of the work. ``--breakdown`` adds a process that times each operation of the device path on the
@@ -32,7 +36,7 @@ import torch
 
 MODELS = ("conv_stack", "mlp_stack")
 DEVICE = "cuda"  # --device cpu runs the probe's code paths without a GPU (its times mean nothing)
-PATHS = ("device", "device-4mib")
+PATHS = ("torch", "kernel")
 
 
 def _sync() -> None:
@@ -76,11 +80,23 @@ def _trained_tensors(model_name: str) -> list[torch.Tensor]:
 
 
 def _one(model_name: str, path: str) -> dict:
-    from l2lightning import replay_check
+    from l2lightning import check_kernels, replay_check
 
     tensors = _trained_tensors(model_name)
-    if path == "device-4mib":
-        replay_check._JOINED_BYTES = 4 * 2**20
+    cupy_import_ms = prefetch_kernels_ms = None
+    if path == "torch":
+        check_kernels.ENABLED = False
+    else:
+        # what a fit with prefetch on has done at set-up: CuPy imported, the prefetch kernels loaded
+        started = time.perf_counter()
+        import cupy  # noqa: F401
+
+        cupy_import_ms = round((time.perf_counter() - started) * 1000, 3)
+        from l2lightning.prefetch.kernels import load_prefetch_kernels
+
+        started = time.perf_counter()
+        load_prefetch_kernels(torch.cuda.current_device())
+        prefetch_kernels_ms = round((time.perf_counter() - started) * 1000, 3)
     same = [(f"t{i}", t, t.clone()) for i, t in enumerate(tensors)]
     nudged = [t.clone() for t in tensors]
     nudged[0].view(-1)[0] += 1e-6  # one rounding-sized difference in a weight
@@ -96,6 +112,9 @@ def _one(model_name: str, path: str) -> dict:
     return {
         "model": model_name,
         "path": path,
+        "cupy_import_ms": cupy_import_ms,
+        "prefetch_kernels_ms": prefetch_kernels_ms,
+        "kernels_decide": check_kernels.usable(torch.device(DEVICE)),
         "tensors": len(tensors),
         "bytes_a_side": sum(t.numel() * t.element_size() for t in tensors),
         "rows": rows,

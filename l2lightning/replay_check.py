@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from l2lightning import check_kernels
 from l2lightning.rng import GeneratorStates
 from l2lightning.verify import compare_tensors
 
@@ -201,13 +202,10 @@ def named_written_state(
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bytes, flat: two tensors of one dtype and shape are bit-identical iff their bytes are.
 
-    Every dtype compared as bytes runs one kind of kernel for all of them. A fit usually makes one
-    check (the rest keep to the time share), and on the H200 a comparison's first run in a process
-    took 70 ms, its second 1.7 (``benchmarks/results/h200/check_first_use.json``): the kernels' first
-    use, which fewer kinds of kernel make shorter (the MLP stack's comparison 20 ms with integer views
-    of each width, ``replay_check_ab_before.csv``; as bytes 15 and 22.6 ms in two later runs,
-    ``replay_check.csv`` and the run it replaced). Copying small states to the host and comparing
-    them there instead was slower on the conv stack (``replay_check_host_path.csv``).
+    Every dtype compared as bytes runs one kind of kernel for all of them: on CUDA devices the check's
+    own (:mod:`l2lightning.check_kernels`, whose docstring says why), elsewhere torch's. Copying small
+    states to the host and comparing them there instead was slower on the conv stack
+    (``benchmarks/results/h200/replay_check_host_path.csv``).
     """
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -275,6 +273,28 @@ def _joined_batches(
         yield left, right
 
 
+def _kernel_flags(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> list[bool] | None:
+    """Per pair, whether it differs, decided by the check's own kernels (:mod:`l2lightning.check_kernels`:
+    one launch and one read per device) where every tensor pair is on a CUDA device they run on; None
+    where one is not (host tensors, no CuPy: the torch path decides)."""
+    flags: list[bool] = [False] * len(pairs)
+    groups: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for i, (_, a, b) in enumerate(pairs):
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+            flags[i] = not (a is None and b is None)
+            continue
+        if a.numel() == 0:
+            continue
+        if not check_kernels.usable(a.device):
+            return None
+        groups.setdefault(a.device, []).append((i, _bytes(a), _bytes(b.to(a.device))))
+    for device, items in groups.items():
+        differ = check_kernels.bytes_differ([(x, y) for _, x, y in items], device)
+        for (i, _, _), flag in zip(items, differ):
+            flags[i] = flag
+    return flags
+
+
 def first_differing(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> int | None:
     """The position of the first of (label, replayed, eager) whose tensors differ in any bit; None if none.
 
@@ -284,6 +304,9 @@ def first_differing(pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor
     runs kernels that check uses nowhere else, whose first use in a process is most of their cost
     (``benchmarks/results/h200/check_first_use.json``); it is paid only for a message that needs it.
     """
+    on_kernels = _kernel_flags(pairs)
+    if on_kernels is not None:
+        return next((i for i, differs in enumerate(on_kernels) if differs), None)
     if _all_same(pairs):
         return None
     flags = [_bits_differ(a, b) for _, a, b in pairs]
@@ -358,9 +381,7 @@ def beyond_replay_spread(
         if not (replay.is_floating_point() or replay.is_complex()):
             # integers and bools have no rounding: any difference, between the replays or from the
             # eager step, is beyond it
-            # (the byte comparison's kernels, which the check has run already)
-            differs = torch.stack([_bits_differ(replay, eager), _bits_differ(replay, again)]).any()
-            measured.append((label, differs, differs, differs, -1.0))  # the flag, read as such
+            measured.append((label, replay.detach(), again.detach(), eager.detach(), -1.0))
             continue
         if replay.is_complex():
             replay, again, eager = (
@@ -394,10 +415,11 @@ def _measured_differences(
     rows: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, float]],
 ) -> list[list[float]]:
     """Rows (label, replay, again, eager, eps) -> [max |replay - eager|, max |replay - again|, the
-    replay's largest finite magnitude] per row, read to the host; an integer row (eps < 0) holds its
-    flag of any difference as its first tensor, and comes back as [flag, 0, 1].
+    replay's largest finite magnitude] per row, read to the host; an integer or bool row (eps < 0)
+    comes back as [1 if the eager step or the second replay differs from the replay else 0, 0, 1].
 
-    Per (device, dtype), three multi-tensor subtractions and norms in the tensors' own dtype and one
+    On CUDA devices the check's own kernels measure every row in one launch
+    (:func:`_kernel_measures`). Elsewhere (and without CuPy), per (device, dtype), three multi-tensor subtractions and norms in the tensors' own dtype and one
     read: a check of kernels that are not deterministic judges every tensor of the step. On the H200
     the conv stack's judgment took 23 ms of its 44 ms check with a double-precision pass per tensor
     (a dozen kernels each, ``benchmarks/results/h200/replay_check_ab_before.csv``), 15 and 29 ms with
@@ -406,6 +428,9 @@ def _measured_differences(
     infinite (a NaN or infinity in the values, an overflowing difference) that tensor is measured
     again exactly, in double precision.
     """
+    on_kernels = _kernel_measures(rows)
+    if on_kernels is not None:
+        return on_kernels
     out: list[list[float]] = [[0.0, 0.0, 1.0] for _ in rows]
     groups: dict[tuple, list[int]] = {}
     for i, (_, replay, _, _, eps) in enumerate(rows):
@@ -413,8 +438,12 @@ def _measured_differences(
     tiny = torch.finfo(torch.float64).tiny
     inf = float("inf")
     for (_, dtype), positions in groups.items():
-        if dtype is None:  # integer rows: their flags, read at once
-            for i, flag in zip(positions, torch.stack([rows[i][1] for i in positions]).tolist()):
+        if dtype is None:  # integer rows: whether the eager step or the second replay differs, read at once
+            flags = [
+                ((_bytes(r) != _bytes(e)) | (_bytes(r) != _bytes(a))).any()
+                for r, a, e in (rows[i][1:4] for i in positions)
+            ]
+            for i, flag in zip(positions, torch.stack(flags).tolist()):
                 out[i] = [float(flag), 0.0, 1.0]
             continue
         replays = [rows[i][1] for i in positions]
@@ -431,6 +460,26 @@ def _measured_differences(
             scale_t = torch.nan_to_num(r.abs(), nan=0.0, posinf=0.0).max().clamp_min(tiny)
             exact = torch.stack([_largest_difference(r, e), _largest_difference(r, a), scale_t])
             out[i] = exact.tolist()
+    return out
+
+
+def _kernel_measures(
+    rows: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, float]],
+) -> list[list[float]] | None:
+    """:func:`_measured_differences` by the check's own kernels, exact in double precision (one launch
+    and one read per device), where every row is on a CUDA device they run on and of a dtype they
+    read; None otherwise."""
+    groups: dict[torch.device, list[int]] = {}
+    for i, (_, replay, _, _, _) in enumerate(rows):
+        if not (check_kernels.usable(replay.device) and check_kernels.measurable(replay.dtype)):
+            return None
+        groups.setdefault(replay.device, []).append(i)
+    tiny = torch.finfo(torch.float64).tiny
+    out: list[list[float]] = [[0.0, 0.0, 1.0] for _ in rows]
+    for device, positions in groups.items():
+        triples = [(rows[i][1], rows[i][2], rows[i][3]) for i in positions]
+        for i, (gap, spread, scale) in zip(positions, check_kernels.spread_measures(triples, device)):
+            out[i] = [gap, spread, max(scale, tiny)]
     return out
 
 

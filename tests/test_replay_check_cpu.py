@@ -447,18 +447,21 @@ def test_the_multi_tensor_measurement_agrees_with_double_precision_per_tensor():
     rows.append(("inf", inf_row, inf_row.clone(), torch.tensor([float("inf"), 1.5, 3.0]), 1e-7))
     nan_row = torch.tensor([float("nan"), -2.0])
     rows.append(("nan", nan_row, torch.tensor([1.0, -2.0]), nan_row.clone(), 1e-7))
-    rows.append(("int", torch.tensor(1.0, dtype=torch.float64), None, None, -1.0))  # a flag row
+    ints = torch.tensor([1, 2, 3])
+    rows.append(("int", ints, ints.clone(), torch.tensor([1, 2, 4]), -1.0))  # the eager step differs
+    rows.append(("int again", ints, torch.tensor([0, 2, 3]), ints.clone(), -1.0))  # the second replay
+    rows.append(("int equal", ints, ints.clone(), ints.clone(), -1.0))
     measured = _measured_differences(rows)
     for (label, r, a, e, eps), (gap, spread, scale) in zip(rows, measured):
         if eps < 0:
-            assert (gap, spread, scale) == (1.0, 0.0, 1.0)
+            assert (gap, spread, scale) == ((0.0 if label == "int equal" else 1.0), 0.0, 1.0), label
             continue
         rd, ad, ed = r.double(), a.double(), e.double()
         want_scale = float(torch.nan_to_num(rd.abs(), nan=0.0, posinf=0.0).max())
         assert scale == pytest.approx(want_scale, rel=1e-6), label
         assert gap == pytest.approx(float(_largest_difference(rd, ed)), rel=1e-2, abs=0), label
         assert spread == pytest.approx(float(_largest_difference(rd, ad)), rel=1e-2, abs=0), label
-    assert measured[-3][0] == 0.5 and measured[-2][1] == float("inf")  # inf == inf; NaN against a number
+    assert measured[-5][0] == 0.5 and measured[-4][1] == float("inf")  # inf == inf; NaN against a number
 
 
 class SeedsAtStep10(pl.Callback):
