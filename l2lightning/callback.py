@@ -3,7 +3,8 @@
 Route chosen: a callback that installs instance-level overrides of the LightningModule's documented
 hooks (``training_step``, ``optimizer_zero_grad``, ``backward``, ``configure_gradient_clipping``
 and, where the user defined them, ``on_before_zero_grad``, ``on_before_backward``,
-``on_after_backward``, ``on_before_optimizer_step``), and wraps the optimizer's ``step``. A
+``on_after_backward``, ``on_before_optimizer_step``), and wraps the optimizer's ``step`` (under manual
+optimization every optimizer's: :mod:`l2lightning.joined_optimizers`). A
 callback cannot swap the Trainer's strategy, and the product's front door is
 ``Trainer(callbacks=[L2GraphCallback()])`` on an unmodified module. No private Lightning method is
 patched; everything is removed again at ``teardown`` and, after an error, at ``on_exception``.
@@ -58,6 +59,7 @@ from l2lightning.called_code import analyse_called_code
 from l2lightning.capture import StaticBatch
 from l2lightning.fit_report import FitReport, _NoPhaseEvents, _Timing
 from l2lightning.grad_norm_reads import GradNormNames
+from l2lightning.joined_optimizers import CapturableOptimizers, intercept_all, members_of, optimizer_names
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.manual_step import (
     ManualStep,
@@ -324,9 +326,10 @@ class L2GraphCallback(
         self._shadowed: dict[str, Any] = {}
         self._undo_progress_bar_reads: Callable[[], None] | None = None
         self._mode = "eager"
-        self._optimizer: CapturableOptimizer | None = None
+        # the optimizer whose steps the callback handles; several a manual step steps, as one
+        self._optimizer: CapturableOptimizer | CapturableOptimizers | None = None
         # a capturable optimizer the callback no longer handles, kept switched on until the fit ends
-        self._kept_optimizer: CapturableOptimizer | None = None
+        self._kept_optimizer: CapturableOptimizer | CapturableOptimizers | None = None
         self._owns_optimizer = False
         self._nan_patched: list[Any] = []
         self._graph: _Graph | None = None
@@ -476,10 +479,11 @@ class L2GraphCallback(
             return ""
         if not (self.captures or self._resumed_switched):
             return ""  # a capture that failed: the optimizer goes back to the user's configuration
-        name = type(wrapped.optimizer).__name__
+        name = optimizer_names(wrapped)
+        runs = "run" if isinstance(wrapped, CapturableOptimizers) else "runs"
         step = self.capturable_from_step
         return (
-            f" From step {step} on, {name} runs in make_capturable's configuration (`capturable=True`, the "
+            f" From step {step} on, {name} {runs} in make_capturable's configuration (`capturable=True`, the "
             "one the replays used), whose arithmetic can differ from yours in the last bits (Adam and AdamW "
             f"without `fused=True`); `l2lightning.CapturableFrom({step})` reproduces this fit eagerly"
         )
@@ -727,7 +731,8 @@ class L2GraphCallback(
         if reason:
             self._disable(reason)
             return
-        if len(trainer.optimizers) != 1:
+        if self._manual is None and len(trainer.optimizers) != 1:
+            # (a manual step may step several: they are captured together, l2lightning.joined_optimizers)
             self._disable(
                 f"{len(trainer.optimizers)} optimizers configured; the capture supports exactly one"
             )
@@ -739,10 +744,15 @@ class L2GraphCallback(
             if reason:
                 self._disable(reason)
                 return
-        existing = installed_capturable(optimizer)
         try:
             # the user's configuration until the capture step (StepCapture switches it on there)
-            wrapped = existing or intercept(optimizer, trainer.strategy.root_device)
+            if len(trainer.optimizers) > 1:  # a manual step's (l2lightning.joined_optimizers)
+                wrapped = intercept_all(trainer.optimizers, trainer.strategy.root_device)
+                owns = any(wrapped.owned)
+            else:
+                existing = installed_capturable(optimizer)
+                wrapped = existing or intercept(optimizer, trainer.strategy.root_device)
+                owns = existing is None
         except OptimizerNotCapturableError as exc:
             if not self.eager_optimizer_fallback:
                 raise OptimizerNotCapturableError(
@@ -752,7 +762,7 @@ class L2GraphCallback(
             self._disable(str(exc))
             return
         self._optimizer = wrapped
-        self._owns_optimizer = existing is None
+        self._owns_optimizer = owns
         if self._manual is not None:
             # the whole training_step is the step (ManualStep.training_step); its optimizer steps run as they are
             wrapped.handler = self._manual.optimizer_step
@@ -868,10 +878,11 @@ class L2GraphCallback(
         wrapped = self._optimizer or self._kept_optimizer
         if wrapped is None or "optimizer_states" not in checkpoint:
             return
-        # Save what the optimizer would save without capture (original capturable flag, CPU steps).
+        # Save what the optimizer would save without capture (original capturable flag, CPU steps);
+        # several (a manual step's) are in the Trainer's order, as Lightning saves them
         states = checkpoint["optimizer_states"]
-        if states:
-            states[0] = wrapped.portable_state_dict(states[0])
+        for i, member in enumerate(members_of(wrapped)[: len(states)]):
+            states[i] = member.portable_state_dict(states[i])
 
     @override
     def on_train_batch_end(

@@ -8,22 +8,32 @@ that does nothing but Lightning's ``_after_closure``). So the boundary of the ca
 ``training_step`` and hands the callback's ``StepDispatch._step`` a ``run`` that calls the closure and a
 closure that runs the callback's own ``training_step`` override (capture, replay and log re-issue as for
 automatic optimization). The optimizer steps inside it go through the capturable optimizer's wrapper
-straight to its step (:meth:`ManualStep.optimizer_step`), inside the graph at the capture.
+straight to its step (:meth:`ManualStep.optimizer_step`), inside the graph at the capture. A step may
+step several optimizers (Lightning's basic GAN: ``opt_g, opt_d = self.optimizers()``, each toggled,
+stepped, zeroed and untoggled in turn): every one of them is wrapped, all their updates are in the one
+graph, and the callback switches, checks, saves and compares them together
+(:class:`~l2lightning.joined_optimizers.CapturableOptimizers`).
 
 What a replay must keep right, though no Python runs in it:
 
 * the manual loop's step counter: ``LightningOptimizer.step`` counts each optimizer step in
-  ``optim_step_progress`` (``trainer.global_step`` under manual optimization). The capture counts the
-  optimizer steps the graph holds; after each replay the counter moves on by that many, as the eager
-  step's Python would have moved it;
+  ``optim_step_progress`` (``trainer.global_step`` under manual optimization; two per batch for the
+  GAN). The capture counts the optimizer steps the graph holds, whichever optimizers make them; after
+  each replay the counter moves on by that many, as the eager step's Python would have moved it;
+* ``toggle_optimizer``/``untoggle_optimizer``: they set parameters' ``requires_grad`` inside the step,
+  which decides the gradients the captured backward makes, and put it back by the step's end. A replay
+  runs neither, and leaves the flags as the untoggled step does; the flags are compared with the
+  graph's before each replay (a step that leaves them changed is captured again);
 * what ``training_step`` returns: a manual step mostly returns None, which the capture reads as "no
   step to capture" (a step that returned None skips the optimizer under automatic optimization). The
   module's ``training_step`` is called through :func:`none_as_empty` so that None reaches the callback
   as ``{}`` (which Lightning's ``ManualResult`` reads exactly as None) and goes back to None for Lightning.
 
-What is not captured (the fit trains eagerly, with one warning naming the cause, :func:`manual_refusal`):
-more than one optimizer (the callback wraps one optimizer and its state), LR schedulers (under manual
-optimization the step steps them in Python, which a replay would not run), a gradient scaler (16-mixed:
+What is not captured (the fit trains eagerly, with one warning naming the cause, :func:`manual_refusal`,
+:func:`manual_start_refusal`): a parameter that two optimizers step (each parameter's optimizer state is
+saved and compared once), LR schedulers (under manual optimization the step steps them in Python,
+``self.lr_schedulers()``, which a replay would not run; the LR schedule's own Python, its counters
+and ``_last_lr``, would stay at the capture's), a gradient scaler (16-mixed:
 the step calls ``scaler.step`` itself, outside the plugin step the callback wraps), hooks the module or
 a callback overrides that run inside the step (``on_before_backward``, ``on_after_backward``,
 ``on_before_optimizer_step``: a replay would not call them), and ``verify="capture"`` (which compares a
@@ -39,6 +49,8 @@ from typing import Any
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from l2lightning.joined_optimizers import members_of, shared_parameter
 
 # the hooks that run inside a manual step (manual_backward: on_before_backward, on_after_backward;
 # LightningOptimizer.step: on_before_optimizer_step); Lightning's on_before_zero_grad runs only in automatic
@@ -75,11 +87,15 @@ def manual_refusal(trainer: Any, pl_module: Any, verify: Any, own: Any = None) -
 def manual_start_refusal(trainer: Any, pl_module: Any) -> str | None:
     """Why the manual-optimization fit cannot be captured, known once its optimizers are configured."""
     lead = f"{type(pl_module).__name__} sets `automatic_optimization = False` (manual optimization)"
-    if len(trainer.optimizers) != 1:
+    if not trainer.optimizers:
+        return f"{lead} without an optimizer (`configure_optimizers` returned none): there is no update to capture"
+    shared = shared_parameter(pl_module, trainer.optimizers)
+    if shared is not None:
         names = ", ".join(type(o).__name__ for o in trainer.optimizers)
         return (
-            f"{lead} with {len(trainer.optimizers)} optimizers ({names}); the capture of manual optimization "
-            "supports exactly one"
+            f"{lead} with {len(trainer.optimizers)} optimizers ({names}) that both step the parameter "
+            f"`{shared}`; the capture handles each parameter's optimizer state once. Give each parameter to "
+            "one optimizer"
         )
     if trainer.lr_scheduler_configs:
         names = ", ".join(type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs)
@@ -200,8 +216,10 @@ class ManualStep:
             return None if isinstance(out, dict) and not out else out
         progress = self._progress()
         before = copy.deepcopy(progress.state_dict())
+        start_step = int(cb._trainer.global_step)
         wrapped = cb._optimizer
-        hyperparameters, switched = _hyperparameters(wrapped.optimizer), wrapped.switched
+        optimizers = [m.optimizer for m in members_of(wrapped)]
+        hyperparameters, switched = [_hyperparameters(o) for o in optimizers], wrapped.switched
         captures = cb.captures
         self._counting = 0
         out = cb._step(_run, functools.partial(cb._training_step, *args, **kwargs), {})
@@ -209,7 +227,12 @@ class ManualStep:
         if (captured or cb._mode != "replay") and cb._optimizer is not None:
             # the capture step switched the optimizer to make_capturable's configuration: not the step's doing
             ignored = _SWITCHED_KEYS if wrapped.switched != switched else ()
-            changed = _changed(hyperparameters, _hyperparameters(wrapped.optimizer), ignored)
+            changed = []
+            for i, (optimizer, was) in enumerate(zip(optimizers, hyperparameters)):
+                found = _changed(was, _hyperparameters(optimizer), ignored)
+                if len(optimizers) > 1:  # which of `self.optimizers()`
+                    found = [f"{c} (optimizer {i}, {type(optimizer).__name__})" for c in found]
+                changed += found
             if changed:
                 # the step's Python (an LR scheduler the module keeps, `pg["lr"] = ...`) ran in this step,
                 # outside the optimizer's own step, where the capturable optimizer notes such writes
@@ -220,6 +243,8 @@ class ManualStep:
                 )
         if captured:
             self.graph_steps = self._counting
+            # read by the capture after the step's Python had stepped the optimizers: the step it began at
+            cb.capture_step = start_step
         if captured or cb._mode == "replay":
             # a replay ran no Python, a capture step ran it more than once (its dry runs, the graph's
             # recording): the counter moves on as one eager step of the graph's optimizer steps moves it

@@ -243,7 +243,7 @@ class StepCapture:
             carried, python_changed = split_carried(python_before, python_after, tracer.made, python_changed)
             python_changed += self._optimizer_writes()
             if python_changed and self._traced_steps >= 1:
-                raise CaptureRefused(self._python_problem(python_changed))
+                raise CaptureRefused(self._python_problem(python_changed, tracer.trace))
             graph.appends = [(a, a.current()[-1]) for a in appended]
             graph.carried = carried
             graph.external_writes = [

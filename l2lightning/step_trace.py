@@ -226,6 +226,9 @@ class StepTrace:
     # the user's lines of ops that draw from a random state torch cannot save and put back (cuDNN's
     # RNN dropout state): an eager step beside a replay would draw other numbers (hidden_random_state)
     hidden_random: list[tuple[str, int] | None] = field(default_factory=list)
+    # training off the CPU: (op, the user's line) of each draw from torch's global CPU generator, which
+    # runs on the host (draws_on_the_host): a replay would neither draw anew nor move the generator on
+    host_draws: list[tuple[str, tuple[str, int] | None]] = field(default_factory=list)
 
     def add_problem(self, problem: str) -> None:
         """Note `problem` once (a step may run the same call many times: each recomputed block, each
@@ -457,6 +460,21 @@ def draws_from_its_own_generator(func: Any, args: tuple, kwargs: dict, device_ty
         # its RNN dropout state with `random_(generator)`) hands a second Python wrapper of the default
         return all(_generator_id(generator) != _generator_id(default) for default in defaults)
     return False
+
+
+def draws_on_the_host(func: Any, args: tuple, kwargs: dict, result: Any) -> bool:
+    """Whether the aten op `func` drew random numbers from torch's global CPU generator into a CPU
+    tensor (``torch.randn(n, d)`` without a `device`, ``torch.rand(1)``): no `generator`, or the default."""
+    if not draws_random_numbers(func):
+        return False
+    out = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
+    if not out or any(r.device.type != "cpu" for r in out):
+        return False
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == "generator":
+            generator = args[i] if i < len(args) else kwargs.get("generator")
+            return generator is None or _generator_id(generator) == _generator_id(torch.default_generator)
+    return True
 
 
 def _generator_id(generator: torch.Generator) -> int:
@@ -1073,6 +1091,8 @@ class StepTracer(TorchDispatchMode):
         result = func(*args, **kwargs)
         if capturing_beside_host and not on_device and tensors:
             self._note_host_made(tensors, result)
+        if self.device_type != "cpu" and not on_device and draws_on_the_host(func, args, kwargs, result):
+            self.trace.host_draws.append((func._schema.name, frame))
         made = [
             r.untyped_storage().data_ptr()
             for r in tree_flatten(result)[0]

@@ -15,6 +15,7 @@ import torch
 
 from l2lightning import python_state
 from l2lightning.carried_state import split_carried
+from l2lightning.joined_optimizers import optimizer_names
 from l2lightning.metric_binding import (
     named_metrics,
     unreplayable_reason,
@@ -108,7 +109,7 @@ class WarmupSteps:
                 if ga[k] != gb.get(k)
             }
         )
-        name = type(self._optimizer.optimizer).__name__
+        name = optimizer_names(self._optimizer)  # several: a manual step's (`Adam, SGD`)
         return (
             f"{name}'s {changed} changed at every warm-up step (a per-step schedule such as OneCycleLR); {name} bakes "
             f"them into the graph as numbers, so every step would need a new capture. {_baked_schedule_advice(changed)}"
@@ -217,7 +218,24 @@ class WarmupSteps:
         """The optimizer hyperparameters the step's own code has written so far (inside the step)."""
         return self._optimizer.hyperparameter_writes() if self._optimizer is not None else []
 
-    def _python_problem(self, changed: list[str]) -> str:
+    def _python_problem(self, changed: list[str], trace: StepTrace | None = None) -> str:
+        """Why a step that changes the Python state `changed` cannot be replayed (`trace`: the step's,
+        whose draws on the host name their lines)."""
+        draws = trace.host_draws if trace is not None else []
+        if python_state.TORCH_CPU_RANDOM_LABEL in changed and draws:
+            # the GAN tutorial's `torch.randn(n, latent_dim)` then `.type_as(imgs)`: numbers drawn on the
+            # host and copied to the device, which a graph holds as the capture's copy
+            lines = sorted({f"`{op.split('::')[-1]}` at {describe_frame(frame)}" for op, frame in draws})
+            others = [label for label in changed if label != python_state.TORCH_CPU_RANDOM_LABEL]
+            return (
+                f"the step draws random numbers on the host, from torch's global CPU generator "
+                f"({'; '.join(lines[:3])}); a replay runs only the GPU's work, so it would reuse the numbers "
+                "of the capture and leave the generator where the capture left it (every later draw from it, "
+                "a DataLoader's shuffle included, would differ from plain training). Draw on the device "
+                "instead (`torch.randn(..., device=self.device)`: each replay draws anew from the GPU's "
+                "generator), or run such steps eagerly with `eager_steps=lambda trainer, batch_idx: ...`"
+                + (f"; the step changes other Python state too ({', '.join(others)})" if others else "")
+            )
         if any(label.startswith("param group") for label in changed):
             return (
                 f"the step changes the optimizer's hyperparameters ({', '.join(changed)}), which a replay "
@@ -313,7 +331,7 @@ class WarmupSteps:
             problem = trace.problems[0]
         elif python_changed and self._traced_steps > 1:
             # the first traced step may build something once (a lazy cache, an `initialized` flag)
-            problem = self._python_problem(python_changed)
+            problem = self._python_problem(python_changed, trace)
         elif len(group.appended) > 1 and group.appended[-1] != group.appended[-2] and self._traced_steps > 1:
             # a list appended to at one step and not the next: no one element per replay to redo
             problem = self._python_problem(sorted(group.appended[-1] ^ group.appended[-2]))

@@ -3315,7 +3315,8 @@ def test_a_submodule_the_step_does_not_call_may_count_outside_it():
 
 # Every idiom of the benchmark on the CPU stand-in: the checks a replay depends on must not refuse a
 # module the GPU captures (tests/gpu/test_idioms_gpu.py compares them bit for bit there). Left out:
-# manual_gan (two optimizers: refused by name, in tests/test_idiom_modules.py) and print_item_every_50
+# manual_gan (its noise drawn with `torch.randn` without a device: refused on a GPU, where that is the
+# host's generator, but captured here, where the CPU is the device: tests/test_idiom_modules.py) and print_item_every_50
 # (on the CPU its Adadelta bakes the learning rate, and the stand-in's capture meets the
 # every-50-batches `.item()`; captured on the GPU).
 _EMULATED_IDIOMS = ("manual_gan", "print_item_every_50")

@@ -114,10 +114,17 @@ def test_judge_on_cpu_callback_trains_eagerly_and_equals_plain(one_torch_thread)
     assert result["equal"] is True, result["detail"]
 
 
-def test_judge_manual_gan_is_refused_by_name_then_plain(one_torch_thread, emulated_cuda_graphs):
-    result = judge("manual_gan", steps=3, accelerator="cpu")
-    assert result["captured"] is False
-    assert "automatic_optimization = False" in result["reason"]
-    assert "2 optimizers" in result["reason"]  # manual optimization with one optimizer is captured
-    assert result["extra"]["refused_at_setup"] is False  # warned and trained eagerly, not raised
+@pytest.mark.parametrize("name", ["manual_gan", "manual_gan_device_noise"])
+def test_judge_the_two_optimizer_gan_on_the_emulator_captures_it_equal_to_its_baseline(
+    name, one_torch_thread, emulated_cuda_graphs, monkeypatch
+):
+    """On the CPU emulator the host is the device, so the tutorial's `torch.randn` without a device
+    draws where the graph does and is captured too (on a GPU it is refused: tests/gpu/test_idioms_gpu.py)."""
+    from tests import idiom_harness
+
+    monkeypatch.setattr(idiom_harness, "_EXTRA_CAPTURABLE_DEVICES", ("cpu",))  # the baseline switches too
+    result = judge(name, steps=8, accelerator="cpu")
+    assert result["captured"] is True, result["reason"]
+    assert result["extra"]["summary"]["captures"] == 1
+    assert result["extra"]["summary"]["capturable_from_step"] == 6  # the fourth batch, two steps a batch
     assert result["equal"] is True, result["detail"]

@@ -3,26 +3,35 @@
 The whole ``training_step`` is the captured step (l2lightning.manual_step). One optimizer with
 ``self.optimizers()``, ``zero_grad``, ``manual_backward`` and ``step`` is captured and bit for bit
 its baseline (per-step losses and logs, parameters, the optimizer's state, the loop's progress:
-``global_step`` is the manual loop's optimizer-step count, which replays move on too). What is not
-captured (two optimizers: Lightning's basic GAN; LR schedulers the step steps; hooks inside the step)
-trains eagerly with one warning naming the cause, bit for bit plain Lightning, and never raises.
+``global_step`` is the manual loop's optimizer-step count, which replays move on too). So are two
+optimizers stepped in one step (Lightning's basic GAN, ``toggle_optimizer`` included: both updates in
+the one graph, ``global_step`` two per batch, ``requires_grad`` after every step as in plain
+Lightning). What is not captured (LR schedulers the step steps; hooks inside the step; a parameter two
+optimizers step; hyperparameters the step writes) trains eagerly with one warning naming the cause,
+bit for bit plain Lightning, and never raises.
+
+Here the CPU is the device, so the tutorial GAN's ``torch.randn`` without a device draws on the device
+and is captured; on a GPU that draw is on the host and the fit trains eagerly, naming the line and
+``device=self.device`` (the tracer's part is checked here, the whole fit in
+tests/gpu/test_manual_optimization_gpu.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, seed_everything
 
 from l2lightning import L2GraphCallback
+from l2lightning.optim import installed_capturable
 from tests import graph_emulator as emu
 from tests.baselines import (  # noqa: F401 -- the fixture records each callback fit's switch step
     baseline_of,
     capturable_from_of_the_last_callback_fit,
 )
-from tests.idiom_modules import IDIOMS
-from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_same, callback, fit
+from tests.idiom_modules import IDIOMS, ManualGAN, ManualGANDeviceNoise
+from tests.lightning_models import TinyMLP, quiet_trainer
+from tests.test_callback_replay_cpu import Recorder, assert_same, callback, fit
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
@@ -70,18 +79,19 @@ class ManualScheduled(ManualMLP):
         return out
 
 
-class ManualTwoOptimizers(ManualMLP):
-    """Two optimizers stepped one after the other (the GAN's shape on the MLP)."""
+class ManualTwoOptimizers(ByHand):
+    """Two optimizers stepped one after the other (the GAN's shape on the MLP): AdamW on the layers,
+    SGD with momentum on the head."""
 
     def configure_optimizers(self):
         return [
             torch.optim.AdamW(self.net.parameters(), lr=self.lr, foreach=True),
-            torch.optim.SGD(self.head.parameters(), lr=self.lr),
+            torch.optim.SGD(self.head.parameters(), lr=self.lr, momentum=0.9),
         ]
 
     def training_step(self, batch, batch_idx):
         opt_a, opt_b = self.optimizers()
-        loss = TinyMLP.training_step(self, batch, batch_idx)
+        loss = super().training_step(batch, batch_idx)
         opt_a.zero_grad()
         opt_b.zero_grad()
         self.manual_backward(loss)
@@ -162,10 +172,6 @@ def assert_eager_like_plain(cls, match, steps=12, **model_kwargs):
     return cb
 
 
-def test_two_optimizers_train_eagerly_naming_them():
-    assert_eager_like_plain(ManualTwoOptimizers, r"with 2 optimizers \(AdamW, SGD\).*supports exactly one")
-
-
 def test_a_scheduler_the_step_steps_trains_eagerly_naming_it():
     assert_eager_like_plain(ManualScheduled, r"LR schedulers \(StepLR\).*a replay would not step them")
 
@@ -190,30 +196,6 @@ def test_a_host_sync_in_the_manual_step_trains_eagerly():
         run = fit(ManualMLP, [cb], steps=10, sync_in_step=True)
     assert not cb.summary()["captured"], cb.summary()
     assert_same(assert_eager_like_plain_sync, run)
-
-
-def test_the_basic_gan_trains_eagerly_by_name_bitwise_plain():
-    idiom = IDIOMS["manual_gan"]
-
-    def run(callbacks):
-        from lightning.pytorch import seed_everything
-
-        from tests.lightning_models import quiet_trainer
-
-        seed_everything(0)
-        model = idiom.make_module()
-        trainer = quiet_trainer(accelerator="cpu", max_steps=8, callbacks=callbacks)
-        trainer.fit(model, idiom.make_loader())
-        return model, trainer
-
-    cb = callback()
-    with pytest.warns(UserWarning, match=r"ManualGAN sets `automatic_optimization = False`.*2 optimizers"):
-        model, trainer = run([cb])
-    plain, plain_trainer = run([])
-    assert not cb.summary()["captured"]
-    assert trainer.global_step == plain_trainer.global_step == 8
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        assert torch.equal(p, q), name
 
 
 class ManualClipped(ByHand):
@@ -353,3 +335,325 @@ def test_step_counters_read_in_a_manual_step_train_eagerly_naming_the_line():
     assert_eager_like_plain(
         GlobalStepAfterStep, r"reads the step counters at .*`if self.global_step % 5 == 0:`", steps=20
     )
+
+
+# --------------------------------------------------------------------------- several optimizers
+class OptimizerStates(Callback):
+    """After every batch: every optimizer's state tensors (keyed by optimizer, parameter name and
+    entry), each parameter's `requires_grad`, what `toggle_optimizer` leaves on the module, and
+    `global_step`."""
+
+    def __init__(self):
+        self.states, self.requires_grad, self.toggle_state, self.global_steps = [], [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        self.states.append(
+            {
+                (i, names[id(p)], key): value.detach().clone()
+                for i, opt in enumerate(trainer.optimizers)
+                for p, state in opt.state.items()
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor)
+            }
+        )
+        self.requires_grad.append({n: p.requires_grad for n, p in pl_module.named_parameters()})
+        self.toggle_state.append(dict(getattr(pl_module, "_param_requires_grad_state", {})))
+        self.global_steps.append(trainer.global_step)
+
+
+def assert_same_optimizer_states(a, b, optimizers=2):
+    assert a.global_steps == b.global_steps
+    assert a.requires_grad == b.requires_grad
+    assert a.toggle_state == b.toggle_state
+    assert len(a.states) == len(b.states) > 0
+    for i, (x, y) in enumerate(zip(a.states, b.states)):
+        assert x.keys() == y.keys(), f"optimizer state entries differ after step {i}"
+        assert {k[0] for k in x} == set(range(optimizers)), f"not every optimizer has state after step {i}"
+        for k in x:
+            assert torch.equal(x[k], y[k]), f"optimizer state {k} differs after step {i}"
+
+
+def two_optimizer_pair(fit_one, cls, callback_kwargs=None, **kwargs):
+    """`fit_one(cls, callbacks, **kwargs)` with the callback, then its baseline (which switches where
+    the callback fit switched); each fit's OptimizerStates recorder last."""
+    run_states, base_states = OptimizerStates(), OptimizerStates()
+    cb = callback(check_share=1.0, **(callback_kwargs or {}))
+    run = fit_one(cls, [cb, run_states], **kwargs)
+    base = fit_one(baseline_of(cls), [base_states], **kwargs)
+    return base, run, cb, base_states, run_states
+
+
+def mlp_fit(cls, callbacks, batches=24, **kwargs):
+    # Lightning's max_steps counts optimizer steps: two per batch here
+    return tuple(fit(cls, callbacks, steps=2 * batches, **kwargs))
+
+
+def test_two_optimizers_in_one_manual_step_are_captured_bitwise_their_baseline():
+    base, run, cb, base_states, run_states = two_optimizer_pair(mlp_fit, ManualTwoOptimizers)
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 1 and s["fallback_steps"] == 0 and s["reason"] is None, s
+    assert s["capture_step"] == s["capturable_from_step"] == 2 * 3  # the fourth batch, two steps a batch
+    assert emu.FakeGraph.replays >= 24 - 4
+    assert s["replay_check"]["checks"] >= 3 and s["replay_check"]["mismatches"] == 0, s
+    assert run[2].global_step == base[2].global_step == 48
+    assert run_states.global_steps == [2 * (i + 1) for i in range(24)]  # two optimizer steps per batch
+    assert_same(base, run)
+    assert_same_optimizer_states(base_states, run_states)
+    # the replays did move both optimizers on (a graph holding one of the two updates would not)
+    adam, sgd = run[2].optimizers
+    assert int(adam.state[run[0].net[0][1].weight]["step"]) == 24
+    assert sgd.state[run[0].head.weight]["momentum_buffer"].abs().sum() > 0
+    # given back at the fit's end as configured: no step wrapper, AdamW's own `capturable`
+    assert all(installed_capturable(o) is None and "step" not in vars(o) for o in (adam, sgd))
+    assert adam.param_groups[0]["capturable"] is False
+
+
+class OneMadeCapturable(ManualTwoOptimizers):
+    """The user makes the first optimizer capturable in `configure_optimizers`; the second is the callback's."""
+
+    def configure_optimizers(self):
+        from l2lightning import make_capturable
+
+        adamw, sgd = super().configure_optimizers()
+        make_capturable(adamw, torch.device("cpu"))
+        return [adamw, sgd]
+
+
+def test_an_optimizer_the_user_made_capturable_stays_theirs_beside_the_callbacks():
+    base, run, cb, base_states, run_states = two_optimizer_pair(mlp_fit, OneMadeCapturable)
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 1 and s["reason"] is None, s
+    assert_same(base, run)
+    assert_same_optimizer_states(base_states, run_states)
+    adamw, sgd = run[2].optimizers
+    assert installed_capturable(adamw) is not None and adamw.param_groups[0]["capturable"] is True
+    assert installed_capturable(sgd) is None and "step" not in vars(sgd)
+
+
+class FrozenLayerGAN(ManualGANDeviceNoise):
+    """The GAN with the discriminator's first layer frozen: `toggle_optimizer` saves its
+    `requires_grad=False` and `untoggle_optimizer` puts it back every step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.discriminator.model[0].requires_grad_(False)
+
+
+class WarmedUpGAN(ManualGANDeviceNoise):
+    """Both learning rates warmed up before each step: the Adams read them from device tensors, which
+    each replay's LR fill must reach in both optimizers."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        for opt in self.optimizers():
+            for group in opt.param_groups:
+                group["lr"] = self.hparams.lr * min(1.0, (batch_idx + 1) / 12)
+
+
+def gan_fit(cls, callbacks, batches=16, **model_kwargs):
+    seed_everything(0)
+    model = cls(**model_kwargs)
+    rec = Recorder()
+    trainer = quiet_trainer(accelerator="cpu", max_steps=2 * batches, callbacks=[rec, *callbacks])
+    trainer.fit(model, IDIOMS["manual_gan"].make_loader())
+    return model, rec, trainer
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [ManualGAN, ManualGANDeviceNoise, FrozenLayerGAN, WarmedUpGAN],
+    ids=["tutorial", "device-noise", "frozen-layer", "lr-warmup-hook"],
+)
+def test_the_basic_gan_is_one_graph_bitwise_its_baseline(cls):
+    """Lightning's basic GAN: two Adams, each toggled, stepped, zeroed and untoggled in the one step."""
+    base, run, cb, base_states, run_states = two_optimizer_pair(gan_fit, cls)
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 1 and s["fallback_steps"] == 0 and s["reason"] is None, s
+    assert emu.FakeGraph.replays >= 16 - 4
+    assert s["replay_check"]["checks"] >= 3 and s["replay_check"]["mismatches"] == 0, s
+    assert run[2].global_step == base[2].global_step == 32
+    assert all(x is None for x in run[1].losses)  # the step returns nothing
+    # g_loss and d_loss as every step logged them (re-issued after each replay)
+    assert all({"g_loss", "d_loss"} <= set(logged) for logged in run[1].logged)
+    assert len({float(logged["d_loss"]) for logged in run[1].logged}) == 16
+    assert_same(base, run)
+    assert_same_optimizer_states(base_states, run_states)
+    # toggling: between steps every parameter is as untoggle_optimizer left it, as in plain Lightning
+    frozen = {n for n, p in cls().named_parameters() if not p.requires_grad}
+    assert frozen == (
+        {"discriminator.model.0.weight", "discriminator.model.0.bias"} if cls is FrozenLayerGAN else set()
+    )
+    assert all({n for n, g in flags.items() if not g} == frozen for flags in run_states.requires_grad)
+    assert all(state == {} for state in run_states.toggle_state)
+
+
+class TwoOptimizersScheduled(ManualTwoOptimizers):
+    def configure_optimizers(self):
+        optimizers = super().configure_optimizers()
+        return optimizers, [torch.optim.lr_scheduler.StepLR(optimizers[0], 5, 0.5)]
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.lr_schedulers().step()
+        return out
+
+
+class SharedParameter(ManualTwoOptimizers):
+    """The head in both optimizers."""
+
+    def configure_optimizers(self):
+        return [
+            torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=True),
+            torch.optim.SGD(self.head.parameters(), lr=self.lr),
+        ]
+
+
+class HeadLRInTheStep(ManualTwoOptimizers):
+    """The second optimizer's LR warmed up inside the step (after its update)."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.optimizers()[1].param_groups[0]["lr"] = 1e-2 * min(1.0, (batch_idx + 1) / 20)
+        return out
+
+
+class DecayingAdagradHead(ManualTwoOptimizers):
+    """A second optimizer with no capturable step (Adagrad whose LR decays reads its step count)."""
+
+    def configure_optimizers(self):
+        return [
+            torch.optim.AdamW(self.net.parameters(), lr=self.lr, foreach=True),
+            torch.optim.Adagrad(self.head.parameters(), lr=0.05, lr_decay=0.01),
+        ]
+
+
+@pytest.mark.parametrize(
+    ("cls", "match"),
+    [
+        (TwoOptimizersScheduled, r"with LR schedulers \(StepLR\).*a replay would not step them"),
+        (SharedParameter, r"2 optimizers \(AdamW, SGD\) that both step the parameter `head.weight`"),
+        (
+            HeadLRInTheStep,
+            r"changes the optimizer's hyperparameters \(param group 0's `lr` \(optimizer 1, SGD\)\)",
+        ),
+    ],
+    ids=["scheduler", "shared-parameter", "lr-in-step"],
+)
+def test_what_two_optimizers_cannot_capture_trains_eagerly_naming_it(cls, match):
+    cb = assert_eager_like_plain(cls, match, steps=24)
+    assert cb.summary()["capturable_from_step"] is None  # never switched: plain all along
+
+
+def test_a_second_optimizer_that_cannot_be_captured_trains_both_as_configured():
+    seen = []
+
+    class Wrapped(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(
+                [installed_capturable(o) is not None or "step" in vars(o) for o in trainer.optimizers]
+            )
+
+    plain = fit(DecayingAdagradHead, steps=12)
+    cb = callback()
+    with pytest.warns(UserWarning, match=r"Adagrad with `lr_decay` != 0 .*; training eagerly"):
+        run = fit(DecayingAdagradHead, [Wrapped(), cb], steps=12)
+    assert not cb.summary()["captured"] and cb.summary()["capturable_from_step"] is None
+    assert seen == [[False, False]] * 6  # the AdamW's step wrapper went again with the refusal
+    assert_same(plain, run)
+
+
+class RetunesTheHead(Callback):
+    """Between steps: the head's SGD momentum changed (baked into the graph), later its state reset."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        sgd = trainer.optimizers[1]
+        if batch_idx == 8:
+            sgd.param_groups[0]["momentum"] = 0.5
+        if batch_idx == 14:
+            sgd.state.clear()
+
+
+def test_the_second_optimizers_changes_are_named_and_captured_again_bitwise_its_baseline():
+    run_states, base_states = OptimizerStates(), OptimizerStates()
+    cb = callback(check_share=1.0)
+    with pytest.warns(UserWarning) as caught:
+        run = mlp_fit(ManualTwoOptimizers, [RetunesTheHead(), cb, run_states])
+    base = mlp_fit(baseline_of(ManualTwoOptimizers), [RetunesTheHead(), base_states])
+    messages = " | ".join(str(w.message) for w in caught)
+    assert "group 0 `momentum` 0.9 -> 0.5 (optimizer 1, SGD)" in messages
+    assert "the optimizer's state has 0 entries, the graph updates 2 (optimizer 1, SGD)" in messages
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 3 and s["reason"] is None, s
+    assert_same(base, run)
+    assert_same_optimizer_states(base_states, run_states)
+
+
+class SavesAtBatch(Callback):
+    def __init__(self, path, batch=10):
+        self.path, self.batch = path, batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.batch:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_saves_both_optimizers_as_plain_lightning_does(tmp_path):
+    cb = callback()
+    gan_fit(ManualGANDeviceNoise, [cb, SavesAtBatch(tmp_path / "run.ckpt")])
+    assert cb.summary()["captured"] and cb.summary()["capture_step"] < 2 * 10, cb.summary()
+    gan_fit(ManualGANDeviceNoise, [SavesAtBatch(tmp_path / "plain.ckpt")])
+    run, plain = (
+        torch.load(tmp_path / f, weights_only=False)["optimizer_states"] for f in ("run.ckpt", "plain.ckpt")
+    )
+    assert len(run) == len(plain) == 2
+    for i, (a, b) in enumerate(zip(run, plain)):
+        assert a["param_groups"] == b["param_groups"], f"optimizer {i}"  # `capturable` as configured
+        assert all(s["step"].device.type == "cpu" for s in a["state"].values())
+
+
+def test_a_draw_on_the_host_is_named_with_its_line_and_the_device_fix():
+    """Off the CPU (``meta`` stands for the device, as in tests/test_step_trace.py), a draw from torch's
+    global CPU generator is noted with the user's line, and the refusal of the Python state it changes
+    names that line and `device=self.device`; draws on the device or from a generator of the step's own
+    are not noted."""
+    from l2lightning import python_state
+    from l2lightning.step_trace import StepTracer
+
+    tracer = StepTracer("meta")
+    own = torch.Generator().manual_seed(0)
+    before = python_state.snapshot([], device_type="meta")
+    with tracer:
+        z = torch.randn(4, 3)  # the tutorial's draw
+        z.to("meta")
+        torch.randn(4, 3, device="meta")
+        torch.randn(4, 3, generator=own)
+    changed = python_state.changed(before, python_state.snapshot([], device_type="meta"))
+    assert changed == [python_state.TORCH_CPU_RANDOM_LABEL]
+    assert [(op, line) for op, (_, line) in tracer.trace.host_draws] == [
+        ("aten::randn", _line_of("the tutorial's draw"))
+    ]
+    message = L2GraphCallback()._python_problem(changed, tracer.trace)
+    assert "draws random numbers on the host, from torch's global CPU generator (`randn` at " in message
+    assert "z = torch.randn(4, 3)" in message
+    assert "`torch.randn(..., device=self.device)`" in message
+    # on the CPU the generator is the device's: the captured ops draw from it themselves
+    on_cpu = StepTracer("cpu")
+    with on_cpu:
+        torch.randn(4, 3)
+    assert on_cpu.trace.host_draws == []
+
+
+def _line_of(marker: str) -> int:
+    import inspect
+
+    lines, start = inspect.getsourcelines(test_a_draw_on_the_host_is_named_with_its_line_and_the_device_fix)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def test_capturable_optimizers_reject_bad_arguments_naming_them():
+    from l2lightning.joined_optimizers import CapturableOptimizers
+
+    with pytest.raises(ValueError, match=r"`members` must hold at least one"):
+        CapturableOptimizers([], [])
+    with pytest.raises(ValueError, match=r"`owned` must have one entry per member: 1 members, 0 entries"):
+        CapturableOptimizers([object()], [])
