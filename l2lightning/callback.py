@@ -86,6 +86,7 @@ from l2lightning.progress_bar_reads import defer_progress_bar_reads
 from l2lightning.replay_check import CHECK_SHARE, CheckSchedule, ReplayCheckReport
 from l2lightning.replay_closure import CLOSURE_HOOKS, ReplayClosure, why_not_fast
 from l2lightning.rng import watch_cuda_state_setters
+from l2lightning.scheduler_steps import ReissuedSchedulerStep
 from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
@@ -339,7 +340,7 @@ class L2GraphCallback(
         self._traced_steps = 0
         self._tracer: StepTracer | None = None
         self._step_logs: dict[str, list[Any]] = {}  # Python-number log values per key, over the traced steps
-        self._capture_logs: list[ReissuedLog] = []
+        self._capture_logs: list[ReissuedLog | ReissuedSchedulerStep] = []
         self._pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
         self._pending_key: tuple = ()
         self._step_closure: Any = None  # the closure optimizer.step got, while its step is decided
@@ -638,6 +639,8 @@ class L2GraphCallback(
         if self._scaled is not None:
             self._scaled.uninstall()
             self._scaled = None
+        if self._manual is not None:
+            self._manual.schedulers.uninstall()
         self._manual = None
         self._graph = None
         self._gate = None
@@ -766,6 +769,8 @@ class L2GraphCallback(
         if self._manual is not None:
             # the whole training_step is the step (ManualStep.training_step); its optimizer steps run as they are
             wrapped.handler = self._manual.optimizer_step
+            # the LR schedulers the step steps itself: stepped again after each replay (l2lightning.scheduler_steps)
+            self._manual.schedulers.install([c.scheduler for c in trainer.lr_scheduler_configs])
             if self.prefetch != "off":
                 self._warn_once(
                     "prefetch-manual",
@@ -875,6 +880,8 @@ class L2GraphCallback(
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        if self._manual is not None:  # the step wrappers a manual step's LR schedulers hold for the fit
+            self._manual.schedulers.portable_states(checkpoint.get("lr_schedulers", []))
         wrapped = self._optimizer or self._kept_optimizer
         if wrapped is None or "optimizer_states" not in checkpoint:
             return

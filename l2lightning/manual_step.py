@@ -24,6 +24,11 @@ What a replay must keep right, though no Python runs in it:
   which decides the gradients the captured backward makes, and put it back by the step's end. A replay
   runs neither, and leaves the flags as the untoggled step does; the flags are compared with the
   graph's before each replay (a step that leaves them changed is captured again);
+* the LR schedulers the step steps (``self.lr_schedulers().step()``): the capture records each call among
+  the step's log calls instead of running it, and each replay steps them again in that order
+  (:mod:`l2lightning.scheduler_steps`); the next replay's optimizer reads the learning rate they set
+  from a device tensor. A scheduler stepped with arguments, before its optimizer's step, or moving a
+  hyperparameter the graph bakes in (OneCycleLR's momentum) is refused by name;
 * what ``training_step`` returns: a manual step mostly returns None, which the capture reads as "no
   step to capture" (a step that returned None skips the optimizer under automatic optimization). The
   module's ``training_step`` is called through :func:`none_as_empty` so that None reaches the callback
@@ -31,9 +36,7 @@ What a replay must keep right, though no Python runs in it:
 
 What is not captured (the fit trains eagerly, with one warning naming the cause, :func:`manual_refusal`,
 :func:`manual_start_refusal`): a parameter that two optimizers step (each parameter's optimizer state is
-saved and compared once), LR schedulers (under manual optimization the step steps them in Python,
-``self.lr_schedulers()``, which a replay would not run; the LR schedule's own Python, its counters
-and ``_last_lr``, would stay at the capture's), a gradient scaler (16-mixed:
+saved and compared once), the LR schedules above that a replay cannot repeat, a gradient scaler (16-mixed:
 the step calls ``scaler.step`` itself, outside the plugin step the callback wraps), hooks the module or
 a callback overrides that run inside the step (``on_before_backward``, ``on_after_backward``,
 ``on_before_optimizer_step``: a replay would not call them), and ``verify="capture"`` (which compares a
@@ -42,15 +45,20 @@ loss the manual step need not return).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from l2lightning.joined_optimizers import members_of, shared_parameter
+from l2lightning.joined_optimizers import members_of, optimizer_names, shared_parameter
+from l2lightning.scheduler_steps import ReissuedSchedulerStep, ScheduledStep, SchedulerSteps
+from l2lightning.step_trace import CaptureRefused
+from l2lightning.warmup_steps import baked_schedule_advice
 
 # the hooks that run inside a manual step (manual_backward: on_before_backward, on_after_backward;
 # LightningOptimizer.step: on_before_optimizer_step); Lightning's on_before_zero_grad runs only in automatic
@@ -97,12 +105,6 @@ def manual_start_refusal(trainer: Any, pl_module: Any) -> str | None:
             f"`{shared}`; the capture handles each parameter's optimizer state once. Give each parameter to "
             "one optimizer"
         )
-    if trainer.lr_scheduler_configs:
-        names = ", ".join(type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs)
-        return (
-            f"{lead} with LR schedulers ({names}), which the step steps in Python (`self.lr_schedulers()`); "
-            "a replay would not step them"
-        )
     return None
 
 
@@ -113,13 +115,16 @@ def manual_source_refusal(source: Any, pl_module: Any) -> str | None:
     ``opt.step()``. The callback evaluates the step's counter conditions, counter values and logged
     counter expressions before each replay, with the counter as the step starts; code after an
     ``opt.step()`` reads it one further, so such a read would take the wrong branch or log the wrong
-    value. Only reads that show ``batch_idx`` or ``current_epoch`` (constant through a step) and not
-    ``global_step`` or the Trainer are followed; anything else is refused, naming its line."""
-    lines = [c.line for c in source.conditions if c.on_counters]
-    lines += [c.line for c in source.counter_values]
-    lines += [line for line, _ in source.log_values.values()]
-    lines += [line for line, _ in source.output_values.values()]
-    unsure = [line for line in lines if not _follows_within_a_step(line)]
+    value. Only reads that show ``batch_idx``, ``current_epoch`` or ``trainer.is_last_batch`` (constant
+    through a step) and not ``global_step`` or the Trainer's other attributes are followed; anything
+    else is refused, naming its line."""
+    counter_reads = [c.line for c in source.conditions if c.on_counters]
+    counter_reads += [c.line for c in source.counter_values]
+    # numbers re-evaluated per replay (`self.lr_schedulers().get_last_lr()[0]`): any but global_step's
+    values = [line for line, _ in source.log_values.values()]
+    values += [line for line, _ in source.output_values.values()]
+    unsure = [line for line in counter_reads if not _follows_within_a_step(line)]
+    unsure += [line for line in values if not _follows_within_a_step(line, reads_a_counter=False)]
     if "global_step" in source.reads and not unsure:
         unsure = ["`self.global_step`"]
     if not unsure:
@@ -132,12 +137,20 @@ def manual_source_refusal(source: Any, pl_module: Any) -> str | None:
     )
 
 
-def _follows_within_a_step(line: str) -> bool:
-    """Whether the source of `line` ("file:line (`source`)") reads only counters a manual step keeps."""
+# what a manual step may read of the Trainer: constant through the step (`if self.trainer.is_last_batch:`,
+# Lightning's docs' per-epoch scheduler step), unlike `global_step`, which each `opt.step()` moves on
+_TRAINER_READS_KEPT = re.compile(r"trainer\.(is_last_batch|current_epoch)\b")
+
+
+def _follows_within_a_step(line: str, reads_a_counter: bool = True) -> bool:
+    """Whether the source of `line` ("file:line (`source`)") reads only counters a manual step keeps
+    (`reads_a_counter`: a read of the step counters that shows none of them reads one some other way)."""
     code = line.split(" (`", 1)[-1]
-    if "global_step" in code or "trainer" in code:
+    if "global_step" in code or "trainer" in _TRAINER_READS_KEPT.sub("", code):
         return False
-    return "batch_idx" in code or "current_epoch" in code
+    return not reads_a_counter or any(
+        name in code for name in ("batch_idx", "current_epoch", "is_last_batch")
+    )
 
 
 def none_as_empty(training_step: Callable[..., Any]) -> Callable[..., Any]:
@@ -175,6 +188,16 @@ _MISSING = object()
 _SWITCHED_KEYS = ("capturable", "fused", "foreach")
 
 
+def _shown_arguments(args: tuple, kwargs: dict) -> str:
+    """A call's arguments for a message: numbers and strings as they are, anything else by its type (a
+    tensor's repr would read its values back from the device)."""
+
+    def shown(value: Any) -> str:
+        return repr(value) if isinstance(value, (int, float, str)) else f"<{type(value).__name__}>"
+
+    return ", ".join([*map(shown, args), *(f"{k}={shown(v)}" for k, v in kwargs.items())])
+
+
 def _run(closure: Callable[[], Any], **kwargs: Any) -> Any:
     """The eager manual step: the whole training_step (its optimizer steps inside it)."""
     return closure()
@@ -192,12 +215,17 @@ class ManualStep:
         self.callback = callback
         self._counting = 0  # the optimizer steps this step's capture recorded
         self.graph_steps = 0  # the optimizer steps the graph holds: counted after each replay
+        # the optimizers (ids) stepped so far in the step running now: a scheduler must step after its own
+        self._stepped: set[int] = set()
+        self.schedulers = SchedulerSteps(self.scheduler_step)
 
     def optimizer_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """The capturable optimizer's handler: its step as it is (inside the graph at the capture)."""
         cb = self.callback
         if cb._mode == "capture":
             self._counting += 1
+        # `run` is the CapturableOptimizer's: which of the step's optimizers this is
+        self._stepped.add(id(getattr(getattr(run, "__self__", None), "optimizer", None)))
         tracer = cb._tracer
         if tracer is None:
             return run(closure, **kwargs)
@@ -205,6 +233,88 @@ class ManualStep:
         # automatic optimization (the capture's own checks judge the capturable step)
         with tracer.paused():
             return run(closure, **kwargs)
+
+    def scheduler_step(self, entry: ScheduledStep, args: tuple, kwargs: dict) -> Any:
+        """A wrapped LR scheduler's ``step`` (l2lightning.scheduler_steps): run as it is, except in a warm-up
+        step that shows a schedule a replay cannot repeat (refused) and at the capture (recorded)."""
+        cb = self.callback
+        mode = cb._mode
+        if not cb._in_step or mode not in ("trace", "capture"):
+            return entry.run(*args, **kwargs)  # eager: between steps, fallbacks, the check's eager step
+        problem = self._scheduler_problem(entry, args, kwargs)
+        if problem is not None and mode == "capture":
+            raise CaptureRefused(problem)
+        if mode == "capture":
+            # stepped by the re-issue of the step's logs that follows the capture, then after each replay
+            cb._capture_logs.append(
+                ReissuedSchedulerStep(cb._module._current_fx_name or "training_step", entry)
+            )
+            return None
+        tracer = cb._tracer
+        if problem is not None and tracer is not None:
+            tracer.trace.add_problem(problem)  # this step stays eager (the warm-up judges its trace)
+        with tracer.paused() if tracer is not None else contextlib.nullcontext():
+            return entry.run(*args, **kwargs)
+
+    def _scheduler_problem(self, entry: ScheduledStep, args: tuple, kwargs: dict) -> str | None:
+        """Why a replay could not repeat this call of `entry`'s ``step`` in the step, or None."""
+        lead = (
+            f"{type(self.callback._module).__name__}'s training_step (manual optimization) steps its LR "
+            f"scheduler {entry.name}"
+        )
+        if args or kwargs:
+            return (
+                f"{lead} with arguments (`step({_shown_arguments(args, kwargs)})`), which a replay cannot "
+                "pass anew (ReduceLROnPlateau reads its metric on the host); step it in `on_train_epoch_end`, as "
+                "Lightning's docs do"
+            )
+        if id(entry.optimizer) not in self._stepped:
+            return (
+                f"{lead} before its optimizer's step, so that step reads the learning rate the schedule set; a "
+                "replay moves the schedule after the whole step. Step the scheduler after `opt.step()`"
+            )
+        return None
+
+    def _hyperparameter_problem(
+        self, optimizers: list[Any], before: list[list[dict[str, Any]]], ignored: tuple, counts: list[int]
+    ) -> str | None:
+        """Why the step's changes to the optimizers' hyperparameters (from `before`, bar `ignored`) cannot
+        be replayed, or None. The step's Python ran (an LR scheduler it steps, `pg["lr"] = ...`), outside
+        the optimizer's own step, where the capturable optimizer notes such writes. A learning rate that a
+        scheduler stepped since the reading `counts` moved is replayed (scheduler_step) where the optimizer
+        reads it from a device tensor; anything else a replay would freeze at the capture's values."""
+        stepped: dict[int, list[str]] = {}  # optimizer id -> the schedulers of it that stepped
+        for entry, was, now in zip(self.schedulers.entries, counts, self.schedulers.counts()):
+            if now != was:
+                stepped.setdefault(id(entry.optimizer), []).append(entry.name)
+        tensor_lr = {id(m.optimizer) for m in members_of(self.callback._optimizer) if m.tensor_lr}
+        changed, keys, schedulers = [], set(), []
+        for i, (optimizer, was) in enumerate(zip(optimizers, before)):
+            scheduled = stepped.get(id(optimizer), [])
+            skip = (*ignored, "lr") if scheduled and id(optimizer) in tensor_lr else ignored
+            found = _changed(was, _hyperparameters(optimizer), skip)
+            if found:
+                keys |= {f.split("`")[1] for f in found if "`" in f}
+                schedulers += scheduled
+            if len(optimizers) > 1:  # which of `self.optimizers()`
+                found = [f"{c} (optimizer {i}, {type(optimizer).__name__})" for c in found]
+            changed += found
+        if not changed:
+            return None
+        lead = (
+            f"{type(self.callback._module).__name__}'s training_step (manual optimization) changes the optimizer's "
+            f"hyperparameters ({', '.join(changed)})"
+        )
+        if schedulers:
+            return (
+                f"{lead} through its LR scheduler ({', '.join(sorted(set(schedulers)))}, stepped in the step), and "
+                f"{optimizer_names(self.callback._optimizer)} bakes them into the graph as numbers, so every step "
+                f"would need a new capture. {baked_schedule_advice(sorted(keys))}"
+            )
+        return (
+            f"{lead}, which a replay (it runs no Python) would freeze at the capture's values; change them in "
+            "`on_train_batch_start`, which runs before each replay"
+        )
 
     def _progress(self) -> Any:
         return self.callback._trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
@@ -222,25 +332,16 @@ class ManualStep:
         hyperparameters, switched = [_hyperparameters(o) for o in optimizers], wrapped.switched
         captures = cb.captures
         self._counting = 0
+        self._stepped = set()
+        scheduled = self.schedulers.counts()
         out = cb._step(_run, functools.partial(cb._training_step, *args, **kwargs), {})
         captured = cb.captures != captures
         if (captured or cb._mode != "replay") and cb._optimizer is not None:
             # the capture step switched the optimizer to make_capturable's configuration: not the step's doing
             ignored = _SWITCHED_KEYS if wrapped.switched != switched else ()
-            changed = []
-            for i, (optimizer, was) in enumerate(zip(optimizers, hyperparameters)):
-                found = _changed(was, _hyperparameters(optimizer), ignored)
-                if len(optimizers) > 1:  # which of `self.optimizers()`
-                    found = [f"{c} (optimizer {i}, {type(optimizer).__name__})" for c in found]
-                changed += found
-            if changed:
-                # the step's Python (an LR scheduler the module keeps, `pg["lr"] = ...`) ran in this step,
-                # outside the optimizer's own step, where the capturable optimizer notes such writes
-                cb._disable(
-                    f"{type(cb._module).__name__}'s training_step (manual optimization) changes the optimizer's "
-                    f"hyperparameters ({', '.join(changed)}), which a replay (it runs no Python) would freeze at "
-                    "the capture's values; change them in `on_train_batch_start`, which runs before each replay"
-                )
+            problem = self._hyperparameter_problem(optimizers, hyperparameters, ignored, scheduled)
+            if problem:
+                cb._disable(problem)
         if captured:
             self.graph_steps = self._counting
             # read by the capture after the step's Python had stepped the optimizers: the step it began at

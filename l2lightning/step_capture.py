@@ -31,6 +31,7 @@ from l2lightning.metric_binding import (
     named_metrics,
 )
 from l2lightning.prefetch_switch import new_cuda_graph
+from l2lightning.scheduler_steps import ReissuedSchedulerStep
 from l2lightning.step_gate import StepGateResult
 from l2lightning.step_overrides import copied_element
 from l2lightning.step_trace import (
@@ -69,7 +70,8 @@ class _Graph:
     # eager step replaced them), as two parallel tuples: the check before every replay maps them in C
     params: tuple = ()
     grad_tensors: tuple = ()
-    log_calls: list[ReissuedLog] = field(default_factory=list)
+    # the step's self.log calls, and (manual optimization) its LR schedulers' steps, in their order
+    log_calls: list[ReissuedLog | ReissuedSchedulerStep] = field(default_factory=list)
     binding: MetricBinding | None = None
     constants: HostConstants | None = None
     flags: tuple = ()

@@ -16,6 +16,7 @@ import torch
 
 from l2lightning.grad_norm_reads import batched_grad_norm_in
 from l2lightning.log_replay import ReissuedLog
+from l2lightning.scheduler_steps import ReissuedSchedulerStep
 
 # What an instance held under a name the callback replaces for the fit, when it held nothing in its own
 # __dict__ (None may be a value it held): the class's attribute is then what comes back.
@@ -192,7 +193,11 @@ class StepOverrides:
         self._reissued.add(fx)
         results = getattr(self._module._trainer, "_results", None)  # the same for every call of the hook
         for call in self._graph.log_calls:
-            if call.fx == fx:
+            if call.fx != fx:
+                continue
+            if isinstance(call, ReissuedSchedulerStep):  # a manual step's LR scheduler, in the step's order
+                call.issue()
+            else:
                 self._reissue_call(call, results)
 
     def _reissue_call(self, call: ReissuedLog, results: Any) -> None:
@@ -217,6 +222,8 @@ class StepOverrides:
         live = set()
         batch_idx = self._pending_batch_idx()
         for call in calls:
+            if not isinstance(call, ReissuedLog):
+                continue
             name, value = call.args[0], call.args[1]
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue

@@ -112,7 +112,7 @@ class WarmupSteps:
         name = optimizer_names(self._optimizer)  # several: a manual step's (`Adam, SGD`)
         return (
             f"{name}'s {changed} changed at every warm-up step (a per-step schedule such as OneCycleLR); {name} bakes "
-            f"them into the graph as numbers, so every step would need a new capture. {_baked_schedule_advice(changed)}"
+            f"them into the graph as numbers, so every step would need a new capture. {baked_schedule_advice(changed)}"
         )
 
     def _timed_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
@@ -376,7 +376,7 @@ class WarmupSteps:
         return True
 
 
-def _baked_schedule_advice(changed: list[str]) -> str:
+def baked_schedule_advice(changed: list[str]) -> str:
     """What keeps one graph when a per-step schedule changes the baked hyperparameters `changed`."""
     advice = []
     if "lr" in changed:

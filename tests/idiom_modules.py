@@ -956,6 +956,24 @@ class ManualGANDeviceNoise(ManualGAN):
         return torch.randn(imgs.shape[0], self.hparams.latent_dim, device=self.device, dtype=imgs.dtype)
 
 
+class ManualGANScheduled(ManualGANDeviceNoise):
+    """ManualGANDeviceNoise with an exponential LR decay on each of its Adams, stepped by the step itself
+    after both updates (under manual optimization Lightning leaves the schedulers to the step)."""
+
+    def configure_optimizers(self):
+        (opt_g, opt_d), _ = super().configure_optimizers()
+        return [opt_g, opt_d], [
+            torch.optim.lr_scheduler.ExponentialLR(opt_g, 0.97),
+            torch.optim.lr_scheduler.ExponentialLR(opt_d, 0.95),
+        ]
+
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+        sch_g, sch_d = self.lr_schedulers()
+        sch_g.step()
+        sch_d.step()
+
+
 # --------------------------------------------------------------------------------------- loaders
 def _digits_loader(n: int = 640, batch_size: int = 32, seed: int = 0) -> DataLoader:
     return _loader(*_digits(n, seed), batch_size=batch_size)
@@ -1575,6 +1593,15 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             functools.partial(_digits_loader, seed=13),
             "capture",
             "the basic GAN with its noise drawn on the device: two optimizers toggled and stepped in one graph",
+            trainer_kwargs=_steps(max_steps=2 * DEFAULT_STEPS),
+            optimizer_steps_per_batch=2,
+        ),
+        Idiom(
+            "manual_gan_schedulers",
+            ManualGANScheduled,
+            functools.partial(_digits_loader, seed=13),
+            "capture",
+            "the GAN's two LR schedulers, stepped in the step, are stepped again after each replay",
             trainer_kwargs=_steps(max_steps=2 * DEFAULT_STEPS),
             optimizer_steps_per_batch=2,
         ),

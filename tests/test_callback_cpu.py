@@ -19,7 +19,7 @@ from l2lightning.metric_binding import (
     update_counts,
     updated_between,
 )
-from l2lightning.warmup_steps import _baked_schedule_advice, metric_update_reason
+from l2lightning.warmup_steps import baked_schedule_advice, metric_update_reason
 from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
 
 
@@ -419,7 +419,7 @@ def test_autotune_argument_is_checked_up_front_and_reaches_the_tuner(monkeypatch
     ],
 )
 def test_a_per_step_schedule_of_baked_hyperparameters_gets_advice_for_what_it_changes(changed, advice):
-    assert _baked_schedule_advice(changed) == advice
+    assert baked_schedule_advice(changed) == advice
 
 
 def test_traced_steps_watch_the_submodules_the_user_compiled_and_those_compile_true_compiled():

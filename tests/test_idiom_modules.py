@@ -114,7 +114,7 @@ def test_judge_on_cpu_callback_trains_eagerly_and_equals_plain(one_torch_thread)
     assert result["equal"] is True, result["detail"]
 
 
-@pytest.mark.parametrize("name", ["manual_gan", "manual_gan_device_noise"])
+@pytest.mark.parametrize("name", ["manual_gan", "manual_gan_device_noise", "manual_gan_schedulers"])
 def test_judge_the_two_optimizer_gan_on_the_emulator_captures_it_equal_to_its_baseline(
     name, one_torch_thread, emulated_cuda_graphs, monkeypatch
 ):

@@ -6,9 +6,9 @@ its baseline (per-step losses and logs, parameters, the optimizer's state, the l
 ``global_step`` is the manual loop's optimizer-step count, which replays move on too). So are two
 optimizers stepped in one step (Lightning's basic GAN, ``toggle_optimizer`` included: both updates in
 the one graph, ``global_step`` two per batch, ``requires_grad`` after every step as in plain
-Lightning). What is not captured (LR schedulers the step steps; hooks inside the step; a parameter two
-optimizers step; hyperparameters the step writes) trains eagerly with one warning naming the cause,
-bit for bit plain Lightning, and never raises.
+Lightning). LR schedulers the step steps are in tests/test_manual_schedulers_cpu.py. What is not
+captured (hooks inside the step; a parameter two optimizers step; hyperparameters the step writes)
+trains eagerly with one warning naming the cause, bit for bit plain Lightning, and never raises.
 
 Here the CPU is the device, so the tutorial GAN's ``torch.randn`` without a device draws on the device
 and is captured; on a GPU that draw is on the host and the fit trains eagerly, naming the line and
@@ -64,19 +64,6 @@ class ManualMLP(ByHand):
         if self.toggle:
             self.untoggle_optimizer(opt)
         return loss if self.returns else None
-
-
-class ManualScheduled(ManualMLP):
-    """A per-step scheduler the step itself steps (`self.lr_schedulers().step()`)."""
-
-    def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=True)
-        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 5, 0.5)]
-
-    def training_step(self, batch, batch_idx):
-        out = super().training_step(batch, batch_idx)
-        self.lr_schedulers().step()
-        return out
 
 
 class ManualTwoOptimizers(ByHand):
@@ -170,10 +157,6 @@ def assert_eager_like_plain(cls, match, steps=12, **model_kwargs):
     assert "manual optimization" in s["reason"], s
     assert_same(plain, run)
     return cb
-
-
-def test_a_scheduler_the_step_steps_trains_eagerly_naming_it():
-    assert_eager_like_plain(ManualScheduled, r"LR schedulers \(StepLR\).*a replay would not step them")
 
 
 def test_a_hook_inside_the_manual_step_trains_eagerly_naming_it():
@@ -487,17 +470,6 @@ def test_the_basic_gan_is_one_graph_bitwise_its_baseline(cls):
     assert all(state == {} for state in run_states.toggle_state)
 
 
-class TwoOptimizersScheduled(ManualTwoOptimizers):
-    def configure_optimizers(self):
-        optimizers = super().configure_optimizers()
-        return optimizers, [torch.optim.lr_scheduler.StepLR(optimizers[0], 5, 0.5)]
-
-    def training_step(self, batch, batch_idx):
-        out = super().training_step(batch, batch_idx)
-        self.lr_schedulers().step()
-        return out
-
-
 class SharedParameter(ManualTwoOptimizers):
     """The head in both optimizers."""
 
@@ -530,14 +502,13 @@ class DecayingAdagradHead(ManualTwoOptimizers):
 @pytest.mark.parametrize(
     ("cls", "match"),
     [
-        (TwoOptimizersScheduled, r"with LR schedulers \(StepLR\).*a replay would not step them"),
         (SharedParameter, r"2 optimizers \(AdamW, SGD\) that both step the parameter `head.weight`"),
         (
             HeadLRInTheStep,
             r"changes the optimizer's hyperparameters \(param group 0's `lr` \(optimizer 1, SGD\)\)",
         ),
     ],
-    ids=["scheduler", "shared-parameter", "lr-in-step"],
+    ids=["shared-parameter", "lr-in-step"],
 )
 def test_what_two_optimizers_cannot_capture_trains_eagerly_naming_it(cls, match):
     cb = assert_eager_like_plain(cls, match, steps=24)
