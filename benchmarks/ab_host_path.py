@@ -12,7 +12,8 @@ Each fit is the family's packaged trainer (progress bar, CSV logger) with
 ``L2GraphCallback(prefetch="off")``, built by the B tree's ``bench_host_overhead.py`` helpers when the A
 tree has none of its own. ``--emulate`` runs on the CPU with the graph emulator of the B tree's tests
 (``tests/graph_emulator.py``) and a replay that runs nothing: the callback's host path and Lightning's
-loop alone, no GPU. On a GPU the fits are real.
+loop alone, no GPU, and no sampled replay check (``verify=False``: a replay that runs nothing would
+fail it). On a GPU the fits are real, with the check as by default.
 
 With ``--a . --b .`` both trees are this checkout and the script measures the fit-to-fit spread
 itself: every fit's ratio to the median of its family's fits, and whether the fit that ran first or
@@ -69,7 +70,11 @@ def child(args: argparse.Namespace) -> int:
     from l2lightning.tools.bench import run as bench
 
     setup = bho.FamilySetup(args.family, args.batch, [], Path(args.log_dir))
-    timer, cb = StepTimer(), L2GraphCallback(prefetch="off")
+    # A replay that runs nothing differs from its eager step: the sampled replay check (the default)
+    # would find that at the first checked replay and train the rest of the fit eagerly, so emulated
+    # fits run without it (on a GPU the fits are real and keep it)
+    verify = False if args.emulate else "sampled"
+    timer, cb = StepTimer(), L2GraphCallback(prefetch="off", verify=verify)
     total = args.steps + SKIP + 10
     accelerator = "cpu" if args.emulate else "cuda"
     with bench._quiet_lightning(), open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
@@ -87,6 +92,10 @@ def child(args: argparse.Namespace) -> int:
                 "steps": len(steps),
                 "torch_threads": torch.get_num_threads(),
                 "captured": summary.get("captured"),
+                # a fit that stopped replaying (reason set) or fell back is not the host path under test
+                "reason": summary.get("reason"),
+                "fallback_steps": summary.get("fallback_steps"),
+                "verify": verify,
                 "replay_ms": summary.get("graph_step_ms"),
                 "l2lightning": l2lightning.__file__,
                 "python_hash_seed": os.environ.get("PYTHONHASHSEED"),

@@ -88,6 +88,8 @@ def test_one_emulated_pair_runs_each_tree_in_its_own_process(tmp_path):
     assert p10 <= result["fits"][0]["step_ms"] <= p90
     for fit in result["fits"]:
         assert fit["captured"] is True and fit["steps"] == 5
+        # the timed steps replayed (a sampled check of a replay that runs nothing would have stopped that)
+        assert fit["reason"] is None and fit["fallback_steps"] == 0 and fit["verify"] is False
         assert fit["l2lightning"].startswith(str(ROOT))
     summary = result["summary"]["mlp_stack"]
     assert len(summary["ratio_B_over_A_per_pair"]) == 1 and summary["ratio_B_over_A_median"] > 0
