@@ -91,7 +91,7 @@ from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
 from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
-from l2lightning.step_overrides import ABSENT, StepOverrides, presenting_signature_of, put_back
+from l2lightning.step_overrides import ABSENT, StepOverrides, forwarding, presenting_signature_of, put_back
 from l2lightning.step_source import StepSource, analyse, analyse_callbacks
 from l2lightning.step_trace import (
     StepTracer,
@@ -587,10 +587,10 @@ class L2GraphCallback(
         step = self._training_step if self._manual is None else self._manual.training_step
         overrides: dict[str, Any] = {
             "training_step": presenting_signature_of(pl_module.training_step, step),
-            "optimizer_zero_grad": self._optimizer_zero_grad,
-            "backward": self._backward,
-            "configure_gradient_clipping": self._configure_gradient_clipping,
-            "log": self._log,
+            "optimizer_zero_grad": forwarding(self._optimizer_zero_grad),
+            "backward": forwarding(self._backward),
+            "configure_gradient_clipping": forwarding(self._configure_gradient_clipping),
+            "log": forwarding(self._log),
         }
         for hook in user_hooks:
             overrides[hook] = self._captured_hook(hook, getattr(pl_module, hook))

@@ -272,6 +272,23 @@ def copied_element(element: Any) -> Any:
     return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, element)
 
 
+def forwarding(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (the callback's, installed on the module for the fit) as a plain function calling it.
+
+    ``copy.deepcopy`` copies a bound method's object with it, and a function as it is: Lightning's
+    StochasticWeightAveraging deep-copies the module at the fit's start, and through the callback's
+    bound methods in the module's ``__dict__`` the copy reached the callback and the Trainer and
+    failed (``TypeError: cannot pickle 'module' object``; a plain fit runs). A copy made during the fit
+    holds the same function, which serves the module the callback handles: the copies such callbacks
+    make are for their weights and ``forward``."""
+
+    @functools.wraps(method)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+
+    return forward
+
+
 def presenting_signature_of(
     original: Callable[..., Any], replacement: Callable[..., Any]
 ) -> Callable[..., Any]:
