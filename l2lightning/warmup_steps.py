@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 
 from l2lightning import python_state
 from l2lightning.carried_state import split_carried
+from l2lightning.hook_writes import possible_writes
 from l2lightning.joined_optimizers import optimizer_names
 from l2lightning.metric_binding import (
     named_metrics,
@@ -23,6 +25,7 @@ from l2lightning.metric_binding import (
     updated_between,
 )
 from l2lightning.step_decision import _first_names
+from l2lightning.step_overrides import ABSENT
 from l2lightning.step_trace import (
     StepTrace,
     StepTracer,
@@ -43,6 +46,10 @@ def metric_update_reason(names: list[str], detail: str | None = None) -> str:
         + "; update them in `on_train_batch_end` from the outputs training_step returns "
         "(for example `return {'loss': loss, 'preds': preds.detach()}`)"
     )
+
+
+# the hooks that may run after each replay instead of inside the graph (_after_replay_obstacle)
+AFTER_REPLAY_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 
 
 @dataclass
@@ -298,19 +305,9 @@ class WarmupSteps:
             if not self._runs_after_replay(hook, trace):
                 problem = (
                     f"`{hook}` builds tensors from host values (`torch.tensor([...])`, often of `.item()`s, as "
-                    "Lightning's `grad_norm` does), which a graph cannot hold"
-                    + (
-                        " and, with gradient clipping, cannot run after a replay either"
-                        if self._trainer.gradient_clip_val
-                        else ""
-                    )
-                    + (
-                        " and, since it reads parameters or the optimizer's state (which after a replay "
-                        "hold the step's update already), cannot run after a replay either; log tensors (`self.log(name, tensor)`) "
-                        "instead of Python numbers so it can stay in the graph"
-                        if hook in trace.parameter_reading_hooks
-                        else ""
-                    )
+                    "Lightning's `grad_norm` does), which a graph cannot hold, and cannot run after each replay "
+                    f"instead: {self._after_replay_obstacle(hook, trace)}; log tensors (`self.log(name, tensor)`) "
+                    "instead of Python numbers so it can stay in the graph"
                 )
         syncs = [s for s in trace.syncs if not self._runs_after_replay(s[2], trace)]
         if syncs and problem is None and not trace.problems and not group.traces and not group.dropped_first:
@@ -321,10 +318,14 @@ class WarmupSteps:
             group.metrics.update(updated)
             return
         if syncs and problem is None:
-            what, frame, _ = syncs[0]
+            what, frame, hook = syncs[0]
+            # a hook whose reads alone would run after each replay: why this one cannot
+            obstacle = self._after_replay_obstacle(hook, trace) if hook in AFTER_REPLAY_HOOKS else None
             problem = (
                 f"{what} at {describe_frame(frame)} makes the host wait for the GPU inside the step, which a CUDA "
-                "graph cannot hold; log the tensor with `self.log` instead, or run such steps eagerly with "
+                "graph cannot hold"
+                + (f" (and `{hook}` cannot run after each replay instead: {obstacle})" if obstacle else "")
+                + "; log the tensor with `self.log` instead, or run such steps eagerly with "
                 "`eager_steps=lambda trainer, batch_idx: ...`"
             )
         elif trace.problems:
@@ -356,24 +357,68 @@ class WarmupSteps:
             group.problem = group.problem or problem
 
     def _runs_after_replay(self, hook: str | None, trace: StepTrace) -> bool:
-        """Whether a hook that syncs can run eagerly after each replay instead of inside the graph.
-
-        Only hooks that read the step's gradients and write nothing (``self.log_dict(grad_norm(self, 2))``
-        turns each norm into a Python float) and see, after a replay, exactly what they see in an eager
-        step: ``on_after_backward`` and ``on_before_optimizer_step``, without gradient clipping (which
-        runs after them in an eager step, before them in a replayed one), and without reading a
-        parameter (after a replay it holds the step's update already).
-        """
-        if (
-            hook not in ("on_after_backward", "on_before_optimizer_step")
-            or hook in trace.mutating_hooks
-            or hook in trace.parameter_reading_hooks
-            or self._trainer.gradient_clip_val
-        ):
+        """Whether a hook that syncs can run eagerly after each replay instead of inside the graph
+        (see :meth:`_after_replay_obstacle`); marks it so, or unmarks it."""
+        if self._after_replay_obstacle(hook, trace) is not None:
             self._eager_hooks.discard(hook)  # an earlier traced step may have let it run after replays
             return False
         self._eager_hooks.add(hook)
         return True
+
+    def _after_replay_obstacle(self, hook: str | None, trace: StepTrace) -> str | None:
+        """Why hook `hook` cannot run after each replay, or None where it can.
+
+        Only hooks that read the step's gradients and write nothing (``self.log_dict(grad_norm(self, 2))``
+        turns each norm into a Python float) and see, after a replay, exactly what they see in an eager
+        step: ``on_after_backward`` and ``on_before_optimizer_step``, when nothing that runs after them
+        in an eager step changes the gradients (gradient clipping, ``Trainer(gradient_clip_val=...)`` or
+        a ``configure_gradient_clipping`` of the module's own; for ``on_after_backward`` also an
+        ``on_before_optimizer_step`` that writes), when they read no parameter (after a replay it holds
+        the step's update already), and when neither this step's trace nor their code shows a write: a
+        write the warm-up did not take (a guard that zeroes non-finite gradients) would come after the
+        update (l2lightning.hook_writes).
+        """
+        if hook not in AFTER_REPLAY_HOOKS:
+            return f"`{hook}` runs where a replay cannot be followed by it"
+        if hook in trace.mutating_hooks:
+            return f"`{hook}` writes tensors"
+        if hook in trace.parameter_reading_hooks:
+            return (
+                f"`{hook}` reads parameters or the optimizer's state, which after a replay hold the step's "
+                "update already"
+            )
+        clipping = self._clipping()
+        if clipping:
+            return f"{clipping} changes the gradients after `{hook}` reads them"
+        if hook == "on_after_backward" and "on_before_optimizer_step" in trace.mutating_hooks:
+            return "`on_before_optimizer_step` writes tensors after `on_after_backward` reads the gradients"
+        writes = self._code_writes(hook)
+        if writes:
+            return f"`{hook}` may write: {writes[0]}, which after a replay would come after the update"
+        return None
+
+    def _clipping(self) -> str | None:
+        """What clips the gradients in the step: the Trainer's setting or the module's own clipping."""
+        if self._trainer.gradient_clip_val:
+            return f"gradient clipping (`gradient_clip_val={self._trainer.gradient_clip_val}`)"
+        if type(self._module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
+            return "the module's `configure_gradient_clipping`"
+        return None
+
+    def _code_writes(self, hook: str) -> list[str]:
+        """What the code of every function installed as `hook` (the module's, the callbacks') may
+        write, read once a fit (l2lightning.hook_writes)."""
+        found = self._hook_writes.get(hook)
+        if found is None:
+            found = []
+            original = self._originals.get(hook)
+            if original is not None:
+                found += possible_writes(original, self._module)
+            for cb, name, before in self._callback_overrides:
+                if name == hook:
+                    found += possible_writes(getattr(type(cb), hook) if before is ABSENT else before, cb)
+            self._hook_writes[hook] = found
+        return found
 
 
 def baked_schedule_advice(changed: list[str]) -> str:
