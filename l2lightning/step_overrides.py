@@ -46,6 +46,8 @@ class StepOverrides:
                 for key, (_, evaluate) in self._source.output_values.items():
                     output[key] = evaluate(self._module, batch_idx)
             return output
+        # a manual step may call backward more than once (a second loss adds to the first's gradients)
+        self._backward_in_step = False
         accumulating = self._trainer is not None and self._trainer.accumulate_grad_batches != 1
         if (
             not self._in_step
@@ -116,8 +118,10 @@ class StepOverrides:
         if self._mode == "replay":
             return None
         adds = bool(self._pending_key) and self._pending_key[0][1].adds
-        if self._mode == "trace" and self._tracer is not None and not adds:
-            # (a closing micro-batch adds to Lightning's accumulated gradients by design; its graph does too)
+        first, self._backward_in_step = not self._backward_in_step, True
+        if self._mode == "trace" and self._tracer is not None and not adds and first:
+            # (a closing micro-batch adds to Lightning's accumulated gradients by design; its graph does
+            # too; so does a manual step's second backward, to the first's within the step)
             stale = self._stale_gradients()
             if stale:
                 self._tracer.trace.problems.append(stale)
@@ -150,6 +154,15 @@ class StepOverrides:
             left = bool(torch.stack([v.ne(0).any() for v in values]).any())
         if not left:
             return None
+        if self._manual is not None:
+            return (
+                f"{type(self._module).__name__} sets `automatic_optimization = False` (manual optimization) and the "
+                "parameters' gradients still hold an earlier step's values when the step's first backward starts "
+                "(the step does not zero them before it: gradients accumulated across steps), so each step adds "
+                "to them; a captured step starts from fresh gradients and would drop that sum. Zero them before "
+                "each step's first `manual_backward` (`opt.zero_grad()`), or accumulate with "
+                "`Trainer(accumulate_grad_batches=N)` under automatic optimization"
+            )
         return (
             "the parameters' gradients still hold an earlier step's values when backward starts "
             "(`optimizer_zero_grad` does not zero them every step), so each step adds to them; a captured step "
