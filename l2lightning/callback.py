@@ -366,7 +366,8 @@ class L2GraphCallback(
         self._other_branch: tuple[Any, int] = (None, 0)  # a branch key other than the graph's, and its run
         self._live_log_values: set[str] = set()
         self._eager_hooks: set[str] = set()
-        self._backward_in_step = False  # whether this step's training_step has called backward yet
+        # a traced step's gradient tensors as it starts, by parameter: its backward must not add to them
+        self._grads_before_step: dict[int, Any] = {}
         # per hook name, what its functions' code may write (l2lightning.hook_writes), read once a fit
         self._hook_writes: dict[str, list[str]] = {}
         self._grad_norm_names = GradNormNames()  # where those hooks find Lightning's grad_norm

@@ -46,8 +46,9 @@ class StepOverrides:
                 for key, (_, evaluate) in self._source.output_values.items():
                     output[key] = evaluate(self._module, batch_idx)
             return output
-        # a manual step may call backward more than once (a second loss adds to the first's gradients)
-        self._backward_in_step = False
+        if mode == "trace":
+            # the gradient tensors an earlier step left: a backward of this step must not add to them
+            self._grads_before_step = {id(p): p.grad for p in self._module.parameters() if p.grad is not None}
         accumulating = self._trainer is not None and self._trainer.accumulate_grad_batches != 1
         if (
             not self._in_step
@@ -118,15 +119,14 @@ class StepOverrides:
         if self._mode == "replay":
             return None
         adds = bool(self._pending_key) and self._pending_key[0][1].adds
-        first, self._backward_in_step = not self._backward_in_step, True
-        if self._mode == "trace" and self._tracer is not None and not adds and first:
-            # (a closing micro-batch adds to Lightning's accumulated gradients by design; its graph does
-            # too; so does a manual step's second backward, to the first's within the step)
-            stale = self._stale_gradients()
-            if stale:
-                self._tracer.trace.problems.append(stale)
+        # (a closing micro-batch adds to Lightning's accumulated gradients by design; its graph does too)
+        held = (
+            self._held_gradients() if self._mode == "trace" and self._tracer is not None and not adds else []
+        )
         with self._kernel_counter.phase("backward"):
             out = self._originals["backward"](loss, *args, **kwargs)
+        if any(p.grad is not grad or grad._version != version for p, grad, version in held):
+            self._tracer.trace.add_problem(self._stale_gradients_problem())
         if self._hooks is not None and self._hooks.via == "ops":
             self._hooks.join()  # custom-op points leave the backward join to the caller
         if self._mode == "capture" and self._capture_accumulated is not None:
@@ -136,29 +136,41 @@ class StepOverrides:
         self._phase_events.mark("backward")
         return out
 
-    def _stale_gradients(self) -> str | None:
-        """Why a traced step cannot be captured when its backward adds to earlier gradients, else None.
+    def _held_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """The gradients an earlier step left that still hold values as a traced step's backward starts,
+        each as (parameter, gradient, its version): a backward that adds to one of them (a new tensor,
+        or the same one written) adds this step's gradients to an earlier step's.
 
         The captured step sets the gradients to None and lets backward allocate them in the graph's
         pool, which equals an eager step only if backward starts from no gradients or from zeros:
         Lightning's ``optimizer_zero_grad`` (set to None) or ``zero_grad(set_to_none=False)``. A
-        module whose ``optimizer_zero_grad`` skips steps (or never zeroes) adds each step's gradients
-        to the last ones; replayed, that sum would silently be lost. One host sync, warm-up steps only.
+        module whose ``optimizer_zero_grad`` skips steps (or never zeroes), or a manual step that
+        accumulates across steps, adds each step's gradients to the last ones; replayed, that sum
+        would silently be lost. Gradients this step made itself (a manual step's second backward adds
+        to its first's) and gradients this backward does not reach (the GAN's other network) are no
+        such sum. One host sync, warm-up steps only.
         """
-        grads = [p.grad for p in self._module.parameters() if p.grad is not None]
-        if not grads:
-            return None
+        before = self._grads_before_step
+        held = [
+            (p, p.grad)
+            for p in self._module.parameters()
+            if p.grad is not None and before.get(id(p)) is p.grad
+        ]
+        if not held:
+            return []
         with self._tracer.paused():
             # a sparse gradient (nn.Embedding(sparse=True)) holds its values apart
-            values = [g.coalesce().values() if g.is_sparse else g for g in grads]
-            left = bool(torch.stack([v.ne(0).any() for v in values]).any())
-        if not left:
-            return None
+            values = [g.coalesce().values() if g.is_sparse else g for _, g in held]
+            nonzero = torch.stack([v.ne(0).any() for v in values]).tolist()
+        return [(p, g, g._version) for (p, g), left in zip(held, nonzero) if left]
+
+    def _stale_gradients_problem(self) -> str:
+        """The refusal of a step whose backward added to gradients an earlier step left (_held_gradients)."""
         if self._manual is not None:
             return (
                 f"{type(self._module).__name__} sets `automatic_optimization = False` (manual optimization) and the "
-                "parameters' gradients still hold an earlier step's values when the step's first backward starts "
-                "(the step does not zero them before it: gradients accumulated across steps), so each step adds "
+                "step's backward adds to gradients an earlier step left (the step does not zero them before its first "
+                "`manual_backward`: gradients accumulated across steps), so each step adds "
                 "to them; a captured step starts from fresh gradients and would drop that sum. Zero them before "
                 "each step's first `manual_backward` (`opt.zero_grad()`), or accumulate with "
                 "`Trainer(accumulate_grad_batches=N)` under automatic optimization"
