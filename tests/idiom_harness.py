@@ -316,7 +316,7 @@ def _run_idiom(name: str, variant: str, steps: int, accelerator: str, switch_ste
     _release()
     if error is None:
         return run
-    if variant == "callback" and recorder.started == 0 and isinstance(error, (ValueError, TypeError)):
+    if variant == "callback" and recorder.started == 0 and refused_by_the_callback(error):
         # Refused by name before any step: what the user runs next is a plain fit, in this process.
         refit = run_idiom(name, "plain", steps=steps, accelerator=accelerator)
         refit.variant = "callback"
@@ -333,6 +333,17 @@ def _run_idiom(name: str, variant: str, steps: int, accelerator: str, switch_ste
     run.reason = run.error
     run.summary["traceback"] = tb[-4000:]
     return run
+
+
+def refused_by_the_callback(error: BaseException) -> bool:
+    """Whether `error` is the callback refusing the fit by name (a strategy it does not support): a
+    ValueError or TypeError it raises itself, saying so. Any other exception before the first step is
+    a crash, even a TypeError: Lightning's StochasticWeightAveraging failing to deep-copy the module
+    (``cannot pickle 'module' object``) was once counted as a refusal and judged equal."""
+    if not isinstance(error, (ValueError, TypeError)) or "L2GraphCallback" not in str(error):
+        return False
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and f"{os.sep}l2lightning{os.sep}" in frames[-1].filename
 
 
 def _release() -> None:
