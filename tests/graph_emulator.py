@@ -52,6 +52,14 @@ def _mutated_args(func, args, kwargs):
     return out
 
 
+def _as_it_is_now(t: torch.Tensor) -> torch.Tensor:
+    """A view of `t`'s memory with `t`'s shape and strides as they are now, whatever later happens to `t`."""
+    if t.layout != torch.strided:
+        return t
+    with torch.no_grad():
+        return t.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
 def _fresh_outputs(func, result):
     """Tensors among `result` that are new allocations (returns without an alias annotation)."""
     returns = func._schema.returns
@@ -90,14 +98,17 @@ class _Recorder(TorchDispatchMode):
         # replayed through an alias of its memory then, so `t.data = other` or `t.set_(other)` later
         # leaves the replay reading the old memory, as on a GPU
         args, kwargs = tree_map(self._at_capture_address, (args, kwargs))
-        self.ops.append((func, args, kwargs, fresh))
+        self.ops.append((func, args, kwargs, [_as_it_is_now(t) for t in fresh]))
         return result
 
     def _at_capture_address(self, value):
         if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
             return value
         if _storage_key(value) in self.created:
-            return value  # made by the capture: the replay writes this very tensor
+            # made by the capture: the replay writes its memory, seen as it is at this op (a later
+            # in-place metadata op, `transpose_` ending a CPU GRU(batch_first=True), changes the
+            # object's shape, not what this op read or wrote)
+            return _as_it_is_now(value)
         return value.detach()
 
     def undo(self) -> None:
