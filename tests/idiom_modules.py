@@ -974,6 +974,97 @@ class ManualGANScheduled(ManualGANDeviceNoise):
         sch_d.step()
 
 
+# ------------------------------------------------------- found by a held-out idiom hunt (CPU emulator)
+class _Regressor(LightningModule):
+    """A small regression MLP with Adam, the base of the hunt's modules below."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, 128), nn.GELU(), nn.Linear(128, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x).squeeze(-1), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class NanGuard(_Regressor):
+    """The forum recipe that skips the update on non-finite gradients, in on_before_optimizer_step."""
+
+    def on_before_optimizer_step(self, optimizer):
+        if not all(torch.isfinite(p.grad).all() for p in self.parameters() if p.grad is not None):
+            optimizer.zero_grad()
+
+
+class GradNormBeforeOwnClipping(_Regressor):
+    """Lightning's grad_norm logged in on_after_backward, clipped by a configure_gradient_clipping of
+    the module's own (Lightning's docs' example of it)."""
+
+    def on_after_backward(self):
+        self.log_dict(grad_norm(self, norm_type=2))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
+class SWAConfigured(_Regressor):
+    """Lightning's StochasticWeightAveraging from configure_callbacks: it comes after the Trainer's own
+    callbacks, the graph callback included, and deep-copies the module at set-up."""
+
+    def configure_callbacks(self):
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        return [StochasticWeightAveraging(swa_lrs=1e-4, swa_epoch_start=2, annealing_epochs=1)]
+
+
+class ManualWGANGP(LightningModule):
+    """WGAN-GP under manual optimization: the critic every batch (gradient penalty through
+    `torch.autograd.grad(create_graph=True)`), the generator every second one, each optimizer zeroed
+    just before its own backward."""
+
+    def __init__(self, dim: int = 64, z: int = 16, n_critic: int = 2) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(z, 128), nn.ReLU(), nn.Linear(128, dim))
+        self.critic = nn.Sequential(nn.Linear(dim, 128), nn.LeakyReLU(0.2), nn.Linear(128, 1))
+        self.z, self.n_critic = z, n_critic
+
+    def gradient_penalty(self, real, fake):
+        alpha = torch.rand(real.size(0), 1, device=self.device)
+        inter = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        out = self.critic(inter)
+        grads = torch.autograd.grad(out, inter, torch.ones_like(out), create_graph=True, retain_graph=True)[0]
+        return ((grads.norm(2, dim=1) - 1) ** 2).mean()
+
+    def training_step(self, batch, batch_idx):
+        real, _ = batch
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(real.size(0), self.z, device=self.device)
+        fake = self.gen(z)
+        d_loss = self.critic(fake.detach()).mean() - self.critic(real).mean()
+        d_loss = d_loss + 10 * self.gradient_penalty(real, fake.detach())
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.log("d_loss", d_loss)
+        if batch_idx % self.n_critic == 0:
+            g_loss = -self.critic(self.gen(z)).mean()
+            opt_g.zero_grad()
+            self.manual_backward(g_loss)
+            opt_g.step()
+            self.log("g_loss", g_loss)
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.Adam(self.gen.parameters(), lr=1e-4, betas=(0.0, 0.9)),
+            torch.optim.Adam(self.critic.parameters(), lr=1e-4, betas=(0.0, 0.9)),
+        )
+
+
 # --------------------------------------------------------------------------------------- loaders
 def _digits_loader(n: int = 640, batch_size: int = 32, seed: int = 0) -> DataLoader:
     return _loader(*_digits(n, seed), batch_size=batch_size)
@@ -1036,6 +1127,13 @@ def _dlrm_loader(
 
 def _regression_loader(n: int, dim: int, batch_size: int, seed: int) -> DataLoader:
     return _loader(*_regression(n, dim, seed), batch_size=batch_size)
+
+
+def _corrupt_regression_loader(bad_batch: int = 13) -> DataLoader:
+    """The regression batches (n 640, dim 64, batch 32), one sample of batch `bad_batch` holding an inf."""
+    x, y = _regression(640, 64, 21)
+    x[bad_batch * 32 + 3, 5] = float("inf")
+    return _loader(x, y, batch_size=32)
 
 
 def _hydra_template_module() -> HydraTemplateMNIST:
@@ -1604,6 +1702,35 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             "the GAN's two LR schedulers, stepped in the step, are stepped again after each replay",
             trainer_kwargs=_steps(max_steps=2 * DEFAULT_STEPS),
             optimizer_steps_per_batch=2,
+        ),
+        Idiom(
+            "nan_guard_bad_batch",
+            NanGuard,
+            _corrupt_regression_loader,
+            "refuse",
+            "the guard syncs and may zero the gradients, which after a replay would come after the update",
+        ),
+        Idiom(
+            "grad_norm_own_clipping",
+            GradNormBeforeOwnClipping,
+            _reg_loader,
+            "refuse",
+            "the norms are read before the module's own clipping, which a replay has already done",
+        ),
+        Idiom(
+            "swa_from_configure_callbacks",
+            SWAConfigured,
+            _reg_loader,
+            "capture",
+            "SWA after the graph callback deep-copies the module at set-up (it crashed once)",
+        ),
+        Idiom(
+            "manual_wgan_gp",
+            ManualWGANGP,
+            _reg_loader,
+            "capture",
+            "the generator's last gradients are left while the critic's backward runs: no stale sum",
+            trainer_kwargs=_steps(max_steps=2 * DEFAULT_STEPS),
         ),
         Idiom(
             "dqn_helper_sync",

@@ -128,3 +128,27 @@ def test_judge_the_two_optimizer_gan_on_the_emulator_captures_it_equal_to_its_ba
     assert result["extra"]["summary"]["captures"] == 1
     assert result["extra"]["summary"]["capturable_from_step"] == 6  # the fourth batch, two steps a batch
     assert result["equal"] is True, result["detail"]
+
+
+@pytest.mark.parametrize(
+    ("name", "captured", "named"),
+    [
+        ("nan_guard_bad_batch", False, "`on_before_optimizer_step` may write: `optimizer.zero_grad()`"),
+        ("grad_norm_own_clipping", False, "the module's `configure_gradient_clipping` changes the gradients"),
+        ("swa_from_configure_callbacks", True, ""),
+        ("manual_wgan_gp", True, ""),
+    ],
+)
+def test_judge_the_held_out_hunts_idioms_on_the_emulator(
+    name, captured, named, one_torch_thread, emulated_cuda_graphs, monkeypatch
+):
+    """Idioms a held-out hunt found silently wrong, crashing or refused for a false cause: each now
+    captured and equal to its baseline, or refused by name and equal to plain (the bad batch's NaN
+    loss included, which the harness takes as equal to NaN)."""
+    from tests import idiom_harness
+
+    monkeypatch.setattr(idiom_harness, "_EXTRA_CAPTURABLE_DEVICES", ("cpu",))
+    result = judge(name, steps=24, accelerator="cpu")
+    assert result["captured"] is captured, result["reason"]
+    assert named in (result["reason"] or "")
+    assert result["equal"] is True, result["detail"]

@@ -23,6 +23,8 @@ REFUSAL_NAMES = {
     "manual_gan": "the step draws random numbers on the host, from torch's global CPU generator",
     "own_step_counter": "the step changes Python state (`self.updates`)",
     "adamw_onecycle_momentum": "AdamW's ['betas'] changed at every warm-up step",
+    "nan_guard_bad_batch": "`on_before_optimizer_step` may write: `optimizer.zero_grad()`",
+    "grad_norm_own_clipping": "the module's `configure_gradient_clipping` changes the gradients",
 }
 
 
