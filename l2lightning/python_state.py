@@ -5,16 +5,21 @@ epsilon decayed per step, a step counter of its own), appends to a list (``self.
 Lightning's own migration advice for ``training_step_outputs``) or flips a flag would, replayed, stop
 doing so: the counter freezes, a branch on it never fires again (a target-network sync every N of its
 own steps), the list keeps one entry. None of that is visible to the op trace, whose work is the same
-on most steps, so the callback snapshots the public scalar attributes (int, float, bool, str) and list
-lengths of the module, its submodules and the Trainer's other callbacks, and which tensor each of
-their tensor attributes, buffers and parameters is (``self.running = 0.9 * self.running + x`` binds a
-new one each step, which a graph that keeps reading the old one cannot follow), around each traced step and
-refuses, naming the attribute, a step that changes one after the first warm-up step (a first step may
-build something once: a lazy cache, an ``initialized`` flag). The one change a replay can redo is a
-list that grows by one element per step: the callback appends a fresh copy of the element the capture
-appended (its tensors are the graph's, overwritten by each replay) after every replay. A capture that
-does not complete puts the scalars back and truncates the lists, so the eager step that replaces it
-changes them once.
+on most steps, so the callback snapshots the public scalar attributes (int, float, bool, str), the
+elements of lists and deques (by identity: a full ``deque(maxlen=n)`` drops its first element as it
+appends, so its length alone does not show the append), the entries of dicts that hold lists or
+deques (``self.outputs = defaultdict(list)``) with their lists' elements, of the module, its submodules
+and the Trainer's other callbacks, and which tensor each of their tensor attributes, buffers and
+parameters is (``self.running = 0.9 * self.running + x`` binds a new one each step, which a graph that
+keeps reading the old one cannot follow), around each traced step and refuses, naming the attribute, a
+step that changes one after the first warm-up step (a first step may build something once: a lazy
+cache, an ``initialized`` flag). The one change a replay can redo is one ``append`` per step to a list
+or deque, an attribute or an entry of a dict: the callback appends a fresh copy of the element the
+capture appended (its tensors are the graph's, overwritten by each replay) after every replay, to
+the container the attribute or entry holds then (where there is none, an epoch-end hook having
+cleared the dict, that step runs eagerly: only its own code knows what it would append to). A
+capture that does not complete puts the scalars, the lists' and deques' elements and the dicts'
+entries back, so the eager step that replaces it changes them once.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from __future__ import annotations
 import functools
 import random
 import sys
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +44,10 @@ _SCALARS = (int, float, bool, str, *NUMPY_SCALARS)
 # public attributes that are not the step's own state: nn.Module's train/eval flag (the callback
 # checks it per step, and a change captures again)
 _IGNORED = frozenset({"training"})
+# the containers a step appends its outputs to, whose one `append` per step a replay can redo
+_SEQUENCES = (list, deque)
+# the key of a value that is an attribute itself, not an entry of the dict an attribute holds
+_NO_KEY = object()
 
 
 @dataclass(frozen=True)
@@ -45,12 +55,16 @@ class _Value:
     label: str  # "`self.n`", "`self.head.calls`", "`MyCallback.count`", "Python's global `random` generator"
     owner: Any
     name: str
-    # "value", "len", "tensor" (which object), "rng", "held_rng" or "dict" ((what to compare, what to restore))
+    # "value", "tensor" (which object), "tensors", "rng", "held_rng" or "dict" ((what to compare, what to
+    # restore)), "items" (a list or deque: (it, its elements, its maxlen)) or "entries" (a dict holding
+    # lists or deques: (it, its (key, value) pairs))
     kind: str
     value: Any
+    key: Any = _NO_KEY  # an "items" entry of the dict attribute `name`: its key there
 
 
-Snapshot = dict[tuple[int, str], _Value]
+# (id(owner), name), and (id(owner), name, key) for a list or deque in the dict attribute `name`
+Snapshot = dict[tuple, _Value]
 
 # The labels of random generators' states: the global ones, and the suffix of one held in an attribute
 PYTHON_RANDOM_LABEL = "Python's global `random` generator"
@@ -134,7 +148,8 @@ def snapshot(
     skip: frozenset[tuple[int, str]] = frozenset(),
     device_type: str = "cpu",
 ) -> Snapshot:
-    """The public scalar attributes, list lengths and small dicts of numbers of `objects`, and the state
+    """The public scalar attributes, lists and deques (their elements), dicts holding lists or deques
+    (their entries, and the lists' elements) and small dicts of numbers of `objects`, and the state
     of Python's and NumPy's global random generators (a step that draws from them, an epsilon-greedy
     branch on ``random.random()``, would draw once and then replay that one branch). `skip`: (id(object), name)
     pairs left out (attributes the callback itself sets around a capture).
@@ -166,8 +181,21 @@ def snapshot(
                 continue
             if isinstance(value, _SCALARS):
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "value", value)
-            elif isinstance(value, list):
-                out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "len", len(value))
+            elif isinstance(value, _SEQUENCES):
+                out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "items", _items(value))
+            elif isinstance(value, dict) and (
+                not value or any(isinstance(v, _SEQUENCES) for v in value.values())
+            ):
+                # per-key outputs (`self.outputs["loss"].append(x)`, a defaultdict(list), empty until
+                # the first step's append makes its entry): which object each key holds, and the
+                # elements of each list or deque among them
+                label = f"`{prefix}.{name}`"
+                out[id(obj), name] = _Value(label, obj, name, "entries", (value, tuple(value.items())))
+                for key, held in value.items():
+                    if isinstance(held, _SEQUENCES):
+                        out[id(obj), name, key] = _Value(
+                            f"`{prefix}.{name}[{key!r}]`", obj, name, "items", _items(held), key
+                        )
             elif isinstance(value, dict) and (entries := frozen(value)) is not None:
                 # a small dict of numbers (`self.stats["n"] += 1`): (what to compare, what to restore)
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "dict", (entries, dict(value)))
@@ -191,6 +219,12 @@ def snapshot(
                     if isinstance(value, torch.Tensor) and (id(obj), name) not in skip:
                         out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "tensor", value)
     return out
+
+
+def _items(container: list | deque) -> tuple[Any, tuple, int | None]:
+    """(the list or deque, its elements, its maxlen): the elements themselves, held, so that while
+    the snapshot lives no other object takes the id of one the step removes."""
+    return container, tuple(container), container.maxlen if isinstance(container, deque) else None
 
 
 def host_tensors(objects: Iterable[tuple[str, Any]]) -> dict[int, str]:
@@ -321,6 +355,10 @@ def rebound_tensors(before: Snapshot, after: Snapshot) -> list[tuple[_Value, _Va
 def _differs(a: Any, b: Any, kind: str = "value") -> bool:
     if kind in ("rng", "dict", "held_rng"):
         return a[0] != b[0]
+    if kind == "items":  # another list or deque, or other elements
+        return a[0] is not b[0] or not _same_objects(a[1], b[1])
+    if kind == "entries":  # another dict, or keys added, removed or bound to other objects
+        return a[0] is not b[0] or len(a[1]) != len(b[1]) or not _same_entries(a[1], b[1])
     if kind == "tensors":
         return a is not b  # rebound
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -334,45 +372,140 @@ def _differs(a: Any, b: Any, kind: str = "value") -> bool:
 
 @dataclass(frozen=True)
 class Append:
-    """A list attribute the step appends one element to (``self.training_step_outputs.append(x)``)."""
+    """A list or deque the step appends one element to: an attribute (``self.training_step_outputs.append(x)``,
+    ``self.recent.append(x)`` to a ``deque(maxlen=4)``) or an entry of the dict an attribute holds
+    (``self.outputs["loss"].append(x)``, `key` its key)."""
 
     label: str
     owner: Any
     name: str
+    key: Any = _NO_KEY
+    # the ids of the tensors it held before the step (alive as long as the snapshot that found them):
+    # one a full deque dropped as the step appended is one of them
+    earlier: frozenset[int] = field(default=frozenset(), compare=False, repr=False)
 
-    def current(self) -> list | None:
-        """The list the attribute holds now (an epoch-end hook may have put a new one there)."""
+    def current(self) -> list | deque | None:
+        """The list or deque the attribute or the dict's entry holds now (an epoch-end hook may have put
+        a new one there, or cleared the dict); None where there is none: there, only the step's own code
+        knows what it would append to (a defaultdict's factory, a ``setdefault``)."""
         value = getattr(self.owner, "__dict__", {}).get(self.name)
-        return value if isinstance(value, list) else None
+        if self.key is not _NO_KEY:
+            # `get`, not `[]`: a defaultdict's missing key is not made here
+            value = value.get(self.key) if isinstance(value, dict) else None
+        return value if isinstance(value, _SEQUENCES) else None
 
 
 def read_appended_elements(appended: list[Append], read_ids: set[int]) -> list[str]:
     """Problems for the lists the step appends to whose earlier elements the step's ops read
     (``prev = self.history[-1]``; `read_ids`: the ids of the tensors the ops read, alive throughout
-    the step as the list holds them): a replay would read the element it was captured with forever,
-    while an eager step reads the one the last step appended."""
+    the step as the list holds them, or the snapshot before it those a full deque dropped): a replay
+    would read the element it was captured with forever, while an eager step reads the one the last
+    step appended."""
     return [
         f"the step reads tensors of {a.label}, a list it appends to (`prev = self.history[-1]`): a replay runs "
         "no Python, so it would read the element it was captured with at every step; keep the value in "
         "a tensor the step updates in place"
         for a in appended
-        if any(id(t) in read_ids for t in (a.current() or [])[:-1] if isinstance(t, torch.Tensor))
+        if not a.earlier.isdisjoint(read_ids)
     ]
 
 
-def split_appends(before: Snapshot, after: Snapshot) -> tuple[list[Append], list[str]]:
-    """The changes between snapshots, as lists that grew by exactly one element, and the other changes."""
+def split_appends(
+    before: Snapshot, after: Snapshot, new_entries: bool = True
+) -> tuple[list[Append], list[str]]:
+    """The changes between snapshots, as lists and deques the step appended exactly one element to
+    (:func:`_one_append`), and the labels of the other changes, which a replay cannot redo: among them
+    a list or deque changed otherwise (a ``popleft``, ``extend``, ``insert`` or ``clear``) and a dict of
+    lists that gained, lost or rebound a key.
+
+    `new_entries`: whether a key the step adds to a dict of lists, holding a new list or deque with
+    the one element it appended, counts as an append to that entry. In the warm-up it does: a
+    ``defaultdict(list)``'s first ``self.outputs["loss"].append(x)`` makes the entry that the later
+    steps append to, which then compare alike. At the capture it does not: its replays would append
+    to that one entry at every step, where the step may make a new one each time
+    (``self.per_batch[batch_idx] = [x]``)."""
+    changes = _changes(before, after)
+    made: set[tuple] = set()  # the snapshot keys of such entries
+    grown: set[int] = set()  # the ids of the "entries" changes that made only those
+    for then, now in changes if new_entries else ():
+        if then is not None and then.kind == now.kind == "entries":
+            keys = _made_entries(then.value, now.value)
+            if keys is not None:
+                made.update((id(now.owner), now.name, key) for key in keys)
+                grown.add(id(now))
     appends, other = [], set()
-    for then, now in _changes(before, after):
-        if then is not None and then.kind == now.kind == "len" and now.value == then.value + 1:
-            appends.append(Append(now.label, now.owner, now.name))
+    for then, now in changes:
+        if then is not None and then.kind == now.kind == "items" and _one_append(then.value, now.value):
+            earlier = frozenset(id(t) for t in then.value[1] if isinstance(t, torch.Tensor))
+            appends.append(Append(now.label, now.owner, now.name, now.key, earlier))
+        elif then is None and (id(now.owner), now.name, now.key) in made:
+            appends.append(Append(now.label, now.owner, now.name, now.key))
+        elif (then is None and now.key is not _NO_KEY) or id(now) in grown:
+            continue  # an entry added to or removed from its dict: the dict's own change names it
         else:
             other.add(now.label)
     return appends, sorted(other)
 
 
+def _made_entries(then: tuple, now: tuple) -> list | None:
+    """The keys of an "entries" value `now` that `then`'s dict gained, each holding a new list or deque
+    of one element, where that is all that changed (the same dict, its earlier entries the same); else None."""
+    mapping, before = then
+    after = now[1]
+    if now[0] is not mapping or len(after) <= len(before) or not _same_entries(before, after[: len(before)]):
+        return None
+    earlier = {id(v) for _, v in before}
+    added = after[len(before) :]
+    if all(isinstance(v, _SEQUENCES) and len(v) == 1 and id(v) not in earlier for _, v in added):
+        return [key for key, _ in added]
+    return None
+
+
+def _same_entries(a: tuple, b: tuple) -> bool:
+    """Whether two dicts' (key, value) pairs, as many, are the same keys bound to the same objects (equal
+    numbers; a tensor that requires grad is, as in :func:`_changes`, recomputed by the graph too)."""
+    return all(
+        ka is kb
+        and (
+            va is vb
+            or (isinstance(va, _SCALARS) and not _differs(va, vb))
+            or (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and vb.requires_grad)
+        )
+        for (ka, va), (kb, vb) in zip(a, b)
+    )
+
+
+def _one_append(then: tuple, now: tuple) -> bool:
+    """Whether the "items" value `now` is `then`'s container after one ``append``: the same list or
+    deque, with its earlier elements (the same objects) and one more; a full deque with a `maxlen`
+    drops its first element as it appends, and only such a one (an unbounded deque or a list that
+    keeps its length had an element removed: a window kept by hand, which a replay's append would
+    let grow). Any other change (a ``popleft``, ``appendleft``, ``extend`` or ``insert`` of more than
+    the one element at the end, a ``clear``, another list bound) is not what a replay's append redoes.
+
+    On a full bounded deque a ``popleft`` then an ``append`` leaves what one ``append`` leaves, and
+    is taken for it: they differ only on a deque that is not full, which a step that pops before it
+    appends would raise on once emptied (an epoch-end ``clear()``) unless it pops only when full."""
+    container, before, maxlen = then
+    if now[0] is not container:
+        return False
+    after = now[1]
+    if len(after) == len(before) + 1:
+        return _same_objects(after[:-1], before)
+    return (
+        maxlen is not None
+        and 0 < maxlen == len(before) == len(after)
+        and _same_objects(after[:-1], before[1:])
+    )
+
+
+def _same_objects(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def restore(before: Snapshot) -> None:
-    """Put the scalars and random states of `before` back and cut its lists back to their lengths."""
+    """Put the scalars and random states of `before` back, and its lists', deques' and dicts' contents
+    (into the same objects, bound where they were: whoever else holds one sees it as it was)."""
     for entry in before.values():
         if entry.kind == "rng":
             if entry.name == "random":
@@ -401,8 +534,20 @@ def restore(before: Snapshot) -> None:
                 current.update(entry.value[1])
             else:
                 attributes[entry.name] = entry.value[1]
-        elif isinstance(attributes.get(entry.name), list):
-            del attributes[entry.name][entry.value :]
+        elif entry.kind == "items":
+            container, elements, _ = entry.value
+            if entry.key is _NO_KEY:  # an entry of a dict is bound back with its dict's entries
+                attributes[entry.name] = container
+            if isinstance(container, deque):  # a full one dropped what an aborted run appended past it
+                container.clear()
+                container.extend(elements)
+            else:
+                container[:] = elements
+        elif entry.kind == "entries":
+            mapping, items = entry.value
+            attributes[entry.name] = mapping
+            mapping.clear()  # the same dict object (a defaultdict keeps its factory), its entries as they were
+            mapping.update(items)
 
 
 def baked_scalars(

@@ -237,12 +237,20 @@ class StepCapture:
         wrapped.freeze(True)
 
         def captured() -> Any:
+            # What the step's own code changes is read from here, inside the capture: what the
+            # capture sets around the step is not the step's (the CPU graph emulator flags its
+            # capture in a module-level list that tests' steps read). `python_before` stays what a
+            # failed capture restores.
+            python_started = python_state.snapshot(holders, ours, device_type)
             out = self._run_traced(tracer, closure)
             if self._step_output is None:
                 raise _Defer()
             python_after = python_state.snapshot(holders, ours, device_type)
-            appended, python_changed = python_state.split_appends(python_before, python_after)
-            carried, python_changed = split_carried(python_before, python_after, tracer.made, python_changed)
+            # an entry a dict gained is refused here: its replays would append to it at every step
+            appended, python_changed = python_state.split_appends(
+                python_started, python_after, new_entries=False
+            )
+            carried, python_changed = split_carried(python_started, python_after, tracer.made, python_changed)
             python_changed += self._optimizer_writes()
             if python_changed and self._traced_steps >= 1:
                 raise CaptureRefused(self._python_problem(python_changed, tracer.trace))

@@ -39,6 +39,8 @@ class StepDispatch:
             mode = self._decide()
         finally:
             self._step_closure = None
+        if mode == "replay" and self._graph.appends:
+            mode = self._appends_redoable()
         self._in_step = True
         try:
             if mode == "replay":
@@ -156,11 +158,28 @@ class StepDispatch:
         end.record()
         return start, end
 
+    def _appends_redoable(self) -> str:
+        """What this step does instead of the replay _decide chose: ``"replay"``, or ``"eager"`` where a
+        list or deque the step appends to is gone (an epoch-end hook cleared the dict holding it,
+        ``self.outputs.clear()`` on a ``defaultdict(list)``). What the step would append to then only
+        its own code knows (the dict's factory, a ``setdefault``), so this one step runs it; the next
+        replays append to what it made."""
+        gone = [where.label for where, _ in self._graph.appends if where.current() is None]
+        if not gone:
+            return "replay"
+        self._replays_since_capture -= 1  # _decide counted this step as a replay
+        self._gate_turn = None  # the gate's turn goes to the next replay
+        self._fall_back(
+            f"the step appends to {', '.join(gone)}, gone since the last step (an entry cleared from its dict, "
+            "an attribute bound to no list or deque), which only its own code makes again"
+        )
+        return "eager"
+
     def _replay_step(self, closure: Any) -> Any:
         graph = self._graph
         start, end = self._launch_replay(graph)
         for where, element in graph.appends:  # what the step's Python appended, as in an eager step
-            current = where.current()
+            current = where.current()  # not None: _appends_redoable ran this step eagerly otherwise
             if current is not None:
                 current.append(copied_element(element))
         for carried in graph.carried:  # what the step's Python rebound, as in an eager step
@@ -207,6 +226,10 @@ class StepDispatch:
             saved = written.save()
         except torch.OutOfMemoryError:
             self._check_skipped_for_memory()
+            if graph.appends and self._appends_redoable() == "eager":
+                self._mode = "eager"
+                with self._on_step_stream():
+                    return run(closure, **kwargs)
             return self._replay_step(closure)
         clock.lap("save")
         targets = written.current()  # the tensors the graph writes, whatever the eager step rebinds
