@@ -40,15 +40,20 @@ from torch.utils.hooks import RemovableHandle
 
 from l2lightning.step_source import (
     HELPER_DEPTH,
+    ClosureCells,
     Condition,
     StepSource,
+    _closure_name_of,
+    _held_callables_in,
     _is_user_code,
     _lookup,
+    _methods_matching,
     _parse,
     _record_closure,
     _record_globals,
     _record_outside_reads,
     _Visitor,
+    read_with_module,
 )
 from l2lightning.step_values import AttributeValue
 
@@ -165,6 +170,15 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
             owner = hook
         if not isinstance(owner, torch.nn.Module) and all(owner is not o for o in owners):
             owners.append(owner)
+    # the module's methods that code read as the module's calls through another name (a loss function's
+    # `model.helper()`, `getattr(self, f"_{kind}_loss")(...)`, a callback's `pl_module.helper()`): they
+    # run in the step (l2lightning.step_source.read_with_module, StepSource.read_patterns)
+    called = [pattern for _, pattern, is_called in found.read_patterns if is_called]
+    for name in _methods_matching(type(module), called):
+        function = _user_function(type(module), name)
+        params = function.__code__.co_varnames[:1] if function is not None else ()
+        if params and (id(function.__code__), params[0]) not in found.module_functions_read:
+            methods.append((module, name, 0))  # (not read already as the step's helper)
     seen_code: set[int] = set()
     scratch = StepSource()  # the conditions and self-reads of code that is not the module's
     seen_methods: set[tuple[type, str]] = set()
@@ -177,26 +191,35 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         if function is None:
             continue  # torch's own layers, installed packages, l2lightning's prefetch hooks
         reads: set[str] = set()
-        visitor = _read(found, scratch, function, depth, seen_code, reads, owner=obj, branches=True)
+        visitor = _read(
+            found, scratch, function, depth, seen_code, reads, owner=obj, branches=True, module=module
+        )
         _add_self_reads(found, module, obj, reads)
         if visitor is not None and depth < HELPER_DEPTH:
             methods += [(obj, helper, depth + 1) for helper in sorted(visitor.helpers)]
     for hook_function in functions:
         function = _users_own(hook_function)
         if function is not None and id(function.__code__) not in seen_code:
-            _read(found, scratch, function, 0, seen_code, set(), owner=None)
+            _read(found, scratch, function, 0, seen_code, set(), owner=None, module=module)
     found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
     ignored = StepSource()
     read_only = [(obj, _user_function(type(obj), name)) for obj, name in other_methods]
     for holder in module.modules():
         read_only += _held_callables(holder)
+    # the callables the module keeps in containers its step reads (`self.loss_fns = {"mse": self._mse}`)
+    for name in sorted(found.reads):
+        value = vars(module).get(name)
+        if isinstance(value, (dict, list, tuple)):
+            read_only += [_callable_owner_and_function(item) for item in _held_callables_in(value)]
     for owner, function in read_only:
         if function is None or id(function.__code__) in seen_code:
             continue
         reads: set[str] = set()
         # at HELPER_DEPTH: the functions it calls are not followed (they might assign)
-        _read(found, ignored, function, HELPER_DEPTH, seen_code, reads, owner=owner)
+        _read(found, ignored, function, HELPER_DEPTH, seen_code, reads, owner=owner, module=module)
         _add_self_reads(found, module, owner, reads)
+    # the module's attributes read by names the source does not show (`vars(self)`, a computed getattr)
+    found.resolve_reads(module)
     # the user's classes named in the code read so far: a custom autograd Function's forward and
     # backward run in the step (`GradReverse.apply(x)`), and so may a class's static helpers
     for cls in _named_classes(found):
@@ -250,16 +273,21 @@ def _held_callables(holder: Any) -> list[tuple[Any, Any]]:
     for value in list(vars(holder).values()):
         while isinstance(value, functools.partial):
             value = value.func
-        if isinstance(value, types.FunctionType):
-            found.append((None, _users_own(value)))
-        elif isinstance(value, types.MethodType):
-            found.append((value.__self__, _users_own(value.__func__)))
+        if isinstance(value, (types.FunctionType, types.MethodType)):
+            found.append(_callable_owner_and_function(value))
         elif not isinstance(value, (type, torch.nn.Module, torch.Tensor)) and hasattr(value, "__dict__"):
             # an object of the user's own class (a loss with __call__, a schedule with a method the
             # step calls): every function its class defines
             cls = type(value)
             found += [(value, _user_function(cls, name)) for name in _own_functions(cls)]
     return found
+
+
+def _callable_owner_and_function(value: Any) -> tuple[Any, types.FunctionType | None]:
+    """(the object a method is bound to, or None for a function; the function, if the user's own)."""
+    if isinstance(value, types.MethodType):
+        return value.__self__, _users_own(value.__func__)
+    return None, _users_own(value)
 
 
 def _users_own(function: Any) -> types.FunctionType | None:
@@ -308,19 +336,41 @@ def _read(
     reads: set[str],
     owner: Any,
     branches: bool = False,
+    module: Any = None,
 ) -> _Visitor | None:
     """Record what `function` reads outside itself (from its source, else its bytecode). For a method
     (`owner`: the object its ``self`` is), its ``self.X`` reads go to `reads`, and the values it reads
     through ``self`` by constant subscripts and attributes (``self.cfg["w"]``, ``self.cfg.extra[0]``)
     join the step source's comparisons, evaluated on `owner`; with `branches` (code known to run in the
-    step), so do its branch tests on ``self`` (``if self.cfg["boost"]:``), in the step's branch key."""
+    step), so do its branch tests on ``self`` (``if self.cfg["boost"]:``), in the step's branch key.
+    A function that closes over `module` (the LightningModule: ``lambda p, y: ... * self.aux_weight``
+    kept in an attribute or registered as a hook) is read as the module's own code
+    (:func:`l2lightning.step_source.read_with_module`)."""
     seen.add(id(function.__code__))
+    alias = _closure_name_of(function, module) if owner is None and module is not None else None
+    if alias is not None:
+        read_with_module(found, function, alias, f"`{function.__qualname__}`", depth, set())
+        _read_bytecode(found, function)
+        return None
     tree, filename, first_line, params = _parse(function)
     if tree is None:  # a lambda, or source that does not parse alone
         _read_bytecode(found, function)
         return None
     self_name = params[0] if owner is not None and params else ""
-    visitor = _Visitor(scratch, filename, first_line, self_name, None, (), reads)
+    visitor = _Visitor(
+        scratch,
+        filename,
+        first_line,
+        self_name,
+        None,
+        (),
+        reads,
+        namespace=function.__globals__,
+        closure=ClosureCells(function) if function.__closure__ else None,
+        module_names=(self_name,) if owner is module and self_name else (),
+        module_reads=reads if owner is module and self_name else None,
+        owner=owner,
+    )
     values_before, conditions_before = len(scratch.attribute_values), len(scratch.conditions)
     visitor.run(tree)
     if owner is not None:

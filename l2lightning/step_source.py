@@ -25,10 +25,23 @@ the source can change from step to step in a way the graph cannot see:
   ``StepSource.attribute_values`` (:func:`_record_global_chains`); names the step assigns
   (``global STEPS; STEPS += 1``) are collected so that the callback can refuse the step
   (``StepSource.global_writes``).
-* Python numbers passed to ``self.log`` (``self.lr_schedulers().get_last_lr()[0]``): a replay would
-  re-log the capture-time value. :meth:`StepSource.log_value` re-evaluates the logged expression
-  where it can be (same rules, plus the side-effect-free calls ``lr_schedulers()``,
-  ``optimizers()``, ``get_last_lr()``).
+* Python numbers passed to ``self.log`` and as the entries of a literal dict to ``self.log_dict``
+  (``self.lr_schedulers().get_last_lr()[0]``, ``{"phase": self.phase}``): a replay would re-log the
+  capture-time value. :meth:`StepSource.log_value` re-evaluates the logged expression where it can be
+  (same rules, plus the side-effect-free calls ``lr_schedulers()``, ``optimizers()``,
+  ``get_last_lr()``); the keys logged with a number fixed for one graph (a literal, a batch shape) and
+  those logged with an expression no replay can evaluate are named (``log_constants``,
+  ``log_opaque``), and so are the log calls whose keys the source does not show (``log_unknown``).
+* the module read through another name than ``self``: a function of the user's given the module
+  (``losses.regularized(self, pred, y)`` reading ``model.aux_weight``, ``functools.partial(f, self)``,
+  a method of an object the module holds), a local alias (``m = self``), a lambda or a method the module
+  keeps in an attribute or a container (``self.loss_fns = {"mse": self._mse_loss}``), a callback hook's
+  ``pl_module`` handed to its helpers: read as the module's code (:func:`read_with_module`), their
+  reads join ``reads`` and their tests and values the comparisons. Where the source does not say
+  which attribute is read (``getattr(self, f"_{kind}_loss")``, ``vars(self)``, ``self`` handed to code
+  that cannot be read), ``StepSource.read_patterns`` records the names it may be, and every public
+  attribute of the module they match counts as read (:meth:`StepSource.resolve_reads`); the
+  module's methods a computed name may call are read as the step's helpers.
 
 The Trainer's other callbacks' hooks inside the step are read the same way
 (:func:`analyse_callbacks`). Evaluation only reads attributes and calls the whitelisted builtins and
@@ -44,6 +57,7 @@ import datetime
 import functools
 import inspect
 import os
+import re
 import sysconfig
 import textwrap
 import time
@@ -106,6 +120,43 @@ class StepSource:
     # calls of the host clock (``time.monotonic()``) whose reading reaches the step's work (a branch, a
     # factor) rather than only a log or host text: a replay keeps the capture step's reading
     clock_reads: list[str] = field(default_factory=list)
+    # the module's attributes read through an alias whose name the source does not spell out: a computed
+    # ``getattr(self, f"_{self.loss_name}_loss")`` (the pattern of its constant parts), ``vars(self)``,
+    # ``self`` handed to code that cannot be read (any name), a method called through an alias in code
+    # read as the module's (its exact name). (line, pattern, whether the attribute is called: the
+    # module's methods it matches run in the step.) :meth:`resolve_reads` adds the module's attributes
+    # they match to `reads`, at setup and at each capture.
+    read_patterns: list[tuple[str, re.Pattern[str], bool]] = field(default_factory=list)
+    # keys of the step's logs (``self.log``, ``self.log_dict``) whose Python number is the same for every
+    # replay of one graph: a literal, or a number of the batch's shapes (a graph replays one batch layout)
+    log_constants: set[str] = field(default_factory=set)
+    # keys logged with an expression a replay cannot evaluate again (a call of the user's, a local from
+    # the step's work): key -> "file:line (...)". A Python number among them would repeat the capture's
+    log_opaque: dict[str, str] = field(default_factory=dict)
+    # log calls whose keys the source does not show (``self.log(f"loss/{k}", v)``, ``self.log_dict(d)``)
+    log_unknown: list[str] = field(default_factory=list)
+    # (id of a function's code, the name bound to the module in it): the functions read as the module's
+    # code (a loss helper given ``self``, a lambda closing over it), each read once however often the
+    # analysis is asked again (at each capture)
+    module_functions_read: set[tuple[int, str]] = field(default_factory=set, repr=False)
+
+    def resolve_reads(self, module: Any) -> None:
+        """Add to `reads` the module's public attributes that :attr:`read_patterns` match now (the
+        attributes a hook set since the last call included)."""
+        if not self.read_patterns:
+            return
+        try:
+            names = [n for n in vars(module) if isinstance(n, str) and not n.startswith("_")]
+        except TypeError:
+            return
+        patterns = {p for _, p, _ in self.read_patterns}
+        self.reads.update(n for n in names if any(p.fullmatch(n) for p in patterns))
+
+    def add_read_pattern(self, line: str, pattern: re.Pattern[str], called: bool) -> None:
+        """Record a :attr:`read_patterns` entry once (the analysis is asked again at each capture)."""
+        known = {(where, p.pattern, c) for where, p, c in self.read_patterns}
+        if (line, pattern.pattern, called) not in known:
+            self.read_patterns.append((line, pattern, called))
 
     def attribute_snapshot(self, module: Any, batch_idx: int) -> list[tuple[AttributeValue, Any]]:
         """The attribute values that are Python numbers (or small containers of them) now, frozen;
@@ -191,9 +242,12 @@ CLOCK_NAMES = frozenset(
 
 def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> StepSource:
     """Conditions on step counters and logged Python expressions in `module`'s own step hooks and in
-    the module's own methods they call (``self.helper(...)``, ``self(...)`` for ``forward``)."""
+    the module's own methods they call (``self.helper(...)``, ``self(...)`` for ``forward``), and in
+    the code that reads the module through another name (``losses.regularized(self, pred, y)`` reading
+    ``model.aux_weight``, a lambda or a method the module keeps in an attribute)."""
     found = StepSource()
     _analyse_object(module, hook_names, found, found.reads, callback=False)
+    found.resolve_reads(module)
     return found
 
 
@@ -222,33 +276,62 @@ def _analyse_object(
     """Walk `obj`'s hooks `hook_names` and the methods of its own they call (see :func:`analyse`).
 
     `callback`: `obj` is a Lightning Callback, whose step hooks take ``(self, trainer, pl_module, ...)``;
-    their tests are evaluated with those three."""
+    their tests are evaluated with those three. For the module (not `callback`), the methods that code
+    read as the module's calls through another name (:attr:`StepSource.read_patterns` marked called)
+    and the methods and functions the attributes it reads hold (``self.loss_fns[name](pred, y)``) are
+    read as its helpers too."""
     seen: set[tuple[str, Any]] = set()
     seen_functions: set[int] = set()  # plain functions already read (ids of their code objects)
     # (method, depth, position of the batch_idx argument among its parameters after self, and for
-    # a `super().name(...)` call the class whose method made it: the lookup starts after it in the MRO)
-    pending: list[tuple[str, int, int | None, type | None]] = [
-        (hook, 0, 1 if hook == "training_step" else None, None) for hook in hook_names
+    # a `super().name(...)` call the class whose method made it: the lookup starts after it in the MRO;
+    # the positions of the Trainer and of the module among the arguments, where a hook hands them on)
+    pending: list[tuple[str, int, int | None, type | None, int | None, int | None]] = [
+        (hook, 0, 1 if hook == "training_step" else None, None, None, None) for hook in hook_names
     ]
+    patterns_read = 0  # how many of found.read_patterns were looked up as methods
     while pending:
-        name, depth, batch_position, after = pending.pop(0)
+        name, depth, batch_position, after, trainer_position, module_position = pending.pop(0)
         if (name, after) in seen:
             continue
         seen.add((name, after))
         owner, method = _lookup(type(obj), name, after)
+        if method is None and module_position is not None:
+            # `self.loss_fn(self, pred, y)`: a function the object holds, given the module
+            _read_held_with_module(found, obj, name, module_position, depth, seen_functions)
+            continue
+        method = method.fget if isinstance(method, property) else method
         if method is None or not callable(method) or _defined_by_library(method):
             continue
         tree, filename, first_line, params = _parse(method)
         if tree is None:
+            if module_position is not None:  # the module handed to a method that cannot be read
+                found.add_read_pattern(f"{type(obj).__qualname__}.{name}", _ANY_NAME, False)
             continue
         function = inspect.unwrap(getattr(method, "__func__", method))
-        batch_idx = (
-            params[batch_position + 1]
-            if batch_position is not None and len(params) > batch_position + 1
-            else None
-        )
-        # a callback's step hook: (self, trainer, pl_module, ...); its helpers get neither by name
-        extra = tuple(params[1:3]) if callback and depth == 0 and len(params) >= 3 else ()
+        batch_idx = _parameter(params, batch_position)
+        module_param = _parameter(params, module_position)
+        if callback:
+            # a callback's step hook: (self, trainer, pl_module, ...); its helpers get them where the
+            # hook hands them on by name (`self._clip(trainer, pl_module)`)
+            if depth == 0:
+                extra = tuple(params[1:3]) if len(params) >= 3 else ()
+            else:
+                trainer_param = _parameter(params, trainer_position)
+                extra = (
+                    (trainer_param or "_l2_trainer", module_param)
+                    if module_param
+                    else (trainer_param,)
+                    if trainer_param
+                    else ()
+                )
+            module_names = extra[1:2]
+        else:
+            extra = ()
+            module_names = (params[0] if params else "self", *((module_param,) if module_param else ()))
+        if not _is_user_code(function):
+            # torch's own methods the step calls on the module (`self.parameters()`): they know none of
+            # the user's attributes; what they do with `self` is not followed
+            module_names = ()
         visitor = _Visitor(
             found,
             filename,
@@ -261,17 +344,153 @@ def _analyse_object(
             returns_step_output=not callback and depth == 0 and name == "training_step",
             namespace=getattr(function, "__globals__", None),
             closure=ClosureCells(function) if getattr(function, "__closure__", None) else None,
+            module_names=module_names,
+            module_reads=None if callback else reads,
+            owner=obj,
         )
         visitor.run(tree)
+        if not callback and isinstance(function, types.FunctionType):
+            found.module_functions_read.add((id(function.__code__), visitor.self_name))
         _record_outside_reads(found, function, visitor, depth, seen_functions)
         if depth < HELPER_DEPTH:
             pending += [
-                (helper, depth + 1, position, None) for helper, position in sorted(visitor.helpers.items())
+                (helper, depth + 1, position, None, *visitor.helper_args.get((helper, False), (None, None)))
+                for helper, position in sorted(visitor.helpers.items())
             ]
             pending += [
-                (helper, depth + 1, position, owner)
+                (helper, depth + 1, position, owner, *visitor.helper_args.get((helper, True), (None, None)))
                 for helper, position in sorted(visitor.super_helpers.items())
             ]
+            if not callback:
+                pending += [
+                    (helper, depth + 1, None, None, None, None)
+                    for helper in _held_methods(obj, visitor.alias_attributes, found, depth, seen_functions)
+                ]
+        if not callback:
+            # methods called through another name (`getattr(self, f"_{kind}_loss")(...)`, `model.helper()`
+            # in a loss function given the module): every method of the module's class they may name
+            new, patterns_read = found.read_patterns[patterns_read:], len(found.read_patterns)
+            called = [p for _, p, is_called in new if is_called]
+            pending += [
+                (method_name, min(depth + 1, HELPER_DEPTH), None, None, None, None)
+                for method_name in _methods_matching(type(obj), called)
+            ]
+
+
+def _parameter(params: list[str], position: int | None) -> str | None:
+    """The name of the parameter (after self) at `position`, or None."""
+    return params[position + 1] if position is not None and len(params) > position + 1 else None
+
+
+def _methods_matching(cls: type, patterns: list[re.Pattern[str]]) -> list[str]:
+    """The names of the user's methods (and properties) of `cls` that one of `patterns` matches."""
+    if not patterns:
+        return []
+    names = []
+    for klass in cls.__mro__:
+        for name, value in vars(klass).items():
+            value = value.fget if isinstance(value, property) else value
+            value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if (
+                name not in names
+                and isinstance(value, types.FunctionType)
+                and not _defined_by_library(value)
+                and _is_user_code(value)
+                and any(p.fullmatch(name) for p in patterns)
+            ):
+                names.append(name)
+    return sorted(names)
+
+
+# The most entries a container may have to be looked into for the functions it holds (it is read at
+# each capture)
+MAX_HELD_CALLABLES = 256
+
+
+def _held_callables_in(value: Any) -> list[Any]:
+    """The callables `value` is or holds as a container's entries (``{"mse": self._mse_loss}``), one
+    level deep; a ``functools.partial``'s function."""
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        items = [value]
+    if len(items) > MAX_HELD_CALLABLES:
+        return []  # a history or a cache the step appends to, not a table of functions
+    out = []
+    for item in items:
+        while isinstance(item, functools.partial):
+            item = item.func
+        if isinstance(item, (types.FunctionType, types.MethodType)):
+            out.append(item)
+    return out
+
+
+def _held_methods(obj: Any, names: set[str], found: StepSource, depth: int, seen: set[int]) -> list[str]:
+    """The module's methods that its attributes `names` (read by the step) hold, bound to it, alone or in
+    a container (``self.loss_fns = {"mse": self._mse_loss}``): read as helpers (returned by name). The
+    functions those attributes hold that close over the module (``self.loss_fn = lambda p, y: ... *
+    self.aux_weight``), or methods of it that its class does not define under that name, are read
+    here, as the module's code."""
+    held = getattr(obj, "__dict__", None)
+    if not isinstance(held, dict):
+        return []
+    methods = []
+    for name in sorted(names):
+        for item in _held_callables_in(held.get(name)):
+            if isinstance(item, types.MethodType):
+                if item.__self__ is not obj:
+                    continue
+                function = item.__func__
+                method_name = getattr(function, "__name__", "")
+                if _lookup(type(obj), method_name, None)[1] is function:
+                    methods.append(method_name)
+                    continue
+                params = function.__code__.co_varnames[:1]
+                if params:
+                    read_with_module(found, function, params[0], f"`self.{name}`", depth + 1, seen)
+                continue
+            alias = _closure_name_of(item, obj)
+            if alias is not None:
+                read_with_module(found, item, alias, f"`self.{name}`", depth + 1, seen)
+    return methods
+
+
+def _closure_name_of(function: Any, obj: Any) -> str | None:
+    """The name under which `function` closes over `obj` (``lambda p, y: ... self.w`` made in a
+    method: ``self``), or None."""
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+    if code is None or not cells:
+        return None
+    for name, cell in zip(code.co_freevars, cells):
+        try:
+            if cell.cell_contents is obj:
+                return name
+        except ValueError:  # a cell not bound yet
+            continue
+    return None
+
+
+def _read_held_with_module(
+    found: StepSource, obj: Any, name: str, module_position: int, depth: int, seen: set[int]
+) -> None:
+    """``self.loss_fn(self, pred, y)``: the function `obj` holds under `name`, given the module at
+    `module_position`, read as the module's code; anything else given the module is not known."""
+    held = (
+        getattr(obj, "__dict__", {}).get(name) if isinstance(getattr(obj, "__dict__", None), dict) else None
+    )
+    while isinstance(held, functools.partial):
+        held = held.func  # (the positions are then the partial's caller's: not followed exactly)
+        module_position = -1
+    line = f"`self.{name}(...)`"
+    function = _unwrapped(held)
+    if isinstance(function, types.FunctionType) and module_position >= 0 and _is_user_code(function):
+        params = function.__code__.co_varnames[: function.__code__.co_argcount]
+        if module_position < len(params):
+            read_with_module(found, function, params[module_position], line, depth + 1, seen)
+            return
+    found.add_read_pattern(line, _ANY_NAME, False)
 
 
 def _lookup(cls: type, name: str, after: type | None) -> tuple[type | None, Any]:
@@ -325,8 +544,29 @@ class _Visitor:
         returns_step_output: bool = False,
         namespace: dict | None = None,
         closure: Any = None,
+        module_names: tuple[str, ...] = (),
+        module_reads: set[str] | None = None,
+        owner: Any = None,
     ):
         self.found = found
+        # the object whose method this is, where known (what `self.ema.update` is, found without running
+        # any of its code)
+        self.owner = owner
+        # the names bound to the LightningModule in this function (``self`` in the module's methods, a
+        # callback hook's ``pl_module``, a loss function's ``model`` parameter), with the locals assigned
+        # once from one of them (``m = self``): what it reads through them is the module's
+        self.module_names = set(module_names)
+        # where the attribute names read through them go (None: not recorded, as a callback's)
+        self.module_reads = module_reads
+        # the attributes of the module read through those names here (`self.loss_fns`)
+        self.alias_attributes: set[str] = set()
+        # what is read of the module by names the source does not show (StepSource.read_patterns)
+        self.read_patterns: list[tuple[str, re.Pattern[str], bool]] = []
+        # the user's functions handed the module: (function, position or keyword, "file:line (...)")
+        self.module_arguments: list[tuple[Any, int | str, str]] = []
+        # per method called on self (name, whether through super()): the positions among its
+        # arguments of the Trainer and of the module (a callback's hook handing them on)
+        self.helper_args: dict[tuple[str, bool], tuple[int | None, int | None]] = {}
         # the function's module globals and closure variables (a ClosureCells): a logged expression may
         # read them (``self.log("w", CFG.w)``), evaluated against them, live, at each replay
         self.namespace = namespace
@@ -373,6 +613,7 @@ class _Visitor:
                 self.assigned[name] = None if name in self.assigned else node.value
             elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name):
                 self.assigned[node.target.id] = None
+        self._module_aliases()
         # what only self.log/self.log_dict arguments read is re-evaluated per replay, not baked
         logged = {
             id(inner)
@@ -381,7 +622,7 @@ class _Visitor:
             and isinstance(node.func, ast.Attribute)
             and node.func.attr in ("log", "log_dict")
             and isinstance(node.func.value, ast.Name)
-            and node.func.value.id in (self.self_name, *self.extra[1:])
+            and node.func.value.id in (self.self_name, *self.extra[1:], *self.module_names)
             for arg in [*node.args, *(k.value for k in node.keywords)]
             for inner in ast.walk(arg)
         }
@@ -405,9 +646,11 @@ class _Visitor:
             logged |= self._output_values(func, parents)
         self._counter_values(func, logged, parents, tests)
         self._attribute_values(func, logged, parents, tests)
-        self.global_names = _free_names(func) - {
-            node.id for node in ast.walk(func) if isinstance(node, ast.Name) and id(node) in logged
-        }
+        self.global_names = (
+            _free_names(func)
+            - self.module_names
+            - {node.id for node in ast.walk(func) if isinstance(node, ast.Name) and id(node) in logged}
+        )
         for node in ast.walk(func):
             if (
                 isinstance(node, ast.Attribute)
@@ -472,6 +715,185 @@ class _Visitor:
                 and id(node) not in logged
             ):
                 self.reads.add(node.attr)
+        self._module_uses(func, parents, logged)
+
+    def _module_aliases(self) -> None:
+        """Add to :attr:`module_names` the locals assigned once from one of them (``model = self``)."""
+        if not self.module_names:
+            return
+        grown = True
+        while grown:
+            grown = False
+            for name, value in self.assigned.items():
+                if (
+                    isinstance(value, ast.Name)
+                    and value.id in self.module_names
+                    and name not in self.module_names
+                ):
+                    self.module_names.add(name)
+                    grown = True
+
+    def _module_uses(self, func: ast.AST, parents: dict[int, ast.AST], logged: set[int]) -> None:
+        """Follow every use of a name bound to the module (:attr:`module_names`) that is not an attribute
+        read through it (``self.w``, recorded as it is read): handed to a function (read as the module's
+        code), to ``getattr`` by a computed name, assigned to a local (an alias), compared or formatted
+        (nothing read). Any other use (``vars(self)``, ``self`` in a container, handed to code that cannot
+        be read) may read any of the module's attributes: recorded as such (:attr:`read_patterns`)."""
+        if not self.module_names:
+            return
+        for node in ast.walk(func):
+            if not (
+                isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in self.module_names
+            ):
+                continue
+            parent = parents.get(id(node))
+            if isinstance(parent, ast.Attribute) and parent.value is node:
+                if parent.attr in _OPAQUE_DUNDERS:  # self.__dict__: every attribute
+                    self._reads_any(node)
+                elif id(parent) not in logged and not parent.attr.startswith("__"):
+                    self.alias_attributes.add(parent.attr)
+                    if self.module_reads is not None:
+                        self.module_reads.add(parent.attr)
+                continue
+            if isinstance(parent, ast.Call) and parent.func is node:
+                if node.id != self.self_name:  # `model(x)`: the module's forward
+                    self.read_patterns.append((self._line(node), re.compile("forward"), True))
+                continue
+            if isinstance(parent, ast.Call) and any(a is node for a in parent.args):
+                self._module_argument(
+                    parent, node, next(i for i, a in enumerate(parent.args) if a is node), parents
+                )
+                continue
+            if isinstance(parent, ast.keyword) and parent.arg is not None:
+                call = parents.get(id(parent))
+                if isinstance(call, ast.Call):
+                    self._module_argument(call, node, parent.arg, parents)
+                    continue
+            if (
+                isinstance(parent, ast.Assign)
+                and parent.value is node
+                and all(isinstance(t, ast.Name) and t.id in self.module_names for t in parent.targets)
+            ):
+                continue  # an alias, followed by its own uses
+            if isinstance(parent, (ast.Compare, ast.FormattedValue)):
+                continue  # `self is other`, `f"{self}"`
+            self._reads_any(node)
+
+    def _reads_any(self, node: ast.AST) -> None:
+        self.read_patterns.append((self._line(node), _ANY_NAME, False))
+
+    def _module_argument(
+        self, call: ast.Call, node: ast.Name, where: int | str, parents: dict[int, ast.AST]
+    ) -> None:
+        """The module, as `node`, handed to `call` as its argument `where` (a position or a keyword)."""
+        func = call.func
+        if (
+            isinstance(func, ast.Attribute)
+            and (isinstance(func.value, ast.Name) and func.value.id == self.self_name or _is_super_call(func))
+            and not func.attr.startswith("__")
+            and isinstance(where, int)
+        ):
+            return  # a method of the object read here: its parameter is followed (helper_args)
+        target = self._callee(func)
+        if target is getattr and where == 0:
+            name = call.args[1] if len(call.args) >= 2 else None
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                if name.value in _OPAQUE_DUNDERS:
+                    self._reads_any(node)
+                elif not name.value.startswith("__"):
+                    self.alias_attributes.add(name.value)
+                    if self.module_reads is not None:
+                        self.module_reads.add(name.value)
+                return
+            # getattr(self, f"_{kind}_loss"): the attributes the name can take; called, the methods
+            outer = parents.get(id(call))
+            called = isinstance(outer, ast.Call) and outer.func is call
+            self.read_patterns.append((self._line(call), _name_pattern(name), called))
+            return
+        if target is hasattr and where == 0:
+            name = call.args[1] if len(call.args) >= 2 else None
+            if (
+                isinstance(name, ast.Constant)
+                and isinstance(name.value, str)
+                and self.module_reads is not None
+            ):
+                self.module_reads.add(name.value)
+            return
+        if any(target is harmless for harmless in _HARMLESS_BUILTINS):
+            return
+        line = self._line(call)
+        if target is functools.partial and isinstance(where, int) and where >= 1 and call.args:
+            # functools.partial(loss_fn, self): the function is handed the module when it is called
+            function = _unwrapped(self._callee(call.args[0]))
+            if isinstance(function, types.FunctionType) and _is_user_code(function):
+                self.module_arguments.append((function, where - 1, line))
+                return
+            self._reads_any(node)
+            return
+        if isinstance(target, types.MethodType) and _is_user_code(target.__func__):
+            if isinstance(where, int):
+                where += 1  # after the bound object
+            self.module_arguments.append((target.__func__, where, line))
+            return
+        function = _unwrapped(target)
+        if isinstance(function, types.FunctionType) and _is_user_code(function):
+            self.module_arguments.append((function, where, line))
+            return
+        if target is not _MISSING and not _is_users(target):
+            # a library's function (`grad_norm(self, 2)`, `torch.func.functional_call(self, ...)`): it
+            # knows none of the module's own attributes; it may run its forward
+            self.read_patterns.append((line, re.compile("forward"), True))
+            return
+        self._reads_any(node)  # a callable the source does not name, or the user's class or object
+
+    def _callee(self, func: ast.expr) -> Any:
+        """What the called `func` is, where it is a module-level or closure name or a chain of attributes
+        of modules and classes from one (``losses.focal``, ``torch.func.functional_call``), or a builtin;
+        else :data:`_MISSING`."""
+        if (
+            isinstance(func, ast.Call)
+            and isinstance(func.func, ast.Name)
+            and func.func.id == "getattr"
+            and func.args
+        ):
+            # `getattr(LightningModule, name)(self, ...)`: any attribute of a library's class or module
+            # is the library's
+            held = self._callee(func.args[0])
+            if isinstance(held, (type, types.ModuleType)) and not _is_users(held):
+                return held
+            return _MISSING
+        path: list[str] = []
+        node = func
+        while isinstance(node, ast.Attribute):
+            path.insert(0, node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id == self.self_name and self.owner is not None and path:
+            # `self.ema.update(self)`: the object read here holds what is called, read statically
+            return _called_object(_static_method(self.owner, path))
+        if (
+            not isinstance(node, ast.Name)
+            or node.id in self.module_names
+            or node.id in (self.self_name, self.batch_idx, *self.extra)
+            or node.id in self.assigned
+        ):
+            return _MISSING
+        if self.closure is not None and node.id in self.closure:
+            held = self.closure[node.id]
+        elif self.namespace is not None and node.id in self.namespace:
+            held = self.namespace[node.id]
+        elif node.id in self.global_names or self.namespace is None:
+            held = getattr(builtins, node.id, _MISSING)
+        else:
+            return _MISSING  # a parameter or a local the reader did not follow
+        for i, name in enumerate(path):
+            if held is _MISSING:
+                return _MISSING
+            if not isinstance(held, (types.ModuleType, type)):
+                # what an object held at module level holds (`CFG.loss_fn`, a config's function) or its
+                # class's method (`LOSS.compute(self, ...)`, `logger.info(..., self)`), read statically
+                return _called_object(_static_method(held, path[i:]))
+            held = getattr(held, name, _MISSING)
+        return _called_object(held)
 
     def _counter_values(
         self, func: ast.AST, logged: set[int], parents: dict[int, ast.AST], tests: set[int]
@@ -936,6 +1358,17 @@ class _Visitor:
         ):
             name = func.attr
         else:
+            if (
+                isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Name)
+                and func.value.id in self.module_names
+                and not func.attr.startswith("__")
+                and func.attr not in ("log", "log_dict")  # read as logs (_log_call)
+            ):
+                # `model = self; model.helper()`, `pl_module.helper()` in a callback: the module's method
+                self.read_patterns.append((self._line(node), re.compile(re.escape(func.attr)), True))
+                if any(isinstance(a, ast.Name) and a.id in self.module_names for a in node.args):
+                    self._reads_any(node)  # the module handed on to it again: not followed
             return
         position = next(
             (i for i, arg in enumerate(node.args) if isinstance(arg, ast.Name) and arg.id == self.batch_idx),
@@ -943,6 +1376,23 @@ class _Visitor:
         )
         if helpers.get(name) is None:
             helpers[name] = position
+        # the Trainer and the module handed on by position (a callback's `self._clip(trainer, pl_module)`)
+        trainer = self.extra[0] if self.extra else None
+        args = self.helper_args.setdefault((name, helpers is self.super_helpers), (None, None))
+        for i, arg in enumerate(node.args):
+            if isinstance(arg, ast.Name) and arg.id == trainer and args[0] is None:
+                args = (i, args[1])
+            elif isinstance(arg, ast.Name) and arg.id in self.module_names:
+                if args[1] is None:
+                    args = (args[0], i)
+                elif args[1] != i:  # the module at two places: only one is followed
+                    self._reads_any(node)
+        self.helper_args[(name, helpers is self.super_helpers)] = args
+        if any(
+            isinstance(k.value, ast.Name) and k.value.id in self.module_names and k.value.id != self.self_name
+            for k in node.keywords
+        ) or any(isinstance(a, ast.Starred) for a in node.args):
+            self._reads_any(node)  # handed on by keyword or unpacked: not followed
 
     def _output_values(self, func: ast.AST, parents: dict[int, ast.AST]) -> set[int]:
         """Record the numbers ``return {"loss": loss, "step": self.global_step}`` returns beside the
@@ -970,24 +1420,123 @@ class _Visitor:
         return ids
 
     def _log_call(self, node: ast.Call) -> None:
+        """Record what ``self.log(key, value)`` and ``self.log_dict({...})`` log (through any name bound to
+        the module, a callback hook's ``pl_module`` too): per key, an expression a replay evaluates again
+        (:attr:`StepSource.log_values`), a number the same for every replay of one graph
+        (:attr:`StepSource.log_constants`) or one it cannot compute (:attr:`StepSource.log_opaque`); calls
+        whose keys the source does not show go to :attr:`StepSource.log_unknown`."""
         func = node.func
-        if not (isinstance(func, ast.Attribute) and func.attr == "log" and isinstance(func.value, ast.Name)):
+        if not (
+            isinstance(func, ast.Attribute)
+            and func.attr in ("log", "log_dict")
+            and isinstance(func.value, ast.Name)
+            and (
+                func.value.id in self.module_names
+                or (func.value.id == self.self_name and self.callback is None and not self.module_names)
+            )
+        ):
             return
-        if func.value.id != self.self_name or len(node.args) < 2:
+        keywords = {k.arg: k.value for k in node.keywords if k.arg is not None}
+        if func.attr == "log":
+            key = node.args[0] if node.args else keywords.get("name")
+            value = node.args[1] if len(node.args) >= 2 else keywords.get("value")
+            entries = [(key, value)] if key is not None and value is not None else None
+        else:
+            entries = self._logged_entries(node.args[0] if node.args else keywords.get("dictionary"))
+        if entries is None:
+            self.found.log_unknown.append(self._line(node))
             return
-        key = node.args[0]
-        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
-            return
-        evaluate = self._compile(node.args[1], allow_methods=True, globals_ok=True)
-        if evaluate is not None:
-            self.found.log_values.setdefault(key.value, (self._line(node), evaluate))
+        for key, value in entries:
+            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                self.found.log_unknown.append(self._line(node))
+                continue
+            # log_dict's entry by its own line (a dict literal spans lines); self.log's by the call's
+            line = self._line(node if func.attr == "log" else value)
+            evaluate = self._compile(value, allow_methods=True, globals_ok=True)
+            if evaluate is not None:
+                self.found.log_values.setdefault(key.value, (line, evaluate))
+            elif self._fixed_per_graph(value, set()):
+                self.found.log_constants.add(key.value)
+            else:
+                self.found.log_opaque.setdefault(key.value, line)
+
+    def _logged_entries(self, mapping: ast.expr | None) -> list[tuple[ast.expr, ast.expr]] | None:
+        """(key, value) of a dict ``self.log_dict`` is given as a literal (``{"phase": self.phase}``,
+        ``dict(phase=self.phase)``), directly or through a local assigned once; None for any other."""
+        for _ in range(5):
+            if isinstance(mapping, ast.Name) and self.assigned.get(mapping.id) is not None:
+                mapping = self.assigned[mapping.id]
+        if isinstance(mapping, ast.Dict) and all(k is not None for k in mapping.keys):
+            return list(zip(mapping.keys, mapping.values))
+        if (
+            isinstance(mapping, ast.Call)
+            and isinstance(mapping.func, ast.Name)
+            and mapping.func.id == "dict"
+            and "dict" not in self.assigned
+            and not mapping.args
+            and all(k.arg is not None for k in mapping.keywords)
+        ):
+            return [(ast.Constant(k.arg), k.value) for k in mapping.keywords]
+        return None
+
+    def _fixed_per_graph(self, expr: ast.expr, followed: set[str]) -> bool:
+        """Whether `expr` is a number that no replay of one graph can see change: literals, and the
+        shapes of the step's own tensors and lengths of its batch (``x.shape[0]``, ``len(batch)``; a
+        graph replays one batch layout), with arithmetic and ``int``/``float``/``round``/``min``/``max``."""
+        if isinstance(expr, ast.Constant):
+            return isinstance(expr.value, (int, float)) or expr.value is None
+        if isinstance(expr, ast.BinOp):
+            return self._fixed_per_graph(expr.left, followed) and self._fixed_per_graph(expr.right, followed)
+        if isinstance(expr, ast.UnaryOp):
+            return self._fixed_per_graph(expr.operand, followed)
+        if isinstance(expr, ast.Name):
+            value = self.assigned.get(expr.id)
+            if value is None or expr.id in followed:
+                return False
+            return self._fixed_per_graph(value, followed | {expr.id})
+        if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant):
+            shape = expr.value
+            return (
+                isinstance(shape, ast.Attribute) and shape.attr == "shape" and self._step_local(shape.value)
+            )
+        if isinstance(expr, ast.Attribute) and expr.attr == "ndim":
+            return self._step_local(expr.value)
+        if isinstance(expr, ast.Call) and not expr.keywords:
+            f = expr.func
+            if isinstance(f, ast.Attribute) and f.attr in ("size", "numel", "dim"):
+                return self._step_local(f.value) and all(isinstance(a, ast.Constant) for a in expr.args)
+            if isinstance(f, ast.Name) and f.id not in self.assigned:
+                if f.id == "len" and len(expr.args) == 1:
+                    return self._step_local(expr.args[0])
+                if f.id in ("int", "float", "round", "min", "max", "abs"):
+                    return all(self._fixed_per_graph(a, followed) for a in expr.args)
+        return False
+
+    def _step_local(self, expr: ast.expr) -> bool:
+        """Whether `expr` is a parameter or local of the step (or a constant subscript of one): not the
+        module's, not a module-level name (``batch``, ``x``, ``batch[0]``)."""
+        while isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant):
+            expr = expr.value
+        return (
+            isinstance(expr, ast.Name)
+            and expr.id not in self.module_names
+            and expr.id not in (self.self_name, *self.extra)
+            and expr.id not in self.global_names
+        )
 
 
 def _record_outside_reads(
     found: StepSource, function: Any, visitor: _Visitor, depth: int, seen: set[int]
 ) -> None:
     """What `function` (its source read by `visitor`) reads from outside itself: module-level names,
-    imported modules' attributes and closure variables; then the user's functions it calls."""
+    imported modules' attributes and closure variables; then the user's functions it calls. What it
+    reads of the module through another name: the functions it hands the module to (read as the
+    module's code) and the attributes it reads by names the source does not spell out
+    (:attr:`StepSource.read_patterns`)."""
+    for line, pattern, called in visitor.read_patterns:
+        found.add_read_pattern(line, pattern, called)
+    for target, where, line in visitor.module_arguments:
+        _read_given_module(found, target, where, line, depth + 1, seen)
     namespace = getattr(function, "__globals__", None)
     if not isinstance(namespace, dict):
         return
@@ -995,6 +1544,187 @@ def _record_outside_reads(
     _record_closure(found, function, visitor.global_names)
     _record_global_chains(found, function, namespace, visitor.global_chains)
     _follow_functions(found, namespace, visitor.called_names, depth + 1, seen)
+
+
+# Builtins that read nothing of an object handed to them but its identity, type or text (or set it)
+_HARMLESS_BUILTINS = (
+    isinstance, issubclass, id, type, print, repr, str, hash, callable, dir, super, format, bool, setattr, delattr,
+)  # fmt: skip
+# Attributes that reach every other: read through them, anything may be read
+_OPAQUE_DUNDERS = frozenset({"__dict__", "__getattribute__", "__getattr__"})
+
+
+def _unwrapped(held: Any) -> Any:
+    """`held` unwrapped of its decorators' ``__wrapped__`` if it is callable (else None)."""
+    try:
+        return inspect.unwrap(held) if callable(held) else None
+    except ValueError:  # a cycle of __wrapped__
+        return None
+
+
+def _called_object(held: Any) -> Any:
+    """`held`, or for an object of the user's class called (``LOSS(self, pred, y)``) its class's
+    ``__call__`` bound to it."""
+    if held is not _MISSING and not isinstance(held, (type, types.FunctionType, types.MethodType)):
+        call = inspect.getattr_static(type(held), "__call__", None)
+        if isinstance(call, types.FunctionType) and _is_users(held):
+            return types.MethodType(call, held)
+    return held
+
+
+def _static_method(obj: Any, path: list[str]) -> Any:
+    """What ``obj.<path>`` is, found in instance dicts (a torch module's submodules too) and in classes,
+    never by running a property or ``__getattr__``; a function found on the last object's class comes
+    bound to it. :data:`_MISSING` where the chain cannot be followed so."""
+    held = obj
+    for i, name in enumerate(path):
+        attributes = getattr(held, "__dict__", None)
+        attributes = attributes if isinstance(attributes, dict) else {}
+        modules = attributes.get("_modules")
+        if name in attributes:
+            held = attributes[name]
+        elif isinstance(modules, dict) and name in modules:
+            held = modules[name]
+        else:
+            found = inspect.getattr_static(type(held), name, _MISSING)
+            if isinstance(found, types.FunctionType) and i == len(path) - 1:
+                return types.MethodType(found, held)
+            if found is _MISSING or hasattr(found, "__get__"):  # a property, a descriptor: not run
+                return _MISSING
+            held = found
+    return held
+
+
+def _is_users(obj: Any) -> bool:
+    """Whether `obj` (a function, a class, or an object of a class) is the user's own code's."""
+    if isinstance(obj, (types.FunctionType, type, types.ModuleType)):
+        return _is_user_code(obj)
+    if isinstance(obj, types.MethodType):
+        return _is_user_code(obj.__func__)
+    if isinstance(obj, types.BuiltinFunctionType):
+        return False
+    return _users_class(type(obj))
+
+
+# Any attribute name: what code reads of the module where the analysis cannot tell (``vars(self)``,
+# ``getattr(self, name)``, ``self`` handed to code it cannot read)
+_ANY_NAME = re.compile(".*", re.DOTALL)
+
+
+def _name_pattern(expr: ast.expr | None) -> re.Pattern[str]:
+    """The attribute names a computed name can take: an f-string's constant parts, anything between
+    them (``f"_{kind}_loss"``: ``_.*_loss``); any name for another expression."""
+    if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+        return re.compile(re.escape(expr.value))
+    if isinstance(expr, ast.JoinedStr):
+        parts = [
+            re.escape(v.value) if isinstance(v, ast.Constant) and isinstance(v.value, str) else ".*"
+            for v in expr.values
+        ]
+        return re.compile("".join(parts), re.DOTALL)
+    return _ANY_NAME
+
+
+def _read_given_module(
+    found: StepSource, function: Any, where: int | str, line: str, depth: int, seen: set[int]
+) -> None:
+    """Read `function`, handed the module as its argument `where` (a position, or a keyword's name), as
+    the module's code: its reads of that parameter are the module's. A function whose parameter cannot
+    be told (``*args``, ``**kwargs``) reads any of the module's attributes."""
+    code = function.__code__
+    positional = code.co_varnames[: code.co_argcount]
+    keywords = code.co_varnames[code.co_posonlyargcount : code.co_argcount + code.co_kwonlyargcount]
+    if isinstance(where, int):
+        param = positional[where] if where < len(positional) else None
+    else:
+        param = where if where in keywords else None
+    if param is None:
+        found.add_read_pattern(line, _ANY_NAME, False)
+        return
+    read_with_module(found, function, param, line, depth, seen)
+
+
+def read_with_module(
+    found: StepSource, function: types.FunctionType, name: str, line: str, depth: int, seen: set[int]
+) -> None:
+    """Read `function`, in which `name` (a parameter, or a closure variable) is the module, as the
+    module's code: the attributes it reads through `name` join `found.reads` (compared before each
+    replay); its conditions, values read through `name` and logged expressions join `found` like the
+    step's own (evaluated with the module); the module's methods it calls through `name` are marked
+    for reading (:attr:`StepSource.read_patterns`). Each (function, name) is read once per `found`.
+    Code that cannot be read (no source), or that lies deeper than ``HELPER_DEPTH``, reads any of the
+    module's attributes, for all the analysis can tell (`line` says where it was given the module)."""
+    function = _unwrapped(function)
+    if not isinstance(function, types.FunctionType):
+        found.add_read_pattern(line, _ANY_NAME, False)
+        return
+    key = (id(function.__code__), name)
+    if key in found.module_functions_read:
+        return
+    found.module_functions_read.add(key)
+    seen.add(id(function.__code__))  # not read again as a plain function (_follow_functions)
+    tree, filename, first_line, _ = _parse_function(function)
+    if tree is None or depth > HELPER_DEPTH or not _is_user_code(function):
+        found.add_read_pattern(line, _ANY_NAME, False)
+        return
+    visitor = _Visitor(
+        found,
+        filename,
+        first_line,
+        name,
+        None,
+        (),
+        found.reads,
+        namespace=function.__globals__,
+        closure=ClosureCells(function) if function.__closure__ else None,
+        module_names=(name,),
+        module_reads=found.reads,
+    )
+    visitor.run(tree)
+    _record_outside_reads(found, function, visitor, depth, seen)
+    # the module's methods it calls through `name`: read as the module's (by the module's analysis,
+    # and at each capture by l2lightning.called_code)
+    for helper in sorted({*visitor.helpers, *visitor.super_helpers}):
+        found.add_read_pattern(f"{line}: `{name}.{helper}(...)`", re.compile(re.escape(helper)), True)
+
+
+def _parse_function(function: Any) -> tuple[Any, str, int, list[str]]:
+    """:func:`_parse`, and for a lambda (whose source line is no function definition) the lambda
+    expression on its line, where one alone there takes its parameters."""
+    parsed = _parse(function)
+    code = getattr(function, "__code__", None)
+    if parsed[0] is not None or getattr(function, "__name__", None) != "<lambda>" or code is None:
+        return parsed
+    try:
+        lines, first_line = inspect.getsourcelines(function)
+        filename = inspect.getsourcefile(function) or "<unknown>"
+    except (OSError, TypeError):
+        return None, "", 0, []
+    text = textwrap.dedent("".join(lines))
+    tree = None
+    # the line alone, then without what ends it inside a larger expression, then bracketed (the first
+    # line of a call's argument that goes on below)
+    for candidate, shift in ((text, 0), (text.rstrip().rstrip(",;"), 0), (f"(\n{text}\n)", 1)):
+        try:
+            tree = ast.parse(candidate)
+        except SyntaxError:
+            continue
+        if shift:
+            ast.increment_lineno(tree, -shift)
+        break
+    if tree is None:
+        return None, "", 0, []
+    params = list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+    lambdas = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Lambda)
+        and [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs] == params
+        and node.lineno == code.co_firstlineno - first_line + 1
+    ]
+    if len(lambdas) != 1:
+        return None, "", 0, []
+    return lambdas[0], filename, first_line, params
 
 
 def _record_globals(
