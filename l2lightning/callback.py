@@ -339,7 +339,6 @@ class L2GraphCallback(
         self._baked_history: list[Any] = []  # the optimizer's baked hyperparameters at each warm-up step
         self._traced_steps = 0
         self._tracer: StepTracer | None = None
-        self._step_logs: dict[str, list[Any]] = {}  # Python-number log values per key, over the traced steps
         self._capture_logs: list[ReissuedLog | ReissuedSchedulerStep] = []
         self._pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
         self._pending_key: tuple = ()

@@ -205,8 +205,6 @@ class StepOverrides:
         if mode == "verify":
             return None  # the verify step logs nothing; the real step does
         if mode == "trace" and self._tracer is not None:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._step_logs.setdefault(name, []).append(value)
             with self._tracer.paused():
                 return self._originals["log"](name, value, *args, **kwargs)
         return self._originals["log"](name, value, *args, **kwargs)
@@ -242,9 +240,10 @@ class StepOverrides:
         return self._pending[1] if self._pending else 0
 
     def _python_log_sources(self, calls: list[ReissuedLog]) -> tuple[set[str], str | None]:
-        """(keys of logged Python numbers to re-evaluate at each replay, why the capture cannot stay:
-        a logged number that changed between the warm-up steps and that a replay cannot recompute)."""
+        """(keys of logged Python numbers to re-evaluate at each replay, why the capture cannot stay: a
+        logged Python number that a replay can neither recompute nor take for a constant)."""
         live = set()
+        source = self._source
         batch_idx = self._pending_batch_idx()
         for call in calls:
             if not isinstance(call, ReissuedLog):
@@ -252,22 +251,31 @@ class StepOverrides:
             name, value = call.args[0], call.args[1]
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
-            if name in self._source.log_values:
+            if name in source.log_values:
                 try:
-                    if self._source.log_value(name, self._module, batch_idx) == value:
+                    if source.log_value(name, self._module, batch_idx) == value:
                         live.add(name)
                         continue
-                except Exception:  # falls through to the warning below
+                except Exception:  # falls through to the refusal below
                     pass
-            seen = self._step_logs.get(name, [])
-            if seen and all(v == value for v in seen):
-                continue  # the same number at every traced step: a constant
+            if name in source.log_constants and name not in source.log_opaque:
+                continue  # a literal or a number of the batch's shapes: the same at every replay of this graph
             # Replays would log the capture step's number for the rest of the fit: wrong curves, and a
-            # ModelCheckpoint or EarlyStopping monitoring it would decide on a frozen value.
+            # ModelCheckpoint or EarlyStopping monitoring it would decide on a frozen value. The same
+            # number at every warm-up step proves nothing (an LR lowered at step 13, a phase a hook sets).
+            line = source.log_opaque.get(name) or (
+                source.log_values[name][0] if name in source.log_values else None
+            )
+            if line is not None:
+                where = f"at {line}"
+            elif source.log_unknown:  # `self.log_dict(metrics)`, `self.log(f"w/{k}", w)`
+                where = f"under a key the source does not spell out, at {'; '.join(source.log_unknown[:2])}"
+            else:
+                where = "logged by code the step's source analysis does not read"
             return live, (
-                f"`self.log({name!r}, ...)` in {call.fx} logs a Python number that changes from step to step "
-                "and that a replay cannot recompute (it would repeat the capture step's value); log a tensor, "
-                "or log it in `on_train_batch_end`"
+                f"`self.log({name!r}, ...)` in {call.fx} logs a Python number that a replay cannot recompute "
+                f"({where}; a replay would repeat the capture step's value); log a tensor, or log it in "
+                "`on_train_batch_end`"
             )
         return live, None
 

@@ -466,15 +466,10 @@ def test_a_logged_number_a_replay_cannot_recompute_is_found_by_its_key_and_line(
     assert "lr" not in found.log_values and "current_lr(opt)" in found.log_opaque["lr"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs StepOverrides._python_log_sources to refuse the keys in StepSource.log_opaque "
-    "(step_overrides.py is not this change's: the proposed rule is in its report)",
-)
 @pytest.mark.parametrize("by_log_dict", [True, False], ids=["log_dict", "log"])
 def test_a_logged_number_a_replay_cannot_recompute_is_refused_by_name_though_the_warm_up_kept_it(by_log_dict):
-    """Silently wrong still (the warm-up steps logged 0.01 each time, taken for a constant): from step
-    13 every replay logs 0.01 where the fit trains with 1e-4."""
+    """Silently wrong before (the warm-up steps logged 0.01 each time, taken for a constant): from step
+    13 every replay logged 0.01 where the fit trains with 1e-4."""
     plain = fit(ManualLogsLRThroughAFunction, steps=30, by_log_dict=by_log_dict)
     cb = callback()
     with pytest.warns(UserWarning, match=r"`self.log\('lr', ...\)`.*cannot recompute.*current_lr\(opt\)"):
