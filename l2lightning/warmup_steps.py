@@ -6,6 +6,7 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,12 +160,35 @@ class WarmupSteps:
             python_changed += self._optimizer_writes()
             group.appended.append(frozenset(a.label for a in appended))
             tracer.trace.problems += python_state.read_appended_elements(appended, tracer.trace.read_ids)
+            tracer.trace.problems += self._branches_on_appended(appended)
             self._judge_trace(
                 group, tracer.trace, updated_between(before, update_counts(self._module)), python_changed
             )
             return out
 
         return run(traced, **kwargs)
+
+    def _branches_on_appended(self, appended: list[python_state.Append]) -> list[str]:
+        """Problems for the branches of the step that test a list or deque it appends to.
+
+        The callback picks a replay's branch before the step runs (its tests are evaluated on the
+        module), where an eager step tests after its own code ran up to there: a window kept by hand,
+        ``self.window.append(x); if len(self.window) > 8: self.window.pop(0)``, was replayed as the
+        branch without the pop on the step that first overflows, and kept one element too many from
+        then on (found on the emulator). Whatever the order in the source, such a test reads what the
+        step changes, so the step is not captured."""
+        problems = []
+        for where in appended:
+            path = where.label.strip("`").split("[", 1)[0]  # `self.outputs['loss']`: the dict attribute
+            reads = re.compile(rf"(?<![\w.]){re.escape(path)}\b")
+            problems += [
+                f"the branch at {c.line} tests {where.label}, which the step appends to: a replay's branch is "
+                "chosen before the step runs, an eager step's after the append; keep the count in a tensor, "
+                "or decide in `on_train_batch_start`"
+                for c in self._source.conditions
+                if c.evaluate is not None and reads.search(c.line.split(" (`", 1)[-1])
+            ]
+        return problems
 
     def _updated_storages(self) -> frozenset[int]:
         """Storages the optimizer step updates: the module's parameters and the optimizer's state tensors."""

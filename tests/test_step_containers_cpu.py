@@ -361,6 +361,38 @@ def test_a_step_reading_the_deque_it_appends_to_is_refused_by_name(maxlen):
     assert_same_elements(run[0].recent, plain[0].recent)
 
 
+class KeepsAWindowByHand(TinyMLP):
+    """A window of the last 8 losses kept by hand: append, then drop the oldest past 8."""
+
+    def __init__(self, kind="list", **kw):
+        super().__init__(**kw)
+        self.window = [] if kind == "list" else collections.deque()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.window.append(loss.detach())
+        if len(self.window) > 8:
+            self.window.pop(0) if isinstance(self.window, list) else self.window.popleft()
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["list", "deque"])
+def test_a_branch_testing_what_the_step_appends_to_is_refused_by_name(kind):
+    """The callback picks a replay's branch before the step: the step that first overflowed the window
+    was replayed without its pop, and the window kept 9 losses from then on (silently, with
+    `verify=False`; found on the emulator)."""
+    plain = fit(KeepsAWindowByHand, steps=20, fused=True, kind=kind)
+    cb = callback(verify=False)
+    with pytest.warns(
+        UserWarning, match=r"the branch at .*`if len\(self.window\) > 8:`.* tests `self.window`"
+    ):
+        run = fit(KeepsAWindowByHand, [cb], steps=20, fused=True, kind=kind)
+    assert not cb.summary()["captured"], cb.summary()
+    assert_same(plain, run)
+    assert len(run[0].window) == 8
+    assert_same_elements(run[0].window, plain[0].window)
+
+
 # --------------------------------------------------------------------------- what is one append
 def _holder(**attributes):
     return types.SimpleNamespace(**attributes)
