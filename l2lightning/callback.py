@@ -365,6 +365,9 @@ class L2GraphCallback(
         self._other_branch: tuple[Any, int] = (None, 0)  # a branch key other than the graph's, and its run
         self._live_log_values: set[str] = set()
         self._eager_hooks: set[str] = set()
+        # whether the capture now awaited follows a capture after a change that failed on the step's
+        # Python state, and warmed up again instead of ending the capture (StepCapture)
+        self._warmed_up_again = False
         # a traced step's gradient tensors as it starts, by parameter: its backward must not add to them
         self._grads_before_step: dict[int, Any] = {}
         # per hook name, what its functions' code may write (l2lightning.hook_writes), read once a fit

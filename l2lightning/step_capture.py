@@ -253,7 +253,7 @@ class StepCapture:
             carried, python_changed = split_carried(python_started, python_after, tracer.made, python_changed)
             python_changed += self._optimizer_writes()
             if python_changed and self._traced_steps >= 1:
-                raise CaptureRefused(self._python_problem(python_changed, tracer.trace))
+                raise _PythonChangedInCapture(self._python_problem(python_changed, tracer.trace))
             graph.appends = [(a, a.current()[-1]) for a in appended]
             graph.carried = carried
             graph.external_writes = [
@@ -315,6 +315,16 @@ class StepCapture:
                 else self._capture_failure_reason(exc)
             )
             out_of_memory = isinstance(exc, torch.OutOfMemoryError)
+            # A step captured again after a change (a curriculum's longer sequences) may build
+            # something once in that first step at the new shapes, as a first warm-up step may (a
+            # rotary cache grown and its buffers registered anew): warm up again, once per capture,
+            # rather than train the rest of the fit eagerly
+            warm_up_again = (
+                isinstance(exc, _PythonChangedInCapture)
+                and self.captures > 0
+                and not gate_capture
+                and not self._warmed_up_again
+            )
         else:
             failed = None
         if failed is not None:
@@ -337,6 +347,14 @@ class StepCapture:
             elif out_of_memory:
                 free_cached_memory()
                 self._disable(f"the step could not be captured: out of memory ({memory_state()}; {failed})")
+            elif warm_up_again:
+                # no graph now: the steps from the next one are warm-up steps again, traced, then captured
+                self._warmed_up_again = True
+                self._warn_once(
+                    "warm-up-again",
+                    f"{failed}; this step runs eagerly and the next ones warm up again (a step at new shapes may "
+                    "build something once, a cache grown); a second such change ends the capture",
+                )
             else:
                 self._disable(failed)
             return run(closure, **kwargs)
@@ -394,6 +412,7 @@ class StepCapture:
         wrapped.mark_captured()
         self._graph = graph
         self.captures += 1
+        self._warmed_up_again = False  # a later capture may warm up again once itself
         if gate_capture:
             self._gate.graphs["off"] = graph
         else:
@@ -562,6 +581,10 @@ def _holds(frozen_value: Any, tensor_ids: set[int]) -> bool:
     if isinstance(frozen_value, tuple):
         return any(_holds(v, tensor_ids) for v in frozen_value)
     return False
+
+
+class _PythonChangedInCapture(CaptureRefused):
+    """The captured step's own code changed Python state that a replay would not change."""
 
 
 class _Defer(Exception):
