@@ -975,8 +975,8 @@ class ManualGANScheduled(ManualGANDeviceNoise):
 
 
 # ------------------------------------------------------- found by a held-out idiom hunt (CPU emulator)
-class _Regressor(LightningModule):
-    """A small regression MLP with Adam, the base of the hunt's modules below."""
+class _MSERegressor(LightningModule):
+    """A small regression MLP with its MSE logged and Adam: the base of the modules below."""
 
     def __init__(self, dim: int = 64) -> None:
         super().__init__()
@@ -992,7 +992,7 @@ class _Regressor(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-class NanGuard(_Regressor):
+class NanGuard(_MSERegressor):
     """The forum recipe that skips the update on non-finite gradients, in on_before_optimizer_step."""
 
     def on_before_optimizer_step(self, optimizer):
@@ -1000,7 +1000,7 @@ class NanGuard(_Regressor):
             optimizer.zero_grad()
 
 
-class GradNormBeforeOwnClipping(_Regressor):
+class GradNormBeforeOwnClipping(_MSERegressor):
     """Lightning's grad_norm logged in on_after_backward, clipped by a configure_gradient_clipping of
     the module's own (Lightning's docs' example of it)."""
 
@@ -1011,7 +1011,7 @@ class GradNormBeforeOwnClipping(_Regressor):
         self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
 
 
-class SWAConfigured(_Regressor):
+class SWAConfigured(_MSERegressor):
     """Lightning's StochasticWeightAveraging from configure_callbacks: it comes after the Trainer's own
     callbacks, the graph callback included, and deep-copies the module at set-up."""
 
@@ -1233,19 +1233,9 @@ def _text_loader(
     return DataLoader(TensorDataset(x, y), batch_size=None, shuffle=False)
 
 
-class AdamWOneCycleMomentum(LightningModule):
+class AdamWOneCycleMomentum(_MSERegressor):
     """Lightning's docs recipe: ``OneCycleLR`` over ``trainer.estimated_stepping_batches``, stepped per
     batch, on foreach AdamW, with the scheduler's default ``cycle_momentum=True`` (it cycles beta1)."""
-
-    def __init__(self, dim: int = 64) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, 128), nn.GELU(), nn.Linear(128, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.net(x).squeeze(-1), y)
-        self.log("train_loss", loss)
-        return loss
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
