@@ -116,7 +116,6 @@ def test_a_second_change_of_python_state_in_a_capture_ends_the_capture_like_plai
     with pytest.warns(UserWarning, match=r"changes Python state \(`self.cache.table`\).*; training eagerly"):
         run = fit(ChangesStateInEveryLaterCapture, [cb], steps=24, loader=tokens())
     s = cb.summary()
-    assert s["captures"] == 1 and "`self.cache.table`" in s["reason"], (
-        s
-    )  # warmed up again once, then gave up
+    # warmed up again once, then gave up
+    assert s["captures"] == 1 and "`self.cache.table`" in s["reason"], s
     assert_same(base, run)  # the capturable configuration from its one capture on, as the baseline's
