@@ -6,15 +6,28 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 
 from __future__ import annotations
 
+import functools
 import time
+from collections import deque
+from typing import Any
 
 from l2lightning import numerics_settings, python_state
 from l2lightning.accumulation import accumulation_of
 from l2lightning.capture import flatten_batch, read_signature
+from l2lightning.compiled_calls import partial_arguments
 from l2lightning.module_flags import ModuleFlags
 from l2lightning.step_trace import describe_frame
-from l2lightning.step_values import addresses
+from l2lightning.step_values import (
+    MAX_FROZEN_BYTES,
+    MAX_FROZEN_ITEMS,
+    NUMPY_ARRAYS,
+    TooLarge,
+    addresses,
+    frozen_read,
+)
 
+# Module-level values python_state.baked_globals leaves out that step_values.frozen snapshots exactly
+_UNCOMPARED_CONTAINERS = (*NUMPY_ARRAYS, deque, set, frozenset)
 # Re-captures on consecutive steps after which a schedule is taken to change the graph every step.
 RECAPTURE_STREAK_LIMIT = 3
 # Steps on one other branch in a row after which that branch is captured in place of the current one
@@ -25,6 +38,12 @@ WAIT_CAUSE = "waiting to capture again until the eager steps have cost what a ca
 
 class StepDecision:
     """What each optimizer step does: replay, capture (again), or run eagerly, and why."""
+
+    # The module-level NumPy arrays, deques and sets the step reads (``loss * WEIGHTS[0]``), as
+    # step_values.frozen snapshots taken as the step is captured, compared before each replay like
+    # python_state.baked_globals' containers (which holds lists, tuples and dicts only). Rebound, never
+    # changed in place, by _too_large_to_compare.
+    _module_values: list[tuple[dict, str, Any]] = []
 
     def _decide(self) -> str:
         """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture", "replay"."""
@@ -54,7 +73,11 @@ class StepDecision:
         self._pending_key = key
         graph = self._graph
         if graph is None:
-            return self._warmup_decision(key)
+            decision = self._warmup_decision(key)
+            if decision == "capture" and (problem := self._too_large_to_compare()):
+                self._disable(problem)
+                return "eager"
+            return decision
         if key[0] != graph.key[0]:
             # A branch that stays switched (clipping on from step 10, an auxiliary loss from epoch 1)
             # gets a graph of its own after a few steps; a periodic one (a target sync every N
@@ -130,6 +153,8 @@ class StepDecision:
         scalars = python_state.changed_scalars(graph.scalars)
         if graph.containers:
             scalars += python_state.changed_containers(graph.containers)
+        if self._module_values:
+            scalars += python_state.changed_containers(self._module_values)
         if scalars:
             return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
         now = addresses(graph.registered_tensors)
@@ -228,6 +253,10 @@ class StepDecision:
             self._waited_steps += 1
             self._count_fallback(WAIT_CAUSE)
             return "eager"
+        problem = self._too_large_to_compare()
+        if problem:  # a value the step reads grew past what a comparison before each replay holds
+            self._disable(problem)
+            return "eager"
         self._recapture_streak += 1
         if self._recapture_streak >= RECAPTURE_STREAK_LIMIT:
             self._disable(
@@ -293,6 +322,53 @@ class StepDecision:
             "capture each time (counted in `summary()['fallback_steps']` and `['recapture_wait_steps']`)",
         )
         return True
+
+    def _too_large_to_compare(self) -> str | None:
+        """A refusal, naming it, where a value the step reads is made of numbers a graph may bake in but
+        is too large to compare before each replay (:class:`l2lightning.step_values.TooLarge`): a replay
+        runs no Python, so a hook that changed it (`self.class_weights = ...`, an array written in
+        place) would go unseen. Asked before each capture: of the values read through ``self`` and
+        module-level chains (``StepSource.attribute_values``), the module-level names the step reads
+        (``StepSource.global_reads``), and the arguments the ``functools.partial`` it calls bind."""
+        module, source = self._module, self._source
+        batch_idx = self._pending[1] if self._pending is not None else 0
+        found = []
+        for value in source.attribute_values:
+            now = value.value(module, batch_idx)
+            if isinstance(now, TooLarge):
+                found.append(f"{now.what} at {value.line}")
+        callables, module_values = [], []
+        for namespace, names in source.global_reads.values():
+            for name in sorted(names):
+                if name.startswith("__") or name not in namespace:
+                    continue
+                held = namespace[name]
+                now = frozen_read(held, tensors=True)
+                if isinstance(now, TooLarge):
+                    found.append(f"{now.what} in the module-level `{name}`")
+                elif isinstance(held, _UNCOMPARED_CONTAINERS) and now is not None:
+                    module_values.append((namespace, name, now))
+                elif isinstance(held, functools.partial):
+                    callables.append((name, held))
+        self._module_values = module_values
+        callables += [
+            (name, held)
+            for _, name, held in python_state.baked_callables(module, source.reads, None, self._installed)
+            if isinstance(held, functools.partial)
+        ]
+        for name, held in callables:
+            now = frozen_read(partial_arguments(held), tensors=True)
+            if isinstance(now, TooLarge):
+                found.append(f"{now.what} bound by the `functools.partial` `{name}`")
+        if not found:
+            return None
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        return (
+            f"the step reads {found[0]}{more}, too large to compare before each replay (at most "
+            f"{MAX_FROZEN_ITEMS} numbers, or a NumPy array of {MAX_FROZEN_BYTES // 1024} KiB, are): a replay "
+            "runs no Python, so a change to it would go unseen; keep it in a tensor buffer "
+            "(`self.register_buffer(...)`, updated in place), which the graph reads from memory"
+        )
 
     def _module_flags(self) -> tuple:
         if self._flags is None:
