@@ -5,7 +5,7 @@ epsilon decayed per step, a step counter of its own), appends to a list (``self.
 Lightning's own migration advice for ``training_step_outputs``) or flips a flag would, replayed, stop
 doing so: the counter freezes, a branch on it never fires again (a target-network sync every N of its
 own steps), the list keeps one entry. None of that is visible to the op trace, whose work is the same
-on most steps, so the callback snapshots the public scalar attributes (int, float, bool, str), the
+on most steps, so the callback snapshots the scalar attributes (int, float, bool, str), the
 elements of lists and deques (by identity: a full ``deque(maxlen=n)`` drops its first element as it
 appends, so its length alone does not show the append), the entries of dicts that hold lists or
 deques (``self.outputs = defaultdict(list)``) with their lists' elements, of the module, its submodules
@@ -13,7 +13,13 @@ and the Trainer's other callbacks, and which tensor each of their tensor attribu
 parameters is (``self.running = 0.9 * self.running + x`` binds a new one each step, which a graph that
 keeps reading the old one cannot follow), around each traced step and refuses, naming the attribute, a
 step that changes one after the first warm-up step (a first step may build something once: a lazy
-cache, an ``initialized`` flag). The one change a replay can redo is one ``append`` per step to a list
+cache, an ``initialized`` flag). Private attributes are the step's state as public ones are, where
+the object's class is the user's (``self._n += 1``, ``self._outputs.append(loss)``): only the names
+its library base classes hold (``nn.Module``'s ``_parameters`` and hooks, Lightning's
+``_current_fx_name``, which Lightning's code sets inside every step) are left out, and objects of
+library classes keep their private attributes to themselves (:func:`own_attributes`). An optimizer of
+the user's own class (``class MyAdamW(torch.optim.AdamW)`` with a step counter) is snapshot too
+(:func:`optimizer_owners`): its ``step`` runs inside the captured step, around the closure. The one change a replay can redo is one ``append`` per step to a list
 or deque, an attribute or an entry of a dict: the callback appends a fresh copy of the element the
 capture appended (its tensors are the graph's, overwritten by each replay) after every replay, to
 the container the attribute or entry holds then (where there is none, an epoch-end hook having
@@ -25,8 +31,12 @@ entries back, so the eager step that replaces it changes them once.
 from __future__ import annotations
 
 import functools
+import os
 import random
 import sys
+import sysconfig
+import types
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -95,15 +105,169 @@ MAX_HELD_SCALARS = 32
 
 
 def held_objects(obj: Any) -> list[tuple[str, Any]]:
-    """(attribute name, object) for the plain Python objects `obj` holds in public attributes: instances
-    of the user's own classes that are not modules, tensors, containers, functions or classes (a loss
-    callable with a ``scale``, a schedule object). A replay runs no Python, so a number such an object
-    holds and the step reads (inside its ``__call__``) is baked into the graph like the module's own."""
-    found = []
-    for name, value in list(getattr(obj, "__dict__", {}).items()):
-        if name.startswith("_") or not _is_plain_object(value):
-            continue
-        found.append((name, value))
+    """(attribute name, object) for the plain Python objects `obj` holds in its own attributes
+    (:func:`own_attributes`): instances of the user's own classes that are not modules, tensors,
+    containers, functions or classes (a loss callable with a ``scale``, a schedule object). A replay
+    runs no Python, so a number such an object holds and the step reads (inside its ``__call__``) is
+    baked into the graph like the module's own."""
+    return [(name, value) for name, value in own_attributes(obj) if _is_plain_object(value)]
+
+
+def own_attributes(obj: Any) -> list[tuple[str, Any]]:
+    """(name, value) of the attributes of `obj` that are its Python state, not a library's.
+
+    An object of library code (:func:`is_library_class`: torch's layers, Lightning's callbacks, a
+    tokenizer) keeps its private attributes to itself: its public ones only. An object of the user's
+    own class has its private attributes too (``self._n += 1``, ``self._outputs.append(loss)``: a
+    replay would freeze them as it would their public spellings), but for those its library base
+    classes hold (:func:`_library_names`: ``nn.Module``'s ``_parameters`` and hooks, Lightning's
+    ``_current_fx_name`` and ``_param_requires_grad_state``, which Lightning's own code sets inside a
+    step and every replay sets again) and dunders. A Python module of the user's (whose globals the
+    step reads, :func:`global_namespaces`) has its private globals too. The user's optimizer (a subclass of a torch
+    optimizer) leaves out the public ``state``, ``param_groups`` and ``defaults`` too: torch's."""
+    attributes = getattr(obj, "__dict__", None)
+    if not attributes:
+        return []
+    if isinstance(obj, types.ModuleType):  # the globals of a Python module the step's code reads
+        library = None if _is_library_module(getattr(obj, "__name__", None)) else frozenset()
+    else:
+        library = _library_names(obj)
+    if library is None:
+        return [(n, v) for n, v in list(attributes.items()) if isinstance(n, str) and not n.startswith("_")]
+    return [
+        (n, v)
+        for n, v in list(attributes.items())
+        if isinstance(n, str) and n not in library and not (n.startswith("__") and n.endswith("__"))
+    ]
+
+
+def is_library_class(cls: type) -> bool:
+    """Whether `cls` is library code, not the user's: defined in one of :data:`_LIBRARY_PACKAGES` or in
+    Python's standard library (built-in and frozen modules too). Other installed packages are not: the
+    user's own project installed with pip, or a third-party optimizer or layer whose Python counts its
+    calls, is frozen by a replay as the user's own code is (and their objects held by the module are
+    snapshot today, :func:`held_objects`). A class of ``__main__`` (a script's, a notebook's) is the user's."""
+    found = _LIBRARY_CLASSES.get(cls)
+    if found is None:
+        found = _is_library_module(getattr(cls, "__module__", None))
+        _LIBRARY_CLASSES[cls] = found
+    return found
+
+
+def _is_library_module(name: Any) -> bool:
+    if not isinstance(name, str):
+        return True  # nothing to tell its code by: as today, left to the library rule
+    if name == "__main__":
+        return False
+    if name.split(".")[0] in _LIBRARY_PACKAGES:
+        return True
+    path = getattr(sys.modules.get(name), "__file__", None)
+    if not isinstance(path, str):
+        return True  # a built-in or frozen module
+    path = os.path.realpath(path)
+    if any(part in path for part in _INSTALLED_PARTS):
+        return False  # an installed package (some distributions keep them under the standard library's root)
+    return any(path.startswith(root) for root in _stdlib_roots())
+
+
+# where installed packages live: not the standard library
+_INSTALLED_PARTS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+# class -> is_library_class; weak: a class made per test or per fit is not kept alive here
+_LIBRARY_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# class -> _library_names (None for library classes)
+_LIBRARY_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@functools.cache
+def _stdlib_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(os.path.realpath(paths[key]) + os.sep for key in ("stdlib", "platstdlib") if paths.get(key))
+
+
+# Names Lightning and torch set on the user's objects later than their constructors, from code of
+# other classes: torch's LR schedulers mark each optimizer step (`optimizer._opt_called`), and the
+# callback names its wrapper on the optimizer
+_LATE_LIBRARY_NAMES = frozenset({"_opt_called", "_l2lightning_capturable"})
+
+
+@functools.cache
+def _root_names() -> tuple[tuple[type, frozenset[str]], ...]:
+    """(library base class, the names a fresh instance of it holds) for the base classes the user's
+    objects derive from: computed once, from the classes themselves, so that whatever a version of
+    torch or Lightning holds is what is left out."""
+    from lightning.pytorch import Callback, LightningModule
+
+    def fresh_optimizer() -> Any:
+        return torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], {})
+
+    roots: list[tuple[type, Any]] = [
+        (LightningModule, LightningModule),
+        (torch.nn.Module, torch.nn.Module),
+        (Callback, Callback),
+        (torch.optim.Optimizer, fresh_optimizer),
+    ]
+    return tuple((root, frozenset(vars(make()))) for root, make in roots)
+
+
+def _library_names(obj: Any) -> frozenset[str] | None:
+    """The attribute names the library base classes of `obj`'s class hold on its instances, which are
+    not the user's state; None where the class is library code itself (or a torchmetrics metric,
+    whose states are the metric binding's), whose objects keep the public-only rule.
+
+    Each root base class (LightningModule, nn.Module, Callback, torch's Optimizer) the class derives
+    from gives the names its fresh instance holds (:func:`_root_names`); any other library class in
+    its MRO (``nn.LSTM`` under a user's LSTM subclass, ``ModelCheckpoint`` under a user's checkpoint
+    callback, ``AdamW`` under a user's optimizer) gives the names its code mentions, which hold what it
+    sets on the instance. For objects other than optimizers only the private names among them count:
+    their public attributes stay the step's state as they always were."""
+    cls = type(obj)
+    try:
+        return _LIBRARY_NAMES[cls]
+    except KeyError:
+        pass
+    names: frozenset[str] | None
+    if is_library_class(cls) or _is_metric(obj):
+        names = None
+    else:
+        found: set[str] = set(_LATE_LIBRARY_NAMES)
+        covered: set[type] = set()
+        for root, fresh in _root_names():
+            if issubclass(cls, root):
+                found |= fresh
+                covered.update(root.__mro__)
+        for klass in cls.__mro__:
+            if klass is not object and klass not in covered and is_library_class(klass):
+                found |= _code_names(klass)
+        if not isinstance(obj, torch.optim.Optimizer):
+            found = {n for n in found if n.startswith("_")}
+        names = frozenset(found)
+    _LIBRARY_NAMES[cls] = names
+    return names
+
+
+def _code_names(klass: type) -> set[str]:
+    """The names (attributes and globals) that the code of `klass`'s own functions mentions."""
+    found: set[str] = set()
+    for value in vars(klass).values():
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        functions = [value.fget, value.fset, value.fdel] if isinstance(value, property) else [value]
+        for fn in functions:
+            for _ in range(8):  # a decorated function: its wrappers, down to the code itself
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    found |= _names_in(code)
+                fn = getattr(fn, "__wrapped__", None)
+                if fn is None:
+                    break
+    return found
+
+
+def _names_in(code: types.CodeType) -> set[str]:
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # nested functions, comprehensions, lambdas
+            found |= _names_in(const)
     return found
 
 
@@ -129,6 +293,14 @@ def owners(module: Any, callbacks: Iterable[Any] = ()) -> list[tuple[str, Any]]:
     return found
 
 
+def optimizer_owners(optimizers: Iterable[Any]) -> list[tuple[str, Any]]:
+    """(label prefix, optimizer) for those of `optimizers` whose class is the user's own (``class
+    MyAdamW(torch.optim.AdamW)`` with a step counter of its own): its Python runs inside the captured
+    step, so a replay would freeze what it changes. torch's own optimizers hold no Python state of
+    the user's (their ``state`` and param groups are the capturable optimizer's to handle)."""
+    return [(type(o).__name__, o) for o in optimizers if _library_names(o) is not None]
+
+
 def global_namespaces(global_reads: Iterable[tuple[Any, set[str]]]) -> list[tuple[str, Any]]:
     """(module name, module) for the Python modules whose globals `global_reads` (the step source's
     ``(namespace, names)``) come from: the step's code reads their names, so a module-level list it
@@ -147,26 +319,31 @@ def snapshot(
     objects: Iterable[tuple[str, Any]],
     skip: frozenset[tuple[int, str]] = frozenset(),
     device_type: str = "cpu",
+    generators: bool = True,
 ) -> Snapshot:
-    """The public scalar attributes, lists and deques (their elements), dicts holding lists or deques
-    (their entries, and the lists' elements) and small dicts of numbers of `objects`, and the state
+    """The scalar attributes, lists and deques (their elements), dicts holding lists or deques (their
+    entries, and the lists' elements) and small dicts of numbers of `objects` (their own attributes,
+    :func:`own_attributes`: public ones, and the private ones of the user's own classes), and the state
     of Python's and NumPy's global random generators (a step that draws from them, an epsilon-greedy
-    branch on ``random.random()``, would draw once and then replay that one branch). `skip`: (id(object), name)
-    pairs left out (attributes the callback itself sets around a capture).
+    branch on ``random.random()``, would draw once and then replay that one branch; not with
+    `generators` False). `skip`: (id(object), name) pairs left out (attributes the callback itself sets
+    around a capture).
 
     `device_type` is the device the step trains on. Off the CPU, torch's global CPU generator is the
     host's too: a draw from it (``if torch.rand(1) < p``, a torchvision v2 random transform called in
     the step) runs on the host at capture only, so a replay would keep its outcome, and plain training
     would have moved the generator on for every later draw (a ``DataLoader``'s shuffle order). On the
     CPU that generator is the device's, drawn by the captured ops themselves (dropout)."""
+    out: Snapshot = {}
     # a generator's value: (what to compare, what to restore)
     state = random.getstate()
-    out: Snapshot = {(0, "random"): _Value(PYTHON_RANDOM_LABEL, None, "random", "rng", (state, state))}
-    if device_type != "cpu":
+    if generators:
+        out[0, "random"] = _Value(PYTHON_RANDOM_LABEL, None, "random", "rng", (state, state))
+    if generators and device_type != "cpu":
         state = torch.default_generator.get_state()
         out[0, "torch"] = _Value(TORCH_CPU_RANDOM_LABEL, None, "torch", "rng", (bytes(state.numpy()), state))
     numpy = sys.modules.get("numpy")
-    if numpy is not None:
+    if generators and numpy is not None:
         state = numpy.random.get_state()
         kind, keys, position, has_gauss, cached = state[:5]
         comparable = (kind, keys.tobytes(), position, has_gauss, cached)
@@ -176,8 +353,8 @@ def snapshot(
         if not attributes:
             continue
         tracks_tensors = not _is_metric(obj)  # metric states are the metric binding's, rebound by design
-        for name, value in list(attributes.items()):
-            if name.startswith("_") or name in _IGNORED or (id(obj), name) in skip:
+        for name, value in own_attributes(obj):
+            if name in _IGNORED or (id(obj), name) in skip:
                 continue
             if isinstance(value, _SCALARS):
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "value", value)
@@ -228,7 +405,7 @@ def _items(container: list | deque) -> tuple[Any, tuple, int | None]:
 
 
 def host_tensors(objects: Iterable[tuple[str, Any]]) -> dict[int, str]:
-    """The host (CPU) tensors `objects` hold as public attributes or buffers, by storage, with their
+    """The host (CPU) tensors `objects` hold as attributes (:func:`own_attributes`) or buffers, by storage, with their
     labels (`` `self.seen` ``). A step training on a GPU that changes one in place changes it only in
     its eager steps: a replay runs the GPU's work alone. Metrics' states are the metric binding's."""
     found: dict[int, str] = {}
@@ -237,7 +414,7 @@ def host_tensors(objects: Iterable[tuple[str, Any]]) -> dict[int, str]:
         if not attributes or _is_metric(obj):
             continue
         held = list((attributes.get("_buffers") or {}).items())  # first: a view's owner names it
-        held += [(n, v) for n, v in attributes.items() if not n.startswith("_")]
+        held += own_attributes(obj)
         for name, value in held:
             if (
                 isinstance(value, torch.Tensor)
@@ -687,6 +864,25 @@ def baked_callback_attributes(
         more_scalars, more_tensors = _read_attributes(vars(cb), names)
         scalars += more_scalars
         tensors += more_tensors
+    return scalars, tensors
+
+
+def baked_optimizer_attributes(
+    optimizers: Iterable[tuple[str, Any]],
+) -> tuple[list[tuple[dict, str, Any]], list[tuple[dict, str, torch.Tensor]]]:
+    """(scalar checks, tensor checks) for the attributes of the user's own optimizers
+    (:func:`optimizer_owners`) that are Python numbers or tensors: their ``step`` runs inside the
+    captured step, so what it reads of them (``p.mul_(self.shrink)``, ``if self.warm:``) is baked into
+    the graph like the module's own numbers (:func:`baked_scalars`, :func:`baked_tensors`); a callback
+    that changes one between steps must capture again."""
+    scalars, tensors = [], []
+    for _, optimizer in optimizers:
+        attributes = vars(optimizer)
+        for name, value in own_attributes(optimizer):
+            if isinstance(value, _SCALARS):
+                scalars.append((attributes, name, value))
+            elif isinstance(value, torch.Tensor):
+                tensors.append((attributes, name, value))
     return scalars, tensors
 
 

@@ -278,9 +278,21 @@ class StepCapture:
             if ran is not None
             else None
         )
+        optimizers = self._optimizer_holders()
+
+        def run_whole(closure: Any, **kwargs: Any) -> Any:
+            # the user's optimizer's own Python runs around the closure (`optimizer.step(closure)`)
+            optimizer_before = python_state.snapshot(optimizers, generators=False)
+            out = run(closure, **kwargs)
+            after = python_state.snapshot(optimizers, generators=False)
+            changed = python_state.changed(optimizer_before, after)
+            if changed and self._traced_steps >= 1:
+                raise _PythonChangedInCapture(self._python_problem(changed, tracer.trace))
+            return out
+
         try:
             try:
-                self._capture_into(graph, run, captured, kwargs)
+                self._capture_into(graph, run_whole if optimizers else run, captured, kwargs)
             finally:
                 if hook is not None:
                     hook.remove()
@@ -373,6 +385,11 @@ class StepCapture:
             (a, v) for a, v in self._source.attribute_snapshot(module, batch_idx) if not _holds(v, carried)
         ]
         scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)
+        graph.scalars += scalars
+        graph.tensors += tensors
+        # the Python numbers and tensors the user's optimizer's step reads from its own attributes
+        # (`p.mul_(self.shrink)`), baked into the graph like the module's
+        scalars, tensors = python_state.baked_optimizer_attributes(optimizers)
         graph.scalars += scalars
         graph.tensors += tensors
         baked = python_state.baked_globals(self._source.global_reads.values())

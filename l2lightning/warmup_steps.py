@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule
 from l2lightning import python_state
 from l2lightning.carried_state import split_carried
 from l2lightning.hook_writes import possible_writes
-from l2lightning.joined_optimizers import optimizer_names
+from l2lightning.joined_optimizers import members_of, optimizer_names
 from l2lightning.metric_binding import (
     named_metrics,
     unreplayable_reason,
@@ -147,6 +147,10 @@ class WarmupSteps:
         self._traced_steps += 1
         holders = self._python_holders()
         python_before = python_state.snapshot(holders, device_type=tracer.device_type)
+        # the user's optimizer's own Python runs around the closure (`optimizer.step(closure)`): its
+        # state is compared over the whole step
+        optimizers = self._optimizer_holders()
+        optimizer_before = python_state.snapshot(optimizers, generators=False)
         if tracer.device_type != "cpu":  # training on the host, its tensors are the step's device's
             tracer.host_state = python_state.host_tensors(holders)
 
@@ -166,7 +170,12 @@ class WarmupSteps:
             )
             return out
 
-        return run(traced, **kwargs)
+        out = run(traced, **kwargs)
+        changed = python_state.changed(optimizer_before, python_state.snapshot(optimizers, generators=False))
+        if changed and self._traced_steps > 1:
+            # this step ran eagerly as configured, its update included: plain Lightning's step
+            self._disable(self._python_problem(changed))
+        return out
 
     def _branches_on_appended(self, appended: list[python_state.Append]) -> list[str]:
         """Problems for the branches of the step that test a list or deque it appends to.
@@ -243,7 +252,16 @@ class WarmupSteps:
         module-level list it appends to)."""
         callbacks = [cb for cb in getattr(self._trainer, "callbacks", []) if cb is not self]
         holders = python_state.owners(self._module, [*callbacks, *self._hook_owners])
+        # under manual optimization the optimizers step inside training_step: their Python is the step's
+        holders += self._optimizer_holders()
         return holders + python_state.global_namespaces(self._source.global_reads.values())
+
+    def _optimizer_holders(self) -> list[tuple[str, Any]]:
+        """The optimizers the step steps whose class is the user's own, by class name: their ``step``'s
+        Python runs inside the captured step (python_state.optimizer_owners)."""
+        if self._optimizer is None:
+            return []
+        return python_state.optimizer_owners(m.optimizer for m in members_of(self._optimizer))
 
     def _optimizer_writes(self) -> list[str]:
         """The optimizer hyperparameters the step's own code has written so far (inside the step)."""
@@ -252,6 +270,19 @@ class WarmupSteps:
     def _python_problem(self, changed: list[str], trace: StepTrace | None = None) -> str:
         """Why a step that changes the Python state `changed` cannot be replayed (`trace`: the step's,
         whose draws on the host name their lines)."""
+        owned = tuple(f"`{label}." for label, _ in self._optimizer_holders())
+        stepped = [label for label in changed if owned and label.startswith(owned)]
+        if stepped:
+            others = [label for label in changed if label not in stepped]
+            return (
+                f"the optimizer's step changes Python state ({', '.join(stepped)}) at every step, which a "
+                "replay (it runs no Python) would freeze: the graph holds the optimizer's step as it ran at "
+                "the capture. Keep such state in tensors the step updates in place (`self.t.add_(1)`, with "
+                "`torch.where` for a branch on it), change it outside the optimizer's step "
+                "(`on_train_batch_end`), or run such steps eagerly with "
+                "`eager_steps=lambda trainer, batch_idx: ...`"
+                + (f"; the step changes other Python state too ({', '.join(others)})" if others else "")
+            )
         draws = trace.host_draws if trace is not None else []
         if python_state.TORCH_CPU_RANDOM_LABEL in changed and draws:
             # the GAN tutorial's `torch.randn(n, latent_dim)` then `.type_as(imgs)`: numbers drawn on the

@@ -283,9 +283,13 @@ def test_held_objects_are_the_users_plain_objects_only():
     holder.rate = 0.1
     holder.fn = lambda x: x
     holder.log = logging.getLogger("x")  # a library's object
-    holder._private = Schedule()  # private attributes are the object's business
+    holder._private = Schedule()  # a private attribute of the user's own class is its state too
     names = [name for name, _ in held_objects(holder)]
-    assert names == ["schedule"]
+    assert names == ["schedule", "_private"]
+    # a library's object keeps its private attributes to itself: its own held objects are public only
+    library_held = logging.getLogger("y")
+    library_held._schedule = Schedule()
+    assert held_objects(library_held) == []
     assert held_objects(random) == []  # a module object has no plain objects of the user's
 
 
@@ -368,6 +372,8 @@ def test_host_tensors_are_the_cpu_tensors_held_as_attributes_or_buffers_by_stora
     assert found == {
         module.seen.untyped_storage().data_ptr(): "`self.seen`",
         module.counts.untyped_storage().data_ptr(): "`self.counts`",
+        # the user's class: its private attributes are its state too (nn.Module's own are not)
+        module._private.untyped_storage().data_ptr(): "`self._private`",
     }
 
 
