@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,18 +40,21 @@ from torch.utils.hooks import RemovableHandle
 from l2lightning.step_source import (
     HELPER_DEPTH,
     ClosureCells,
-    Condition,
     StepSource,
     _closure_name_of,
     _held_callables_in,
     _is_user_code,
     _lookup,
     _methods_matching,
-    _parse,
-    _record_closure,
-    _record_globals,
+    _parse_function,
     _record_outside_reads,
     _Visitor,
+    add_conditions,
+    add_counter_values,
+    add_self_reads,
+    evaluated_on,
+    read_bytecode,
+    read_handed_on,
     read_with_module,
 )
 from l2lightning.step_values import AttributeValue
@@ -146,6 +148,9 @@ class StepHooks:
 def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]:
     """Add to `found` what the user's submodule ``forward`` methods and step hooks read and assign
     outside themselves; return the objects (not modules) whose methods run as hooks."""
+    # the code the step hands batch_idx to that the module holds (`self.criterion(logits, y, batch_idx)`),
+    # built by now (configure_model ran), or bound anew since the last capture: read with it
+    read_handed_on(found, module, final=True)
     methods: list[tuple[Any, str, int]] = []
     functions: list[types.FunctionType] = []
     owners: list[Any] = []
@@ -194,13 +199,13 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         visitor = _read(
             found, scratch, function, depth, seen_code, reads, owner=obj, branches=True, module=module
         )
-        _add_self_reads(found, module, obj, reads)
+        add_self_reads(found, module, obj, reads)
         if visitor is not None and depth < HELPER_DEPTH:
             methods += [(obj, helper, depth + 1) for helper in sorted(visitor.helpers)]
     for hook_function in functions:
         function = _users_own(hook_function)
         if function is not None and id(function.__code__) not in seen_code:
-            _read(found, scratch, function, 0, seen_code, set(), owner=None, module=module)
+            _read(found, scratch, function, 0, seen_code, set(), owner=None, branches=True, module=module)
     found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
     ignored = StepSource()
     read_only = [(obj, _user_function(type(obj), name)) for obj, name in other_methods]
@@ -217,7 +222,7 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         reads: set[str] = set()
         # at HELPER_DEPTH: the functions it calls are not followed (they might assign)
         _read(found, ignored, function, HELPER_DEPTH, seen_code, reads, owner=owner, module=module)
-        _add_self_reads(found, module, owner, reads)
+        add_self_reads(found, module, owner, reads)
     # the module's attributes read by names the source does not show (`vars(self)`, a computed getattr)
     found.resolve_reads(module)
     # the user's classes named in the code read so far: a custom autograd Function's forward and
@@ -235,16 +240,6 @@ def _user_function(cls: type, name: str) -> types.FunctionType | None:
     unwrapped), if it is the user's own code; else None."""
     function = _lookup(cls, name, None)[1]
     return _users_own(_function_of(function)) if function is not None else None
-
-
-def _add_self_reads(found: StepSource, module: Any, owner: Any, reads: set[str]) -> None:
-    """Where the ``self.X`` reads of code whose ``self`` is `owner` are compared: the module's own
-    (a hook or a callable that is the module's method), a plain object's like a callback's (a hook
-    object, a loss object); a submodule's public numbers are compared anyway."""
-    if owner is module:
-        found.reads |= reads
-    elif owner is not None and not isinstance(owner, torch.nn.Module) and reads:
-        _add_object_reads(found, owner, reads)
 
 
 def _named_classes(found: StepSource) -> list[type]:
@@ -296,15 +291,6 @@ def _users_own(function: Any) -> types.FunctionType | None:
     return function if isinstance(function, types.FunctionType) and _is_user_code(function) else None
 
 
-def _add_object_reads(found: StepSource, obj: Any, reads: set[str]) -> None:
-    """Compare `obj`'s attributes `reads` before each replay, like a callback's (one entry per object)."""
-    for held, names in found.callback_reads:
-        if held is obj:
-            names |= reads
-            return
-    found.callback_reads.append((obj, set(reads)))
-
-
 def _own_functions(cls: type) -> list[str]:
     """Names of the functions that the user's own classes in `cls`'s MRO define, but ``__init__``
     (which runs when the object is made, not in a step)."""
@@ -350,11 +336,11 @@ def _read(
     alias = _closure_name_of(function, module) if owner is None and module is not None else None
     if alias is not None:
         read_with_module(found, function, alias, f"`{function.__qualname__}`", depth, set())
-        _read_bytecode(found, function)
+        read_bytecode(found, function)
         return None
-    tree, filename, first_line, params = _parse(function)
-    if tree is None:  # a lambda, or source that does not parse alone
-        _read_bytecode(found, function)
+    tree, filename, first_line, params = _parse_function(function)  # a lambda's too
+    if tree is None:  # source that does not parse alone, a lambda sharing its line with a like one
+        read_bytecode(found, function)
         return None
     self_name = params[0] if owner is not None and params else ""
     visitor = _Visitor(
@@ -372,44 +358,28 @@ def _read(
         owner=owner,
     )
     values_before, conditions_before = len(scratch.attribute_values), len(scratch.conditions)
+    counters_before = len(scratch.counter_values)
     visitor.run(tree)
     if owner is not None:
         # read again at each capture: each (line, owner) once
         known = {(v.line, getattr(v.evaluate, "owner_id", None)) for v in found.attribute_values}
         found.attribute_values += [
-            AttributeValue(value.line, _evaluated_on(owner, value.evaluate))
+            AttributeValue(value.line, evaluated_on(owner, value.evaluate))
             for value in scratch.attribute_values[values_before:]
             if (value.line, id(owner)) not in known
         ]
-        if branches:  # tests that cannot be evaluated alone are left to the warm-up trace comparison
-            known = {(c.line, getattr(c.evaluate, "owner_id", None)) for c in found.conditions}
-            found.conditions += [
-                Condition(c.line, _evaluated_on(owner, c.evaluate), c.on_counters)
-                for c in scratch.conditions[conditions_before:]
-                if c.evaluate is not None and (c.line, id(owner)) not in known
-            ]
+    if branches:
+        # its tests, evaluated per step on `owner`; those on the step counters that cannot be evaluated
+        # (`if self._lm().global_step >= 10:` through a weakref to the module) are refused by name, as
+        # training_step's are: the warm-up steps may all take one side of them
+        add_conditions(
+            found,
+            scratch.conditions[conditions_before:],
+            owner,
+            f"`{function.__qualname__}`, which the step runs",
+        )
+        # and the numbers it computes from the step counters (`w = max(0.0, (self._lm[0].global_step - 10)
+        # * 0.1)`): compared before each replay on `owner`, like training_step's own
+        add_counter_values(found, scratch.counter_values[counters_before:], owner)
     _record_outside_reads(found, function, visitor, depth, seen)
     return visitor
-
-
-def _evaluated_on(owner: Any, evaluate: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
-    """`evaluate` (compiled with ``self`` its first argument) evaluated with `owner` as ``self``."""
-
-    def value(module: Any, batch_idx: int) -> Any:
-        return evaluate(owner, batch_idx)
-
-    value.owner_id = id(owner)  # type: ignore[attr-defined]
-    return value
-
-
-def _read_bytecode(found: StepSource, function: types.FunctionType) -> None:
-    """The names `function` (and the code nested in it) loads that its globals or closure hold."""
-    names: set[str] = set()
-    pending = [function.__code__]
-    while pending:
-        code = pending.pop()
-        names.update(code.co_names, code.co_freevars)
-        pending += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    namespace = getattr(function, "__globals__", {})
-    _record_globals(found, namespace, {n for n in names if n in namespace}, set())
-    _record_closure(found, function, names)

@@ -54,8 +54,10 @@ import argparse
 import ast
 import builtins
 import datetime
+import dis
 import functools
 import inspect
+import linecache
 import os
 import re
 import sysconfig
@@ -65,6 +67,8 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from l2lightning.step_values import AttributeValue, CounterValue, frozen, guarded, unreadable
 
@@ -85,6 +89,22 @@ class Condition:
     evaluate: Callable[[Any, int], Any] | None  # (module, batch_idx) -> value, or None if not evaluable
     # True: reads the step counters (its value moves as training goes); False: only other attributes
     on_counters: bool = True
+
+
+@dataclass
+class HandedOn:
+    """``batch_idx`` handed to ``self.<attributes>(...)`` where the attributes do not name a method of
+    the class of `holder` (the object ``self`` is there): a submodule, a function or an object kept in
+    an attribute, a method of a submodule. See :func:`read_handed_on`."""
+
+    holder: Any
+    path: tuple[str, ...]  # the attributes called (() for ``self(...)``)
+    where: int | str  # the argument's position among the call's, or its keyword
+    # the same for the module, where the call hands it on too (``self.loss_fn(self, pred, batch_idx)``)
+    module_at: int | str | None
+    counters: list[CounterValue]  # batch_idx as a compared number, where the callee cannot be read
+    depth: int
+    compared: bool = False  # `counters` joined the comparisons
 
 
 @dataclass
@@ -139,6 +159,15 @@ class StepSource:
     # code (a loss helper given ``self``, a lambda closing over it), each read once however often the
     # analysis is asked again (at each capture)
     module_functions_read: set[tuple[int, str]] = field(default_factory=set, repr=False)
+    # calls that hand ``batch_idx`` on to code the module holds rather than defines (``self.criterion(
+    # logits, y, batch_idx)`` for a submodule or a function kept in an attribute, ``self.model.
+    # training_step(batch, batch_idx)``): that code is read with its parameter bound to batch_idx
+    # (:func:`read_handed_on`), its tests joining the branch key; where it cannot be, the argument is
+    # compared before each replay like any number computed from the step counters
+    handed_on: list[HandedOn] = field(default_factory=list, repr=False)
+    # (id of the object its self is, id of its code, the parameter bound to batch_idx) of each function
+    # read so, once; with the object and the function, which the ids must not outlive
+    callees_read: dict[tuple[int, int, str], tuple[Any, Any]] = field(default_factory=dict, repr=False)
 
     def resolve_reads(self, module: Any) -> None:
         """Add to `reads` the module's public attributes that :attr:`read_patterns` match now (the
@@ -247,6 +276,9 @@ def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> St
     ``model.aux_weight``, a lambda or a method the module keeps in an attribute)."""
     found = StepSource()
     _analyse_object(module, hook_names, found, found.reads, callback=False)
+    # the code the step hands batch_idx to that the module holds (a submodule, a held function): read
+    # now where it can be; the rest at the training start, once configure_model has built it
+    read_handed_on(found, module, final=False)
     found.resolve_reads(module)
     return found
 
@@ -289,6 +321,12 @@ def _analyse_object(
         (hook, 0, 1 if hook == "training_step" else None, None, None, None) for hook in hook_names
     ]
     patterns_read = 0  # how many of found.read_patterns were looked up as methods
+    # batch_idx handed to the object's own methods, by position: ((name, the class a super() call was made
+    # from, position), its reads as compared numbers), and the (name, class, position) of the methods read
+    # with that parameter bound to batch_idx. A call whose method was not read so (too deep, a static
+    # method, a library's, a parameter the source does not show) has its batch_idx compared instead.
+    withheld: list[tuple[tuple[str, type | None, int], list[CounterValue]]] = []
+    bound: set[tuple[str, type | None, int]] = set()
     while pending:
         name, depth, batch_position, after, trainer_position, module_position = pending.pop(0)
         if (name, after) in seen:
@@ -297,18 +335,24 @@ def _analyse_object(
         owner, method = _lookup(type(obj), name, after)
         if method is None and module_position is not None:
             # `self.loss_fn(self, pred, y)`: a function the object holds, given the module
-            _read_held_with_module(found, obj, name, module_position, depth, seen_functions)
+            _read_held_with_module(found, obj, name, module_position, depth, seen_functions, batch_position)
             continue
         method = method.fget if isinstance(method, property) else method
         if method is None or not callable(method) or _defined_by_library(method):
             continue
-        tree, filename, first_line, params = _parse(method)
+        tree, filename, first_line, params = _parse(
+            method.__func__ if isinstance(method, staticmethod) else method
+        )
         if tree is None:
             if module_position is not None:  # the module handed to a method that cannot be read
                 found.add_read_pattern(f"{type(obj).__qualname__}.{name}", _ANY_NAME, False)
             continue
+        if isinstance(method, staticmethod):
+            params = ["", *params]  # no self: its arguments are the call's from the first
         function = inspect.unwrap(getattr(method, "__func__", method))
         batch_idx = _parameter(params, batch_position)
+        if batch_idx is not None and not callback:
+            bound.add((name, after, batch_position))  # type: ignore[arg-type]
         module_param = _parameter(params, module_position)
         if callback:
             # a callback's step hook: (self, trainer, pl_module, ...); its helpers get them where the
@@ -347,10 +391,22 @@ def _analyse_object(
             module_names=module_names,
             module_reads=None if callback else reads,
             owner=obj,
+            reads_helpers=not callback,
         )
         visitor.run(tree)
         if not callback and isinstance(function, types.FunctionType):
             found.module_functions_read.add((id(function.__code__), visitor.self_name))
+        if depth < HELPER_DEPTH:  # (deeper, the methods it calls are not read: their batch_idx is compared)
+            withheld += [
+                ((helper, owner if is_super else None, position), counters)
+                for (helper, is_super, position), counters in visitor.withheld.items()
+            ]
+        else:
+            found.counter_values += [c for counters in visitor.withheld.values() for c in counters]
+        found.handed_on += [
+            HandedOn(obj, path, where, module_at, counters, depth + 1)
+            for (path, where, module_at), counters in visitor.handed_on.items()
+        ]
         _record_outside_reads(found, function, visitor, depth, seen_functions)
         if depth < HELPER_DEPTH:
             pending += [
@@ -375,6 +431,9 @@ def _analyse_object(
                 (method_name, min(depth + 1, HELPER_DEPTH), None, None, None, None)
                 for method_name in _methods_matching(type(obj), called)
             ]
+    for key, counters in withheld:
+        if key not in bound:
+            found.counter_values += counters
 
 
 def _parameter(params: list[str], position: int | None) -> str | None:
@@ -473,10 +532,18 @@ def _closure_name_of(function: Any, obj: Any) -> str | None:
 
 
 def _read_held_with_module(
-    found: StepSource, obj: Any, name: str, module_position: int, depth: int, seen: set[int]
+    found: StepSource,
+    obj: Any,
+    name: str,
+    module_position: int,
+    depth: int,
+    seen: set[int],
+    batch_position: int | None = None,
 ) -> None:
     """``self.loss_fn(self, pred, y)``: the function `obj` holds under `name`, given the module at
-    `module_position`, read as the module's code; anything else given the module is not known."""
+    `module_position`, read as the module's code; anything else given the module is not known. Given
+    batch_idx too (at `batch_position`), it is read with that parameter bound to it, as the code
+    :attr:`StepSource.handed_on` hands it to is."""
     held = (
         getattr(obj, "__dict__", {}).get(name) if isinstance(getattr(obj, "__dict__", None), dict) else None
     )
@@ -488,7 +555,14 @@ def _read_held_with_module(
     if isinstance(function, types.FunctionType) and module_position >= 0 and _is_user_code(function):
         params = function.__code__.co_varnames[: function.__code__.co_argcount]
         if module_position < len(params):
-            read_with_module(found, function, params[module_position], line, depth + 1, seen)
+            batch_idx = (
+                params[batch_position]
+                if batch_position is not None and batch_position < len(params)
+                else None
+            )
+            if read_with_module(found, function, params[module_position], line, depth + 1, seen, batch_idx):
+                if batch_idx is not None:  # (the held call's record finds it read so: read_handed_on)
+                    found.callees_read[(id(None), id(function.__code__), batch_idx)] = (None, function)
             return
     found.add_read_pattern(line, _ANY_NAME, False)
 
@@ -547,8 +621,19 @@ class _Visitor:
         module_names: tuple[str, ...] = (),
         module_reads: set[str] | None = None,
         owner: Any = None,
+        reads_helpers: bool = False,
     ):
         self.found = found
+        # the caller reads the methods of `owner`'s class this code calls through `self_name` with the
+        # batch_idx they are handed (the module's own analysis, :func:`_analyse_object`); else such a
+        # call is one of those `handed_on`
+        self.reads_helpers = reads_helpers
+        # batch_idx handed on by position to a method of the class (name, through super(), position), and
+        # to what `self_name`'s attributes hold (the attributes, the position or keyword): its reads as
+        # compared numbers, which the caller adds to the comparisons where it cannot read the code
+        # called with its parameter bound to batch_idx
+        self.withheld: dict[tuple[str, bool, int], list[CounterValue]] = {}
+        self.handed_on: dict[tuple[tuple[str, ...], int | str, int | str | None], list[CounterValue]] = {}
         # the object whose method this is, where known (what `self.ema.update` is, found without running
         # any of its code)
         self.owner = owner
@@ -906,8 +991,9 @@ class _Visitor:
         each read of a counter that can be evaluated from the module alone is evaluated before each
         replay, and a different value captures again. Reads that cannot reach a graph are left out:
         branch tests (:class:`Condition`), ``self.log`` arguments (re-evaluated per replay), f-strings
-        and ``print`` (host text), and ``batch_idx`` passed on to the module's own methods (their
-        source is read with it).
+        and ``print`` (host text); ``batch_idx`` handed on to a method of the object read here or to
+        what its attributes hold is set aside (:attr:`withheld`, :attr:`handed_on`): compared only
+        where the code it is handed to is not read with it.
         """
         seen: set[int] = set()
         for node in ast.walk(func):
@@ -918,9 +1004,12 @@ class _Visitor:
             # the largest expression around the read that the module alone evaluates
             counter = self._compile(node, allow_methods=False)
             if counter is None:
-                continue  # not reachable: a counter read always compiles
+                # read through what cannot be evaluated before a replay (`self._lm().global_step`
+                # through a weakref to the module, a method's result): never the same, so a replay of
+                # a graph that bakes it in is never taken (it is captured again, then trained eagerly)
+                counter = _cannot_evaluate
             top, evaluate = node, counter
-            while isinstance(parent := parents.get(id(top)), ast.expr):
+            while counter is not _cannot_evaluate and isinstance(parent := parents.get(id(top)), ast.expr):
                 wider = self._compile(parent, allow_methods=False)
                 if wider is None:
                     break
@@ -931,7 +1020,17 @@ class _Visitor:
             guards = self._guards(top, parents)
             if guards:
                 evaluate, counter = guarded(evaluate, guards), guarded(counter, guards)
-            self.found.counter_values.append(CounterValue(self._line(top), evaluate, counter))
+            line = self._line(top)
+            if counter is _cannot_evaluate:
+                line += ", read through what cannot be evaluated before a replay"
+            value = CounterValue(line, evaluate, counter)
+            handed = self._handed_on_to(node, parents) if top is node else None
+            if handed is None:
+                self.found.counter_values.append(value)
+            elif handed[0] == "held":
+                self.handed_on.setdefault(handed[1:], []).append(value)  # type: ignore[arg-type]
+            else:
+                self.withheld.setdefault(handed[1:], []).append(value)  # type: ignore[arg-type]
 
     def _guards(
         self, node: ast.AST, parents: dict[int, ast.AST]
@@ -1156,8 +1255,8 @@ class _Visitor:
         return isinstance(node, ast.Name) and self.batch_idx is not None and node.id == self.batch_idx
 
     def _host_only(self, node: ast.AST, parents: dict[int, ast.AST]) -> bool:
-        """Whether `node` only feeds host-side text, or is batch_idx handed to one of the module's methods."""
-        child, parent = node, parents.get(id(node))
+        """Whether `node` only feeds host-side text."""
+        parent = parents.get(id(node))
         while parent is not None:
             if isinstance(parent, ast.JoinedStr) and not _selects(parent, parents):
                 return True
@@ -1166,17 +1265,79 @@ class _Visitor:
                 if isinstance(f, ast.Name) and f.id == "print":
                     return True
                 if (
-                    child in parent.args
-                    and isinstance(child, ast.Name)
-                    and child.id == self.batch_idx
-                    and isinstance(f, ast.Attribute)
-                    and (isinstance(f.value, ast.Name) and f.value.id == self.self_name or _is_super_call(f))
+                    isinstance(f, ast.Attribute)
+                    and f.attr == "print"
+                    and isinstance(f.value, ast.Name)
+                    and f.value.id in (self.self_name, *self.module_names)
+                    and self.self_name
+                    and self.owner is not None
+                    and _defined_by_library(_lookup(type(self.owner), "print", None)[1])
                 ):
-                    return True  # the helper's source is read with batch_idx at that position
+                    return True  # LightningModule.print: host text
             if isinstance(parent, ast.stmt):
                 return False
-            child, parent = parent, parents.get(id(parent))
+            parent = parents.get(id(parent))
         return False
+
+    def _handed_on_to(self, node: ast.AST, parents: dict[int, ast.AST]) -> tuple | None:
+        """Where `node`, the batch_idx parameter itself, is handed on as a call's argument to code that may
+        be read with it: ``("method", name, through super(), position)`` for a method of the class of
+        the object read here (``self.helper(x, batch_idx)``, ``super().training_step(batch, batch_idx)``,
+        ``self(x, batch_idx)``: its forward), where the caller reads them (:attr:`reads_helpers`);
+        ``("held", attributes, position or keyword)`` for what the object's attributes hold
+        (``self.criterion(logits, y, batch_idx)``, ``self.model.training_step(batch, batch_idx)``). Else
+        None (a position after an unpacked argument, a call of anything else)."""
+        if not (isinstance(node, ast.Name) and node.id == self.batch_idx):
+            return None
+        parent = parents.get(id(node))
+        call: Any = parents.get(id(parent)) if isinstance(parent, ast.keyword) else parent
+        if not isinstance(call, ast.Call):
+            return None
+        if isinstance(parent, ast.keyword):
+            if parent.arg is None:
+                return None
+            where: int | str = parent.arg
+        else:
+            where = next((i for i, a in enumerate(call.args) if a is node), -1)
+            if where < 0 or any(isinstance(a, ast.Starred) for a in call.args[:where]):
+                return None
+        func = call.func
+        if _is_super_call(func):
+            if self.reads_helpers and isinstance(where, int):
+                return ("method", func.attr, True, where)
+            return None
+        path: list[str] = []
+        while isinstance(func, ast.Attribute):
+            path.insert(0, func.attr)
+            func = func.value
+        if not (isinstance(func, ast.Name) and func.id == self.self_name and self.self_name):
+            return None
+        if any(name.startswith("__") for name in path):
+            return None
+        if self.reads_helpers and len(path) <= 1:
+            name = path[0] if path else "forward"
+            held = getattr(self.owner, "__dict__", None)
+            in_instance = bool(path) and isinstance(held, dict) and name in held
+            if not in_instance and _lookup(type(self.owner), name, None)[1] is not None:
+                # a method of the class (an instance attribute of the name would come first)
+                return ("method", name, False, where) if isinstance(where, int) else None
+        if self.owner is None:
+            return None
+        # the module handed on in the same call (`self.loss_fn(self, pred, batch_idx)`), by position or keyword
+        module_at: int | str | None = next(
+            (i for i, a in enumerate(call.args) if isinstance(a, ast.Name) and a.id in self.module_names),
+            None,
+        )
+        if module_at is None:
+            module_at = next(
+                (
+                    k.arg
+                    for k in call.keywords
+                    if isinstance(k.value, ast.Name) and k.value.id in self.module_names
+                ),
+                None,
+            )
+        return ("held", tuple(path), where, module_at)
 
     # ------------------------------------------------------------------ helpers
     def _line(self, node: ast.AST) -> str:
@@ -1525,6 +1686,12 @@ class _Visitor:
         )
 
 
+def _cannot_evaluate(module: Any, batch_idx: int) -> Any:
+    """The reader of a number computed from the step counters that cannot be evaluated before a replay:
+    it raises, so the value is :data:`~l2lightning.step_values.unreadable`, never equal to a captured one."""
+    raise LookupError("read through what cannot be evaluated before a replay")
+
+
 def _record_outside_reads(
     found: StepSource, function: Any, visitor: _Visitor, depth: int, seen: set[int]
 ) -> None:
@@ -1645,34 +1812,41 @@ def _read_given_module(
 
 
 def read_with_module(
-    found: StepSource, function: types.FunctionType, name: str, line: str, depth: int, seen: set[int]
-) -> None:
+    found: StepSource,
+    function: types.FunctionType,
+    name: str,
+    line: str,
+    depth: int,
+    seen: set[int],
+    batch_idx: str | None = None,
+) -> bool:
     """Read `function`, in which `name` (a parameter, or a closure variable) is the module, as the
     module's code: the attributes it reads through `name` join `found.reads` (compared before each
     replay); its conditions, values read through `name` and logged expressions join `found` like the
     step's own (evaluated with the module); the module's methods it calls through `name` are marked
     for reading (:attr:`StepSource.read_patterns`). Each (function, name) is read once per `found`.
     Code that cannot be read (no source), or that lies deeper than ``HELPER_DEPTH``, reads any of the
-    module's attributes, for all the analysis can tell (`line` says where it was given the module)."""
+    module's attributes, for all the analysis can tell (`line` says where it was given the module).
+    `batch_idx`: its parameter handed the step's batch_idx, if one is. True where this call read it."""
     function = _unwrapped(function)
     if not isinstance(function, types.FunctionType):
         found.add_read_pattern(line, _ANY_NAME, False)
-        return
+        return False
     key = (id(function.__code__), name)
     if key in found.module_functions_read:
-        return
+        return False
     found.module_functions_read.add(key)
     seen.add(id(function.__code__))  # not read again as a plain function (_follow_functions)
     tree, filename, first_line, _ = _parse_function(function)
     if tree is None or depth > HELPER_DEPTH or not _is_user_code(function):
         found.add_read_pattern(line, _ANY_NAME, False)
-        return
+        return False
     visitor = _Visitor(
         found,
         filename,
         first_line,
         name,
-        None,
+        batch_idx,
         (),
         found.reads,
         namespace=function.__globals__,
@@ -1686,6 +1860,225 @@ def read_with_module(
     # and at each capture by l2lightning.called_code)
     for helper in sorted({*visitor.helpers, *visitor.super_helpers}):
         found.add_read_pattern(f"{line}: `{name}.{helper}(...)`", re.compile(re.escape(helper)), True)
+    # (batch_idx handed on from here is compared: no record is kept of the code it reaches)
+    found.counter_values += [c for counters in visitor.withheld.values() for c in counters]
+    found.counter_values += [c for counters in visitor.handed_on.values() for c in counters]
+    return True
+
+
+# How many calls deep batch_idx is followed through the code the module holds (a submodule's forward
+# handing it to a layer's, and on): deeper, it is compared before each replay
+HANDED_ON_DEPTH = 2 * HELPER_DEPTH
+
+
+def read_handed_on(found: StepSource, module: Any, final: bool) -> None:
+    """Read the code that :attr:`StepSource.handed_on` calls hand batch_idx to, with the parameter it
+    arrives in bound to batch_idx: its tests on it (``if batch_idx % 10 == 9:`` in a loss module's
+    forward) join the branch key, evaluated per step on the object that code's ``self`` is, and the
+    numbers it computes from it the comparisons; its tests that cannot be evaluated are refused like the
+    step's own. What a call hands batch_idx to is looked up now, without running any of the user's code
+    (:func:`_static_method`): a submodule (its ``forward``; not where a forward pre-hook may change
+    its arguments), a method of one, a function, a bound method or a callable object of the user's
+    class kept in an attribute. Where that is none of these, or its parameter cannot be told (``*args``,
+    a ``functools.partial``), or the code cannot be read, the batch_idx argument is compared before
+    each replay (a new value captures the step again) once `final` (at the training start and each
+    capture: earlier, ``configure_model`` may not have built it yet). Called again at each capture, it
+    reads each function once per object, and code bound anew since (a loss module replaced) too."""
+    index = 0
+    while index < len(found.handed_on):
+        call = found.handed_on[index]
+        index += 1
+        target = _handed_to(call) if call.depth <= HANDED_ON_DEPTH else None
+        if target is not None and _read_callee(found, module, call, *target):
+            continue
+        if final and not call.compared:
+            call.compared = True
+            found.counter_values += call.counters
+
+
+def _handed_to(call: HandedOn) -> tuple[Any, types.FunctionType, str, str | None] | None:
+    """(the object its ``self`` is, or None; the function; its parameter batch_idx arrives in; the one
+    the module arrives in, if it is handed on too) of what `call` calls, or None where that cannot be
+    told."""
+    held = _static_method(call.holder, list(call.path)) if call.path else call.holder
+    if held is _MISSING:
+        return None
+    if isinstance(held, torch.nn.Module):
+        hooks = torch.nn.modules.module._global_forward_pre_hooks
+        if getattr(held, "_forward_pre_hooks", None) or hooks:
+            return None  # a forward pre-hook may hand forward other arguments
+        forward = _lookup(type(held), "forward", None)[1]
+        held = types.MethodType(forward, held) if isinstance(forward, types.FunctionType) else None
+    else:
+        held = _called_object(held)
+    if isinstance(held, types.MethodType):
+        owner, function, skip = held.__self__, held.__func__, 1
+    elif isinstance(held, types.FunctionType):
+        owner, function, skip = None, held, 0
+    else:
+        return None  # a partial, a class, a library's callable object
+    if function is not _unwrapped(function) or not _is_user_code(function):
+        return None  # a decorator's wrapper may hand on other arguments; a library's code is not read
+    code = function.__code__
+    names = code.co_varnames[code.co_posonlyargcount : code.co_argcount + code.co_kwonlyargcount]
+
+    def parameter(where: int | str) -> str | None:
+        if isinstance(where, int):
+            # (past the positional parameters: into *args)
+            return code.co_varnames[where + skip] if where + skip < code.co_argcount else None
+        return where if where in names else None
+
+    param = parameter(call.where)
+    if param is None:
+        return None
+    return owner, function, param, parameter(call.module_at) if call.module_at is not None else None
+
+
+def _read_callee(
+    found: StepSource,
+    module: Any,
+    call: HandedOn,
+    owner: Any,
+    function: types.FunctionType,
+    param: str,
+    module_param: str | None,
+) -> bool:
+    """Read `function` (``self`` bound to `owner`, or a plain function where `owner` is None), handed
+    batch_idx as its parameter `param`, as the step's code (see :func:`read_handed_on`); False where
+    its source cannot be read. What it reads of the module, given as `module_param` or held in its
+    closure, is the module's (as :func:`read_with_module` reads it): for a plain function, its tests
+    on the module are evaluated with it."""
+    key = (id(owner), id(function.__code__), param)
+    if key in found.callees_read:
+        return True
+    tree, filename, first_line, params = _parse_function(function)
+    if tree is None:
+        return False
+    found.callees_read[key] = (owner, function)
+    alias = module_param or (_closure_name_of(function, module) if owner is None else None)
+    if owner is not None:
+        self_name = params[0] if params else ""
+        module_names = tuple(n for n in (self_name if owner is module else None, module_param) if n)
+    else:  # a plain function: the module, where it has it, is what its tests are evaluated with
+        self_name = alias or ""
+        module_names = (alias,) if alias else ()
+    scratch = StepSource()  # its logs and reads of the Trainer are not the module's
+    reads: set[str] = set()
+    visitor = _Visitor(
+        scratch,
+        filename,
+        first_line,
+        self_name,
+        param,
+        (),
+        reads,
+        namespace=function.__globals__,
+        closure=ClosureCells(function) if function.__closure__ else None,
+        module_names=module_names,
+        module_reads=found.reads if module_names else None,
+        owner=owner if owner is not None else (module if alias else None),
+    )
+    visitor.run(tree)
+    where = f"`{function.__qualname__}`, handed batch_idx"
+    add_conditions(found, scratch.conditions, owner, where)
+    add_counter_values(found, scratch.counter_values, owner)
+    if owner is not None or alias:  # (read through self, or through the module a plain function has)
+        found.attribute_values += [
+            AttributeValue(a.line, evaluated_on(owner, a.evaluate)) for a in scratch.attribute_values
+        ]
+    found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
+    # batch_idx handed on again (`self.inner(x, batch_idx)`, `self.helper(batch_idx)`): read the same way
+    found.handed_on += [
+        HandedOn(visitor.owner, path, at, module_at, counters, call.depth + 1)
+        for (path, at, module_at), counters in visitor.handed_on.items()
+    ]
+    found.counter_values += [c for counters in visitor.withheld.values() for c in counters]  # (none here)
+    add_self_reads(found, module, owner, reads)
+    _record_outside_reads(found, function, visitor, min(call.depth, HELPER_DEPTH), set())
+    if alias and owner is None:
+        # the module's methods it calls through the module (without batch_idx): read as the module's,
+        # as read_with_module marks them
+        found.module_functions_read.add((id(function.__code__), alias))
+        for helper in sorted({*visitor.helpers, *visitor.super_helpers}):
+            found.add_read_pattern(
+                f"`{function.__qualname__}`: `{alias}.{helper}(...)`", re.compile(re.escape(helper)), True
+            )
+    return True
+
+
+def add_conditions(found: StepSource, conditions: list[Condition], owner: Any, where: str) -> None:
+    """Add to `found` the branch tests of code known to run in the step whose ``self`` is `owner` (None:
+    a plain function): those that can be evaluated, on `owner`, in the branch key; those on the step
+    counters that cannot be, named (with `where`, the code they are in) among the opaque conditions,
+    which the callback refuses like training_step's own. Each (line, owner) once."""
+    known = {(c.line, getattr(c.evaluate, "owner_id", None)) for c in found.conditions}
+    for c in conditions:
+        if c.evaluate is not None:
+            key = (c.line, id(owner) if owner is not None else None)
+            if key not in known:
+                found.conditions.append(Condition(c.line, evaluated_on(owner, c.evaluate), c.on_counters))
+                known.add(key)
+        elif c.on_counters:
+            line = f"{c.line} in {where}"
+            if (line, None) not in known:
+                found.conditions.append(Condition(line, None))
+                known.add((line, None))
+
+
+def add_counter_values(found: StepSource, values: list[CounterValue], owner: Any) -> None:
+    """Add to `found` the numbers computed from the step counters in code known to run in the step whose
+    ``self`` is `owner` (None: a plain function), evaluated on `owner`; each (line, owner) once."""
+    known = {(c.line, getattr(c.evaluate, "owner_id", None)) for c in found.counter_values}
+    for c in values:
+        key = (c.line, id(owner) if owner is not None else None)
+        if key not in known:
+            # (a layer's attribute of a counter's name may hold anything: a tensor is compared by identity)
+            counter = _frozen_reader(evaluated_on(owner, c.counter))
+            found.counter_values.append(CounterValue(c.line, evaluated_on(owner, c.evaluate), counter))
+            known.add(key)
+
+
+def _frozen_reader(read: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
+    """`read`, its value :func:`~l2lightning.step_values.frozen` (tensors by identity) where it is not a
+    plain Python value: comparable with ``!=`` whatever it is."""
+
+    def value(module: Any, batch_idx: int) -> Any:
+        held = read(module, batch_idx)
+        return held if isinstance(held, (int, float, bool, str, type(None))) else frozen(held, tensors=True)
+
+    return value
+
+
+def evaluated_on(owner: Any, evaluate: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
+    """`evaluate` (compiled with ``self`` its first argument) evaluated with `owner` as ``self``; as it
+    is where `owner` is None (a plain function's, whose first argument nothing reads)."""
+    if owner is None:
+        return evaluate
+
+    def value(module: Any, batch_idx: int) -> Any:
+        return evaluate(owner, batch_idx)
+
+    value.owner_id = id(owner)  # type: ignore[attr-defined]
+    return value
+
+
+def add_self_reads(found: StepSource, module: Any, owner: Any, reads: set[str]) -> None:
+    """Where the ``self.X`` reads of code whose ``self`` is `owner` are compared: the module's own
+    (a hook or a callable that is the module's method), a plain object's like a callback's (a hook
+    object, a loss object); a submodule's public numbers are compared anyway."""
+    if owner is module:
+        found.reads |= reads
+    elif owner is not None and not isinstance(owner, torch.nn.Module) and reads:
+        add_object_reads(found, owner, reads)
+
+
+def add_object_reads(found: StepSource, obj: Any, reads: set[str]) -> None:
+    """Compare `obj`'s attributes `reads` before each replay, like a callback's (one entry per object)."""
+    for held, names in found.callback_reads:
+        if held is obj:
+            names |= reads
+            return
+    found.callback_reads.append((obj, set(reads)))
 
 
 def _parse_function(function: Any) -> tuple[Any, str, int, list[str]]:
@@ -1725,6 +2118,72 @@ def _parse_function(function: Any) -> tuple[Any, str, int, list[str]]:
     if len(lambdas) != 1:
         return None, "", 0, []
     return lambdas[0], filename, first_line, params
+
+
+def read_bytecode(found: StepSource, function: types.FunctionType) -> None:
+    """What `function`, whose source cannot be read (a lambda sharing its line with another of the same
+    parameters), reads from outside itself, from its bytecode (and the code nested in it): every name it
+    loads that its globals or closure hold, and the attribute chains it loads from them (``CFG.weight``,
+    ``state.std`` of a closure variable), compared before each replay like the chains read in source
+    (:func:`_record_global_chains`)."""
+    names: set[str] = set()
+    chains: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {}
+    pending = [function.__code__]
+    while pending:
+        code = pending.pop()
+        names.update(code.co_names, code.co_freevars)
+        pending += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        for root, attributes, line in _bytecode_chains(code):
+            where = linecache.getline(code.co_filename, line).strip() if line else ""
+            text = f"{code.co_filename}:{line} (`{where}`)" if where else f"{code.co_filename}:{line}"
+            key = (root, ".".join(attributes))
+            chains.setdefault(key, (text, _attribute_reader(attributes)))
+    namespace = getattr(function, "__globals__", {})
+    _record_globals(found, namespace, {n for n in names if n in namespace}, set())
+    _record_closure(found, function, names)
+    _record_global_chains(
+        found,
+        function,
+        namespace,
+        [
+            (root, line, False, read)
+            for (root, _), (line, read) in sorted(chains.items(), key=lambda kv: kv[0])
+        ],
+    )
+
+
+def _bytecode_chains(code: types.CodeType) -> list[tuple[str, tuple[str, ...], int | None]]:
+    """(root name, attributes, line) of each chain of attribute loads from a global or closure name in
+    `code`'s own instructions; a method called at the end of a chain is not part of it."""
+    found = []
+    instructions = list(dis.get_instructions(code))
+    line = None
+    for i, ins in enumerate(instructions):
+        if ins.starts_line is not None and not isinstance(ins.starts_line, bool):
+            line = ins.starts_line
+        elif getattr(ins, "line_number", None) is not None:
+            line = ins.line_number
+        if ins.opname not in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME", "LOAD_CLASSDEREF"):
+            continue
+        attributes: list[str] = []
+        for nxt in instructions[i + 1 :]:
+            if nxt.opname != "LOAD_ATTR" or "NULL|self" in (nxt.argrepr or ""):
+                break  # a method loaded to be called (LOAD_METHOD, or 3.12's LOAD_ATTR that pushes self)
+            attributes.append(nxt.argval)
+        if attributes and not any(a.startswith("__") for a in attributes):
+            found.append((ins.argval, tuple(attributes), line))
+    return found
+
+
+def _attribute_reader(attributes: tuple[str, ...]) -> Callable[[Any], Any]:
+    """A function of an object reading the attribute chain `attributes` from it."""
+
+    def read(obj: Any) -> Any:
+        for name in attributes:
+            obj = getattr(obj, name)
+        return obj
+
+    return read
 
 
 def _record_globals(
@@ -1798,6 +2257,10 @@ def _record_global_chains(
     module or object (``cfg.LOSS_W``) is compared through :func:`_record_globals` already."""
     closure = ClosureCells(function) if getattr(function, "__closure__", None) else None
     free = set(function.__code__.co_freevars) if hasattr(function, "__code__") else set()
+    # the code read again (at each capture, or by two readers) adds each of its chains once: by (line,
+    # root, where the root is held, which of that line's chains from the root it is)
+    known = {getattr(a.evaluate, "chain_key", None) for a in found.attribute_values}
+    counts: dict[tuple[str, str], int] = {}
     for root, line, one_attribute, read in chains:
         holder = closure if closure is not None and root in free else namespace
         held = holder.get(root, _MISSING)
@@ -1805,7 +2268,15 @@ def _record_global_chains(
             continue
         if one_attribute and holder is namespace and _attributes_recorded(held):
             continue
-        found.attribute_values.append(AttributeValue(line, _reading_root(holder, root, read)))
+        nth = counts[(line, root)] = counts.get((line, root), 0) + 1
+        # (the function itself, not its id: a hook made anew at the same line must not pass for it)
+        key = (line, root, function if holder is closure else id(namespace), nth)
+        if key in known:
+            continue
+        known.add(key)
+        evaluate = _reading_root(holder, root, read)
+        evaluate.chain_key = key  # type: ignore[attr-defined]
+        found.attribute_values.append(AttributeValue(line, evaluate))
 
 
 def _reading_root(holder: Any, root: str, read: Callable[[Any], Any]) -> Callable[[Any, int], Any]:
@@ -1884,10 +2355,21 @@ def _follow_functions(
         seen.add(id(target.__code__))
         if not _is_user_code(target):
             continue
-        tree, filename, first_line, _ = _parse(target)
+        tree, filename, first_line, _ = _parse_function(target)  # a module-level lambda too
         if tree is None:
+            read_bytecode(found, target)
             continue
-        visitor = _Visitor(found, filename, first_line, "", None, (), set(), namespace=target.__globals__)
+        visitor = _Visitor(
+            found,
+            filename,
+            first_line,
+            "",
+            None,
+            (),
+            set(),
+            namespace=target.__globals__,
+            closure=ClosureCells(target) if target.__closure__ else None,
+        )
         visitor.run(tree)
         _record_outside_reads(found, target, visitor, depth, seen)
 
