@@ -9,10 +9,15 @@ start from the capture's hidden state again.
 
 :func:`carried_attributes` finds such attributes at the capture, from the Python state before and
 after the captured step (:mod:`l2lightning.python_state`): a plain attribute (a tensor or a tuple of
-tensors) the step rebound to tensors of the same shapes, dtypes and devices that the step itself
-made. :class:`Carried` then replays it as an eager step would: before each replay the attribute's
-tensors, whatever set them (the last replay, an eager step, ``init_hidden``), are copied into the
-memory the graph reads; after it, the attribute holds fresh copies of what the graph computed.
+tensors), or an entry of a dict of tensors an attribute holds (``self.feats[name] = out`` in a
+forward hook), that the step rebound to tensors of the same shapes, dtypes and devices that the step
+itself made. :class:`Carried` then replays it as an eager step would: before each replay the
+attribute's tensors, whatever set them (the last replay, an eager step, ``init_hidden``), are copied
+into the memory the graph reads, where the step reads its old value at all (a value the step only
+writes, a loss kept as ``self.last_loss``, is not read: the tensors bound at the capture may be held
+elsewhere, in a list of the user's, and stay as they are); after it, the attribute holds fresh copies
+of what the graph computed (a new tensor per step, as in plain training: the graph's own memory is
+overwritten by the next replay).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 import torch
 
 from l2lightning import python_state
-from l2lightning.python_state import leaves
+from l2lightning.python_state import NO_KEY, leaves
 
 
 def _rebuilt(template: Any, tensors: Iterable[torch.Tensor]) -> Any:
@@ -47,18 +52,35 @@ def _meta(tensors: list[torch.Tensor]) -> list[tuple]:
 class Carried:
     """One carried attribute: where it lives, the tensors the graph reads and those it writes."""
 
-    label: str  # "`self.hidden`"
+    label: str  # "`self.hidden`", "`self.feats['l1']`"
     owner: dict  # the ``__dict__`` the attribute lives in
     name: str
     template: Any  # the value's structure (a tensor or nested tuples of them)
-    inputs: list[torch.Tensor]  # what the graph reads: the attribute's tensors at the capture
+    inputs: list[torch.Tensor]  # the attribute's tensors at the capture (what the graph reads, if any)
     outputs: list[torch.Tensor]  # what the graph writes: the attribute's tensors after the capture
+    key: Any = NO_KEY  # an entry of the dict the attribute holds: its key there
+    reads_inputs: bool = True  # whether the captured step read `inputs` (else nothing is copied in)
+
+    def _holder(self) -> dict | None:
+        """The dict the value lives in now: the attributes, or the dict the attribute holds now."""
+        if self.key is NO_KEY:
+            return self.owner
+        held = self.owner.get(self.name)
+        return held if isinstance(held, dict) else None
 
     def current(self) -> list[torch.Tensor] | None:
-        return leaves(self.owner.get(self.name))
+        holder = self._holder()
+        return (
+            leaves(holder.get(self.key if self.key is not NO_KEY else self.name))
+            if holder is not None
+            else None
+        )
 
     def mismatch(self) -> str | None:
-        """Why the attribute's value now cannot be handed to the graph, or None."""
+        """Why the attribute's value now cannot be handed to the graph, or None (always, for a value the
+        step does not read: whatever it holds, the step writes it anew)."""
+        if not self.reads_inputs:
+            return None
         now = self.current()
         if now is None:
             return f"{self.label} holds no tensor (or tuple of tensors) now"
@@ -68,6 +90,8 @@ class Carried:
 
     def copy_in(self) -> None:
         """Copy the attribute's tensors into the memory the graph reads (call :meth:`mismatch` first)."""
+        if not self.reads_inputs:
+            return
         with torch.no_grad():
             for dst, src in zip(self.inputs, self.current() or ()):
                 if src is not dst:
@@ -75,23 +99,29 @@ class Carried:
 
     def fresh_out(self) -> None:
         """Point the attribute at fresh copies of what the graph computed (the next replay overwrites its own)."""
-        self.owner[self.name] = _rebuilt(self.template, [t.detach().clone() for t in self.outputs])
+        holder = self._holder()
+        if holder is not None:  # (a dict entry whose attribute holds no dict now: nothing to bind)
+            value = _rebuilt(self.template, [t.detach().clone() for t in self.outputs])
+            holder[self.key if self.key is not NO_KEY else self.name] = value
 
 
 def split_carried(
-    before: Any, after: Any, made: set[int], changed: list[str]
+    before: Any, after: Any, made: set[int], changed: list[str], read: set[int] | None = None
 ) -> tuple[list[Carried], list[str]]:
     """The carried attributes between two :func:`l2lightning.python_state.snapshot` of a step, and the
-    labels among `changed` (its other Python changes) that are not theirs."""
-    carried = carried_attributes(python_state.rebound_tensors(before, after), made)
+    labels among `changed` (its other Python changes) that are not theirs. `read`: the storages the
+    step's ops read from before it (``StepTracer.read_from_before``; None: all count as read)."""
+    carried = carried_attributes(python_state.rebound_tensors(before, after), made, read)
     labels = {c.label for c in carried}
     return carried, [label for label in changed if label not in labels]
 
 
-def carried_attributes(changes: Iterable[tuple[Any, Any]], made: set[int]) -> list[Carried]:
+def carried_attributes(
+    changes: Iterable[tuple[Any, Any]], made: set[int], read: set[int] | None = None
+) -> list[Carried]:
     """The carried attributes among `changes`, the (before, after) entries of
     :func:`l2lightning.python_state.rebound_tensors`: rebound to tensors the step made (their storages
-    in `made`) of the same shapes, dtypes and devices."""
+    in `made`) of the same shapes, dtypes and devices. `read` as :func:`split_carried`'s."""
     found = []
     for then, now in changes:
         before, after = leaves(then.value), leaves(now.value)
@@ -100,7 +130,14 @@ def carried_attributes(changes: Iterable[tuple[Any, Any]], made: set[int]) -> li
         if not all(t.untyped_storage().data_ptr() in made for t in after):
             continue  # rebound to tensors from before the step (an alias of a parameter, say)
         owner = getattr(now.owner, "__dict__", None)
-        if owner is None or owner.get(now.name) is not now.value:
+        if owner is None:
             continue
-        found.append(Carried(now.label, owner, now.name, then.value, before, after))
+        holder = owner if now.key is NO_KEY else owner.get(now.name)
+        if (
+            not isinstance(holder, dict)
+            or holder.get(now.name if now.key is NO_KEY else now.key) is not now.value
+        ):
+            continue
+        reads = read is None or any(t.untyped_storage().data_ptr() in read for t in before)
+        found.append(Carried(now.label, owner, now.name, then.value, before, after, now.key, reads))
     return found

@@ -57,7 +57,7 @@ _IGNORED = frozenset({"training"})
 # the containers a step appends its outputs to, whose one `append` per step a replay can redo
 _SEQUENCES = (list, deque)
 # the key of a value that is an attribute itself, not an entry of the dict an attribute holds
-_NO_KEY = object()
+NO_KEY = object()
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class _Value:
     # lists or deques: (it, its (key, value) pairs))
     kind: str
     value: Any
-    key: Any = _NO_KEY  # an "items" entry of the dict attribute `name`: its key there
+    key: Any = NO_KEY  # an "items", "tensor" or "tensors" entry of the dict attribute `name`: its key there
 
 
 # (id(owner), name), and (id(owner), name, key) for a list or deque in the dict attribute `name`
@@ -373,6 +373,14 @@ def snapshot(
                         out[id(obj), name, key] = _Value(
                             f"`{prefix}.{name}[{key!r}]`", obj, name, "items", _items(held), key
                         )
+            elif tracks_tensors and isinstance(value, dict) and _tensor_entries(value):
+                # tensors a step keeps by key (`self.feats[name] = out` in a forward hook): which
+                # tensor each key holds, rebound each step like a tensor attribute (carried state)
+                for key, held in value.items():
+                    kind = "tensor" if isinstance(held, torch.Tensor) else "tensors"
+                    out[id(obj), name, key] = _Value(
+                        f"`{prefix}.{name}[{key!r}]`", obj, name, kind, held, key
+                    )
             elif isinstance(value, dict) and (entries := frozen(value)) is not None:
                 # a small dict of numbers (`self.stats["n"] += 1`): (what to compare, what to restore)
                 out[id(obj), name] = _Value(f"`{prefix}.{name}`", obj, name, "dict", (entries, dict(value)))
@@ -492,6 +500,19 @@ def changed(before: Snapshot, after: Snapshot) -> list[str]:
     return sorted({now.label for _, now in _changes(before, after)})
 
 
+def _tensor_entries(mapping: dict) -> bool:
+    """Whether `mapping` is a non-empty dict of at most :data:`MAX_TENSOR_ENTRIES` tensors or tuples of
+    tensors."""
+    return 0 < len(mapping) <= MAX_TENSOR_ENTRIES and all(
+        isinstance(v, torch.Tensor) or _tensor_tuple(v) for v in mapping.values()
+    )
+
+
+# The most entries a dict of tensors may hold to have each one followed (a dict keyed by something
+# that grows per step is another idiom: its keys are compared as the step's Python state elsewhere)
+MAX_TENSOR_ENTRIES = 64
+
+
 def _tensor_tuple(value: Any) -> bool:
     """Whether `value` is a non-empty tuple of tensors (nested tuples too): an LSTM's ``(h, c)``."""
     return isinstance(value, tuple) and bool(value) and leaves(value) is not None
@@ -556,7 +577,7 @@ class Append:
     label: str
     owner: Any
     name: str
-    key: Any = _NO_KEY
+    key: Any = NO_KEY
     # the ids of the tensors it held before the step (alive as long as the snapshot that found them):
     # one a full deque dropped as the step appended is one of them
     earlier: frozenset[int] = field(default=frozenset(), compare=False, repr=False)
@@ -566,7 +587,7 @@ class Append:
         a new one there, or cleared the dict); None where there is none: there, only the step's own code
         knows what it would append to (a defaultdict's factory, a ``setdefault``)."""
         value = getattr(self.owner, "__dict__", {}).get(self.name)
-        if self.key is not _NO_KEY:
+        if self.key is not NO_KEY:
             # `get`, not `[]`: a defaultdict's missing key is not made here
             value = value.get(self.key) if isinstance(value, dict) else None
         return value if isinstance(value, _SEQUENCES) else None
@@ -617,8 +638,10 @@ def split_appends(
             appends.append(Append(now.label, now.owner, now.name, now.key, earlier))
         elif then is None and (id(now.owner), now.name, now.key) in made:
             appends.append(Append(now.label, now.owner, now.name, now.key))
-        elif (then is None and now.key is not _NO_KEY) or id(now) in grown:
-            continue  # an entry added to or removed from its dict: the dict's own change names it
+        elif (then is None and now.key is not NO_KEY and now.kind == "items") or id(now) in grown:
+            # a list added to or removed from its dict: the dict's own change names it (a dict of
+            # tensors has no record of its own: its entries' changes name themselves)
+            continue
         else:
             other.add(now.label)
     return appends, sorted(other)
@@ -695,6 +718,10 @@ def restore(before: Snapshot) -> None:
         attributes = getattr(entry.owner, "__dict__", {})
         if entry.kind == "held_rng":
             _set_held_generator_state(entry.value[1])
+        elif entry.kind in ("tensor", "tensors") and entry.key is not NO_KEY:
+            held = attributes.get(entry.name)
+            if isinstance(held, dict):  # an entry of a dict of tensors, bound back in its dict
+                held[entry.key] = entry.value
         elif entry.kind == "tensor":
             for store in (attributes.get("_buffers"), attributes.get("_parameters")):
                 if store is not None and entry.name in store:
@@ -713,7 +740,7 @@ def restore(before: Snapshot) -> None:
                 attributes[entry.name] = entry.value[1]
         elif entry.kind == "items":
             container, elements, _ = entry.value
-            if entry.key is _NO_KEY:  # an entry of a dict is bound back with its dict's entries
+            if entry.key is NO_KEY:  # an entry of a dict is bound back with its dict's entries
                 attributes[entry.name] = container
             if isinstance(container, deque):  # a full one dropped what an aborted run appended past it
                 container.clear()

@@ -250,7 +250,9 @@ class StepCapture:
             appended, python_changed = python_state.split_appends(
                 python_started, python_after, new_entries=False
             )
-            carried, python_changed = split_carried(python_started, python_after, tracer.made, python_changed)
+            carried, python_changed = split_carried(
+                python_started, python_after, tracer.made, python_changed, tracer.read_from_before
+            )
             python_changed += self._optimizer_writes()
             if python_changed and self._traced_steps >= 1:
                 raise _PythonChangedInCapture(self._python_problem(python_changed, tracer.trace))

@@ -695,6 +695,9 @@ class StepTracer(TorchDispatchMode):
         # storages of every tensor the step's ops made (what an attribute rebound to them holds is
         # the step's own result: carried state, l2lightning.carried_state)
         self.made: set[int] = set()
+        # storages the step's ops read that they did not make: the step's inputs from before it (a
+        # carried attribute whose old value the step never reads needs no copy into the graph's memory)
+        self.read_from_before: set[int] = set()
         # capture: device tensors from before the step that its ops write in place (a counter in a
         # dict, an EMA in a list), by storage, with the user's line: what a replay changes besides the
         # module's parameters and buffers and the optimizer's state (l2lightning.replay_check)
@@ -1100,6 +1103,7 @@ class StepTracer(TorchDispatchMode):
         ]
         # a view of an input (`h.detach()`) is not the step's own result: its storage is the input's
         inputs = {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}
+        self.read_from_before.update(ptr for ptr in inputs if ptr not in self.made)
         self.made.update(ptr for ptr in made if ptr not in inputs)
         if self._hook is not None:
             self._hook_made.update(made)
