@@ -23,7 +23,11 @@ name to capture a step that reads one) and None from :func:`frozen`, as is a val
 
 from __future__ import annotations
 
+import decimal
+import enum
+import fractions
 import struct
+import types
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -83,6 +87,18 @@ _CONTAINERS = (list, tuple, deque, set, frozenset)
 # compared by their bits: 0.0 == -0.0, and NaN equals nothing)
 _EXACT_BY_VALUE = frozenset({bool, int, str, type(None)})
 _OVER = object()  # the budget of numbers ran out
+# immutable values of other kinds than numbers, compared with `==`: Enum members, Fraction and
+# Decimal numbers, torch's dtypes and devices, functions and bound methods (by identity)
+_ATOMS = (
+    enum.Enum,
+    fractions.Fraction,
+    decimal.Decimal,
+    torch.dtype,
+    torch.device,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+)
 
 
 class TooLarge:
@@ -188,6 +204,14 @@ def _freeze(value: Any, budget: list[int], tensors: bool) -> Any:
     if isinstance(value, _CONTAINERS):
         items = _frozen_items(value, budget, tensors)
         return items if items is None or items is _OVER else (type(value).__name__, items)
+    if isinstance(value, _ATOMS):
+        # values that a graph may bake in but that are not numbers: an Enum member, a Fraction, a
+        # dtype, a function picked from a loss table (`{"ce": (1.0, F.cross_entropy)}`); `==` tells
+        # them apart exactly (a function, an enum member by identity)
+        return ("atom", type(value), value)
+    if isinstance(value, (slice, range)):
+        ends = _freeze((value.start, value.stop, value.step), budget, tensors)
+        return ends if ends is None or ends is _OVER else (type(value).__name__, ends)
     if isinstance(value, dict):
         # its keys and values in their order (a sum over the values adds in it); the keys are not
         # counted in the budget (a dict of 100 weights holds 100 numbers)

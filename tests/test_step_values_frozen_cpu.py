@@ -287,3 +287,28 @@ def emulated_replays():
     from tests import graph_emulator
 
     return graph_emulator.FakeGraph.replays
+
+
+def test_enum_members_fractions_dtypes_slices_and_functions_are_frozen_and_compared():
+    """Found by the third held-out hunt: a value of one of these kinds, or a loss table holding a
+    function beside its weight (`{"ce": (1.0, F.cross_entropy)}`), froze to None, which compared equal
+    to the capture's None whatever a hook changed it to mid-epoch."""
+    import enum
+    from fractions import Fraction
+
+    class Phase(enum.Enum):
+        WARM = "warm"
+        MAIN = "main"
+
+    assert frozen(Phase.WARM) == frozen(Phase.WARM) != frozen(Phase.MAIN)
+    assert frozen(Fraction(1, 2)) == frozen(Fraction(1, 2)) != frozen(Fraction(1, 3))
+    assert frozen(torch.float32) != frozen(torch.bfloat16)
+    assert frozen(slice(0, 4)) == frozen(slice(0, 4)) != frozen(slice(0, 8))
+    assert frozen(range(3)) != frozen(range(4))
+    table = {"ce": (1.0, torch.nn.functional.cross_entropy), "reg": (0.1, torch.square)}
+    snapshot = frozen(table)
+    assert snapshot is not None and frozen(dict(table)) == snapshot
+    table["reg"] = (0.5, torch.square)
+    assert frozen(table) != snapshot
+    table["reg"] = (0.1, torch.abs)  # another function, the same weight
+    assert frozen(table) != snapshot
