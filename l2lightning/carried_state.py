@@ -61,20 +61,9 @@ class Carried:
     key: Any = NO_KEY  # an entry of the dict the attribute holds: its key there
     reads_inputs: bool = True  # whether the captured step read `inputs` (else nothing is copied in)
 
-    def _holder(self) -> dict | None:
-        """The dict the value lives in now: the attributes, or the dict the attribute holds now."""
-        if self.key is NO_KEY:
-            return self.owner
-        held = self.owner.get(self.name)
-        return held if isinstance(held, dict) else None
-
     def current(self) -> list[torch.Tensor] | None:
-        holder = self._holder()
-        return (
-            leaves(holder.get(self.key if self.key is not NO_KEY else self.name))
-            if holder is not None
-            else None
-        )
+        holder, slot = _place(self.owner, self.name, self.key)
+        return leaves(holder.get(slot)) if holder is not None else None
 
     def mismatch(self) -> str | None:
         """Why the attribute's value now cannot be handed to the graph, or None (always, for a value the
@@ -99,10 +88,18 @@ class Carried:
 
     def fresh_out(self) -> None:
         """Point the attribute at fresh copies of what the graph computed (the next replay overwrites its own)."""
-        holder = self._holder()
+        holder, slot = _place(self.owner, self.name, self.key)
         if holder is not None:  # (a dict entry whose attribute holds no dict now: nothing to bind)
-            value = _rebuilt(self.template, [t.detach().clone() for t in self.outputs])
-            holder[self.key if self.key is not NO_KEY else self.name] = value
+            holder[slot] = _rebuilt(self.template, [t.detach().clone() for t in self.outputs])
+
+
+def _place(owner: dict, name: str, key: Any) -> tuple[dict | None, Any]:
+    """(the dict a carried value lives in now, its key there): the attributes `owner` and `name`, or
+    for an entry (`key`) the dict the attribute holds now and `key` (None where it holds no dict)."""
+    if key is NO_KEY:
+        return owner, name
+    held = owner.get(name)
+    return (held if isinstance(held, dict) else None), key
 
 
 def split_carried(
@@ -132,11 +129,8 @@ def carried_attributes(
         owner = getattr(now.owner, "__dict__", None)
         if owner is None:
             continue
-        holder = owner if now.key is NO_KEY else owner.get(now.name)
-        if (
-            not isinstance(holder, dict)
-            or holder.get(now.name if now.key is NO_KEY else now.key) is not now.value
-        ):
+        holder, slot = _place(owner, now.name, now.key)
+        if holder is None or holder.get(slot) is not now.value:
             continue
         reads = read is None or any(t.untyped_storage().data_ptr() in read for t in before)
         found.append(Carried(now.label, owner, now.name, then.value, before, after, now.key, reads))
