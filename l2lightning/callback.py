@@ -322,6 +322,8 @@ class L2GraphCallback(
         self._module: LightningModule | None = None
         self._trainer: Trainer | None = None
         self._installed: dict[str, Any] = {}  # module attribute -> our override
+        # (attribute dict, name, held) of the methods whose source the step was read from (StepSource.code_bindings)
+        self._code_bindings: list[tuple[Any, str, Any, str]] = []
         # (callback, hook, what the callback's instance held under that name before, or ABSENT)
         self._callback_overrides: list[tuple[Any, str, Any]] = []
         self._shadowed: dict[str, Any] = {}
@@ -615,6 +617,8 @@ class L2GraphCallback(
                 if is_overridden(hook, cb, parent=Callback):
                     self._callback_overrides.append((cb, hook, vars(cb).get(hook, ABSENT)))
                     setattr(cb, hook, self._captured_hook(hook, getattr(cb, hook)))
+        # where each method the step's source was read through is bound, the overrides above included
+        self._code_bindings = self._source.code_bindings()
 
     def _cleanup(self, pl_module: LightningModule | None) -> None:
         """Undo everything the callback installed; drop every reference to the module and the graph."""
@@ -702,6 +706,13 @@ class L2GraphCallback(
                 "Decide on the time in a hook outside the step (`on_train_batch_start`) and hand the "
                 "decision in through an attribute the step reads (compared before each replay), or run "
                 "such steps eagerly with `eager_steps=lambda trainer, batch_idx: ...`",
+            )
+        if source.iterator_advances:
+            return (
+                f"the step advances an iterator held outside it ({'; '.join(source.iterator_advances[:3])}); a "
+                "replayed graph runs no Python, so it would stop advancing and every replay would keep the "
+                "capture step's item. Advance it in a hook outside the step (`on_train_batch_start`) and hand "
+                "the item in through an attribute the step reads (compared before each replay)"
             )
         if source.opaque_conditions and self.eager_steps is None:
             # A replayed graph would take the capture step's branch at every step: refused rather than

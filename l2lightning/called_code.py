@@ -207,6 +207,7 @@ def analyse_called_code(module: torch.nn.Module, found: StepSource) -> list[Any]
         if function is not None and id(function.__code__) not in seen_code:
             _read(found, scratch, function, 0, seen_code, set(), owner=None, branches=True, module=module)
     found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
+    found.iterator_advances += [w for w in scratch.iterator_advances if w not in found.iterator_advances]
     ignored = StepSource()
     read_only = [(obj, _user_function(type(obj), name)) for obj, name in other_methods]
     for holder in module.modules():

@@ -30,6 +30,9 @@ entries back, so the eager step that replaces it changes them once.
 
 from __future__ import annotations
 
+import decimal
+import enum
+import fractions
 import functools
 import os
 import random
@@ -51,6 +54,10 @@ from l2lightning.step_values import addresses as _addresses
 
 # the scalar attributes a step may bake in: Python's numbers and strings, and NumPy's scalars
 _SCALARS = (int, float, bool, str, *NUMPY_SCALARS)
+# what a graph bakes in beside them, as immutable values compared with `==`: a branch or a lookup on
+# an Enum member (`if self.phase is Phase.MAIN:`, a layer's `self.mode`), a Fraction or Decimal
+# weight, a dtype or device the step casts to (functions are compared by identity as callables)
+_BAKED = (*_SCALARS, enum.Enum, fractions.Fraction, decimal.Decimal, torch.dtype, torch.device)
 # public attributes that are not the step's own state: nn.Module's train/eval flag (the callback
 # checks it per step, and a change captures again)
 _IGNORED = frozenset({"training"})
@@ -565,7 +572,10 @@ def _differs(a: Any, b: Any, kind: str = "value") -> bool:
         return True
     if isinstance(a, (float, *NUMPY_SCALARS)) and bool(a != a):  # NaN: unchanged if it is still NaN
         return not bool(b != b)
-    return bool(a != b)
+    try:
+        return bool(a != b)
+    except Exception:  # a held object's own `__eq__` that cannot tell (returns an array, raises): changed
+        return True
 
 
 @dataclass(frozen=True)
@@ -763,29 +773,38 @@ def baked_scalars(
     (`ran`: their ids; None for all). A submodule the step does not call (an EMA copy updated in
     ``on_train_batch_end``, with a counter of its own) is not checked. (attribute dict, name, value)."""
     checks, _ = _read_attributes(getattr(module, "__dict__", {}), reads)
-    for held in _read_held_objects(module, reads, ran):
-        checks += [(vars(held), name, value) for name, value in _public(held, _SCALARS)]
+    for attributes, held_name, held in _read_held_objects(module, reads, ran):
+        # the object itself first: one a hook rebinds (`self.cfg = dataclasses.replace(self.cfg, w=0.5)`,
+        # a frozen dataclass's only way to change) leaves the old one's values as they were; compared
+        # with `==` (a dataclass's fields, another object's identity); a callable one is compared by
+        # identity with the code the step calls (baked_callables)
+        if not callable(held):
+            checks.append((attributes, held_name, held))
+        checks += [(vars(held), name, value) for name, value in _public(held, _BAKED)]
     for _, sub in module.named_modules():
         if sub is module or _is_metric(sub) or (ran is not None and id(sub) not in ran):
             continue
         for name, value in vars(sub).items():
             if name.startswith("_") or name in _IGNORED or name in _STRUCTURAL:
                 continue
-            if isinstance(value, _SCALARS):
+            if isinstance(value, _BAKED):
                 checks.append((vars(sub), name, value))
     return checks
 
 
-def _read_held_objects(module: Any, reads: Iterable[str], ran: set[int] | None) -> list[Any]:
-    """The plain objects (:func:`held_objects`) the step may read: those among the module's
-    attributes its source reads (``self.criterion(pred, y)``), and those of the submodules it called;
-    small ones only (:data:`MAX_HELD_SCALARS`)."""
+def _read_held_objects(
+    module: Any, reads: Iterable[str], ran: set[int] | None
+) -> list[tuple[dict, str, Any]]:
+    """(the holder's attribute dict, the attribute, the object) for the plain objects
+    (:func:`held_objects`) the step may read: those among the module's attributes its source reads
+    (``self.criterion(pred, y)``), and those of the submodules it called; small ones only
+    (:data:`MAX_HELD_SCALARS`)."""
     names = set(reads)
-    found = [held for name, held in held_objects(module) if name in names]
+    found = [(vars(module), name, held) for name, held in held_objects(module) if name in names]
     for _, sub in module.named_modules():
         if sub is not module and not _is_metric(sub) and (ran is None or id(sub) in ran):
-            found += [held for _, held in held_objects(sub)]
-    return [held for held in found if len(_public(held, _SCALARS)) <= MAX_HELD_SCALARS]
+            found += [(vars(sub), name, held) for name, held in held_objects(sub)]
+    return [found_ for found_ in found if len(_public(found_[2], _BAKED)) <= MAX_HELD_SCALARS]
 
 
 def _public(obj: Any, kinds: tuple) -> list[tuple[str, Any]]:
@@ -802,7 +821,7 @@ def _read_attributes(
         if name.startswith("_") or name in _IGNORED:
             continue
         value = attributes.get(name)
-        if isinstance(value, _SCALARS):
+        if isinstance(value, _BAKED):
             scalars.append((attributes, name, value))
         elif isinstance(value, torch.Tensor):
             tensors.append((attributes, name, value))
@@ -831,7 +850,7 @@ def baked_tensors(
     keeps reading the tensor it was captured with, so ``self.weight = self.weight * 0.9`` between
     steps must be seen before the next replay. (attribute dict, name, tensor)."""
     _, checks = _read_attributes(getattr(module, "__dict__", {}), reads)
-    for held in _read_held_objects(module, reads, ran):
+    for _, _, held in _read_held_objects(module, reads, ran):
         checks += [(vars(held), name, value) for name, value in _public(held, (torch.Tensor,))]
     for _, sub in module.named_modules():
         if sub is module or _is_metric(sub) or (ran is not None and id(sub) not in ran):
@@ -862,6 +881,9 @@ def baked_callables(
         and callable(value := attributes.get(name))
         and not isinstance(value, type)
     ]
+    for name in sorted(set(reads) - set(skip)):
+        if not name.startswith("_"):
+            checks += _held_code(attributes, name)
     for parent in module.modules():
         for name, child in vars(parent).get("_modules", {}).items():
             if child is not None and (ran is None or id(child) in ran):
@@ -878,6 +900,74 @@ def baked_callables(
             and not isinstance(value, (type, torch.nn.Module, torch.Tensor))
         ]
     return checks
+
+
+# The most modules, functions and their tensors kept in one container attribute that are compared
+# before each replay (a teacher or an old policy kept out of the module tree: `self.teacher_box = [t]`)
+MAX_HELD_CODE = 256
+
+
+class _Held:
+    """Entries of a container attribute (by key, or a list's or tuple's by position) or a held module's
+    parameters, read with the ``get`` of a dict for :func:`rebound`: an entry a hook replaces
+    (``self.teacher_box[0] = copy.deepcopy(self.net)``) reads as another object, one removed as None;
+    `label` names where it is (```self.teacher_box```) in :func:`rebound`'s names."""
+
+    __slots__ = ("items", "label", "tensors")
+
+    def __init__(self, items: Any, label: str, tensors: bool = False) -> None:
+        self.items, self.label, self.tensors = items, label, tensors
+
+    def name(self, key: Any) -> str:
+        """How :func:`rebound` names the entry `key`: ``self.teacher_box[0]``, ``self.aux['t'].weight``."""
+        return f"{self.label}.{key}" if self.tensors else f"{self.label}[{key!r}]"
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        items = self.items
+        if isinstance(items, dict):
+            return items.get(key, default)
+        return items[key] if key < len(items) else default
+
+
+def _held_code(attributes: dict, name: str) -> list[tuple[Any, str, Any]]:
+    """Checks for the modules and functions a list, tuple or dict attribute holds (``self.teacher_box =
+    [teacher]``, ``self.aux = {"teacher": t}``: a module kept out of the module tree, so out of its
+    parameters, state_dict and the checks of its registered tensors): the container itself, each of
+    those entries, and each parameter and buffer of such a module. A graph replays the capture's
+    modules and reads their tensors at the capture's addresses: a teacher refreshed by a deepcopy
+    mid-epoch, or a parameter of it rebound, must be seen. Empty where there is none, or too many
+    (:data:`MAX_HELD_CODE`)."""
+    held = attributes.get(name)
+    if isinstance(held, dict):
+        items = list(held.items())
+    elif isinstance(held, (list, tuple)):
+        items = list(enumerate(held))
+    else:
+        return []
+    entries = _Held(held, f"self.{name}")
+    if len(items) > MAX_HELD_CODE:
+        return []
+    code = [(key, item) for key, item in items if isinstance(item, torch.nn.Module) or _is_code(item)]
+    if not code:
+        return []
+    checks: list[tuple[Any, str, Any]] = [(attributes, name, held)]
+    checks += [(entries, key, item) for key, item in code]
+    for key, item in code:
+        if not isinstance(item, torch.nn.Module):
+            continue
+        for path, sub in item.named_modules():
+            where = f"self.{name}[{key!r}]{'.' if path else ''}{path}"
+            for kind in ("_parameters", "_buffers"):
+                tensors = vars(sub).get(kind, {})
+                held_tensors = _Held(tensors, where, tensors=True)
+                checks += [(held_tensors, tensor_name, t) for tensor_name, t in tensors.items()]
+            if len(checks) > MAX_HELD_CODE:
+                return checks[: len(code) + 1]  # the entries alone: their tensors are too many to compare
+    return checks
+
+
+def _is_code(value: Any) -> bool:
+    return callable(value) and not isinstance(value, (type, torch.Tensor))
 
 
 def baked_callback_attributes(
@@ -906,7 +996,7 @@ def baked_optimizer_attributes(
     for _, optimizer in optimizers:
         attributes = vars(optimizer)
         for name, value in own_attributes(optimizer):
-            if isinstance(value, _SCALARS):
+            if isinstance(value, _BAKED):
                 scalars.append((attributes, name, value))
             elif isinstance(value, torch.Tensor):
                 tensors.append((attributes, name, value))
@@ -940,7 +1030,7 @@ def baked_globals(global_reads: Iterable[tuple[Any, set[str]]]) -> BakedGlobals:
             if name.startswith("__") or name not in namespace:
                 continue  # dunders, builtins and closure variables are not the module's globals
             value = namespace[name]
-            if isinstance(value, _SCALARS):
+            if isinstance(value, _BAKED):
                 baked.scalars.append((namespace, name, value))
             elif isinstance(value, torch.Tensor):
                 baked.tensors.append((namespace, name, value))
@@ -966,6 +1056,8 @@ def rebound(checks: list[tuple[dict, str, Any]], module: Any = None) -> list[str
     hold another object now; given the `module`, a submodule's attribute is named by its path in it
     (``net.0.weight``, not a bare ``weight`` per pruned layer)."""
     found = [(attributes, name) for attributes, name, held in checks if attributes.get(name) is not held]
+    # a container's entry or a held module's tensor (_held_code): `self.teacher_box[0]`, `self.aux['t'].weight`
+    found = [(a, a.name(name)) if isinstance(a, _Held) else (a, name) for a, name in found]
     if not found or module is None:
         return [name for _, name in found]
     paths = {id(vars(sub)): path for path, sub in module.named_modules() if path}

@@ -16,6 +16,7 @@ from l2lightning.accumulation import accumulation_of
 from l2lightning.capture import flatten_batch, read_signature
 from l2lightning.compiled_calls import partial_arguments
 from l2lightning.module_flags import ModuleFlags
+from l2lightning.step_source import rebound_code
 from l2lightning.step_trace import describe_frame
 from l2lightning.step_values import (
     MAX_FROZEN_BYTES,
@@ -51,6 +52,15 @@ class StepDecision:
             return "eager"
         if self._disable_next is not None:
             self._disable(self._disable_next)
+            return "eager"
+        rebound = rebound_code(self._code_bindings)
+        if rebound:
+            # the branch tests, values and logs compared before each replay were read from the old code,
+            # and a replay would run it: this step and the rest of the fit run the new code eagerly
+            self._disable(
+                f"the code the step runs was rebound since the training start ({', '.join(rebound)}): its "
+                "source was read then, and a replay would run the captured code"
+            )
             return "eager"
         trainer, module = self._trainer, self._module
         batch, batch_idx = self._pending

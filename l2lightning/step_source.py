@@ -70,7 +70,15 @@ from typing import Any
 
 import torch
 
-from l2lightning.step_values import AttributeValue, CounterValue, frozen, guarded, unreadable
+from l2lightning.step_values import (
+    BAKED_VALUES,
+    AttributeValue,
+    CounterValue,
+    Identity,
+    frozen,
+    guarded,
+    unreadable,
+)
 
 # What changes from step to step on the module and its Trainer: the step counters, and the fit
 # loop's flag for an epoch's last batch (``if self.trainer.is_last_batch:``)
@@ -140,6 +148,10 @@ class StepSource:
     # calls of the host clock (``time.monotonic()``) whose reading reaches the step's work (a branch, a
     # factor) rather than only a log or host text: a replay keeps the capture step's reading
     clock_reads: list[str] = field(default_factory=list)
+    # ``next(...)`` of an iterator the module (or the module's file) holds (``if next(self.counter) >= 16:``,
+    # ``extra = next(self.aux_iter)``): the step advances Python state no replay advances, and no
+    # check before a replay can read an iterator's position. "file:line (...)"
+    iterator_advances: list[str] = field(default_factory=list)
     # the module's attributes read through an alias whose name the source does not spell out: a computed
     # ``getattr(self, f"_{self.loss_name}_loss")`` (the pattern of its constant parts), ``vars(self)``,
     # ``self`` handed to code that cannot be read (any name), a method called through an alias in code
@@ -168,6 +180,32 @@ class StepSource:
     # (id of the object its self is, id of its code, the parameter bound to batch_idx) of each function
     # read so, once; with the object and the function, which the ids must not outlive
     callees_read: dict[tuple[int, int, str], tuple[Any, Any]] = field(default_factory=dict, repr=False)
+    # (object, method name, the class whose method was read, the class a ``super()`` lookup started
+    # after) of each method read as the step's code: :meth:`code_bindings` snapshots where each is bound
+    methods_read: list[tuple[Any, str, type, type | None]] = field(default_factory=list, repr=False)
+
+    def code_bindings(self) -> list[tuple[Any, str, Any, str]]:
+        """(attribute dict, name, what it holds now, where: ```self.name``` or ```Class.name```) of every place that decides which code a method the
+        step's source was read through runs: the object's own ``__dict__`` (a method rebound on the
+        instance, ``self.compute_loss = self.compute_loss_smooth``, is found there first) and each class
+        of its MRO up to the one whose method was read (``type(self).compute_loss = ...`` patched on the
+        class, or on a subclass, shadows it). Compared by identity before each step
+        (:func:`l2lightning.python_state.rebound`): the conditions, values and logs the callback compares
+        were read from that code, so another one makes them stale, and replays would run the old one."""
+        checks: list[tuple[Any, str, Any, str]] = []
+        for obj, name, owner, after in self.methods_read:
+            attributes = getattr(obj, "__dict__", None)
+            if isinstance(attributes, dict) and after is None:
+                checks.append((attributes, name, attributes.get(name), f"`self.{name}`"))
+            mro = type(obj).__mro__
+            start = mro.index(after) + 1 if after is not None and after in mro else 0
+            for klass in mro[start:]:
+                checks.append(
+                    (klass.__dict__, name, klass.__dict__.get(name), f"`{klass.__qualname__}.{name}`")
+                )
+                if klass is owner:
+                    break
+        return checks
 
     def resolve_reads(self, module: Any) -> None:
         """Add to `reads` the module's public attributes that :attr:`read_patterns` match now (the
@@ -193,7 +231,9 @@ class StepSource:
         out = []
         for a in self.attribute_values:
             value = a.value(module, batch_idx)
-            if value is not None and value is not unreadable:
+            if value is not None:
+                # (unreadable too: an attribute absent at capture, `if hasattr(self, "aux_w"):`, that
+                # a hook sets later reads as a value then, and the step is captured again)
                 out.append((a, value))
         return out
 
@@ -269,6 +309,12 @@ CLOCK_NAMES = frozenset(
 )
 
 
+def rebound_code(checks: list[tuple[Any, str, Any, str]]) -> list[str]:
+    """Where the methods among `checks` (:meth:`StepSource.code_bindings`) are bound to other code now
+    (```self.compute_loss``` on the instance, ```Model.compute_loss``` on a class)."""
+    return [where for attributes, name, held, where in checks if attributes.get(name) is not held]
+
+
 def analyse(module: Any, hook_names: tuple[str, ...] = ("training_step",)) -> StepSource:
     """Conditions on step counters and logged Python expressions in `module`'s own step hooks and in
     the module's own methods they call (``self.helper(...)``, ``self(...)`` for ``forward``), and in
@@ -333,6 +379,8 @@ def _analyse_object(
             continue
         seen.add((name, after))
         owner, method = _lookup(type(obj), name, after)
+        if method is not None and owner is not None:
+            found.methods_read.append((obj, name, owner, after))
         if method is None and module_position is not None:
             # `self.loss_fn(self, pred, y)`: a function the object holds, given the module
             _read_held_with_module(found, obj, name, module_position, depth, seen_functions, batch_position)
@@ -784,6 +832,21 @@ class _Visitor:
                 and self._reaches_work(node, func, logged, parents, set())
             ):
                 self.found.clock_reads.append(self._line(node))
+        # iterators held outside the step, advanced by it (`next(iter(self.parameters()))` makes its own)
+        for node in ast.walk(func):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "next"
+                and "next" not in self.assigned
+                and node.args
+            ):
+                base, links = _chain_base(node.args[0])
+                if isinstance(base, ast.Name) and (
+                    (links and base.id in (self.self_name, *self.extra, *self.module_names))
+                    or base.id in self.global_names
+                ):
+                    self.found.iterator_advances.append(self._line(node))
         for node in ast.walk(func):
             if isinstance(node, (ast.If, ast.While, ast.IfExp)):
                 self._condition(node.test)
@@ -1153,6 +1216,7 @@ class _Visitor:
             if id(node) in logged or self._host_only(node, parents):
                 continue
             mapping_get = _constant_get(node)  # CONFIG.get("w", 1.0): read like CONFIG["w"]
+            called = False
             if mapping_get is not None:
                 chain, getting = mapping_get[0], mapping_get[1:]
             elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, ast.Load):
@@ -1164,8 +1228,7 @@ class _Visitor:
                     and not _read_whole_by_a_view(node, parents)
                 ):
                     continue  # part of a longer chain
-                if isinstance(parent, ast.Call) and parent.func is node:
-                    continue  # a function or method called: the user's are read where they are called
+                called = isinstance(parent, ast.Call) and parent.func is node
                 chain, getting = node, None
             else:
                 continue
@@ -1176,6 +1239,10 @@ class _Visitor:
             read = _chain_reader(chain, base.id)
             if read is None:
                 continue
+            if called:
+                # `LOSSES["focal"](logits, y)`: what is called, compared (a function by identity, the
+                # user's callable object by identity and its own numbers, which its `__call__` reads)
+                read = _called_state(read)
             if getting is not None:
                 key, default = getting
                 read = _getting(read, key, default)
@@ -1610,6 +1677,14 @@ class _Visitor:
         for key, value in entries:
             if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
                 self.found.log_unknown.append(self._line(node))
+                # a key built from the module's values (`f"train/{self.stage}_loss"`): a replay re-issues
+                # the capture's key, so the key's value is compared before each replay like a value the
+                # step reads, and a new one captures the step again
+                evaluate = self._compile(key, allow_methods=True, globals_ok=True)
+                if evaluate is not None and self._reads_self(key):
+                    self.found.attribute_values.append(
+                        AttributeValue(f"the logged key at {self._line(node)}", evaluate)
+                    )
                 continue
             # log_dict's entry by its own line (a dict literal spans lines); self.log's by the call's
             line = self._line(node if func.attr == "log" else value)
@@ -1987,6 +2062,7 @@ def _read_callee(
             AttributeValue(a.line, evaluated_on(owner, a.evaluate)) for a in scratch.attribute_values
         ]
     found.global_writes += [w for w in scratch.global_writes if w not in found.global_writes]
+    found.iterator_advances += [w for w in scratch.iterator_advances if w not in found.iterator_advances]
     # batch_idx handed on again (`self.inner(x, batch_idx)`, `self.helper(batch_idx)`): read the same way
     found.handed_on += [
         HandedOn(visitor.owner, path, at, module_at, counters, call.depth + 1)
@@ -2231,13 +2307,38 @@ def _chain_reader(expr: ast.expr, root: str) -> Callable[[Any], Any] | None:
 _ATTRIBUTE_BAGS = (types.SimpleNamespace, argparse.Namespace)
 
 
+def _called_state(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`read` (a chain's reader) giving what a call of the chain's value depends on: a function or
+    method itself (compared by identity), an instance of the user's class as its identity and public
+    numbers (``FocalLoss.gamma``, which a callback anneals in place), anything else None (not compared:
+    modules and library code have checks of their own)."""
+
+    def state(root: Any) -> Any:
+        held = read(root)
+        if isinstance(held, (types.FunctionType, types.MethodType)):
+            return held if _is_user_code(getattr(held, "__func__", held)) else None
+        if isinstance(held, (type, types.ModuleType, torch.nn.Module)) or not _is_user_code(type(held)):
+            return None
+        numbers = {
+            name: value
+            for name, value in getattr(held, "__dict__", {}).items()
+            if not name.startswith("_") and isinstance(value, BAKED_VALUES)
+        }
+        return (Identity(held), numbers)
+
+    return state
+
+
 def _chain_root_followed(held: Any) -> bool:
     """Whether the chains the step reads from module-level object `held` are compared before each replay:
     the user's modules, classes and objects, attribute bags (an ``argparse`` or ``SimpleNamespace``
     config), OmegaConf configs and plain containers; not a library's modules or objects (``torch.float16``,
     ``np.pi``), which a step does not change."""
     if isinstance(held, types.ModuleType):
-        return _is_user_code(held)
+        # (`os.environ["AUX_W"]`, `os.environ.get(...)`: the process's environment, which a hook may set)
+        return _is_user_code(held) or held is os
+    if isinstance(held, types.FunctionType):
+        return _is_user_code(held)  # a function attribute used as a knob (`weighted_ce.w`)
     if isinstance(held, (dict, list, tuple, *_ATTRIBUTE_BAGS)):
         return True
     if type(held).__module__.partition(".")[0] == "omegaconf":
@@ -2648,11 +2749,15 @@ NOT_A_MAPPING = "not a mapping"
 
 def _getting(read: Callable[..., Any], key: Any, default: Any) -> Callable[..., Any]:
     """`read`, then the entry `key` (or `default`) of what it gives, where that is a dict (an
-    ``AttributeDict`` too) or an OmegaConf config; else :data:`NOT_A_MAPPING`."""
+    ``AttributeDict`` too), the process's environment or an OmegaConf config; else :data:`NOT_A_MAPPING`."""
 
     def value(*args: Any) -> Any:
         mapping = read(*args)
-        if isinstance(mapping, dict) or type(mapping).__module__.partition(".")[0] == "omegaconf":
+        if (
+            isinstance(mapping, dict)
+            or mapping is os.environ  # `os.environ.get("AUX_W", "0")`: set by a hook between steps
+            or type(mapping).__module__.partition(".")[0] == "omegaconf"
+        ):
             return mapping.get(key, default)
         return NOT_A_MAPPING
 
@@ -2664,7 +2769,7 @@ def _safe(expr: ast.expr, allow_methods: bool) -> bool:
     allowed = (
         ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp,
         ast.IfExp, ast.Load, ast.operator, ast.unaryop, ast.cmpop, ast.boolop, ast.Slice, ast.Tuple, ast.Call,
-        ast.keyword,
+        ast.keyword, ast.JoinedStr, ast.FormattedValue,
     )  # fmt: skip
     for node in ast.walk(expr):
         if not isinstance(node, allowed):

@@ -101,6 +101,28 @@ _ATOMS = (
 )
 
 
+class Identity:
+    """An object compared by identity in a snapshot (the user's callable a step calls from a registry:
+    another object there is other code); holds it, so its id cannot be taken by another while the
+    snapshot lives."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+# Python values a graph bakes in that a comparison before each replay reads exactly: numbers and
+# strings, and the immutable values of other kinds (an Enum member, a Fraction, a dtype)
+BAKED_VALUES = (*_SCALARS, *NUMPY_SCALARS, *_ATOMS[:5])
+
+
 class TooLarge:
     """A value made of numbers a graph may bake in (a list of 100000 floats, a NumPy array of 1 MB)
     that is too large to compare before each replay (:func:`frozen_read`). Equal to nothing: a
@@ -209,6 +231,8 @@ def _freeze(value: Any, budget: list[int], tensors: bool) -> Any:
         # dtype, a function picked from a loss table (`{"ce": (1.0, F.cross_entropy)}`); `==` tells
         # them apart exactly (a function, an enum member by identity)
         return ("atom", type(value), value)
+    if isinstance(value, Identity):
+        return ("identity", value)
     if isinstance(value, (slice, range)):
         ends = _freeze((value.start, value.stop, value.step), budget, tensors)
         return ends if ends is None or ends is _OVER else (type(value).__name__, ends)
