@@ -36,6 +36,9 @@ def source_digest(name: str) -> str:
 
 
 _lock = threading.Lock()
+# one lock per (source, device, defines): a source compiling in the background (the replay check's,
+# l2lightning.check_kernels.prepare) does not hold up another's compile on the training thread
+_module_locks: dict[tuple[str, int, tuple[str, ...]], threading.Lock] = {}
 
 
 @functools.cache
@@ -56,8 +59,11 @@ def get_function(name: str, function: str, device_index: int, defines: tuple[str
     """The compiled `function` from kernels/`name` on device `device_index` (compiled once, then cached)."""
     if cupy_unavailable_reason():
         raise RuntimeError(f"compiling kernels/{name} needs CuPy; {CUPY_INSTALL_HINT}")
+    key = (name, device_index, tuple(sorted(defines)))
     with _lock:
-        module = _module(name, device_index, tuple(sorted(defines)))
+        module_lock = _module_locks.setdefault(key, threading.Lock())
+    with module_lock:
+        module = _module(*key)
         with _device(device_index):
             return module.get_function(function)
 

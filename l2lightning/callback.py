@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
+from l2lightning import check_kernels
 from l2lightning._env import cuda_unavailable_reason
 from l2lightning.amp_step import ScaledStep, grad_scaler_of, run_through, scaled_step_refusal, unfused_refusal
 from l2lightning.batch_reads import BatchReads, batch_reads
@@ -783,6 +784,10 @@ class L2GraphCallback(
             return
         self._optimizer = wrapped
         self._owns_optimizer = owns
+        if self._check_on:
+            # the sampled check's kernels compile beside the warm-up steps, not at the first check
+            # (CuPy imported for them where prefetch would import it anyway)
+            check_kernels.prepare(trainer.strategy.root_device, import_cupy=self.prefetch != "off")
         if self._manual is not None:
             # the whole training_step is the step (ManualStep.training_step); its optimizer steps run as they are
             wrapped.handler = self._manual.optimizer_step

@@ -168,3 +168,41 @@ def test_measurable_dtypes():
     assert all(check_kernels.measurable(d) for d in (torch.float32, torch.bfloat16, torch.int64, torch.bool))
     assert not check_kernels.measurable(torch.float8_e4m3fn)
     assert not check_kernels.usable(torch.device("cpu"))  # the real one: CUDA only
+
+
+# --------------------------------------------------------------------------- the check's kernels, compiled early
+def test_the_check_kernels_compile_once_per_device_in_the_background(monkeypatch):
+    from l2lightning import _env, _kernels
+
+    compiled = []
+    monkeypatch.setattr(
+        _kernels, "get_function", lambda source, name, index: compiled.append((source, name, index))
+    )
+    monkeypatch.setattr(_env, "cupy_unavailable_reason", lambda: None)
+    monkeypatch.setattr(check_kernels, "_preparing", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert check_kernels.prepare(torch.device("cpu"), import_cupy=True) is None
+    monkeypatch.delitem(__import__("sys").modules, "cupy", raising=False)
+    assert check_kernels.prepare(torch.device("cuda", 0)) is None  # CuPy not imported, not asked to
+    thread = check_kernels.prepare(torch.device("cuda", 0), import_cupy=True)
+    thread.join(10)
+    assert compiled == [
+        ("replay_check.cu", "l2l_bytes_differ", 0),
+        ("replay_check.cu", "l2l_spread_measure", 0),
+    ]
+    assert check_kernels.prepare(torch.device("cuda", 0), import_cupy=True) is None  # once per device
+    monkeypatch.setattr(check_kernels, "ENABLED", False)
+    assert check_kernels.prepare(torch.device("cuda", 1), import_cupy=True) is None
+
+
+def test_a_failed_background_compile_is_tried_again_by_the_next_fit(monkeypatch):
+    from l2lightning import _env, _kernels
+
+    def fails(source, name, index):
+        raise RuntimeError("NVRTC failed")
+
+    monkeypatch.setattr(_kernels, "get_function", fails)
+    monkeypatch.setattr(_env, "cupy_unavailable_reason", lambda: None)
+    monkeypatch.setattr(check_kernels, "_preparing", {})
+    check_kernels.prepare(torch.device("cuda", 0), import_cupy=True).join(10)
+    assert check_kernels._preparing == {}  # the check's own launch raises it on the training thread
