@@ -379,8 +379,6 @@ def _analyse_object(
             continue
         seen.add((name, after))
         owner, method = _lookup(type(obj), name, after)
-        if method is not None and owner is not None:
-            found.methods_read.append((obj, name, owner, after))
         if method is None and module_position is not None:
             # `self.loss_fn(self, pred, y)`: a function the object holds, given the module
             _read_held_with_module(found, obj, name, module_position, depth, seen_functions, batch_position)
@@ -395,6 +393,7 @@ def _analyse_object(
             if module_position is not None:  # the module handed to a method that cannot be read
                 found.add_read_pattern(f"{type(obj).__qualname__}.{name}", _ANY_NAME, False)
             continue
+        found.methods_read.append((obj, name, owner, after))  # (its source is read: code_bindings)
         if isinstance(method, staticmethod):
             params = ["", *params]  # no self: its arguments are the call's from the first
         function = inspect.unwrap(getattr(method, "__func__", method))
@@ -440,13 +439,23 @@ def _analyse_object(
             module_reads=None if callback else reads,
             owner=obj,
             reads_helpers=not callback,
+            defining_class=owner,
         )
         visitor.run(tree)
         if not callback and isinstance(function, types.FunctionType):
             found.module_functions_read.add((id(function.__code__), visitor.self_name))
         if depth < HELPER_DEPTH:  # (deeper, the methods it calls are not read: their batch_idx is compared)
+            # (is_super: False for self's method, True for super(), or the class an explicit
+            # `Base.name(self, ...)` call's lookup starts after)
             withheld += [
-                ((helper, owner if is_super else None, position), counters)
+                (
+                    (
+                        helper,
+                        is_super if isinstance(is_super, type) else owner if is_super else None,
+                        position,
+                    ),
+                    counters,
+                )
                 for (helper, is_super, position), counters in visitor.withheld.items()
             ]
         else:
@@ -464,6 +473,10 @@ def _analyse_object(
             pending += [
                 (helper, depth + 1, position, owner, *visitor.helper_args.get((helper, True), (None, None)))
                 for helper, position in sorted(visitor.super_helpers.items())
+            ]
+            pending += [
+                (helper, depth + 1, position, after, None, None)
+                for (helper, after), position in visitor.class_helpers.items()
             ]
             if not callback:
                 pending += [
@@ -670,6 +683,7 @@ class _Visitor:
         module_reads: set[str] | None = None,
         owner: Any = None,
         reads_helpers: bool = False,
+        defining_class: type | None = None,
     ):
         self.found = found
         # the caller reads the methods of `owner`'s class this code calls through `self_name` with the
@@ -722,6 +736,11 @@ class _Visitor:
         # super().name(...) calls
         self.helpers: dict[str, int | None] = {}
         self.super_helpers: dict[str, int | None] = {}
+        # the same for a base class's method called explicitly (``Base.training_step(self, batch,
+        # batch_idx)``): (name, the class of the MRO its lookup starts after) -> position
+        self.class_helpers: dict[tuple[str, type | None], int | None] = {}
+        # the class whose method this is (the module's own analysis), where explicit calls resolve
+        self.defining_class = defining_class
         # names read that are not the function's own (parameters, assignments, imports, loop targets):
         # module globals (or builtins, or closure variables; the capture keeps the globals among them)
         self.global_names: set[str] = set()
@@ -942,6 +961,8 @@ class _Visitor:
             and isinstance(where, int)
         ):
             return  # a method of the object read here: its parameter is followed (helper_args)
+        if where == 0 and self._parent_call(call) is not None:
+            return  # `Base.name(self, ...)`: the base class's method, read as the module's (_helper_call)
         target = self._callee(func)
         if target is getattr and where == 0:
             name = call.args[1] if len(call.args) >= 2 else None
@@ -1373,6 +1394,9 @@ class _Visitor:
             if self.reads_helpers and isinstance(where, int):
                 return ("method", func.attr, True, where)
             return None
+        after = self._parent_call(call)
+        if after is not None:  # `Base.name(self, batch, batch_idx)`: after self, as a super() call's
+            return ("method", func.attr, after, where - 1) if isinstance(where, int) else None
         path: list[str] = []
         while isinstance(func, ast.Attribute):
             path.insert(0, func.attr)
@@ -1571,9 +1595,56 @@ class _Visitor:
         inlined = self._inline(chain, globals_ok=True)
         return chain if inlined is None else inlined
 
+    def _parent_call(self, call: ast.Call) -> type | None:
+        """For ``Base.name(self, ...)`` in a method of the module's own class, where ``Base`` is a class
+        of the module's MRO after the one this method belongs to (a subclass calling its parent's
+        method the way ``super().name(...)`` does): the class of the MRO the lookup of ``name`` starts
+        after (``Base`` is found first). Else None."""
+        func = call.func
+        if not (
+            self.reads_helpers
+            and self.defining_class is not None
+            and self.owner is not None
+            and isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and not func.attr.startswith("__")
+            and call.args
+            and isinstance(call.args[0], ast.Name)
+            and call.args[0].id == self.self_name
+        ):
+            return None
+        name = func.value.id
+        if self.closure is not None and name in self.closure:
+            klass = self.closure.get(name)
+        else:
+            klass = (self.namespace or {}).get(name)
+        mro = type(self.owner).__mro__
+        if not isinstance(klass, type) or klass not in mro or self.defining_class not in mro:
+            return None
+        at = mro.index(klass)
+        if at <= mro.index(self.defining_class):
+            return None
+        return mro[at - 1]
+
     def _helper_call(self, node: ast.Call) -> None:
         func = node.func
         helpers = self.helpers
+        after = self._parent_call(node)
+        if after is not None:
+            # `Base.training_step(self, batch, batch_idx)`: Base's method, read as a super() call's is
+            # (the position of batch_idx among its parameters after self, as for the others)
+            position = next(
+                (
+                    i - 1
+                    for i, arg in enumerate(node.args)
+                    if isinstance(arg, ast.Name) and arg.id == self.batch_idx
+                ),
+                None,
+            )
+            key = (func.attr, after)
+            if self.class_helpers.get(key) is None:
+                self.class_helpers[key] = position
+            return
         if _is_super_call(func):
             name, helpers = func.attr, self.super_helpers
         elif isinstance(func, ast.Name) and func.id == self.self_name:

@@ -13,6 +13,10 @@ branch):
 * a layer's test or number on the step counters that cannot be evaluated before a replay
   (``self._lm().global_step`` through a weakref to the module): dropped, where training_step's own are
   refused or compared.
+
+And a base class's method called explicitly, ``Base.training_step(self, batch, batch_idx)`` (the
+pre-``super()`` spelling): not read, so its batch_idx was compared as a number and every step captured
+again until the fit went eager; now read as ``super().training_step(batch, batch_idx)`` is.
 """
 
 from __future__ import annotations
@@ -475,3 +479,48 @@ def test_a_layers_number_from_the_step_counters_that_cannot_be_evaluated_is_neve
         run = fit(HoldsAStepAwareLayer, [cb], steps=20, ramp=True)
     assert_same(base, run)
     assert torch.is_tensor(run[1].losses[-1])
+
+
+# --------------------------------------------------------------------------- Base.method(self, ...) calls
+class BranchesEveryTenSteps(TinyMLP):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.aux_w = 0.0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.head(self.net(x)).squeeze(-1)
+        loss = _mse(pred, y)
+        if batch_idx % 10 == 9:
+            loss = loss * 2.0
+        return loss + self.aux_w * pred.square().mean()
+
+
+class CallsItsParentExplicitly(BranchesEveryTenSteps):
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == SWITCH_STEP:
+            self.aux_w = 0.5
+
+    def training_step(self, batch, batch_idx):
+        return BranchesEveryTenSteps.training_step(self, batch, batch_idx) * 0.5
+
+
+def test_a_base_class_method_called_explicitly_is_read_as_a_super_call():
+    found = analyse(CallsItsParentExplicitly())
+    assert [c.line.split("(`")[1] for c in found.conditions] == ["if batch_idx % 10 == 9:`)"]
+    assert all(c.evaluate is not None for c in found.conditions)
+    assert found.counter_values == []  # batch_idx handed to Base's method is read there, not compared
+    assert "aux_w" in found.reads
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_a_base_class_method_called_explicitly_is_captured_and_trains_like_the_baseline():
+    base = fit(baseline_of(CallsItsParentExplicitly), steps=60)
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"capturing the step again: Python numbers the step reads changed \(aux_w\)"
+    ):
+        run = fit(CallsItsParentExplicitly, [cb], steps=60)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 2, summary
+    assert_same(base, run)
