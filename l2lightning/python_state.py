@@ -30,9 +30,6 @@ entries back, so the eager step that replaces it changes them once.
 
 from __future__ import annotations
 
-import decimal
-import enum
-import fractions
 import functools
 import os
 import random
@@ -49,7 +46,7 @@ import torch
 
 from l2lightning.compiled_calls import partial_arguments
 from l2lightning.metric_binding import metric_type
-from l2lightning.step_values import NUMPY_SCALARS, address, frozen
+from l2lightning.step_values import NUMPY_SCALARS, VALUE_ATOMS, address, frozen
 from l2lightning.step_values import addresses as _addresses
 
 # the scalar attributes a step may bake in: Python's numbers and strings, and NumPy's scalars
@@ -57,7 +54,7 @@ _SCALARS = (int, float, bool, str, *NUMPY_SCALARS)
 # what a graph bakes in beside them, as immutable values compared with `==`: a branch or a lookup on
 # an Enum member (`if self.phase is Phase.MAIN:`, a layer's `self.mode`), a Fraction or Decimal
 # weight, a dtype or device the step casts to (functions are compared by identity as callables)
-_BAKED = (*_SCALARS, enum.Enum, fractions.Fraction, decimal.Decimal, torch.dtype, torch.device)
+_BAKED = (*_SCALARS, *VALUE_ATOMS)
 # public attributes that are not the step's own state: nn.Module's train/eval flag (the callback
 # checks it per step, and a change captures again)
 _IGNORED = frozenset({"training"})

@@ -185,8 +185,8 @@ class StepSource:
     methods_read: list[tuple[Any, str, type, type | None]] = field(default_factory=list, repr=False)
 
     def code_bindings(self) -> list[tuple[Any, str, Any, str]]:
-        """(attribute dict, name, what it holds now, where: ```self.name``` or ```Class.name```) of every place that decides which code a method the
-        step's source was read through runs: the object's own ``__dict__`` (a method rebound on the
+        """(attribute dict, name, what it holds now, where: ```self.name``` or ```Class.name```) of every
+        place that decides which code a method the step's source was read through runs: the object's own ``__dict__`` (a method rebound on the
         instance, ``self.compute_loss = self.compute_loss_smooth``, is found there first) and each class
         of its MRO up to the one whose method was read (``type(self).compute_loss = ...`` patched on the
         class, or on a subclass, shadows it). Compared by identity before each step

@@ -89,16 +89,8 @@ _EXACT_BY_VALUE = frozenset({bool, int, str, type(None)})
 _OVER = object()  # the budget of numbers ran out
 # immutable values of other kinds than numbers, compared with `==`: Enum members, Fraction and
 # Decimal numbers, torch's dtypes and devices, functions and bound methods (by identity)
-_ATOMS = (
-    enum.Enum,
-    fractions.Fraction,
-    decimal.Decimal,
-    torch.dtype,
-    torch.device,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-)
+VALUE_ATOMS = (enum.Enum, fractions.Fraction, decimal.Decimal, torch.dtype, torch.device)
+_ATOMS = (*VALUE_ATOMS, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
 class Identity:
@@ -120,7 +112,7 @@ class Identity:
 
 # Python values a graph bakes in that a comparison before each replay reads exactly: numbers and
 # strings, and the immutable values of other kinds (an Enum member, a Fraction, a dtype)
-BAKED_VALUES = (*_SCALARS, *NUMPY_SCALARS, *_ATOMS[:5])
+BAKED_VALUES = (*_SCALARS, *NUMPY_SCALARS, *VALUE_ATOMS)
 
 
 class TooLarge:
