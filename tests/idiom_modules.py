@@ -1211,6 +1211,43 @@ class WordLanguageModel(LightningModule):
         }
 
 
+class StatefulLSTMEncoder(nn.Module):
+    """A layer that keeps its own LSTM state across calls (``self.state = tuple(s.detach() ...)`` in
+    ``forward``), as stateful sequence encoders do: the carried state lives on a submodule."""
+
+    def __init__(self, ninp: int, nhid: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(ninp, nhid)
+        self.state = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, state = self.rnn(x, self.state)
+        self.state = tuple(s.detach() for s in state)
+        return out
+
+
+class LayerKeepsItsLSTMState(LightningModule):
+    """Token streams through an embedding and a :class:`StatefulLSTMEncoder`: the hidden state is
+    carried by the layer, not by the LightningModule (reset at each epoch start)."""
+
+    def __init__(self, ntoken: int = 200, ninp: int = 64, nhid: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(ntoken, ninp)
+        self.encoder = StatefulLSTMEncoder(ninp, nhid)
+        self.decoder = nn.Linear(nhid, ntoken)
+
+    def on_train_epoch_start(self):
+        self.encoder.state = None
+
+    def training_step(self, batch, batch_idx):
+        data, targets = batch
+        out = self.encoder(self.embed(data.t()))
+        return F.cross_entropy(self.decoder(out).flatten(0, 1), targets.t().reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
 def _text_loader(
     n_tokens: int = 8 * 35 * 21, bptt: int = 35, batch_size: int = 8, vocab: int = 200
 ) -> DataLoader:
@@ -1675,6 +1712,24 @@ _reg_loader = functools.partial(_regression_loader, n=640, dim=64, batch_size=32
 IDIOM_VARIANTS: dict[str, Idiom] = {
     v.name: v
     for v in [
+        Idiom(
+            "word_language_model_unchecked",
+            WordLanguageModel,
+            _text_loader,
+            "capture",
+            "the word language model with no replay checked (verify=False): the carried hidden state alone "
+            "must keep the replays its baseline",
+            trainer_kwargs=_steps(gradient_clip_val=0.25, gradient_clip_algorithm="value"),
+            callback_kwargs={"verify": False},
+        ),
+        Idiom(
+            "lstm_state_in_a_layer",
+            LayerKeepsItsLSTMState,
+            _text_loader,
+            "capture",
+            "a layer carries its own LSTM state (verify=False): carried from a submodule's attribute",
+            callback_kwargs={"verify": False},
+        ),
         Idiom(
             "manual_gan_device_noise",
             ManualGANDeviceNoise,

@@ -41,9 +41,8 @@ class WordGRU(WordLanguageModel):
 def _fit(cls, callbacks=(), baseline=False):
     torch.manual_seed(0)  # the same initial weights for every fit
     model = (baseline_of(cls) if baseline else cls)()
-    # oneDNN's LSTM kernel runs eagerly, the decomposed ops under the emulator's dispatch mode: off
-    with torch.backends.mkldnn.flags(enabled=False):
-        return list(fit(None, list(callbacks), model=model, **{**SETTINGS, "loader": _text_loader()}))
+    # (the emulator runs CPU LSTMs without oneDNN: graph_emulator.install)
+    return list(fit(None, list(callbacks), model=model, **{**SETTINGS, "loader": _text_loader()}))
 
 
 @pytest.mark.parametrize("cls", [WordLanguageModel, WordGRU], ids=["lstm", "gru"])
