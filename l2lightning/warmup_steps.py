@@ -63,6 +63,9 @@ class _Group:
     dropped_first: bool = False  # its first traced step differed from the next and was set aside
     timed: int = 0  # untraced, timed eager steps of this group
     appended: list[frozenset[str]] = field(default_factory=list)  # lists each traced step appended to
+    # the module's Python numbers its source reads, as each traced step left them (a difference between
+    # two traced steps names the number that made their work differ)
+    read_values: list[dict[str, Any]] = field(default_factory=list)
 
 
 class WarmupSteps:
@@ -339,6 +342,11 @@ class WarmupSteps:
             return
         if trace.hidden_random and self._hidden_random is None:
             self._hidden_random = describe_frame(trace.hidden_random[0])
+        # the numbers the step read this time (a hook moves them after the step: `self.ptr` of a queue)
+        values = {
+            name: value
+            for _, name, value in python_state.baked_scalars(self._module, self._source.reads, set())
+        }
         metrics = dict(named_metrics(self._module))
         for name in updated:
             reason = unreplayable_reason(name, metrics[name])
@@ -399,11 +407,20 @@ class WarmupSteps:
                 group.traces, group.dropped_first = [], True
                 difference = None
             if difference:
+                moved = _moved_between(group.read_values[-1:], values)
                 problem = (
-                    f"two warm-up steps ran different work ({difference}); a graph replays one of them. If the "
-                    "difference is a periodic branch, pass `eager_steps=lambda trainer, batch_idx: ...` for its steps"
+                    f"two warm-up steps ran different work ({difference}); a graph replays one of them. "
+                    + (
+                        f"The step reads {moved}, which changed between them: a number a graph bakes in, "
+                        "changed between every two steps, needs a capture per step. Keep it in a tensor (a "
+                        "buffer updated in place) or compute it on the device"
+                        if moved
+                        else "If the difference is a periodic branch, pass `eager_steps=lambda trainer, "
+                        "batch_idx: ...` for its steps"
+                    )
                 )
         group.traces.append(trace)
+        group.read_values.append(values)
         group.metrics.update(updated)
         if problem and not any(c.evaluate is not None and c.on_counters for c in self._source.conditions):
             # no branch on the step counters: this step's branch is, as far as can be told, every step's
@@ -474,6 +491,20 @@ class WarmupSteps:
                     found += possible_writes(getattr(type(cb), hook) if before is ABSENT else before, cb)
             self._hook_writes[hook] = found
         return found
+
+
+def _moved_between(earlier: list[dict[str, Any]], now: dict[str, Any]) -> str:
+    """The module's numbers among `now` that differ from the last of `earlier` (one traced step's
+    :attr:`_Group.read_values`), as "`self.ptr` (0 -> 8)"; empty where none did (or no earlier step)."""
+    if not earlier:
+        return ""
+    before = earlier[-1]
+    moved = [
+        f"`self.{name}` ({before[name]!r} -> {value!r})"
+        for name, value in now.items()
+        if name in before and python_state.changed_scalars([(before, name, value)])
+    ]
+    return ", ".join(moved[:3])
 
 
 def baked_schedule_advice(changed: list[str]) -> str:

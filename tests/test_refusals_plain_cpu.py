@@ -43,15 +43,35 @@ class CyclesItsBetas(TinyMLP):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class MovesAQueuePointer(TinyMLP):
+    """Refused in the warm-up: MoCo's queue pointer, a Python int a hook moves after every
+    step and the step reads in a slice (`self.queue[self.ptr:self.ptr + n] = k`). The warning once said
+    only that two warm-up steps ran different work and suggested `eager_steps`; it names the number now."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.register_buffer("queue", torch.zeros(64, 32))
+        self.ptr = 0
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        self.queue[self.ptr : self.ptr + x.shape[0]] = x.detach()
+        return super().training_step(batch, batch_idx) + 0.0 * self.queue.sum()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.ptr = (self.ptr + batch[0].shape[0]) % 64
+
+
 @pytest.mark.parametrize(
     ("cls", "match"),
     [
         (SyncsInItsStep, r"makes the host wait for the GPU inside the step"),
+        (MovesAQueuePointer, r"ran different work .*The step reads `self.ptr` \(\d+ -> \d+\), which changed"),
         (CountsItsSteps, r"the step changes Python state \(`self.updates`\)"),
         (CyclesItsBetas, r"AdamW's \['betas'\] changed at every warm-up step"),
         (FailsInCapture, r"could not be captured \(RuntimeError: operation not permitted"),
     ],
-    ids=["first-traced-step", "second-traced-step", "capture-decision", "failed-capture"],
+    ids=["first-traced-step", "moved-number", "second-traced-step", "capture-decision", "failed-capture"],
 )
 def test_a_refused_fit_with_foreach_adamw_is_plain_bit_for_bit(cls, match):
     plain = fit(cls, steps=20)
