@@ -33,6 +33,14 @@ _UNCOMPARED_CONTAINERS = (*NUMPY_ARRAYS, deque, set, frozenset)
 RECAPTURE_STREAK_LIMIT = 3
 # Steps on one other branch in a row after which that branch is captured in place of the current one
 BRANCH_SWITCH_STEPS = 3
+# How to keep a number a schedule moves at every step (a KL or loss-weight ramp, a cosine weight from
+# global_step) out of the graph's baked constants: the graph then reads it from memory, one capture
+PER_STEP_NUMBER_ADVICE = (
+    "to capture the step once, keep the number in a registered buffer that a hook fills before each "
+    "step (`self.register_buffer('w', torch.tensor(0.0))`; `self.w.fill_(schedule(self.global_step))` in "
+    "`on_train_batch_start`; `loss + self.w * aux` in the step): a replay reads it from memory, and one "
+    "capture serves the whole schedule"
+)
 # The cause a waiting step counts under in summary()["fallback_causes"]
 WAIT_CAUSE = "waiting to capture again until the eager steps have cost what a capture costs"
 
@@ -269,8 +277,10 @@ class StepDecision:
             return "eager"
         self._recapture_streak += 1
         if self._recapture_streak >= RECAPTURE_STREAK_LIMIT:
+            per_step = cause.startswith("numbers the step computes from the step counters")
             self._disable(
                 f"{cause}, on {self._recapture_streak} steps in a row: every step would need a new capture"
+                + (f"; {PER_STEP_NUMBER_ADVICE}" if per_step else "")
             )
             return "eager"
         self._warn_once(f"recapture:{cause.split(' ')[0]}", f"capturing the step again: {cause}.")

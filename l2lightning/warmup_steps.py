@@ -25,7 +25,7 @@ from l2lightning.metric_binding import (
     update_counts,
     updated_between,
 )
-from l2lightning.step_decision import _first_names
+from l2lightning.step_decision import PER_STEP_NUMBER_ADVICE, _first_names
 from l2lightning.step_overrides import ABSENT
 from l2lightning.step_trace import (
     StepTrace,
@@ -34,6 +34,7 @@ from l2lightning.step_trace import (
     first_difference,
     sync_free_bincount,
 )
+from l2lightning.step_values import unreadable
 
 # Traced warm-up steps after which a fit that found no capturable stretch stops trying.
 MAX_TRACED_STEPS = 24
@@ -66,6 +67,8 @@ class _Group:
     # the module's Python numbers its source reads, as each traced step left them (a difference between
     # two traced steps names the number that made their work differ)
     read_values: list[dict[str, Any]] = field(default_factory=list)
+    # the numbers the step computes from the step counters (StepSource.counter_values), per traced step
+    counter_values: list[tuple] = field(default_factory=list)
 
 
 class WarmupSteps:
@@ -347,6 +350,8 @@ class WarmupSteps:
             name: value
             for _, name, value in python_state.baked_scalars(self._module, self._source.reads, set())
         }
+        batch_idx = self._pending[1] if self._pending is not None else 0
+        counters = self._source.counter_snapshot(self._module, batch_idx)
         metrics = dict(named_metrics(self._module))
         for name in updated:
             reason = unreplayable_reason(name, metrics[name])
@@ -408,19 +413,27 @@ class WarmupSteps:
                 difference = None
             if difference:
                 moved = _moved_between(group.read_values[-1:], values)
+                computed = _computed_differently(
+                    self._source.counter_values, group.counter_values[-1:], counters
+                )
                 problem = (
                     f"two warm-up steps ran different work ({difference}); a graph replays one of them. "
                     + (
-                        f"The step reads {moved}, which changed between them: a number a graph bakes in, "
-                        "changed between every two steps, needs a capture per step. Keep it in a tensor (a "
-                        "buffer updated in place) or compute it on the device"
+                        f"The step reads {moved}, which changed between them: a number a graph bakes in, changed "
+                        "between every two steps, needs a capture per step. Keep it in a tensor (a buffer updated "
+                        "in place) or compute it on the device"
                         if moved
-                        else "If the difference is a periodic branch, pass `eager_steps=lambda trainer, "
-                        "batch_idx: ...` for its steps"
+                        else f"The step computes a number from the step counters that changed between them, at "
+                        f"{computed}: a graph bakes such a number in, so each step would need its own capture; "
+                        f"{PER_STEP_NUMBER_ADVICE}"
+                        if computed
+                        else "If the difference is a periodic branch, pass `eager_steps=lambda trainer, batch_idx: ...` "
+                        "for its steps"
                     )
                 )
         group.traces.append(trace)
         group.read_values.append(values)
+        group.counter_values.append(counters)
         group.metrics.update(updated)
         if problem and not any(c.evaluate is not None and c.on_counters for c in self._source.conditions):
             # no branch on the step counters: this step's branch is, as far as can be told, every step's
@@ -491,6 +504,19 @@ class WarmupSteps:
                     found += possible_writes(getattr(type(cb), hook) if before is ABSENT else before, cb)
             self._hook_writes[hook] = found
         return found
+
+
+def _computed_differently(values: list[Any], earlier: list[tuple], now: tuple) -> str:
+    """The lines (at most three) of the numbers the step computes from the step counters (`values`,
+    StepSource.counter_values) whose values in `now` differ from the last of `earlier`."""
+    if not earlier:
+        return ""
+    lines = [
+        v.line
+        for v, was, is_ in zip(values, earlier[-1], now)
+        if was is not unreadable and is_ is not unreadable and was != is_
+    ]
+    return "; ".join(lines[:3])
 
 
 def _moved_between(earlier: list[dict[str, Any]], now: dict[str, Any]) -> str:

@@ -4,10 +4,16 @@ bits): the optimizer keeps the user's configuration until a capture succeeds."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.optim.lr_scheduler import OneCycleLR
 
+from tests.baselines import (  # noqa: F401 -- the fixture records each callback fit's switch step
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,
+)
 from tests.lightning_models import TinyMLP
 from tests.test_callback_replay_cpu import FailsInCapture, assert_same, callback, fit
 
@@ -62,16 +68,59 @@ class MovesAQueuePointer(TinyMLP):
         self.ptr = (self.ptr + batch[0].shape[0]) % 64
 
 
+class RampsALossWeight(TinyMLP):
+    """Refused in the warm-up: a cosine loss weight computed from global_step in the step, a new
+    number at every step. The warning names its line and the buffer a hook fills, which captures once
+    (test_a_per_step_weight_kept_in_a_buffer_is_captured_once)."""
+
+    def training_step(self, batch, batch_idx):
+        w = 0.5 * (1 + math.cos(math.pi * min(self.global_step, 40) / 40))
+        return super().training_step(batch, batch_idx) * (1 + w)
+
+
+class RampsALossWeightInABuffer(TinyMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.register_buffer("w", torch.tensor(0.0))
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.w.fill_(0.5 * (1 + math.cos(math.pi * min(self.global_step, 40) / 40)))
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * (1 + self.w)
+
+
+def test_a_per_step_weight_kept_in_a_buffer_is_captured_once():
+    base = fit(baseline_of(RampsALossWeightInABuffer), steps=30)
+    cb = callback()
+    run = fit(RampsALossWeightInABuffer, [cb], steps=30)
+    summary = cb.summary()
+    assert summary["captured"] and summary["captures"] == 1 and summary["fallback_steps"] == 0, summary
+    assert_same(base, run)
+
+
 @pytest.mark.parametrize(
     ("cls", "match"),
     [
         (SyncsInItsStep, r"makes the host wait for the GPU inside the step"),
+        (
+            RampsALossWeight,
+            r"ran different work .*The step computes a number from the step counters that changed between "
+            r"them, at [^\n]*`w = 0.5 \* \(1 \+ math.cos[^\n]*keep the number in a registered buffer",
+        ),
         (MovesAQueuePointer, r"ran different work .*The step reads `self.ptr` \(\d+ -> \d+\), which changed"),
         (CountsItsSteps, r"the step changes Python state \(`self.updates`\)"),
         (CyclesItsBetas, r"AdamW's \['betas'\] changed at every warm-up step"),
         (FailsInCapture, r"could not be captured \(RuntimeError: operation not permitted"),
     ],
-    ids=["first-traced-step", "moved-number", "second-traced-step", "capture-decision", "failed-capture"],
+    ids=[
+        "first-traced-step",
+        "per-step-number",
+        "moved-number",
+        "second-traced-step",
+        "capture-decision",
+        "failed-capture",
+    ],
 )
 def test_a_refused_fit_with_foreach_adamw_is_plain_bit_for_bit(cls, match):
     plain = fit(cls, steps=20)
