@@ -63,7 +63,8 @@ def prepare(device: torch.device, import_cupy: bool = False) -> threading.Thread
     filled (``benchmarks/results/h200/replay_check_kernel_cache_cold.csv``, ``_warm.csv``). Started at
     the training start, the compile runs beside the warm-up steps, the prefetch tuning and the capture
     (NVRTC runs without Python's lock); a check that comes first waits for it in :func:`_launch`'s
-    ``get_function``, as it would have compiled itself. `import_cupy`: import CuPy in that thread first
+    ``get_function``, as it would have compiled itself, and a capture waits for it first
+    (:func:`wait_prepared`). `import_cupy`: import CuPy in that thread first
     (a fit with prefetch on imports it for its kernels anyway, later, on the training thread).
     """
     if not ENABLED or device.type != "cuda" or not (import_cupy or "cupy" in sys.modules):
@@ -86,6 +87,14 @@ def prepare(device: torch.device, import_cupy: bool = False) -> threading.Thread
     _preparing[index] = thread
     thread.start()
     return thread
+
+
+def wait_prepared() -> None:
+    """Wait for the compiles :func:`prepare` started, if any are still running. Called before a capture:
+    loading a compiled module is one of the calls a CUDA graph capture in global mode (torch's default)
+    does not allow from any thread while it records."""
+    for thread in list(_preparing.values()):
+        thread.join()
 
 
 def measurable(dtype: torch.dtype) -> bool:

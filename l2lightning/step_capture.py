@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from l2lightning import numerics_settings, python_state
+from l2lightning import check_kernels, numerics_settings, python_state
 from l2lightning.accumulation import AccumulatedGrads
 from l2lightning.called_code import StepHooks, analyse_called_code
 from l2lightning.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
@@ -142,6 +142,9 @@ class StepCapture:
         self, run: Callable[..., Any], closure: Any, kwargs: dict, gate_capture: bool
     ) -> Any:
         """Capture the step (`gate_capture`: the gate's second capture, without prefetch), then replay it once."""
+        # the check kernels compiling in the background load their module when done, which a CUDA graph
+        # capture in progress (the prefetch tuner's or the step's, global capture mode) would not survive
+        check_kernels.wait_prepared()
         module, wrapped = self._module, self._optimizer
         key = self._pending_key
         group = self._groups.get(key)

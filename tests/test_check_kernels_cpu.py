@@ -5,6 +5,7 @@ device, items split and combined right."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -175,9 +176,12 @@ def test_the_check_kernels_compile_once_per_device_in_the_background(monkeypatch
     from l2lightning import _env, _kernels
 
     compiled = []
-    monkeypatch.setattr(
-        _kernels, "get_function", lambda source, name, index: compiled.append((source, name, index))
-    )
+
+    def compiles(source, name, index):
+        time.sleep(0.1)  # NVRTC takes its time: the capture's wait below must wait for it
+        compiled.append((source, name, index))
+
+    monkeypatch.setattr(_kernels, "get_function", compiles)
     monkeypatch.setattr(_env, "cupy_unavailable_reason", lambda: None)
     monkeypatch.setattr(check_kernels, "_preparing", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -185,7 +189,8 @@ def test_the_check_kernels_compile_once_per_device_in_the_background(monkeypatch
     monkeypatch.delitem(__import__("sys").modules, "cupy", raising=False)
     assert check_kernels.prepare(torch.device("cuda", 0)) is None  # CuPy not imported, not asked to
     thread = check_kernels.prepare(torch.device("cuda", 0), import_cupy=True)
-    thread.join(10)
+    check_kernels.wait_prepared()  # what a capture calls first
+    assert not thread.is_alive()
     assert compiled == [
         ("replay_check.cu", "l2l_bytes_differ", 0),
         ("replay_check.cu", "l2l_spread_measure", 0),
