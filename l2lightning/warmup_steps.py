@@ -64,11 +64,11 @@ class _Group:
     dropped_first: bool = False  # its first traced step differed from the next and was set aside
     timed: int = 0  # untraced, timed eager steps of this group
     appended: list[frozenset[str]] = field(default_factory=list)  # lists each traced step appended to
-    # the module's Python numbers its source reads, as each traced step left them (a difference between
-    # two traced steps names the number that made their work differ)
-    read_values: list[dict[str, Any]] = field(default_factory=list)
-    # the numbers the step computes from the step counters (StepSource.counter_values), per traced step
-    counter_values: list[tuple] = field(default_factory=list)
+    # the module's Python numbers its source reads and the numbers the step computes from the step
+    # counters (StepSource.counter_values), as the last traced step read them: a difference between
+    # two traced steps names the number that made their work differ
+    last_read: dict[str, Any] | None = None
+    last_counters: tuple | None = None
 
 
 class WarmupSteps:
@@ -412,10 +412,8 @@ class WarmupSteps:
                 group.traces, group.dropped_first = [], True
                 difference = None
             if difference:
-                moved = _moved_between(group.read_values[-1:], values)
-                computed = _computed_differently(
-                    self._source.counter_values, group.counter_values[-1:], counters
-                )
+                moved = _moved_between(group.last_read, values)
+                computed = _computed_differently(self._source.counter_values, group.last_counters, counters)
                 problem = (
                     f"two warm-up steps ran different work ({difference}); a graph replays one of them. "
                     + (
@@ -432,8 +430,7 @@ class WarmupSteps:
                     )
                 )
         group.traces.append(trace)
-        group.read_values.append(values)
-        group.counter_values.append(counters)
+        group.last_read, group.last_counters = values, counters
         group.metrics.update(updated)
         if problem and not any(c.evaluate is not None and c.on_counters for c in self._source.conditions):
             # no branch on the step counters: this step's branch is, as far as can be told, every step's
@@ -506,25 +503,24 @@ class WarmupSteps:
         return found
 
 
-def _computed_differently(values: list[Any], earlier: list[tuple], now: tuple) -> str:
+def _computed_differently(values: list[Any], before: tuple | None, now: tuple) -> str:
     """The lines (at most three) of the numbers the step computes from the step counters (`values`,
-    StepSource.counter_values) whose values in `now` differ from the last of `earlier`."""
-    if not earlier:
+    StepSource.counter_values) whose values in `now` differ from `before` (none: no earlier step)."""
+    if before is None:
         return ""
     lines = [
         v.line
-        for v, was, is_ in zip(values, earlier[-1], now)
+        for v, was, is_ in zip(values, before, now)
         if was is not unreadable and is_ is not unreadable and was != is_
     ]
     return "; ".join(lines[:3])
 
 
-def _moved_between(earlier: list[dict[str, Any]], now: dict[str, Any]) -> str:
-    """The module's numbers among `now` that differ from the last of `earlier` (one traced step's
-    :attr:`_Group.read_values`), as "`self.ptr` (0 -> 8)"; empty where none did (or no earlier step)."""
-    if not earlier:
+def _moved_between(before: dict[str, Any] | None, now: dict[str, Any]) -> str:
+    """The module's numbers among `now` that differ from `before` (the last traced step's,
+    :attr:`_Group.last_read`), as "`self.ptr` (0 -> 8)"; empty where none did (or no earlier step)."""
+    if before is None:
         return ""
-    before = earlier[-1]
     moved = [
         f"`self.{name}` ({before[name]!r} -> {value!r})"
         for name, value in now.items()
