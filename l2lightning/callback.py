@@ -174,6 +174,13 @@ class L2GraphCallback(
             capture; so a value that changes every few steps costs no capture each time (the steps
             waited are counted in ``summary()["fallback_steps"]``). False captures again at the next
             step. CUDA only (elsewhere no step time is measured).
+        operand_scalars: where a Python number the step reads reaches its ops only as the operand of a
+            tensor ``*``, ``+`` or ``-`` written in the step's source (``loss - self.ent_coef * entropy``,
+            ``beta * reg`` with ``beta`` computed from ``self.current_epoch``), on float32 or float64
+            tensors, the graph reads it from a device scalar written before each replay, so a change
+            (an epoch hook's annealing) needs no new capture; the first replays with a new value (three
+            per capture) are checked against the eager step (with ``verify="sampled"``). False bakes such numbers in and
+            captures again when they change (:mod:`l2lightning.operand_scalars`).
         eager_steps: ``(trainer, batch_idx) -> bool``; steps for which it returns True run eagerly
             (a periodic target-network sync, image logging, a print), and their effects flow into
             the next replay. Branches on ``self.global_step``/``current_epoch``/``batch_idx`` that
@@ -221,6 +228,7 @@ class L2GraphCallback(
         autotune: Any = None,
         gate_pairs: int = GATE_PAIRS,
         recapture_wait: bool = True,
+        operand_scalars: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
@@ -236,6 +244,7 @@ class L2GraphCallback(
             ("eager_optimizer_fallback", eager_optimizer_fallback),
             ("log_timing", log_timing),
             ("recapture_wait", recapture_wait),
+            ("operand_scalars", operand_scalars),
         ]:
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool (True or False), got {value!r}")
@@ -286,6 +295,7 @@ class L2GraphCallback(
         self.eager_steps = eager_steps
         self.gate_pairs = gate_pairs
         self.recapture_wait = recapture_wait
+        self.operand_scalars = operand_scalars
         self._reset_run_state()
         # Persisted through state_dict (chosen plans and capture step of the last run).
         self._resumed_capturable_from: int | None = None
@@ -314,6 +324,12 @@ class L2GraphCallback(
         self._hidden_random: str | None = None
         self._disable_next: str | None = None  # why the next step trains eagerly for the rest of the fit
         self._verify_capture_off = False
+        # a check after an operand value's change found the replay differing: later captures bake them in
+        self._operands_off = False
+        # the operand sites (their lines) the last capture read from device scalars, and the values
+        # written to them since the fit's start (summary()['operand_scalars'])
+        self._operand_lines: list[str] = []
+        self._operand_changes = 0
         self._undo_cuda_state_watch: Callable[[], None] | None = None
         # the global step from which the optimizer ran make_capturable's configuration (first capture)
         self.capturable_from_step: int | None = None
@@ -460,6 +476,7 @@ class L2GraphCallback(
             "recaptures": self._recaptures,
             "last_recapture_s": None if self._last_recapture_s is None else round(self._last_recapture_s, 6),
             "recapture_wait_steps": self._waited_steps,
+            "operand_scalars": {"sites": list(self._operand_lines), "changes": self._operand_changes},
             "tuning": self._tuning_report.to_dict() if self._tuning_report is not None else None,
             "step_report": self.step_report.to_dict() if self.step_report is not None else None,
         }

@@ -30,6 +30,7 @@ from l2lightning.metric_binding import (
     drop_autograd_graphs,
     named_metrics,
 )
+from l2lightning.operand_scalars import OperandScalars
 from l2lightning.prefetch_switch import new_cuda_graph
 from l2lightning.scheduler_steps import ReissuedSchedulerStep
 from l2lightning.step_gate import StepGateResult
@@ -111,6 +112,11 @@ class _Graph:
     numerics: tuple = ()
     # a closing micro-batch's: the static copies of the accumulated gradients it adds to (l2lightning.accumulation)
     accumulated: AccumulatedGrads | None = None
+    # the device scalars its ops read Python numbers from (l2lightning.operand_scalars), written before
+    # each replay; the values they stand for are left out of the comparisons above
+    operands: OperandScalars | None = None
+    # indices into StepSource.counter_values of the numbers the operand scalars stand for
+    counters_served: frozenset = frozenset()
 
     def bind_grads(self) -> None:
         """Point every parameter's ``.grad`` at the tensor this graph writes for it (an eager step, the
@@ -123,6 +129,49 @@ class _Graph:
 
 class StepCapture:
     """The capture step: record the closure and the optimizer update in one graph, or undo everything."""
+
+    def _operand_scalars(self, gate_capture: bool, batch_idx: int) -> OperandScalars | None:
+        """The device scalars this capture hands the step's operand sites (l2lightning.operand_scalars):
+        the gate's second capture shares its first's, which the replays of both read."""
+        if gate_capture and self._gate is not None:
+            return self._gate.graphs["prefetch"].operands
+        sites = self._source.operand_sites if self._source is not None else []
+        if (
+            not self.operand_scalars
+            or self._operands_off
+            or not sites
+            # a TorchFunctionMode around compiled code makes dynamo compile it again, inside the capture
+            or self.compile
+            or self._compiled_submodules()
+        ):
+            return None
+        return OperandScalars(sites, self._device(), self._module, batch_idx)
+
+    def _serve_operands(self, graph: _Graph, operands: OperandScalars | None) -> None:
+        """Leave out of `graph`'s comparisons the values its operand scalars stand for: a number read
+        only inside operand sites whose every op took its device scalar at this capture."""
+        self._operand_lines = []
+        if operands is None or not operands.live:
+            return
+        live = operands.live
+        graph.operands = operands
+        source = self._source
+        graph.counters_served = frozenset(
+            i for i, c in enumerate(source.counter_values) if c.sites and c.sites <= live
+        )
+        graph.attributes = [(a, v) for a, v in graph.attributes if not (a.sites and a.sites <= live)]
+        own = vars(self._module)
+        served = {
+            name
+            for name, sites in source.site_reads.items()
+            if name not in source.other_reads and sites <= live
+        }
+        graph.scalars = [
+            (attributes, name, value)
+            for attributes, name, value in graph.scalars
+            if not (attributes is own and name in served)
+        ]
+        self._operand_lines = sorted(operands.sites[key].site.line for key in live)
 
     def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         gate_capture = self._gate_capturing  # set by _decide; the prefetch scope reads it too
@@ -155,6 +204,7 @@ class StepCapture:
         wrapped.switch_on()
         if switching and self.capturable_from_step is None:
             self.capturable_from_step = int(self._trainer.global_step)
+        operands = self._operand_scalars(gate_capture, batch_idx)
         torch.cuda.synchronize()
         if group is not None and group.traces:
             try:
@@ -245,7 +295,11 @@ class StepCapture:
             # capture in a module-level list that tests' steps read). `python_before` stays what a
             # failed capture restores.
             python_started = python_state.snapshot(holders, ours, device_type)
-            out = self._run_traced(tracer, closure)
+            if operands is not None:
+                with operands.substituting():
+                    out = self._run_traced(tracer, closure)
+            else:
+                out = self._run_traced(tracer, closure)
             if self._step_output is None:
                 raise _Defer()
             python_after = python_state.snapshot(holders, ours, device_type)
@@ -417,6 +471,7 @@ class StepCapture:
         # an attribute reached two ways (a loss object the module holds whose method the step calls):
         # compared once
         graph.scalars = python_state.unique_checks(graph.scalars)
+        self._serve_operands(graph, operands)
         graph.tensors = [  # a carried attribute is rebound by design: handed to each replay instead
             (owner, name, t)
             for owner, name, t in python_state.unique_checks(graph.tensors)

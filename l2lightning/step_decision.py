@@ -41,6 +41,12 @@ PER_STEP_NUMBER_ADVICE = (
     "`on_train_batch_start`; `loss + self.w * aux` in the step): a replay reads it from memory, and one "
     "capture serves the whole schedule"
 )
+# Why a replay is checked when it is one of the first with a new value in the graph's operand scalars,
+# and how many of a graph's changes are checked so (a number that moves at every step, a KL ramp from
+# global_step, is then left to the sampled check's schedule: the graph and the evaluation of its
+# numbers are the same at every later change)
+OPERAND_CHECK = "operand value changed"
+OPERAND_CHECKS = 3
 # The cause a waiting step counts under in summary()["fallback_causes"]
 WAIT_CAUSE = "waiting to capture again until the eager steps have cost what a capture costs"
 
@@ -213,7 +219,9 @@ class StepDecision:
                 "`t.set_(...)`; the graph reads the old memory)"
             )
         # after the tensors' own check, whose message is the more specific for an attribute's tensor
-        counters = self._source.changed_counter_values(graph.counters, module, batch_idx)
+        counters = self._source.changed_counter_values(
+            graph.counters, module, batch_idx, graph.counters_served
+        )
         if counters:
             return self._recapture(
                 f"numbers the step computes from the step counters changed ({'; '.join(counters)})"
@@ -237,6 +245,21 @@ class StepDecision:
                 f"torch's numerics settings changed since capture ({changed}; the graph holds the kernels "
                 "its capture chose)"
             )
+        if graph.operands is not None:
+            written = graph.operands.update(module, batch_idx)
+            if written is None:
+                return self._recapture(
+                    "a number the graph reads from a device scalar is no longer a Python int or float "
+                    f"(one of {', '.join(self._operand_lines)})"
+                )
+            if written:
+                self._operand_changes += 1
+                if self._check_on and graph.operands.changes <= OPERAND_CHECKS:
+                    # the first replay with a new value: the eager step from the same state is the judge
+                    self._recapture_streak = 0
+                    self._replays_since_capture += 1
+                    self._check_why = OPERAND_CHECK
+                    return "check"
         self._recapture_streak = 0
         self._replays_since_capture += 1
         if self._check_on:

@@ -25,6 +25,7 @@ from l2lightning.replay_check import (
     step_tensors,
 )
 from l2lightning.replay_closure import is_stock_closure, one_closure_count
+from l2lightning.step_decision import OPERAND_CHECK
 from l2lightning.step_overrides import copied_element
 
 
@@ -399,6 +400,11 @@ class StepDispatch:
             f"differing from the eager step from the same state: {difference}; something the step reads changed "
             "in a way the checks before each replay do not see"
         )
+        if self._check_why == OPERAND_CHECK:
+            # the first replay with a new operand value: the number reached the step some other way
+            # too. Captured again with such numbers baked in, as without operand scalars
+            self._operands_off = True
+            cause += "; the step is captured again with the Python numbers it reads baked in"
         if report.mismatches >= 2:
             self._disable(f"{cause}, for the second time")
             return

@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from l2lightning.operand_scalars import OperandSite
 from l2lightning.step_values import (
     BAKED_VALUES,
     AttributeValue,
@@ -183,6 +184,14 @@ class StepSource:
     # (object, method name, the class whose method was read, the class a ``super()`` lookup started
     # after) of each method read as the step's code: :meth:`code_bindings` snapshots where each is bound
     methods_read: list[tuple[Any, str, type, type | None]] = field(default_factory=list, repr=False)
+    # tensor `*`, `+`, `-` whose other side is a Python number the module alone evaluates (``loss -
+    # self.ent_coef * entropy``): the capture hands their ops device scalars (l2lightning.operand_scalars)
+    operand_sites: list[OperandSite] = field(default_factory=list)
+    # the module's attributes X read as `self.X` only inside those sites' numbers, and those read
+    # anywhere else (any other way, or by code not read): a change of one only in the first set is
+    # written to the device scalars instead of capturing again
+    site_reads: dict[str, set[tuple]] = field(default_factory=dict)  # name -> the sites' keys
+    other_reads: set[str] = field(default_factory=set)
 
     def code_bindings(self) -> list[tuple[Any, str, Any, str]]:
         """(attribute dict, name, what it holds now, where: ```self.name``` or ```Class.name```) of every
@@ -217,7 +226,9 @@ class StepSource:
         except TypeError:
             return
         patterns = {p for _, p, _ in self.read_patterns}
-        self.reads.update(n for n in names if any(p.fullmatch(n) for p in patterns))
+        matched = {n for n in names if any(p.fullmatch(n) for p in patterns)}
+        self.reads.update(matched)
+        self.other_reads.update(matched)
 
     def add_read_pattern(self, line: str, pattern: re.Pattern[str], called: bool) -> None:
         """Record a :attr:`read_patterns` entry once (the analysis is asked again at each capture)."""
@@ -247,12 +258,16 @@ class StepSource:
         """The value of every :class:`CounterValue` for this step."""
         return tuple(c.value(module, batch_idx) for c in self.counter_values)
 
-    def changed_counter_values(self, captured: tuple, module: Any, batch_idx: int) -> list[str]:
-        """Lines of the counter values that differ from `captured` (or cannot be read) at this step."""
+    def changed_counter_values(
+        self, captured: tuple, module: Any, batch_idx: int, served: frozenset = frozenset()
+    ) -> list[str]:
+        """Lines of the counter values that differ from `captured` (or cannot be read) at this step,
+        but those whose index is in `served` (the graph reads them from operand scalars)."""
         return [
             c.line
-            for c, was in zip(self.counter_values, captured)
-            if (now := c.value(module, batch_idx)) is unreadable or was is unreadable or now != was
+            for i, (c, was) in enumerate(zip(self.counter_values, captured))
+            if i not in served
+            and ((now := c.value(module, batch_idx)) is unreadable or was is unreadable or now != was)
         ]
 
     @property
@@ -753,6 +768,9 @@ class _Visitor:
         # ``args.ent_coef``): (root name, "file:line (...)", whether it is one attribute of the root,
         # reader of the chain from the root's value)
         self.global_chains: list[tuple[str, str, bool, Callable[[Any], Any]]] = []
+        # every node inside an operand site's number -> the site's key (_operand_sites)
+        self._site_of: dict[int, tuple] = {}
+        self._func: ast.AST | None = None
 
     def run(self, func: ast.AST) -> None:
         for node in ast.walk(func):
@@ -796,6 +814,8 @@ class _Visitor:
         }
         if self.returns_step_output:
             logged |= self._output_values(func, parents)
+        self._func = func
+        self._operand_sites(func, logged, parents, tests)
         self._counter_values(func, logged, parents, tests)
         self._attribute_values(func, logged, parents, tests)
         self.global_names = (
@@ -882,7 +902,18 @@ class _Visitor:
                 and id(node) not in logged
             ):
                 self.reads.add(node.attr)
+                self._note_read(node, self.reads)
         self._module_uses(func, parents, logged)
+
+    def _note_read(self, node: ast.Attribute, into: set[str] | None) -> None:
+        """Record whether `node`, a read of the module's attribute when `into` (where it was recorded)
+        is the module's reads, lies inside an operand site's number."""
+        if into is not self.found.reads:
+            return  # another object's attribute
+        if id(node) in self._site_of:
+            self.found.site_reads.setdefault(node.attr, set()).add(self._site_of[id(node)])
+        else:
+            self.found.other_reads.add(node.attr)
 
     def _module_aliases(self) -> None:
         """Add to :attr:`module_names` the locals assigned once from one of them (``model = self``)."""
@@ -921,6 +952,7 @@ class _Visitor:
                     self.alias_attributes.add(parent.attr)
                     if self.module_reads is not None:
                         self.module_reads.add(parent.attr)
+                    self._note_read(parent, self.module_reads)
                 continue
             if isinstance(parent, ast.Call) and parent.func is node:
                 if node.id != self.self_name:  # `model(x)`: the module's forward
@@ -973,6 +1005,7 @@ class _Visitor:
                     self.alias_attributes.add(name.value)
                     if self.module_reads is not None:
                         self.module_reads.add(name.value)
+                    self.found.other_reads.add(name.value)
                 return
             # getattr(self, f"_{kind}_loss"): the attributes the name can take; called, the methods
             outer = parents.get(id(call))
@@ -987,6 +1020,7 @@ class _Visitor:
                 and self.module_reads is not None
             ):
                 self.module_reads.add(name.value)
+                self.found.other_reads.add(name.value)
             return
         if any(target is harmless for harmless in _HARMLESS_BUILTINS):
             return
@@ -1107,7 +1141,7 @@ class _Visitor:
             line = self._line(top)
             if counter is _cannot_evaluate:
                 line += ", read through what cannot be evaluated before a replay"
-            value = CounterValue(line, evaluate, counter)
+            value = CounterValue(line, evaluate, counter, self._sites_of(top, parents))
             handed = self._handed_on_to(node, parents) if top is node else None
             if handed is None:
                 self.found.counter_values.append(value)
@@ -1115,6 +1149,83 @@ class _Visitor:
                 self.handed_on.setdefault(handed[1:], []).append(value)  # type: ignore[arg-type]
             else:
                 self.withheld.setdefault(handed[1:], []).append(value)  # type: ignore[arg-type]
+
+    def _operand_sites(
+        self, func: ast.AST, logged: set[int], parents: dict[int, ast.AST], tests: set[int]
+    ) -> None:
+        """Record the tensor ``*``, ``+``, ``-`` whose other side is a Python number the module alone
+        evaluates and that moves with it (reads the module, the step counters or batch_idx): ``loss -
+        self.ent_coef * entropy``, ``beta * 1e-3 * reg`` with ``beta = 0.5 * min(self.current_epoch, 2)``.
+        A side that evaluates too makes it Python arithmetic, not an op (``self.w * 2``)."""
+        if self.reads is not self.found.reads and self.callback is None:
+            return  # another object's code: its `self` is not what the module's evaluation reads
+        movers = {self.self_name, self.batch_idx, *self.extra, *self.module_names} - {None, ""}
+        for node in ast.walk(func):
+            if (
+                not isinstance(node, ast.BinOp)
+                or not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult))
+                or id(node) in logged
+                or id(node) in tests
+                or self._host_only(node, parents)
+            ):
+                continue
+            for side, other in ((node.left, node.right), (node.right, node.left)):
+                inlined = self._inline(side)
+                if inlined is None or not any(
+                    isinstance(n, ast.Name) and n.id in movers for n in ast.walk(inlined)
+                ):
+                    continue
+                evaluate = self._compile(side, allow_methods=False)
+                if evaluate is None or self._compile(other, allow_methods=False) is not None:
+                    continue
+                key = self._position(node)
+                if key is None:
+                    break
+                self.found.operand_sites.append(OperandSite(key, evaluate, self._line(node)))
+                for inner in ast.walk(side):
+                    self._site_of[id(inner)] = key
+                break
+
+    def _position(self, node: ast.expr) -> tuple[str, int, int, int, int] | None:
+        """`node`'s (file, line, column, end line, end column) in the file, as CPython's co_positions
+        gives them: the parsed source was dedented by the margin of its first line."""
+        first = linecache.getline(self.filename, self.first_line)
+        if not first.strip() or node.end_lineno is None or node.end_col_offset is None:
+            return None
+        margin = len(first) - len(first.lstrip(" \t"))
+        return (
+            self.filename,
+            self.first_line + node.lineno - 1,
+            node.col_offset + margin,
+            self.first_line + node.end_lineno - 1,
+            node.end_col_offset + margin,
+        )
+
+    def _sites_of(self, node: ast.AST, parents: dict[int, ast.AST]) -> frozenset:
+        """The operand sites through which alone the value `node` reads reaches the step's ops: the one
+        it lies in, or, for a local assigned `node` once (``beta = 0.5 * min(self.current_epoch, 2)``),
+        those of every read of that local; empty where any read lies elsewhere."""
+        if id(node) in self._site_of:
+            return frozenset({self._site_of[id(node)]})
+        parent = parents.get(id(node))
+        if not (
+            isinstance(parent, ast.Assign)
+            and parent.value is node
+            and len(parent.targets) == 1
+            and isinstance(parent.targets[0], ast.Name)
+            and self.assigned.get(parent.targets[0].id) is node
+            and self._func is not None
+        ):
+            return frozenset()
+        name = parent.targets[0].id
+        loads = [
+            n
+            for n in ast.walk(self._func)
+            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+        ]
+        if not loads or any(id(n) not in self._site_of for n in loads):
+            return frozenset()
+        return frozenset(self._site_of[id(n)] for n in loads)
 
     def _guards(
         self, node: ast.AST, parents: dict[int, ast.AST]
@@ -1223,7 +1334,9 @@ class _Visitor:
                     # `next(c for c in self.trainer.callbacks if ...)`, a loop over them, a method of
                     # one: the objects reached are compared by their own numbers
                     evaluate = _users_objects_state_when_opaque(evaluate)
-                self.found.attribute_values.append(AttributeValue(self._line(node), evaluate))
+                self.found.attribute_values.append(
+                    AttributeValue(self._line(node), evaluate, self._sites_of(node, parents))
+                )
 
     def _global_chains(self, func: ast.AST, logged: set[int], parents: dict[int, ast.AST]) -> None:
         """Record the attribute and constant-subscript chains the function reads from a module-level or
@@ -2215,6 +2328,7 @@ def add_self_reads(found: StepSource, module: Any, owner: Any, reads: set[str]) 
     object, a loss object); a submodule's public numbers are compared anyway."""
     if owner is module:
         found.reads |= reads
+        found.other_reads |= reads  # read without its source's positions: not known to be in a site
     elif owner is not None and not isinstance(owner, torch.nn.Module) and reads:
         add_object_reads(found, owner, reads)
 

@@ -49,6 +49,9 @@ class CounterValue:
     # the counter read alone: compared instead where the expression gives something else than a
     # plain Python value (a tensor), which evaluating per step would compute again
     counter: Callable[[Any, int], Any]
+    # the operand sites (OperandSite.key) through which alone the number reaches the step's ops: where
+    # the capture gave them all device scalars, a change is written there instead of capturing again
+    sites: frozenset = frozenset()
 
     def value(self, module: Any, batch_idx: int) -> Any:
         try:
@@ -329,6 +332,7 @@ class AttributeValue:
 
     line: str  # "file:line (`source`)"
     evaluate: Callable[[Any, int], Any]  # (module, batch_idx) -> value
+    sites: frozenset = frozenset()  # as CounterValue.sites
 
     def value(self, module: Any, batch_idx: int) -> Any:
         """The value now, :func:`frozen_read` (None: not made of numbers; :class:`TooLarge`: too large to

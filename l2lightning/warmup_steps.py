@@ -159,9 +159,17 @@ class WarmupSteps:
         optimizer_before = python_state.snapshot(optimizers, generators=False)
         if tracer.device_type != "cpu":  # training on the host, its tensors are the step's device's
             tracer.host_state = python_state.host_tensors(holders)
+        # The step's operand sites get device scalars here too (bitwise the same work: see
+        # l2lightning.operand_scalars), so a number that moves at every step (a KL ramp from global_step)
+        # leaves the traces alike, where a baked one makes every two warm-up steps differ
+        operands = self._operand_scalars(False, self._pending[1])
 
         def traced() -> Any:
-            out = self._run_traced(tracer, closure)
+            if operands is not None:
+                with operands.substituting():
+                    out = self._run_traced(tracer, closure)
+            else:
+                out = self._run_traced(tracer, closure)
             # lists that grow by one element per step can be re-appended after each replay
             python_after = python_state.snapshot(holders, device_type=tracer.device_type)
             appended, python_changed = python_state.split_appends(python_before, python_after)

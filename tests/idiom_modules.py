@@ -238,6 +238,14 @@ class CleanRLPPO(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=2.5e-4, eps=1e-5)
 
 
+class CleanRLPPOAnnealedEntropy(CleanRLPPO):
+    """CleanRL's PPO update with its entropy coefficient annealed at every epoch start (exploration
+    decayed over training, as PPO recipes do), over short epochs: one rollout of 8 minibatches each."""
+
+    def on_train_epoch_start(self):
+        self.hparams.ent_coef = 0.01 * (1 - self.current_epoch / 20)
+
+
 def mnist_mlp(hidden: int) -> nn.Sequential:
     """The two-hidden-layer MNIST MLP of Lightning's docs examples (28x28 -> hidden -> hidden -> 10)."""
     return nn.Sequential(
@@ -1807,11 +1815,21 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             "Adagrad without lr_decay: its step count is not read, its counters live on the device",
         ),
         Idiom(
+            "cleanrl_ppo_annealed_entropy",
+            CleanRLPPOAnnealedEntropy,
+            _rollout_loader,
+            "capture",
+            "the entropy coefficient, annealed per 8-batch epoch, reaches the loss only as a tensor operand: "
+            "the graph reads it from a device scalar, one capture for every value",
+            trainer_kwargs=_steps(gradient_clip_val=0.5),
+        ),
+        Idiom(
             "epoch_weighted_aux",
             EpochWeightedAux,
             _reg_loader,
             "capture",
-            "a number computed from current_epoch is compared per replay: captured again each epoch",
+            "a number computed from current_epoch reaches the loss only as a tensor operand: read from a "
+            "device scalar, one capture through every epoch",
             trainer_kwargs={"max_epochs": 3},
         ),
         Idiom(

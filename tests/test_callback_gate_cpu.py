@@ -131,7 +131,7 @@ def test_a_capture_during_the_trial_ends_it_without_prefetch(monkeypatch):
         "trainer_kwargs": {"max_epochs": 3},
     }  # 8 steps an epoch, a new loss weight per epoch
     base = fit(baseline_of(EpochWeightedLoss), **kwargs)
-    cb, hooks = gated(monkeypatch, prefetch_ms=0.5, off_ms=1.0, gate_pairs=8)
+    cb, hooks = gated(monkeypatch, prefetch_ms=0.5, off_ms=1.0, gate_pairs=8, operand_scalars=False)
     run = fit(EpochWeightedLoss, [cb], **kwargs)
     s = cb.summary()
     assert s["prefetch_gate"]["kept"] == "off" and "captured again" in s["prefetch_gate"]["reason"], s

@@ -153,12 +153,14 @@ def assert_refused_like_plain(cls, match, steps=20, **model_kwargs):
     return cb
 
 
-def assert_captured_again_like_baseline(cls, match, captures=3, steps=90, callbacks=(), **model_kwargs):
+def assert_captured_again_like_baseline(
+    cls, match, captures=3, steps=90, callbacks=(), callback_kwargs=None, **model_kwargs
+):
     """`cls`'s step is captured again when what it reads changes (a warning matching `match`, once per
     epoch with 30 batches an epoch: `captures` in all), and the fit is bit for bit its baseline; each
-    fit gets `callbacks` before the graph callback."""
+    fit gets `callbacks` before the graph callback, made with `callback_kwargs`."""
     base = fit(baseline_of(cls), list(callbacks), steps=steps, **model_kwargs)
-    cb = callback()
+    cb = callback(**(callback_kwargs or {}))
     with pytest.warns(UserWarning, match=match):
         run = fit(cls, [*callbacks, cb], steps=steps, **model_kwargs)
     assert cb.summary()["captured"] and cb.summary()["captures"] == captures, cb.summary()
@@ -1055,13 +1057,15 @@ def test_a_layers_code_changed_mid_fit_is_captured_again_and_equals_the_baseline
 
 @pytest.mark.parametrize(("cls", "change"), CONFIG_CHANGES.values(), ids=CONFIG_CHANGES.keys())
 def test_a_config_value_changed_mid_fit_is_captured_again_and_equals_the_baseline(cls, change):
-    """Silent before: the replays kept the capture's weight (the loss left the baseline's at step 30)."""
+    """Silent before: the replays kept the capture's weight (the loss left the baseline's at step 30).
+    Baked in (no device scalars for a weight read only as a tensor operand): each change is seen."""
     assert_captured_again_like_baseline(
         cls,
         r"values the step reads changed \(.*between_step_models\.py|the arguments `functools.partial` binds "
         r"changed since capture \(loss_fn\)",
         captures=3,
         callbacks=[SetsTheConfigEachEpoch(change)],
+        callback_kwargs={"operand_scalars": False},
     )
 
 
@@ -1394,9 +1398,11 @@ class TracksItsLastEpoch(TinyMLP):
 
 def test_the_modules_own_last_epoch_is_a_value_captured_again_not_a_schedulers_state():
     """`self.last_epoch` was refused as an LR scheduler's state; it is the module's number, compared
-    before each replay: captured again per epoch, bitwise the baseline."""
+    before each replay: captured again per epoch (baked in), bitwise the baseline."""
     assert_captured_again_like_baseline(
-        TracksItsLastEpoch, r"Python numbers the step reads changed \(last_epoch\)"
+        TracksItsLastEpoch,
+        r"Python numbers the step reads changed \(last_epoch\)",
+        callback_kwargs={"operand_scalars": False},
     )
 
 
@@ -1456,7 +1462,7 @@ def test_a_number_the_step_reads_from_the_datamodule_is_compared_before_each_rep
         trainer.fit(model, datamodule=CurriculumData())
         return model, rec, trainer
 
-    cb = callback()
+    cb = callback(operand_scalars=False)  # baked in: each change is seen
     with pytest.warns(UserWarning, match=r"capturing the step again: values the step reads changed"):
         got = run(ReadsTheDataModule, [cb])
     base = run(baseline_of(ReadsTheDataModule), [])
@@ -1479,10 +1485,34 @@ def test_numbers_the_step_reads_through_the_trainer_from_the_users_objects_are_c
         return [extra()] if extra else []
 
     base = fit(baseline_of(cls), callbacks(), steps=90, loader=loader)
-    cb = callback()
+    cb = callback(operand_scalars=False)  # baked in: each change is seen
     with pytest.warns(UserWarning, match=r"capturing the step again: values the step reads changed"):
         run = fit(cls, [*callbacks(), cb], steps=90, loader=loader)
     assert cb.summary()["captured"] and cb.summary()["captures"] == 3, cb.summary()
+    assert_same(base, run)
+
+
+@pytest.mark.parametrize("case", ["own last epoch", "callback", "config through a local"])
+def test_numbers_read_only_as_tensor_operands_need_one_capture_and_equal_the_baseline(case):
+    """The same numbers with device scalars (the default): each epoch's value is written before the
+    replays, one capture, and the first replay with a new value is checked against the eager step."""
+    extra = []
+    if case == "own last epoch":
+        cls = TracksItsLastEpoch
+    elif case == "callback":
+        cls, extra = ReadsACallback, [WeightOnACallback]
+    else:
+        cls, change = CONFIG_CHANGES["callback-through-a-local"]
+        extra = [lambda: SetsTheConfigEachEpoch(change)]
+    base = fit(baseline_of(cls), [make() for make in extra], steps=90)
+    cb = callback()
+    run = fit(cls, [*(make() for make in extra), cb], steps=90)
+    s = cb.summary()
+    assert s["captured"] and s["captures"] == 1 and s["operand_scalars"]["changes"] == 2, s
+    assert (
+        s["replay_check"]["reasons"].get("operand value changed") == 2
+        and s["replay_check"]["mismatches"] == 0
+    )
     assert_same(base, run)
 
 
@@ -1662,7 +1692,7 @@ class Annealed(TinyMLP):
 
 def test_python_values_that_change_per_step_are_refused_naming_the_op_and_line():
     plain = fit(Annealed, fused=True)
-    cb = callback()
+    cb = callback(operand_scalars=False)  # baked in (with device scalars the ramp is captured once)
     with pytest.warns(
         UserWarning,
         match=r"two warm-up steps ran different work \(op \d+ was `mul.Tensor\(.*\)` at .*test_callback_replay_cpu.py:\d+",
@@ -3212,6 +3242,7 @@ def test_python_state_set_once_at_the_first_step_is_allowed():
         "own_step_counter",
         "dlrm_adagrad",
         "epoch_weighted_aux",
+        "cleanrl_ppo_annealed_entropy",
         "sgd_cosine_per_epoch",
         "rebound_loss_weight",
         "global_loss_weight",
@@ -3241,7 +3272,8 @@ def test_idiom_variants_are_captured_and_equal_or_refused_and_plain(name):
     if idiom.expect == "capture":
         reference = run(False, True)
         assert cb.summary()["captured"], cb.summary()
-        if name == "sgd_cosine_per_epoch":  # three epochs, three LRs, read from a tensor: one graph
+        if name in ("sgd_cosine_per_epoch", "epoch_weighted_aux", "cleanrl_ppo_annealed_entropy"):
+            # three epochs: three LRs read from a tensor, or three loss weights from a device scalar
             assert cb.captures == 1, cb.summary()
         assert_same(reference[:2] + reference[3:], got[:2] + got[3:])
         return
@@ -3282,7 +3314,10 @@ class DropoutAnnealing(TinyMLP):
     "cls", [BetaAnnealing, DropoutAnnealing], ids=["module-attribute", "submodule-attribute"]
 )
 def test_python_numbers_the_graph_baked_are_checked_before_each_replay(cls):
-    base, run, cb = captured_pair(cls, steps=-1, n=96, trainer_kwargs={"max_epochs": 3})
+    # baked in: without device scalars (which the beta, a tensor operand, would otherwise be read from)
+    base, run, cb = captured_pair(
+        cls, {"operand_scalars": False}, steps=-1, n=96, trainer_kwargs={"max_epochs": 3}
+    )
     s = cb.summary()
     assert s["captured"] and s["captures"] == 3, s  # captured again at each epoch's new value
     assert_same(base, run)

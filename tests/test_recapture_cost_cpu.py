@@ -78,7 +78,7 @@ def collections(monkeypatch):
 
 def test_a_recapture_collects_the_young_generations_only_and_stays_the_baseline(collections):
     base = fit(baseline_of(EpochWeight), **EPOCHS)
-    cb = L2GraphCallback(prefetch="off", log_timing=False)
+    cb = L2GraphCallback(prefetch="off", log_timing=False, operand_scalars=False)
     run = fit(EpochWeight, [cb], **EPOCHS)
     summary = cb.summary()
     assert summary["captures"] == 3, summary
@@ -99,7 +99,7 @@ def test_the_graph_a_recapture_replaces_dies_by_reference_count_before_it():
             graphs.extend([weakref.ref(graph), weakref.ref(graph.graph)])
             return super()._capture_into(graph, *args, **kwargs)
 
-    cb = Watching(prefetch="off", log_timing=False)
+    cb = Watching(prefetch="off", log_timing=False, operand_scalars=False)
     gc.disable()
     try:
         fit(EpochWeight, [cb], **EPOCHS)
@@ -110,7 +110,7 @@ def test_the_graph_a_recapture_replaces_dies_by_reference_count_before_it():
 
 
 def test_what_the_wait_weighs_leaves_out_the_first_captures_full_collection(collections):
-    cb = L2GraphCallback(prefetch="off", log_timing=False, recapture_wait=False)
+    cb = L2GraphCallback(prefetch="off", log_timing=False, recapture_wait=False, operand_scalars=False)
     fit(EpochWeight, [cb], steps=8)
     summary = cb.summary()
     assert summary["captures"] == 1, summary
@@ -139,7 +139,7 @@ def test_the_wait_after_a_first_capture_with_a_slow_collection_does_not_weigh_it
     waiting. Left out, it waits for what the emulated capture itself took."""
     collections.sleep[0] = 0.5
     base = fit(baseline_of(EpochWeight), **EPOCHS)
-    cb = MeasuredCosts(prefetch="off", log_timing=False, check_share=1.0)
+    cb = MeasuredCosts(prefetch="off", log_timing=False, check_share=1.0, operand_scalars=False)
     run = fit(EpochWeight, [cb], **EPOCHS)
     summary = cb.summary()
     assert summary["recapture_wait_steps"] > 0, summary
@@ -151,7 +151,7 @@ def test_the_wait_after_a_first_capture_with_a_slow_collection_does_not_weigh_it
 @pytest.mark.usefixtures("measured_steps")
 def test_the_summary_reports_the_recaptures_and_the_waited_steps():
     base = fit(baseline_of(EpochWeight), **EPOCHS)
-    cb = FixedCosts(prefetch="off", log_timing=False, check_share=1.0)
+    cb = FixedCosts(prefetch="off", log_timing=False, check_share=1.0, operand_scalars=False)
     run = fit(EpochWeight, [cb], **EPOCHS)
     summary = cb.summary()
     # as in test_recapture_wait_cpu: two waits of 5 steps, two re-captures
@@ -161,7 +161,7 @@ def test_the_summary_reports_the_recaptures_and_the_waited_steps():
 
 
 def test_without_a_recapture_the_summary_says_so():
-    cb = L2GraphCallback(prefetch="off", log_timing=False)
+    cb = L2GraphCallback(prefetch="off", log_timing=False, operand_scalars=False)
     fit(EpochWeight, [cb], steps=8)
     summary = cb.summary()
     assert summary["recaptures"] == 0 and summary["last_recapture_s"] is None, summary
@@ -205,7 +205,7 @@ def test_a_recapture_warms_up_no_step_and_keeps_the_first_captures_prefetch_set_
         monkeypatch.setattr(L2GraphCallback, "_traced_step" if mode == "trace" else "_timed_step", counted)
     monkeypatch.setattr(L2GraphCallback, "_prefetch_hooks", prefetch_hooks)
     monkeypatch.setattr(step_capture, "free_cached_memory", lambda: None)
-    cb = L2GraphCallback(prefetch="default", log_timing=False)
+    cb = L2GraphCallback(prefetch="default", log_timing=False, operand_scalars=False)
     run = fit(EpochWeight, [cb], **EPOCHS)
     summary = cb.summary()
     assert summary["captures"] == 3, summary

@@ -1,0 +1,126 @@
+"""LightningModules whose loss reads a Python number that changes between epochs, as users write them:
+the number reaches the step's ops only as the operand of a tensor ``*``, ``+`` or ``-`` (read from a
+device scalar, l2lightning.operand_scalars), or some other way too (baked, captured again)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from tests.lightning_models import TinyMLP
+
+
+class _Annealed(TinyMLP):
+    """CleanRL's PPO style: an entropy-like coefficient annealed in ``on_train_epoch_start``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.ent_coef = 0.01
+
+    def on_train_epoch_start(self):
+        self.ent_coef = 0.01 * (1 - self.current_epoch / 10)
+
+    def forward_loss(self, batch):
+        x, y = batch
+        out = self.head(self.net(x)).squeeze(-1)
+        return out, F.mse_loss(out, y)
+
+
+class AnnealedAttribute(_Annealed):
+    def training_step(self, batch, batch_idx):
+        out, mse = self.forward_loss(batch)
+        loss = mse - self.ent_coef * out.square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+class AnnealedEveryOperator(_Annealed):
+    """The number on either side of `*`, `+` and `-`."""
+
+    def training_step(self, batch, batch_idx):
+        out, mse = self.forward_loss(batch)
+        reg = out.square().mean()
+        loss = mse + reg * self.ent_coef + (self.ent_coef - reg) * 0.5 + (reg - self.ent_coef) * 0.25
+        return loss + self.ent_coef
+
+
+class AnnealedHparam(TinyMLP):
+    """``self.hparams.ent_coef``, changed in place in the AttributeDict."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        self.hparams.ent_coef = 0.01
+
+    def on_train_epoch_start(self):
+        self.hparams.ent_coef = 0.01 * (1 - self.current_epoch / 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.head(self.net(x)).squeeze(-1)
+        return F.mse_loss(out, y) - self.hparams.ent_coef * out.square().mean()
+
+
+class EpochRamp(TinyMLP):
+    """A KL-annealing-style weight the step computes from ``current_epoch`` into a local."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        beta = 0.5 * min(self.current_epoch, 4)
+        out = self.head(self.net(x)).squeeze(-1)
+        loss = F.mse_loss(out, y) + beta * 1e-3 * sum(p.square().sum() for p in self.net.parameters())
+        self.log("train/loss", loss)
+        return loss
+
+
+class KLRamp(TinyMLP):
+    """A VAE-style KL weight ramped at every step from ``global_step``: each warm-up step reads another."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        w = min(1.0, self.global_step / 40)
+        out = self.head(self.net(x)).squeeze(-1)
+        loss = F.mse_loss(out, y) + w * out.square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+
+class AnnealedWithAHostRead(AnnealedAttribute):
+    """Refused (a host read in the step): its warm-up steps ran the device scalars, and the fit must
+    still be plain Lightning's bit for bit."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.diverged = bool(loss > 1e6)
+        return loss
+
+
+class AnnealedAndLogged(AnnealedAttribute):
+    """The number logged too: a log re-issued per replay reads it, but also a branch on it."""
+
+    def training_step(self, batch, batch_idx):
+        out, mse = self.forward_loss(batch)
+        loss = mse - self.ent_coef * out.square().mean()
+        if self.ent_coef > 0.008:
+            loss = loss * 1.0
+        return loss
+
+
+class AnnealedThroughALocal(_Annealed):
+    """The number multiplied in Python first: the graph bakes the product, so it is captured again."""
+
+    def training_step(self, batch, batch_idx):
+        out, mse = self.forward_loss(batch)
+        coef = self.ent_coef * 2
+        return mse - coef * out.square().mean()
+
+
+class AnnealedDivisor(_Annealed):
+    """Divided by: PyTorch multiplies by a Python scalar's reciprocal, so it stays baked."""
+
+    def training_step(self, batch, batch_idx):
+        out, mse = self.forward_loss(batch)
+        return mse - out.square().mean() / (1 / self.ent_coef)
+
+
+OPERAND_SERVED = [AnnealedAttribute, AnnealedEveryOperator, AnnealedHparam, EpochRamp]
+OPERAND_BAKED = [AnnealedAndLogged, AnnealedThroughALocal, AnnealedDivisor]
