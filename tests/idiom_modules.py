@@ -733,6 +733,21 @@ class VAERandn(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
+class VAEKLRamp(VAERandn):
+    """The same VAE with its KL term warmed up linearly over the first steps (KL annealing against
+    posterior collapse, as beta-VAE and text-VAE recipes do): ``beta`` moves at every step."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        recon_batch, mu, logvar = self(x)
+        bce = F.binary_cross_entropy(recon_batch, x.view(-1, 784), reduction="sum")
+        kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+        beta = min(1.0, self.global_step / 50)
+        self.log("train/recon", bce)
+        self.log("train/kl", kld)
+        return bce + beta * kld
+
+
 class ResidualBlock(nn.Module):
     """Pre-norm residual MLP block."""
 
@@ -1813,6 +1828,14 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             _dlrm_loader,
             "capture",
             "Adagrad without lr_decay: its step count is not read, its counters live on the device",
+        ),
+        Idiom(
+            "vae_kl_ramp",
+            VAEKLRamp,
+            functools.partial(_digits_loader, seed=9),
+            "capture",
+            "the KL weight moves at every step from global_step and reaches the loss only as a tensor "
+            "operand: the graph reads it from a device scalar, one capture",
         ),
         Idiom(
             "cleanrl_ppo_annealed_entropy",

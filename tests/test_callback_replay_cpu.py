@@ -3243,6 +3243,7 @@ def test_python_state_set_once_at_the_first_step_is_allowed():
         "dlrm_adagrad",
         "epoch_weighted_aux",
         "cleanrl_ppo_annealed_entropy",
+        "vae_kl_ramp",
         "sgd_cosine_per_epoch",
         "rebound_loss_weight",
         "global_loss_weight",
@@ -3272,7 +3273,12 @@ def test_idiom_variants_are_captured_and_equal_or_refused_and_plain(name):
     if idiom.expect == "capture":
         reference = run(False, True)
         assert cb.summary()["captured"], cb.summary()
-        if name in ("sgd_cosine_per_epoch", "epoch_weighted_aux", "cleanrl_ppo_annealed_entropy"):
+        if name in (
+            "sgd_cosine_per_epoch",
+            "epoch_weighted_aux",
+            "cleanrl_ppo_annealed_entropy",
+            "vae_kl_ramp",
+        ):
             # three epochs: three LRs read from a tensor, or three loss weights from a device scalar
             assert cb.captures == 1, cb.summary()
         assert_same(reference[:2] + reference[3:], got[:2] + got[3:])
