@@ -75,3 +75,19 @@ def test_a_refused_step_whose_warm_up_read_device_scalars_trains_like_plain():
     plain = fit(AnnealedWithAHostRead, [], steps=STEPS)
     assert not cb.summary()["captured"]
     assert_same_run(plain, run)
+
+
+def test_numbers_read_through_the_trainers_objects_as_operands_need_one_capture():
+    """A weight on another callback, and a config value read through a local: each epoch's value
+    written to the device scalar, bitwise the baseline."""
+    from tests.between_step_models import (
+        CONFIG_CHANGES,
+        ReadsACallback,
+        SetsTheConfigEachEpoch,
+        WeightOnACallback,
+    )
+    from tests.gpu.test_callback_gpu import assert_captured_like_baseline
+
+    assert_captured_like_baseline(ReadsACallback, 1, callbacks=lambda: [WeightOnACallback()], steps=90)
+    cls, change = CONFIG_CHANGES["callback-through-a-local"]
+    assert_captured_like_baseline(cls, 1, callbacks=lambda: [SetsTheConfigEachEpoch(change)], steps=90)
