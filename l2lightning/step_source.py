@@ -58,6 +58,7 @@ import dis
 import functools
 import inspect
 import linecache
+import math
 import os
 import re
 import sysconfig
@@ -87,6 +88,11 @@ STEP_COUNTERS = ("global_step", "current_epoch", "is_last_batch")
 # getattr only with a constant, non-dunder name (see _constant_getattr)
 _SAFE_BUILTINS = {"min", "max", "abs", "int", "float", "bool", "len", "round", "divmod", "pow", "getattr"}
 _SAFE_METHODS = {"lr_schedulers", "optimizers", "get_last_lr"}
+# the ``math`` functions an operand site's number may call: pure functions of numbers (schedules)
+_MATH_FUNCTIONS = {
+    "cos", "sin", "tan", "exp", "log", "log2", "log10", "log1p", "expm1", "sqrt", "pow", "tanh",
+    "floor", "ceil", "fabs", "atan", "erf",
+}  # fmt: skip
 _BRANCH_ERROR = object()
 
 
@@ -1170,13 +1176,13 @@ class _Visitor:
             ):
                 continue
             for side, other in ((node.left, node.right), (node.right, node.left)):
-                inlined = self._inline(side)
+                inlined = self._inline(side, globals_ok=True)
                 if inlined is None or not any(
                     isinstance(n, ast.Name) and n.id in movers for n in ast.walk(inlined)
                 ):
                     continue
-                evaluate = self._compile(side, allow_methods=False)
-                if evaluate is None or self._compile(other, allow_methods=False) is not None:
+                evaluate = self._compile(side, allow_methods=False, math_only=True)
+                if evaluate is None or self._compile(other, allow_methods=False, math_only=True) is not None:
                     continue
                 key = self._position(node)
                 if key is None:
@@ -1201,19 +1207,24 @@ class _Visitor:
             node.end_col_offset + margin,
         )
 
-    def _sites_of(self, node: ast.AST, parents: dict[int, ast.AST]) -> frozenset:
+    def _sites_of(self, node: ast.AST, parents: dict[int, ast.AST], depth: int = 0) -> frozenset:
         """The operand sites through which alone the value `node` reads reaches the step's ops: the one
-        it lies in, or, for a local assigned `node` once (``beta = 0.5 * min(self.current_epoch, 2)``),
-        those of every read of that local; empty where any read lies elsewhere."""
+        it lies in, or, inside the value of a local assigned once (``beta = 0.5 * min(self.current_epoch,
+        2)``, ``w = 0.5 * (1 + math.cos(...))``), those of every read of that local, followed the same
+        way; empty where any read lies elsewhere."""
         if id(node) in self._site_of:
             return frozenset({self._site_of[id(node)]})
-        parent = parents.get(id(node))
+        top = node
+        while isinstance(parent := parents.get(id(top)), ast.expr):
+            top = parent
+        parent = parents.get(id(top))
         if not (
-            isinstance(parent, ast.Assign)
-            and parent.value is node
+            depth < 4
+            and isinstance(parent, ast.Assign)
+            and parent.value is top
             and len(parent.targets) == 1
             and isinstance(parent.targets[0], ast.Name)
-            and self.assigned.get(parent.targets[0].id) is node
+            and self.assigned.get(parent.targets[0].id) is top
             and self._func is not None
         ):
             return frozenset()
@@ -1223,9 +1234,13 @@ class _Visitor:
             for n in ast.walk(self._func)
             if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
         ]
-        if not loads or any(id(n) not in self._site_of for n in loads):
-            return frozenset()
-        return frozenset(self._site_of[id(n)] for n in loads)
+        sites: set = set()
+        for load in loads:
+            found = self._sites_of(load, parents, depth + 1)
+            if not found:
+                return frozenset()
+            sites |= found
+        return frozenset(sites)
 
     def _guards(
         self, node: ast.AST, parents: dict[int, ast.AST]
@@ -1619,15 +1634,24 @@ class _Visitor:
         return False
 
     def _compile(
-        self, expr: ast.expr, allow_methods: bool, globals_ok: bool = False
+        self, expr: ast.expr, allow_methods: bool, globals_ok: bool = False, math_only: bool = False
     ) -> Callable[[Any, int], Any] | None:
         """A function of (self, batch_idx[, the callback hook's trainer and module]) evaluating `expr`,
         or None where `expr` reads anything else or calls anything but the safe builtins (and, with
         `allow_methods`, the safe methods). With `globals_ok`, `expr` may read the function's module
-        globals too, looked up at each evaluation."""
-        inlined = self._inline(expr, globals_ok=globals_ok)
-        if inlined is None or not _safe(inlined, allow_methods):
+        globals too, looked up at each evaluation; with `math_only`, of those only the standard
+        ``math`` module, whose functions it may call (``math.cos(math.pi * self.global_step / T)``)."""
+        inlined = self._inline(expr, globals_ok=globals_ok or math_only)
+        if inlined is None or not _safe(inlined, allow_methods, math_calls=math_only):
             return None
+        if math_only:
+            known = {self.self_name, self.batch_idx, *self.extra, *_SAFE_BUILTINS}
+            free = {n.id for n in ast.walk(inlined) if isinstance(n, ast.Name)} - known
+            if free - {"math"} or (free and (self.namespace or {}).get("math") is not math):
+                return None
+            if not free:  # no math at all: the plain compilation
+                return self._compile(expr, allow_methods)
+            globals_ok = True  # `math`, looked up in the function's module globals
         args = [self.self_name, self.batch_idx or "_batch_idx", *self.extra]
         outside = (
             {n.id for n in ast.walk(inlined) if isinstance(n, ast.Name)} - set(args) - _SAFE_BUILTINS
@@ -2949,8 +2973,9 @@ def _getting(read: Callable[..., Any], key: Any, default: Any) -> Callable[..., 
     return value
 
 
-def _safe(expr: ast.expr, allow_methods: bool) -> bool:
-    """Only reads: names, attributes, subscripts, constants, arithmetic; whitelisted calls."""
+def _safe(expr: ast.expr, allow_methods: bool, math_calls: bool = False) -> bool:
+    """Only reads: names, attributes, subscripts, constants, arithmetic; whitelisted calls (with
+    `math_calls`, the pure functions of the ``math`` module too)."""
     allowed = (
         ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp,
         ast.IfExp, ast.Load, ast.operator, ast.unaryop, ast.cmpop, ast.boolop, ast.Slice, ast.Tuple, ast.Call,
@@ -2966,6 +2991,14 @@ def _safe(expr: ast.expr, allow_methods: bool) -> bool:
             if isinstance(f, ast.Name) and f.id in _SAFE_BUILTINS:
                 continue
             if allow_methods and isinstance(f, ast.Attribute) and f.attr in _SAFE_METHODS:
+                continue
+            if (
+                math_calls
+                and isinstance(f, ast.Attribute)
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "math"
+                and f.attr in _MATH_FUNCTIONS
+            ):
                 continue
             return False
         if isinstance(node, ast.Attribute) and node.attr.startswith("__"):

@@ -4,6 +4,8 @@ device scalar, l2lightning.operand_scalars), or some other way too (baked, captu
 
 from __future__ import annotations
 
+import math
+
 import torch.nn.functional as F
 
 from tests.lightning_models import TinyMLP
@@ -92,6 +94,16 @@ class AnnealedWithAHostRead(AnnealedAttribute):
         loss = super().training_step(batch, batch_idx)
         self.diverged = bool(loss > 1e6)
         return loss
+
+
+class CosineLossWeight(TinyMLP):
+    """An auxiliary weight on a cosine schedule from ``global_step`` (``math.cos``), moving every step."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.head(self.net(x)).squeeze(-1)
+        aux = 0.5 * (1 + math.cos(math.pi * min(self.global_step, 40) / 40))
+        return F.mse_loss(out, y) + out.square().mean() * aux
 
 
 class AnnealedAndLogged(AnnealedAttribute):

@@ -4,6 +4,8 @@ baseline, each new value's first replay checked; other uses keep the re-capture.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from tests.operand_models import (
     AnnealedAttribute,
     AnnealedEveryOperator,
     AnnealedWithAHostRead,
+    CosineLossWeight,
     KLRamp,
 )
 from tests.test_callback_replay_cpu import assert_same, callback, fit
@@ -63,6 +66,31 @@ def test_a_number_moving_at_every_step_is_captured_once_and_its_first_changes_ch
     assert s["operand_scalars"]["changes"] == 40 - s["capture_step"], s["operand_scalars"]
     assert s["replay_check"]["reasons"].get("operand value changed") == 3, s["replay_check"]
     assert_same(base, run)
+
+
+def test_a_cosine_weight_through_math_cos_is_captured_once():
+    base = fit(baseline_of(CosineLossWeight), steps=STEPS)
+    cb = callback()
+    run = fit(CosineLossWeight, [cb], steps=STEPS)
+    s = cb.summary()
+    assert (
+        s["captured"] and s["captures"] == 1 and s["operand_scalars"]["changes"] == 40 - s["capture_step"]
+    ), s
+    assert_same(base, run)
+
+
+def test_a_math_name_that_is_not_the_math_module_is_baked(monkeypatch):
+    import tests.operand_models as models
+
+    class Stand:  # `math` rebound in the module to something else: its cos is not known to be pure
+        pi = math.pi
+        cos = staticmethod(math.cos)
+
+    monkeypatch.setattr(models, "math", Stand)
+    cb = callback()
+    with pytest.warns(UserWarning, match="computes a number from the step counters"):
+        fit(CosineLossWeight, [cb], steps=20)
+    assert not cb.summary()["captured"]
 
 
 def test_without_device_scalars_a_number_moving_at_every_step_is_refused_like_plain():

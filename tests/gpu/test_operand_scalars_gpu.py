@@ -10,7 +10,13 @@ import pytest
 from l2lightning import L2GraphCallback
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.gpu.test_callback_gpu import assert_same_run, fit
-from tests.operand_models import OPERAND_BAKED, OPERAND_SERVED, AnnealedWithAHostRead, KLRamp
+from tests.operand_models import (
+    OPERAND_BAKED,
+    OPERAND_SERVED,
+    AnnealedWithAHostRead,
+    CosineLossWeight,
+    KLRamp,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -46,11 +52,12 @@ def test_a_number_that_reaches_the_step_another_way_is_captured_again(cls):
     assert_same_run(base, run)
 
 
-def test_a_number_moving_at_every_step_is_captured_once_and_bitwise():
+@pytest.mark.parametrize("cls", [KLRamp, CosineLossWeight], ids=lambda c: c.__name__)
+def test_a_number_moving_at_every_step_is_captured_once_and_bitwise(cls):
     """Its warm-up steps ran the device scalars too (bitwise plain work), so their traces agree."""
     cb = callback()
-    run = fit(KLRamp, [cb], steps=STEPS)
-    base = fit(KLRamp, [], steps=STEPS, baseline=True)
+    run = fit(cls, [cb], steps=STEPS)
+    base = fit(cls, [], steps=STEPS, baseline=True)
     s = cb.summary()
     assert (
         s["captured"] and s["captures"] == 1 and s["operand_scalars"]["changes"] == 40 - s["capture_step"]
