@@ -70,12 +70,13 @@ class MovesAQueuePointer(TinyMLP):
 
 class RampsALossWeight(TinyMLP):
     """Refused in the warm-up: a cosine loss weight computed from global_step in the step, a new
-    number at every step. The warning names its line and the buffer a hook fills, which captures once
+    number at every step, handed to a tensor method (not a `*` the graph can read from a device
+    scalar). The warning names its line and the buffer a hook fills, which captures once
     (test_a_per_step_weight_kept_in_a_buffer_is_captured_once)."""
 
     def training_step(self, batch, batch_idx):
         w = 0.5 * (1 + math.cos(math.pi * min(self.global_step, 40) / 40))
-        return super().training_step(batch, batch_idx) * (1 + w)
+        return super().training_step(batch, batch_idx).mul(1 + w)
 
 
 class RampsALossWeightInABuffer(TinyMLP):
