@@ -245,6 +245,7 @@ class StepDecision:
                 f"torch's numerics settings changed since capture ({changed}; the graph holds the kernels "
                 "its capture chose)"
             )
+        fresh = False  # one of the first replays with a new value in the operand scalars
         if graph.operands is not None:
             written = graph.operands.update(module, batch_idx)
             if written is None:
@@ -254,12 +255,7 @@ class StepDecision:
                 )
             if written:
                 self._operand_changes += 1
-                if self._check_on and graph.operands.changes <= OPERAND_CHECKS:
-                    # the first replay with a new value: the eager step from the same state is the judge
-                    self._recapture_streak = 0
-                    self._replays_since_capture += 1
-                    self._check_why = OPERAND_CHECK
-                    return "check"
+                fresh = graph.operands.changes <= OPERAND_CHECKS
         self._recapture_streak = 0
         self._replays_since_capture += 1
         if self._check_on:
@@ -267,6 +263,10 @@ class StepDecision:
             elapsed = time.perf_counter() - started if started is not None else float("inf")
             why = self._check_schedule.due(self.replay_check.seconds, elapsed)
             self.replay_check.deferred = self._check_schedule.deferred
+            if fresh:
+                # the eager step from the same state judges the new value (one check for it and any
+                # check the schedule had due: its count of replays moves on as at any replay)
+                why = OPERAND_CHECK
             if why is not None:
                 self._check_why = why
                 return "check"  # a gate trial under way takes its next turn at the next replay
