@@ -179,7 +179,8 @@ class L2GraphCallback(
             ``beta * reg`` with ``beta`` computed from ``self.current_epoch``), on float32 or float64
             tensors, the graph reads it from a device scalar written before each replay, so a change
             (an epoch hook's annealing) needs no new capture; the first replays with a new value (three
-            per capture) are checked against the eager step (with ``verify="sampled"``). False bakes such numbers in and
+            per capture) are checked against the eager step. Only with ``verify="sampled"`` (the check
+            is what sees a use of the number no analysis found). False bakes such numbers in and
             captures again when they change (:mod:`l2lightning.operand_scalars`).
         eager_steps: ``(trainer, batch_idx) -> bool``; steps for which it returns True run eagerly
             (a periodic target-network sync, image logging, a print), and their effects flow into

@@ -22,7 +22,9 @@ Bitwise the eager step, by construction of the cases taken:
   else, a branch on it, a log, a Python product kept in a local, keeps the re-capture);
 * the first replays with a new value (``OPERAND_CHECKS`` of each capture) are sampled replay checks
   (:mod:`l2lightning.replay_check`): the eager step from the same state, compared bit for bit; a
-  mismatch captures again with such numbers baked in.
+  mismatch captures again with such numbers baked in. So device scalars are used only with
+  ``verify="sampled"``: a use of the number that no analysis saw (code read as another object's, a
+  C function's) is not compared before each replay any more, and the check is what sees it.
 
 The warm-up steps hand the sites device scalars too (the same work, bit for bit), so a number that
 moves at every step (a KL ramp from ``global_step``) leaves their traces alike and is captured once.

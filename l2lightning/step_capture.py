@@ -138,6 +138,9 @@ class StepCapture:
         sites = self._source.operand_sites if self._source is not None else []
         if (
             not self.operand_scalars
+            # the sampled check judges the first replays with new values: a use of the number that
+            # no analysis saw would otherwise go unseen (the number would not be compared any more)
+            or not self._check_on
             or self._operands_off
             or not sites
             # a TorchFunctionMode around compiled code makes dynamo compile it again, inside the capture

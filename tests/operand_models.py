@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch.nn.functional as F
+from torch import nn
 
 from tests.lightning_models import TinyMLP
 
@@ -106,6 +107,28 @@ class CosineLossWeight(TinyMLP):
         return F.mse_loss(out, y) + out.square().mean() * aux
 
 
+class _ScaledHead(nn.Module):
+    """A layer that reads its LightningModule's weight through a back-reference, as a Python number:
+    code the analysis reads as another object's, so the weight's use here is not an operand site."""
+
+    def __init__(self, owner_box: list, width: int) -> None:
+        super().__init__()
+        self.owner_box = owner_box
+        self.lin = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.lin(x) * (1 + self.owner_box[0].ent_coef)
+
+
+class AnnealedReadByALayerToo(AnnealedAttribute):
+    """`ent_coef` is an operand in the step and is also read by a layer: the device scalar serves the
+    step's use only, and the first replay with a new value is caught by the check."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.head = _ScaledHead([self], self.head.in_features)
+
+
 class AnnealedAndLogged(AnnealedAttribute):
     """The number logged too: a log re-issued per replay reads it, but also a branch on it."""
 
@@ -135,4 +158,4 @@ class AnnealedDivisor(_Annealed):
 
 
 OPERAND_SERVED = [AnnealedAttribute, AnnealedEveryOperator, AnnealedHparam, EpochRamp]
-OPERAND_BAKED = [AnnealedAndLogged, AnnealedThroughALocal, AnnealedDivisor]
+OPERAND_BAKED = [AnnealedAndLogged, AnnealedThroughALocal, AnnealedDivisor, AnnealedReadByALayerToo]
