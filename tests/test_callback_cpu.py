@@ -53,6 +53,7 @@ def test_cpu_fit_with_callback_equals_fit_without():
         ({"verify": "yes"}, r"`verify` must be one of \('sampled', 'capture', False\)"),
         ({"compile": 1}, "`compile` must be a bool"),
         ({"eager_optimizer_fallback": None}, "`eager_optimizer_fallback` must be a bool"),
+        ({"operand_scalars": "yes"}, r"`operand_scalars` must be a bool \(True or False\), got 'yes'"),
         (
             {"eager_steps": 10},
             r"`eager_steps` must be None or a callable \(trainer, batch_idx\) -> bool, got 10",
