@@ -169,10 +169,15 @@ class StepCapture:
             for name, sites in source.site_reads.items()
             if name not in source.other_reads and sites <= live
         }
+        served_globals = {
+            key
+            for key, sites in source.site_globals.items()
+            if key not in source.other_globals and sites <= live
+        }
         graph.scalars = [
             (attributes, name, value)
             for attributes, name, value in graph.scalars
-            if not (attributes is own and name in served)
+            if not (attributes is own and name in served) and (id(attributes), name) not in served_globals
         ]
         self._operand_lines = sorted(operands.sites[key].site.line for key in live)
 

@@ -198,6 +198,9 @@ class StepSource:
     # written to the device scalars instead of capturing again
     site_reads: dict[str, set[tuple]] = field(default_factory=dict)  # name -> the sites' keys
     other_reads: set[str] = field(default_factory=set)
+    # the same for module-level names (``loss * AUX_WEIGHT``), by (id of the globals dict, name)
+    site_globals: dict[tuple[int, str], set[tuple]] = field(default_factory=dict)
+    other_globals: set[tuple[int, str]] = field(default_factory=set)
 
     def code_bindings(self) -> list[tuple[Any, str, Any, str]]:
         """(attribute dict, name, what it holds now, where: ```self.name``` or ```Class.name```) of every
@@ -777,6 +780,10 @@ class _Visitor:
         # every node inside an operand site's number -> the site's key (_operand_sites)
         self._site_of: dict[int, tuple] = {}
         self._func: ast.AST | None = None
+        # module-level names read only inside operand sites' numbers (name -> their keys), and those
+        # read anywhere else in the function: :func:`_record_globals` hands them to the StepSource
+        self.global_sites: dict[str, set[tuple]] = {}
+        self.global_other: set[str] = set()
 
     def run(self, func: ast.AST) -> None:
         for node in ast.walk(func):
@@ -829,6 +836,12 @@ class _Visitor:
             - self.module_names
             - {node.id for node in ast.walk(func) if isinstance(node, ast.Name) and id(node) in logged}
         )
+        for node in ast.walk(func):
+            if isinstance(node, ast.Name) and node.id in self.global_names and isinstance(node.ctx, ast.Load):
+                if id(node) in self._site_of:
+                    self.global_sites.setdefault(node.id, set()).add(self._site_of[id(node)])
+                else:
+                    self.global_other.add(node.id)
         for node in ast.walk(func):
             if (
                 isinstance(node, ast.Attribute)
@@ -1166,6 +1179,13 @@ class _Visitor:
         if self.reads is not self.found.reads and self.callback is None:
             return  # another object's code: its `self` is not what the module's evaluation reads
         movers = {self.self_name, self.batch_idx, *self.extra, *self.module_names} - {None, ""}
+        # module-level numbers the function reads (``loss * AUX_WEIGHT``, a script's constant a hook sets)
+        namespace = self.namespace if isinstance(self.namespace, dict) else {}
+        movers |= {
+            name
+            for name in _free_names(func) - movers
+            if name in namespace and type(namespace[name]) in (int, float)
+        }
         for node in ast.walk(func):
             if (
                 not isinstance(node, ast.BinOp)
@@ -1181,8 +1201,8 @@ class _Visitor:
                     isinstance(n, ast.Name) and n.id in movers for n in ast.walk(inlined)
                 ):
                     continue
-                evaluate = self._compile(side, allow_methods=False, math_only=True)
-                if evaluate is None or self._compile(other, allow_methods=False, math_only=True) is not None:
+                evaluate = self._site_number(side)
+                if evaluate is None or self._site_number(other) is not None:
                     continue
                 key = self._position(node)
                 if key is None:
@@ -1191,6 +1211,14 @@ class _Visitor:
                 for inner in ast.walk(side):
                     self._site_of[id(inner)] = key
                 break
+
+    def _site_number(self, side: ast.expr) -> Callable[[Any, int], Any] | None:
+        """An evaluator of `side` as an operand site's number: from the module, the step counters,
+        batch_idx, the ``math`` module's functions, or the function's module globals (read live)."""
+        evaluate = self._compile(side, allow_methods=False, math_only=True)
+        if evaluate is None:
+            evaluate = self._compile(side, allow_methods=False, globals_ok=True)
+        return evaluate
 
     def _position(self, node: ast.expr) -> tuple[str, int, int, int, int] | None:
         """`node`'s (file, line, column, end line, end column) in the file, as CPython's co_positions
@@ -1990,7 +2018,7 @@ def _record_outside_reads(
     namespace = getattr(function, "__globals__", None)
     if not isinstance(namespace, dict):
         return
-    _record_globals(found, namespace, visitor.global_names, visitor.module_attributes)
+    _record_globals(found, namespace, visitor.global_names, visitor.module_attributes, visitor)
     _record_closure(found, function, visitor.global_names)
     _record_global_chains(found, function, namespace, visitor.global_chains)
     _follow_functions(found, namespace, visitor.called_names, depth + 1, seen)
@@ -2472,12 +2500,23 @@ def _attribute_reader(attributes: tuple[str, ...]) -> Callable[[Any], Any]:
 
 
 def _record_globals(
-    found: StepSource, namespace: dict, names: set[str], module_attributes: set[tuple[str, str]]
+    found: StepSource,
+    namespace: dict,
+    names: set[str],
+    module_attributes: set[tuple[str, str]],
+    visitor: _Visitor | None = None,
 ) -> None:
     """Add to `found` the module-level names a function with globals `namespace` reads, and the
-    attributes it reads of imported modules (``cfg.LOSS_W``: the name ``LOSS_W`` of ``cfg``)."""
+    attributes it reads of imported modules (``cfg.LOSS_W``: the name ``LOSS_W`` of ``cfg``); with
+    the `visitor` that read its source, whether each is read only inside operand sites."""
     if names:
         found.global_reads.setdefault(id(namespace), (namespace, set()))[1].update(names)
+    for name in names:
+        key = (id(namespace), name)
+        if visitor is not None and name in visitor.global_sites and name not in visitor.global_other:
+            found.site_globals.setdefault(key, set()).update(visitor.global_sites[name])
+        else:
+            found.other_globals.add(key)
     for root, attr in module_attributes:
         held = namespace.get(root)
         if _attributes_recorded(held):

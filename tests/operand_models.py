@@ -129,6 +129,34 @@ class AnnealedReadByALayerToo(AnnealedAttribute):
         self.head = _ScaledHead([self], self.head.in_features)
 
 
+# a script's module-level loss weight, which the module's own hook lowers each epoch
+AUX_WEIGHT = 0.01
+
+
+class AnnealedModuleLevelWeight(TinyMLP):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        global AUX_WEIGHT
+        AUX_WEIGHT = 0.01  # every fit starts from the script's value
+
+    def on_train_epoch_start(self):
+        global AUX_WEIGHT
+        AUX_WEIGHT = 0.01 * (1 - self.current_epoch / 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.head(self.net(x)).squeeze(-1)
+        return F.mse_loss(out, y) + AUX_WEIGHT * out.square().mean()
+
+
+class ModuleLevelWeightReadTwice(AnnealedModuleLevelWeight):
+    """The module-level weight also sets a Python branch: baked, captured again."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 2.0 if AUX_WEIGHT > 0.0095 else loss
+
+
 class AnnealedAndLogged(AnnealedAttribute):
     """The number logged too: a log re-issued per replay reads it, but also a branch on it."""
 
@@ -157,5 +185,17 @@ class AnnealedDivisor(_Annealed):
         return mse - out.square().mean() / (1 / self.ent_coef)
 
 
-OPERAND_SERVED = [AnnealedAttribute, AnnealedEveryOperator, AnnealedHparam, EpochRamp]
-OPERAND_BAKED = [AnnealedAndLogged, AnnealedThroughALocal, AnnealedDivisor, AnnealedReadByALayerToo]
+OPERAND_SERVED = [
+    AnnealedAttribute,
+    AnnealedEveryOperator,
+    AnnealedHparam,
+    EpochRamp,
+    AnnealedModuleLevelWeight,
+]
+OPERAND_BAKED = [
+    AnnealedAndLogged,
+    AnnealedThroughALocal,
+    AnnealedDivisor,
+    AnnealedReadByALayerToo,
+    ModuleLevelWeightReadTwice,
+]
