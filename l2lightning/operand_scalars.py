@@ -36,7 +36,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +144,11 @@ class OperandScalars:
         if changed:
             self.changes += 1
         return changed
+
+
+def substituting(operands: OperandScalars | None) -> Any:
+    """``operands.substituting()``, or nothing to substitute where there are no operand scalars."""
+    return operands.substituting() if operands is not None else nullcontext()
 
 
 class _Substitution(TorchFunctionMode):

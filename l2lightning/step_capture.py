@@ -30,7 +30,7 @@ from l2lightning.metric_binding import (
     drop_autograd_graphs,
     named_metrics,
 )
-from l2lightning.operand_scalars import OperandScalars
+from l2lightning.operand_scalars import OperandScalars, substituting
 from l2lightning.prefetch_switch import new_cuda_graph
 from l2lightning.scheduler_steps import ReissuedSchedulerStep
 from l2lightning.step_gate import StepGateResult
@@ -303,10 +303,7 @@ class StepCapture:
             # capture in a module-level list that tests' steps read). `python_before` stays what a
             # failed capture restores.
             python_started = python_state.snapshot(holders, ours, device_type)
-            if operands is not None:
-                with operands.substituting():
-                    out = self._run_traced(tracer, closure)
-            else:
+            with substituting(operands):
                 out = self._run_traced(tracer, closure)
             if self._step_output is None:
                 raise _Defer()

@@ -401,8 +401,8 @@ class StepDispatch:
             "in a way the checks before each replay do not see"
         )
         if self._check_why == OPERAND_CHECK:
-            # the first replay with a new operand value: the number reached the step some other way
-            # too. Captured again with such numbers baked in, as without operand scalars
+            # one of the first replays with a new operand value: the number reached the step some other
+            # way too. Captured again with such numbers baked in, as without operand scalars
             self._operands_off = True
             cause += "; the step is captured again with the Python numbers it reads baked in"
         if report.mismatches >= 2:

@@ -25,6 +25,7 @@ from l2lightning.metric_binding import (
     update_counts,
     updated_between,
 )
+from l2lightning.operand_scalars import substituting
 from l2lightning.step_decision import PER_STEP_NUMBER_ADVICE, _first_names
 from l2lightning.step_overrides import ABSENT
 from l2lightning.step_trace import (
@@ -165,10 +166,7 @@ class WarmupSteps:
         operands = self._operand_scalars(False, self._pending[1])
 
         def traced() -> Any:
-            if operands is not None:
-                with operands.substituting():
-                    out = self._run_traced(tracer, closure)
-            else:
+            with substituting(operands):
                 out = self._run_traced(tracer, closure)
             # lists that grow by one element per step can be re-appended after each replay
             python_after = python_state.snapshot(holders, device_type=tracer.device_type)
