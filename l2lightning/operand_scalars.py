@@ -36,7 +36,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,9 @@ class OperandScalars:
         self.device = device
         self.hit: set[tuple] = set()  # sites whose op took a device scalar at the capture
         self.baked: set[tuple] = set()  # sites whose number reached something else: baked as before
+        # the sites every run of whose op in the capture took the device scalar: set as each
+        # substitution ends, so a replay's update reads it without building it again
+        self.live: frozenset[tuple] = frozenset()
         self.changes = 0  # values written after the capture (summary()['operand_scalars'])
         for scalar in self.sites.values():
             try:
@@ -93,17 +96,6 @@ class OperandScalars:
             # made before the capture: a fill inside it would run again at every replay
             for dtype in _EXACT_DTYPES:
                 scalar.tensors[dtype] = torch.full((), scalar.value, dtype=dtype, device=device)
-
-    @property
-    def live(self) -> frozenset[tuple]:
-        """The sites every run of whose op in the capture took the device scalar."""
-        return frozenset(self.hit - self.baked)
-
-    @contextmanager
-    def substituting(self) -> Iterator[None]:
-        """Around the captured step: each site's op gets its device scalar instead of the number."""
-        with _Substitution(self):
-            yield
 
     def take(self, site_key: tuple, tensor: Any, number: Any) -> torch.Tensor | None:
         """The device scalar for `number` at the site, or None (the site is then baked)."""
@@ -146,9 +138,18 @@ class OperandScalars:
         return changed
 
 
-def substituting(operands: OperandScalars | None) -> Any:
-    """``operands.substituting()``, or nothing to substitute where there are no operand scalars."""
-    return operands.substituting() if operands is not None else nullcontext()
+@contextmanager
+def substituting(operands: OperandScalars | None) -> Iterator[None]:
+    """Around a traced or captured step: each site's op gets its device scalar instead of the number
+    (nothing to substitute where `operands` is None)."""
+    if operands is None:
+        yield
+        return
+    try:
+        with _Substitution(operands):
+            yield
+    finally:
+        operands.live = frozenset(operands.hit - operands.baked)
 
 
 class _Substitution(TorchFunctionMode):

@@ -56,26 +56,16 @@ def test_a_number_that_reaches_the_step_another_way_too_is_captured_again(cls):
     assert_same(base, run)
 
 
-def test_a_number_moving_at_every_step_is_captured_once_and_its_first_changes_checked():
-    base = fit(baseline_of(KLRamp), steps=STEPS)
+@pytest.mark.parametrize("cls", [KLRamp, CosineLossWeight], ids=["linear-ramp", "math-cos"])
+def test_a_number_moving_at_every_step_is_captured_once_and_its_first_changes_checked(cls):
+    base = fit(baseline_of(cls), steps=STEPS)
     cb = callback()
-    run = fit(KLRamp, [cb], steps=STEPS)
+    run = fit(cls, [cb], steps=STEPS)
     s = cb.summary()
     assert s["captured"] and s["captures"] == 1 and s["fallback_steps"] == 0, s
     # the ramp moves up to step 40: every replay after the capture step up to there wrote a new value
     assert s["operand_scalars"]["changes"] == 40 - s["capture_step"], s["operand_scalars"]
     assert s["replay_check"]["reasons"].get("operand value changed") == 3, s["replay_check"]
-    assert_same(base, run)
-
-
-def test_a_cosine_weight_through_math_cos_is_captured_once():
-    base = fit(baseline_of(CosineLossWeight), steps=STEPS)
-    cb = callback()
-    run = fit(CosineLossWeight, [cb], steps=STEPS)
-    s = cb.summary()
-    assert (
-        s["captured"] and s["captures"] == 1 and s["operand_scalars"]["changes"] == 40 - s["capture_step"]
-    ), s
     assert_same(base, run)
 
 
