@@ -58,7 +58,7 @@ python3 -c "import torch, cupy, lightning; print('torch', torch.__version__, 'cu
 # A stage's ARGS: commas separate arguments, semicolons separate a list inside one
 # (default-cost=--variants,plain;off,--rounds,2 -> --variants plain,off --rounds 2).
 stage_args() { local a=${1//,/ }; echo "${a//;/,}"; }
-PYTEST=(python3 -m pytest -m gpu -q --timeout 150 --no-header -p no:cacheprovider)
+PYTEST=(python3 -m pytest -m gpu -v --timeout 150 --no-header -p no:cacheprovider)
 for stage in "$@"; do
   echo "=== stage $stage ($(date +%T))"
   case "$stage" in
@@ -70,7 +70,8 @@ for stage in "$@"; do
       timeout 420 python3 benchmarks/bench_idioms.py --out "$OUT" $only > "$OUT/idioms.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/idioms.log" | tail -22 ;;
     tests*)
-      # one log per tests stage of the run: pytest_gpu.log, then pytest_gpu_2.log, ...
+      # one log per tests stage of the run: pytest_gpu.log, then pytest_gpu_2.log, ...; -v names each
+      # test as it ends, so a run cut by the time limit still says which tests passed and failed
       tests_run=$((${tests_run:-0} + 1)); log="$OUT/pytest_gpu.log"; [ "$tests_run" -gt 1 ] && log="$OUT/pytest_gpu_$tests_run.log"
       paths=tests/gpu; [[ "$stage" == *=* ]] && paths=${stage#*=}
       timeout 540 "${PYTEST[@]}" ${paths//,/ } > "$log" 2>&1
