@@ -17,52 +17,74 @@ accumulated gradients are copied into them. Which step is which comes from Light
 the closure zeroes the gradients (``zero_grad_fn``) exactly on a window's first micro-batch, so a
 closure without it adds to earlier gradients. A window of one micro-batch (an epoch's last, when
 its length is not a multiple of N) zeroes first: a plain step, with the factor in its key.
+
+The accumulating micro-batches are graphs too. Lightning calls their closure itself, not through
+``optimizer.step``: :class:`MicroBatchClosures` hands each such closure to the callback instead
+(by wrapping the closure factory of this Trainer's automatic-optimization loop, nothing global), as
+a :class:`MicroBatchStep` whose call is the callback's step without an optimizer update. Their
+:class:`Accumulation` says ``closes=False``: a window's first micro-batch (its closure zeroes the
+gradients) and one that adds to the sum are two more graph kinds, each with its own graph
+(:mod:`l2lightning.graph_slots`), so that a window of four micro-batches replays three graphs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from l2lightning.replay_closure import is_stock_closure
+from lightning.pytorch.loops.optimization.automatic import Closure
+
+from l2lightning.replay_closure import lightning_closure
 
 
 @dataclass(frozen=True)
 class Accumulation:
-    """A closing step's accumulation: the factor Lightning divides the loss by, whether it adds to
-    gradients earlier micro-batches left, and (if so) which parameters hold such gradients."""
+    """A step's accumulation: the factor Lightning divides the loss by, whether it adds to gradients
+    earlier micro-batches left, (if so) which parameters hold such gradients, and whether it closes
+    its window with the optimizer step (an accumulating micro-batch does not)."""
 
     factor: int = 1
     adds: bool = False
     holding: tuple[bool, ...] = ()
+    closes: bool = True
+
+    @property
+    def role(self) -> tuple[bool, bool]:
+        """Which graph of the fit serves this step (l2lightning.graph_slots): the factor and which
+        parameters hold a sum may change within one graph's life; the role never does."""
+        return (self.adds, self.closes)
 
     def describe(self) -> str:
         if self.factor == 1:
             return "no accumulation"
-        if not self.adds:
-            return f"accumulate_grad_batches={self.factor}, the window's first micro-batch"
-        return f"accumulate_grad_batches={self.factor}, adding to the accumulated gradients"
+        what = "the window's first micro-batch" if not self.adds else "adding to the accumulated gradients"
+        if not self.closes:
+            what = f"an accumulating micro-batch, {what}"
+        return f"accumulate_grad_batches={self.factor}, {what}"
 
 
 PLAIN = Accumulation()
 
 
 def accumulation_of(trainer: Any, closure: Any, module: Any) -> Accumulation | str:
-    """This optimizer step's :class:`Accumulation`, or why it cannot be told (the step trains eagerly)."""
+    """This step's :class:`Accumulation` (an optimizer step's, or an accumulating micro-batch's whose
+    `closure` is a :class:`MicroBatchStep`), or why it cannot be told (the step trains eagerly)."""
+    closes = not isinstance(closure, MicroBatchStep)
     factor = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-    if factor == 1:
+    if factor == 1 and closes:
         return PLAIN
     params = tuple(module.parameters())
-    if not is_stock_closure(closure):
+    inner = lightning_closure(closure)
+    if inner is None:
         return (
             f"gradient accumulation (accumulate_grad_batches={factor}) through another closure than "
             "Lightning's: whether the step adds to accumulated gradients cannot be told"
         )
-    inner = closure.args[2]
     if inner._backward_fn is None:
         return f"gradient accumulation (accumulate_grad_batches={factor}) with the backward skipped"
     if inner._zero_grad_fn is not None:
-        return Accumulation(factor, False)
+        return Accumulation(factor, False, closes=closes)
     holding = tuple(p.grad is not None for p in params)
     for p in params:
         if p.grad is not None and (p.grad.is_sparse or p._post_accumulate_grad_hooks):
@@ -71,7 +93,89 @@ def accumulation_of(trainer: Any, closure: Any, module: Any) -> Accumulation | s
                 f"gradient accumulation (accumulate_grad_batches={factor}) with sparse gradients or "
                 "`register_post_accumulate_grad_hook` hooks is not captured"
             )
-    return Accumulation(factor, True, holding)
+    return Accumulation(factor, True, holding, closes)
+
+
+def role_of(trainer: Any, closure: Any) -> tuple[bool, bool]:
+    """The :attr:`Accumulation.role` of the step `closure` runs, as :func:`accumulation_of` would tell
+    it (where that says the step trains eagerly, any role: no graph of it replays), without reading
+    the parameters: asked before every step."""
+    closes = not isinstance(closure, MicroBatchStep)
+    if closes and int(getattr(trainer, "accumulate_grad_batches", 1) or 1) == 1:
+        return PLAIN.role
+    inner = lightning_closure(closure)
+    return (inner is not None and inner._zero_grad_fn is None, closes)
+
+
+class MicroBatchStep:
+    """An accumulating micro-batch's closure as the callback's step runs it: each call runs
+    Lightning's closure once (training step, zero_grad on a window's first micro-batch, backward),
+    with no optimizer update. The callback's step calls it as an optimizer calls its closure."""
+
+    def __init__(self, closure: Closure) -> None:
+        self.closure = closure
+
+    def __call__(self) -> Any:
+        return Closure.__call__(self.closure)
+
+
+def run_micro_batch(closure: MicroBatchStep, **kwargs: Any) -> Any:
+    """An accumulating micro-batch's eager step: its closure, as Lightning calls it (no optimizer step)."""
+    return closure()
+
+
+class _HandedClosure(Closure):
+    """Lightning's closure of an accumulating micro-batch, whose call the callback handles."""
+
+    def __init__(self, made: Closure, handle: Callable[[MicroBatchStep], Any]) -> None:
+        super().__init__(made._step_fn, made._backward_fn, made._zero_grad_fn)
+        self._handle = handle
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:  # not how Lightning calls it: run it as Lightning's own would
+            return super().__call__(*args, **kwargs)
+        return self._handle(MicroBatchStep(self))
+
+
+class MicroBatchClosures:
+    """Hands the closures of a Trainer's accumulating micro-batches to the callback (`handle`).
+
+    Lightning's automatic optimization makes one closure per batch (``_make_closure``) and calls an
+    accumulating micro-batch's closure itself; the instance attribute set here on this Trainer's
+    loop (not its class) wraps that factory for this fit, and :meth:`uninstall` removes it.
+    """
+
+    def __init__(self, trainer: Any, handle: Callable[[MicroBatchStep], Any]) -> None:
+        self._loop = None
+        self._previous: Any = None
+        loop = getattr(
+            getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "automatic_optimization", None
+        )
+        make = getattr(loop, "_make_closure", None)
+        if make is None or getattr(trainer.strategy, "handles_gradient_accumulation", False):
+            return  # another Lightning, or a strategy that steps every micro-batch: nothing handed over
+        self._loop, self._previous = loop, vars(loop).get("_make_closure")
+
+        def make_closure(*args: Any, **kwargs: Any) -> Any:
+            closure = make(*args, **kwargs)
+            if type(closure) is Closure and trainer.fit_loop._should_accumulate():
+                return _HandedClosure(closure, handle)
+            return closure
+
+        loop._make_closure = make_closure
+
+    @property
+    def installed(self) -> bool:
+        return self._loop is not None
+
+    def uninstall(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if self._previous is None:
+            vars(loop).pop("_make_closure", None)
+        else:
+            loop._make_closure = self._previous
 
 
 class AccumulatedGrads:

@@ -54,12 +54,14 @@ from typing_extensions import override
 
 from l2lightning import check_kernels
 from l2lightning._env import cuda_unavailable_reason
+from l2lightning.accumulation import MicroBatchClosures, MicroBatchStep, role_of, run_micro_batch
 from l2lightning.amp_step import ScaledStep, grad_scaler_of, run_through, scaled_step_refusal, unfused_refusal
 from l2lightning.batch_reads import BatchReads, batch_reads
 from l2lightning.called_code import analyse_called_code
 from l2lightning.capture import StaticBatch
 from l2lightning.fit_report import FitReport, _NoPhaseEvents, _Timing
 from l2lightning.grad_norm_reads import GradNormNames
+from l2lightning.graph_slots import GraphSlots, fresh_state
 from l2lightning.joined_optimizers import CapturableOptimizers, intercept_all, members_of, optimizer_names
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.manual_step import (
@@ -84,14 +86,14 @@ from l2lightning.optim import (
 from l2lightning.prefetch.plan import PrefetchPlan
 from l2lightning.prefetch_setup import PrefetchSetup
 from l2lightning.progress_bar_reads import defer_progress_bar_reads
-from l2lightning.replay_check import CHECK_SHARE, CheckSchedule, ReplayCheckReport
+from l2lightning.replay_check import CHECK_SHARE, ReplayCheckReport
 from l2lightning.replay_closure import CLOSURE_HOOKS, ReplayClosure, why_not_fast
 from l2lightning.rng import watch_cuda_state_setters
 from l2lightning.scheduler_steps import ReissuedSchedulerStep
 from l2lightning.step_capture import StepCapture, _Graph
 from l2lightning.step_decision import StepDecision
 from l2lightning.step_dispatch import StepDispatch
-from l2lightning.step_gate import GATE_PAIRS, StepGate, StepGateResult
+from l2lightning.step_gate import GATE_PAIRS, StepGateResult
 from l2lightning.step_overrides import ABSENT, StepOverrides, forwarding, presenting_signature_of, put_back
 from l2lightning.step_source import StepSource, analyse, analyse_callbacks
 from l2lightning.step_trace import (
@@ -313,7 +315,17 @@ class L2GraphCallback(
         self.fallback_steps = 0
         self.captures = 0
         self.replay_check = ReplayCheckReport(mode=str(self.verify) if self.verify else "off")
-        self._check_schedule = CheckSchedule(self.check_share)
+        # What the callback keeps per captured graph (its replays, check schedule, re-capture state, ...):
+        # the attributes of the graph serving the current step; with gradient accumulation, one graph per
+        # role of a micro-batch, the others' parked (l2lightning.graph_slots)
+        for name, value in fresh_state(self.check_share).items():
+            setattr(self, name, value)
+        self._slots = GraphSlots()
+        # Lightning's closures of accumulating micro-batches, handed to _micro_batch_step (on_train_start)
+        self._micro_batches: MicroBatchClosures | None = None
+        # captures whose graph steps the optimizer (not an accumulating micro-batch's)
+        self._stepping_captures = 0
+        self._captured_roles: set[tuple[bool, bool]] = set()  # the accumulation roles with a graph (summary)
         self._fit_started_at: float | None = None  # perf_counter at the training start: the check's budget
         self._check_on = self.verify == "sampled"
         self._record_output = False  # the checked step's eager training_step output is kept (_checked_output)
@@ -353,7 +365,6 @@ class L2GraphCallback(
         self._kept_optimizer: CapturableOptimizer | CapturableOptimizers | None = None
         self._owns_optimizer = False
         self._nan_patched: list[Any] = []
-        self._graph: _Graph | None = None
         self._flags: ModuleFlags | None = None  # the module's train()/requires_grad flags, read per replay
         self._groups: dict[tuple, _Group] = {}
         self._baked_history: list[Any] = []  # the optimizer's baked hyperparameters at each warm-up step
@@ -368,7 +379,6 @@ class L2GraphCallback(
         self._pending_tensors: list[torch.Tensor] = []  # the pending batch flattened (by _decide)
         self._in_step = False
         self._reissued: set[str] = set()
-        self._recapture_streak = 0
         # the wall seconds of the last capture (its tuning and what only a first capture spends apart),
         # and the replay time the eager steps since a change have forgone: a re-capture waits until the
         # second reaches the first
@@ -377,23 +387,12 @@ class L2GraphCallback(
         self._recaptures = 0  # captures after the fit's first (the gate's second capture included)
         self._last_recapture_s: float | None = None  # the wall seconds of the last of them
         self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
-        self._rented_s = 0.0
-        self._rental_factor = 1  # doubled for each stale graph whose replays saved less than its capture cost
-        self._replays_since_capture = 0  # replays of the current graph, checked ones included
-        # why the next step captures again after this one ran eagerly (new optimizer state to make eagerly)
-        self._recapture_next: str | None = None
-        self._other_branch: tuple[Any, int] = (None, 0)  # a branch key other than the graph's, and its run
-        self._live_log_values: set[str] = set()
         self._eager_hooks: set[str] = set()
-        # whether the capture now awaited follows a capture after a change that failed on the step's
-        # Python state, and warmed up again instead of ending the capture (StepCapture)
-        self._warmed_up_again = False
         # a traced step's gradient tensors as it starts, by parameter: its backward must not add to them
         self._grads_before_step: dict[int, Any] = {}
         # per hook name, what its functions' code may write (l2lightning.hook_writes), read once a fit
         self._hook_writes: dict[str, list[str]] = {}
         self._grad_norm_names = GradNormNames()  # where those hooks find Lightning's grad_norm
-        self._memo: list[tuple[str, Any]] = []
         self._originals: dict[str, Any] = {}
         self._capture_graph: _Graph | None = None
         self._source = StepSource()
@@ -424,9 +423,8 @@ class L2GraphCallback(
         self._compile_pending = False  # compile=True: the next step compiles (and is timed as compile_s)
         # no prefetch for the rest of this fit: tuning ran out of memory, or the whole-step gate said no
         self._prefetch_failed = False
-        # The whole-step gate's trial (both graphs and their replay times), whose turn this replay is,
-        # whether the capture under way is the trial's step without prefetch, and the verdict.
-        self._gate: StepGate | None = None
+        # The whole-step gate's trial (_gate, per graph: both graphs and their replay times), whose turn
+        # this replay is, whether the capture under way is the trial's step without prefetch, and the verdict.
         self._gate_turn: str | None = None
         self._gate_capturing = False
         self._gate_result: StepGateResult | None = None
@@ -462,6 +460,7 @@ class L2GraphCallback(
             "capture_step": self.capture_step,
             "capturable_from_step": self.capturable_from_step,
             "captures": self.captures,
+            "graphs": len(self._captured_roles),
             "eager_step_ms": eager_ms,
             "graph_step_ms": graph_ms,
             "replay_speedup": (eager_ms / graph_ms) if eager_ms and graph_ms else None,
@@ -498,6 +497,7 @@ class L2GraphCallback(
         self._graph = None
         self._gate = None
         self._gate_turn = None
+        self._slots.clear()  # the graphs of the other accumulation roles
         self._release_optimizer()
 
     def _capturable_stretch(self) -> str:
@@ -505,7 +505,7 @@ class L2GraphCallback(
         wrapped = self._optimizer
         if wrapped is None or not self._owns_optimizer or not wrapped.switched:
             return ""
-        if not (self.captures or self._resumed_switched):
+        if not (self._stepping_captures or self._resumed_switched):
             return ""  # a capture that failed: the optimizer goes back to the user's configuration
         name = optimizer_names(wrapped)
         runs = "run" if isinstance(wrapped, CapturableOptimizers) else "runs"
@@ -528,11 +528,11 @@ class L2GraphCallback(
             return
         wrapped.handler = None
         if self._owns_optimizer:
-            if wrapped.switched and (self.captures or self._resumed_switched) and not fit_ends:
+            if wrapped.switched and (self._stepping_captures or self._resumed_switched) and not fit_ends:
                 self._kept_optimizer = wrapped  # released at the fit's end (_cleanup)
             else:
                 wrapped.release()
-                if not self.captures:  # switched for a capture that failed: the fit stayed plain
+                if not self._stepping_captures:  # switched for a capture that failed: the fit stayed plain
                     self.capturable_from_step = None
         for metric in self._nan_patched:
             if "_cast_and_nan_check_input" in vars(metric):
@@ -671,9 +671,13 @@ class L2GraphCallback(
         if self._manual is not None:
             self._manual.schedulers.uninstall()
         self._manual = None
+        if self._micro_batches is not None:
+            self._micro_batches.uninstall()
+            self._micro_batches = None
         self._graph = None
         self._gate = None
         self._gate_turn = None
+        self._slots.clear()
         if self._flags is not None:
             self._flags.close()
             self._flags = None
@@ -818,7 +822,7 @@ class L2GraphCallback(
                     "which a manual step's `manual_backward` needs); capturing the graph without it.",
                 )
         elif scaler is None:
-            wrapped.handler = self._step
+            wrapped.handler = self._optimizer_step
         else:
             # the whole step (closure, scaler.step, scaler.update) is handled at the precision plugin;
             # the optimizer's step inside it runs as it is
@@ -831,6 +835,9 @@ class L2GraphCallback(
             )
             self._scaled.install()
             wrapped.handler = run_through
+        if self._manual is None:
+            # accumulating micro-batches, whose closures Lightning calls itself, are steps of the callback too
+            self._micro_batches = MicroBatchClosures(trainer, self._micro_batch_step)
         resumed, self._resumed_capturable_from = self._resumed_capturable_from, None
         if resumed is not None and trainer.global_step >= resumed:
             wrapped.switch_on()  # resumed after the capture step: the configuration the fit had there
@@ -857,9 +864,27 @@ class L2GraphCallback(
                 "the other branch",
             )
 
+    def _optimizer_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """The capturable optimizer's handler: the callback's step, on the graph of its accumulation role."""
+        self._enter_role(closure)
+        return self._step(run, closure, kwargs)
+
+    def _micro_batch_step(self, step: MicroBatchStep) -> Any:
+        """An accumulating micro-batch (its closure, which Lightning calls itself): the callback's step
+        without an optimizer update, on the graph of its role (l2lightning.accumulation)."""
+        if self._optimizer is None or self._in_step:  # given up on (or inside a step): as Lightning runs it
+            return step()
+        self._enter_role(step)
+        return self._step(run_micro_batch, step, {})
+
+    def _enter_role(self, closure: Any) -> None:
+        """The per-graph state of the graph that serves this step (l2lightning.graph_slots)."""
+        self._slots.enter(self, role_of(self._trainer, closure))
+
     def _scaled_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """The step under a GradScaler (:class:`~l2lightning.amp_step.ScaledStep`'s handler): the
         callback's step, with what the graph holds of the scaler kept in view."""
+        self._enter_role(closure)
         scaled = self._scaled
         if self._graph is not None and self._recapture_next is None:
             changes = scaled.baked_changes()
@@ -949,7 +974,7 @@ class L2GraphCallback(
         forward's state back at every backward), which the step tracer judges."""
         if self._in_step:
             return
-        self._check_schedule.after(f"a call of `torch.cuda.{name}`")
+        self._checks_after(f"a call of `torch.cuda.{name}`")
         if self._hidden_random is not None and not self._check_on and self._graph is not None:
             # plain Lightning's next nn.LSTM/GRU call re-seeds cuDNN's dropout state after this; a replay
             # never calls it, and without the sampled check no replay is compared: train eagerly
@@ -962,14 +987,19 @@ class L2GraphCallback(
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._check_schedule.after("an epoch start")
+        self._checks_after("an epoch start")
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._check_schedule.after("a validation loop")
+        self._checks_after("a validation loop")
 
     @override
     def on_load_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._check_schedule.after("a checkpoint load")
+        self._checks_after("a checkpoint load")
+
+    def _checks_after(self, event: str) -> None:
+        """The next replay of every graph is checked (an event may have changed what the step reads)."""
+        for schedule in self._slots.schedules(self):
+            schedule.after(event)

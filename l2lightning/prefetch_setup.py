@@ -135,6 +135,8 @@ class PrefetchSetup:
             or not hooks.enabled
             or getattr(hooks, "via", "hooks") != "hooks"  # compile=True: custom-op points, no scope
             or not any(row.get("forward") or row.get("backward") for row in self.plans)
+            # another accumulation role's graph, captured with the plans, would keep them whatever the trial says
+            or bool(self._slots.parked_graphs())
         )
 
     def _start_gate(self, graph: _Graph) -> None:

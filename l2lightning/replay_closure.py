@@ -93,6 +93,16 @@ def is_stock_closure(closure: Any) -> bool:
     )
 
 
+def lightning_closure(closure: Any) -> Closure | None:
+    """Lightning's ``Closure`` inside what the callback's step got: an optimizer step's (wrapped by the
+    precision plugin, :func:`is_stock_closure`) or an accumulating micro-batch's (the
+    ``l2lightning.accumulation.MicroBatchStep`` holding it); None for any other closure."""
+    if is_stock_closure(closure):
+        return closure.args[2]
+    inner = getattr(closure, "closure", None)  # (a Closure's own `closure` is its method: None below)
+    return inner if isinstance(inner, Closure) else None
+
+
 def zero_grad_progress(trainer: Any) -> Any:
     """Automatic optimization's ``zero_grad`` progress counters (saved in checkpoints under ``loops``)."""
     return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
@@ -104,9 +114,10 @@ def one_closure_count(trainer: Any, closure: Any) -> Iterator[None]:
 
     The capture step runs the step's closure more than once (the verify step, the capture, the
     replay that performs the update); an eager step runs it once, and the counters a checkpoint
-    saves must read the same. Only for the stock closure, whose ``zero_grad_fn`` is known.
+    saves must read the same. Only for Lightning's closure, whose ``zero_grad_fn`` is known.
     """
-    if trainer is None or not is_stock_closure(closure):
+    inner = lightning_closure(closure)
+    if trainer is None or inner is None:
         yield
         return
     progress = zero_grad_progress(trainer)
@@ -115,7 +126,7 @@ def one_closure_count(trainer: Any, closure: Any) -> Iterator[None]:
         yield
     finally:
         progress.load_state_dict(before)
-        if closure.args[2]._zero_grad_fn is not None:
+        if inner._zero_grad_fn is not None:
             progress.increment_ready()
             progress.increment_started()
             progress.increment_completed()

@@ -207,9 +207,12 @@ class StepCapture:
         group = self._groups.get(key)
         batch, batch_idx = self._pending
         # The steps before ran the user's configuration, so that a fit refused before its capture is
-        # plain Lightning bit for bit; from here on the optimizer is capturable.
-        switching = not wrapped.switched
-        wrapped.switch_on()
+        # plain Lightning bit for bit; from here on the optimizer is capturable. (Not for an accumulating
+        # micro-batch's graph, which makes no optimizer step: its closing micro-batch's capture switches it.)
+        closes = key[0][1].closes
+        switching = closes and not wrapped.switched
+        if switching:
+            wrapped.switch_on()
         if switching and self.capturable_from_step is None:
             self.capturable_from_step = int(self._trainer.global_step)
         operands = self._operand_scalars(gate_capture, batch_idx)
@@ -397,7 +400,7 @@ class StepCapture:
             # rather than train the rest of the fit eagerly
             warm_up_again = (
                 isinstance(exc, _PythonChangedInCapture)
-                and self.captures > 0
+                and self._captures_here > 0
                 and not gate_capture
                 and not self._warmed_up_again
             )
@@ -491,9 +494,15 @@ class StepCapture:
         graph.generation = self._flags.generation
         if binding is not None:
             binding.finish_capture()
-        wrapped.mark_captured()
+        if (
+            closes
+        ):  # what the graph's optimizer step bakes in and updates (an accumulating micro-batch's: nothing)
+            wrapped.mark_captured()
+            self._stepping_captures += 1
         self._graph = graph
         self.captures += 1
+        self._captures_here += 1
+        self._captured_roles.add(key[0][1].role)
         self._warmed_up_again = False  # a later capture may warm up again once itself
         if gate_capture:
             self._gate.graphs["off"] = graph
@@ -503,7 +512,10 @@ class StepCapture:
             self._replays_since_capture = 0  # what the re-capture wait weighs against its cost
             self._start_gate(graph)
         self._captured = True
-        self._groups = {}  # the traces and their host copies are not needed any more
+        # the traces and their host copies are not needed any more: this role's (another accumulation
+        # role's warm-up goes on)
+        role = key[0][1].role
+        self._groups = {k: g for k, g in self._groups.items() if k[0][1].role != role}
         # The capture recorded but did not run the step: this replay is the step's real update. Then
         # the closure again, in replay mode, so Lightning keeps fresh outputs and the logs are issued.
         graph.graph.replay()

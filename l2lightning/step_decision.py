@@ -78,8 +78,9 @@ class StepDecision:
             return "eager"
         trainer, module = self._trainer, self._module
         batch, batch_idx = self._pending
-        # Lightning's accumulation state: a closing micro-batch that adds to the gradients the earlier
-        # ones left is a graph of its own (l2lightning.accumulation), the factor in its key
+        # Lightning's accumulation state: an accumulating micro-batch, and a closing one that adds to the
+        # gradients the earlier ones left, are graphs of their own (l2lightning.accumulation), the factor
+        # in their key; _enter_role made this role's graph the current one (l2lightning.graph_slots)
         accumulation = accumulation_of(trainer, self._step_closure, module)
         if isinstance(accumulation, str):
             self._fall_back(accumulation)
@@ -98,6 +99,12 @@ class StepDecision:
         graph = self._graph
         if graph is None:
             decision = self._warmup_decision(key)
+            if decision == "capture" and self._slots.gate_elsewhere():
+                # captured once the trial has chosen whether the fit's graphs prefetch
+                self._fall_back(
+                    f"{accumulation.describe()}: waiting for the whole-step gate's trial on another graph"
+                )
+                return "eager"
             if decision == "capture" and (problem := self._too_large_to_compare()):
                 self._disable(problem)
                 return "eager"
@@ -116,8 +123,8 @@ class StepDecision:
                         f"gradient accumulation changed and stayed changed ({key[0][1].describe()})"
                     )
                 self._fall_back(
-                    f"gradient accumulation ({key[0][1].describe()}) other than the captured closing "
-                    f"micro-batch's ({graph.key[0][1].describe()})"
+                    f"gradient accumulation ({key[0][1].describe()}) other than the captured graph's "
+                    f"({graph.key[0][1].describe()})"
                 )
                 return "eager"
             if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
@@ -140,7 +147,8 @@ class StepDecision:
             cause, self._recapture_next = self._recapture_next, None
             return self._recapture(cause)
         flags = self._module_flags()
-        replaced = self._optimizer.state_replaced()
+        # an accumulating micro-batch's graph neither reads nor writes the optimizer's state
+        replaced = self._optimizer.state_replaced() if accumulation.closes else None
         if replaced:
             # the graph updates the old state tensors: this step makes the new state eagerly
             self._recapture_next = f"{replaced} since capture"
@@ -166,7 +174,7 @@ class StepDecision:
                     f"assigned to the instance: {_first_names(changed)}; a replay runs the captured code)"
                 )
             return self._recapture("modules' `train()`/`eval()` mode changed since capture")
-        changes = self._optimizer.baked_changes()
+        changes = self._optimizer.baked_changes() if accumulation.closes else None
         if changes:
             return self._recapture(f"the optimizer's {', '.join(changes)} (baked into the graph)")
         if graph.hooks is not None and graph.hooks.changed(module):
@@ -262,7 +270,7 @@ class StepDecision:
             started = self._fit_started_at
             elapsed = time.perf_counter() - started if started is not None else float("inf")
             why = self._check_schedule.due(self.replay_check.seconds, elapsed)
-            self.replay_check.deferred = self._check_schedule.deferred
+            self.replay_check.deferred = self._slots.deferred(self)
             if fresh:
                 # the eager step from the same state judges the new value (one check for it and any
                 # check the schedule had due: its count of replays moves on as at any replay)
@@ -325,7 +333,7 @@ class StepDecision:
         measured on the device (CUDA events of warm-up steps and replays): without them the step is
         captured again at once.
         """
-        if not self.recapture_wait or self.captures == 0:
+        if not self.recapture_wait or self._captures_here == 0:
             return False
         if self._rented_s > 0.0:
             # A step of a wait under way: its saving per step was fixed at the wait's start (the

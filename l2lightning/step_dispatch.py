@@ -74,7 +74,7 @@ class StepDispatch:
             return self._timed_step(run, closure, kwargs)
         if mode == "capture":
             started, tuned = time.perf_counter(), self._cost_s["tuning_s"]
-            again = self.captures > 0  # a capture after the fit's first: what a re-capture costs
+            again = self._captures_here > 0  # a capture after this graph's first: what a re-capture costs
             self._capture_once_s = 0.0
             try:
                 return self._capture_step(run, closure, kwargs)

@@ -89,7 +89,8 @@ class WarmupSteps:
 
     def _warmup_decision(self, key: tuple) -> str:
         group = self._groups.setdefault(key, _Group())
-        self._baked_history.append(self._optimizer.baked_snapshot())
+        if key[0][1].closes:  # (an accumulating micro-batch's graph bakes no hyperparameter)
+            self._baked_history.append(self._optimizer.baked_snapshot())
         traced_needed = max(1, self.warmup_steps - 1)
         if len(group.traces) < traced_needed:
             if self._traced_steps >= MAX_TRACED_STEPS:

@@ -1920,8 +1920,8 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             AccumulateBF16DecayGroups,
             _reg_loader,
             "capture",
-            "each window's closing micro-batch replays a graph that adds the gradients the eager "
-            "accumulating micro-batches left; AdamW's two weight-decay groups live in one capturable step",
+            "every micro-batch replays a graph of its role (the window's first, the adding ones, the "
+            "closing one that steps); AdamW's two weight-decay groups live in one capturable step",
             trainer_kwargs=_steps(accumulate_grad_batches=4, precision="bf16-mixed"),
         ),
     ]

@@ -1,9 +1,9 @@
 """Gradient accumulation (``accumulate_grad_batches``) captured, on the CPU graph emulator.
 
-The closing micro-batch of each window is replayed from a graph that adds the gradients the eager
-accumulating micro-batches left (l2lightning.accumulation); each fit is compared bit for bit with
-its baseline: every micro-batch's loss and logged values, the parameters and the optimizer's state,
-Lightning's loop progress.
+Every micro-batch is replayed from a graph of its role (l2lightning.accumulation, graph_slots): a
+window's first zeroes and makes the gradients, the next ones add to them, the closing one adds and
+steps the optimizer. Each fit is compared bit for bit with its baseline: every micro-batch's loss and
+logged values, the parameters and the optimizer's state, Lightning's loop progress.
 """
 
 from __future__ import annotations
@@ -52,11 +52,16 @@ def accumulated_pair(
 
 
 @pytest.mark.parametrize("factor", [2, 4])
-def test_accumulation_captures_the_closing_micro_batch_bitwise_the_baseline(factor):
+def test_accumulation_captures_every_micro_batch_bitwise_the_baseline(factor):
     base, run, cb = accumulated_pair(factor=factor, steps=30, fused=True)
     s = cb.summary()
-    assert s["captured"] and s["captures"] == 1, s
-    assert emu.FakeGraph.replays > 15
+    # a graph per role: the window's first micro-batch, (factor 4) the adding ones, the closing one
+    assert (
+        s["captured"] and s["captures"] == s["graphs"] == (2 if factor == 2 else 3) and s["recaptures"] == 0
+    ), s
+    # 30 optimizer steps of `factor` micro-batches: all but the warm-up's replayed (or checked)
+    assert emu.FakeGraph.replays + s["replay_check"]["checks"] > 30 * factor - 16, s
+    assert s["fallback_steps"] == 0, s
     assert s["replay_check"]["checks"] >= 1 and s["replay_check"]["mismatches"] == 0, s["replay_check"]
     assert run[2].global_step == base[2].global_step == 30
     # every micro-batch's loss and logs, as in plain Lightning (an epoch of 30 ends on a shorter window)
@@ -201,5 +206,101 @@ def test_a_post_accumulate_grad_hook_trains_the_closing_micro_batches_eagerly_by
 
     with pytest.warns(UserWarning, match="register_post_accumulate_grad_hook"):
         base, run, cb = accumulated_pair(PostAccumulate, factor=2, fused=True)
-    assert not cb.summary()["captured"], cb.summary()
+    s = cb.summary()
+    # the window's first micro-batch makes the gradients afresh (the hook reads no sum there): captured
+    assert s["captured"] and s["captures"] == 1, s
+    assert s["fallback_steps"] >= 29 and any(
+        "register_post_accumulate_grad_hook" in c for c in s["fallback_causes"]
+    ), s
     assert_same_state(base, run)
+
+
+class ScaledByAnEpochHook(TinyMLP):
+    """A loss scale the epoch hook changes: every graph reads it as a baked number (device scalars off),
+    so each role's graph is captured again at each change, as a fit without accumulation is."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.scale = 1.0
+
+    def on_train_epoch_start(self):
+        self.scale = 1.0 + 0.5 * self.current_epoch
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.scale
+
+
+def test_a_changed_number_captures_each_roles_graph_again_bitwise_the_baseline():
+    # 30 batches an epoch, factor 3: ten windows of (first, adding, closing) micro-batches per epoch
+    base, run, cb = accumulated_pair(
+        ScaledByAnEpochHook,
+        factor=3,
+        steps=-1,
+        trainer_kwargs={"max_epochs": 3},
+        callback_kwargs={"operand_scalars": False, "recapture_wait": False},
+        fused=True,
+    )
+    s = cb.summary()
+    assert s["captures"] == 3 * 3 and s["recaptures"] == 2 * 3, s  # three roles, three epochs
+    assert_same_state(base, run)
+
+
+def test_the_first_replay_of_each_roles_graph_is_checked():
+    cb = callback()  # the default check share: the first replay of each capture is always checked
+    fit(TinyMLP, [cb], steps=20, trainer_kwargs={"accumulate_grad_batches": 4}, fused=True)
+    s = cb.summary()
+    assert s["captures"] == 3, s
+    # replay 1 of each capture is always checked (counted among the power-of-two replays)
+    assert s["replay_check"]["reasons"].get("a power-of-two replay of its capture", 0) >= 3, s["replay_check"]
+
+
+def test_an_epoch_start_checks_the_next_replay_of_every_roles_graph():
+    cb = callback()
+    fit(
+        TinyMLP,
+        [cb],
+        steps=-1,
+        n=96,
+        trainer_kwargs={"accumulate_grad_batches": 2, "max_epochs": 3},
+        fused=True,
+    )
+    reasons = cb.summary()["replay_check"]["reasons"]
+    # epochs 2 and 3: the first replay of each of the two graphs after the epoch start
+    assert reasons.get("the first replay after an epoch start", 0) == 2 * 2, reasons
+
+
+def test_the_micro_batch_closures_go_back_to_lightnings_when_the_fit_ends():
+    cb = callback()
+    _, _, trainer = fit(TinyMLP, [cb], steps=10, trainer_kwargs={"accumulate_grad_batches": 2}, fused=True)
+    assert cb.summary()["captures"] == 2, cb.summary()
+    loop = trainer.fit_loop.epoch_loop.automatic_optimization
+    assert "_make_closure" not in vars(loop)  # the class's own method again
+
+
+def test_role_of_tells_what_accumulation_of_tells():
+    import functools
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loops.optimization.automatic import Closure
+    from lightning.pytorch.plugins.precision import Precision
+
+    from l2lightning.accumulation import MicroBatchStep, accumulation_of, role_of
+
+    def stock_closure(inner):  # what automatic optimization hands optimizer.step
+        return functools.partial(Precision()._wrap_closure, "model", "optimizer", inner)
+
+    module = torch.nn.Linear(2, 2)
+    module.weight.grad = torch.zeros(2, 2)
+
+    def step():
+        return None
+
+    for factor in (1, 2, 4):
+        trainer = SimpleNamespace(accumulate_grad_batches=factor)
+        for zero_grad in (None, step):
+            inner = Closure(step, backward_fn=lambda loss: None, zero_grad_fn=zero_grad)
+            for closure in (stock_closure(inner), MicroBatchStep(inner)):
+                if factor == 1 and isinstance(closure, MicroBatchStep):
+                    continue  # no micro-batch accumulates without accumulation
+                told = accumulation_of(trainer, closure, module)
+                assert role_of(trainer, closure) == told.role, (factor, zero_grad, closure)

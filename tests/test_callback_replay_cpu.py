@@ -856,13 +856,14 @@ def test_onecycle_adamw_cycling_its_betas_is_refused_naming_the_option_that_keep
     assert_same(base, run)
 
 
-def test_gradient_accumulation_scheduler_steps_run_eagerly_and_match():
+def test_a_gradient_accumulation_scheduler_gets_a_graph_per_role_and_matches():
     kw = dict(steps=-1, n=64, trainer_kwargs={"max_epochs": 3})
     base = fit(baseline_of(TinyMLP), [GradientAccumulationScheduler({0: 1, 1: 2})], **kw)
     cb = callback()
-    with pytest.warns(UserWarning, match="gradient accumulation"):
-        run = fit(TinyMLP, [cb, GradientAccumulationScheduler({0: 1, 1: 2})], **kw)
+    run = fit(TinyMLP, [cb, GradientAccumulationScheduler({0: 1, 1: 2})], **kw)
     assert run[2].global_step == base[2].global_step
+    # the plain step's graph (factor 1), then the window's first and the closing micro-batch's (factor 2)
+    assert cb.summary()["graphs"] == 3, cb.summary()
     assert_same(base, run)
 
 

@@ -1,7 +1,8 @@
 """GPU: gradient accumulation captured, bit-identical to its eager baseline.
 
-Each window's closing micro-batch replays a graph that adds the gradients the eager accumulating
-micro-batches left (``l2lightning.accumulation``); every micro-batch's loss and logged values, the
+Every micro-batch replays a graph of its role (``l2lightning.accumulation``, ``graph_slots``): a
+window's first makes the gradients, the next ones add to them, the closing one adds and steps the
+optimizer. Every micro-batch's loss and logged values, the
 parameters and the optimizer's state are compared with the baseline (plain Lightning, switched to
 ``make_capturable``'s configuration at the callback's capture step: ``tests/baselines.py``). Every
 scheduled replay is also checked against its eager step (``check_share=1.0``).
@@ -91,6 +92,10 @@ def test_accumulation_with_fused_adamw_is_captured_bitwise_its_baseline(factor):
     run = fit(TinyMLP, [cb], accumulate_grad_batches=factor)
     base = fit(baseline_of(TinyMLP), [], accumulate_grad_batches=factor)
     assert_captured_and_checked(cb)
+    # a graph per role (the window's first, the adding ones, the closing one), none captured again
+    summary = cb.summary()
+    assert summary["captures"] == (2 if factor == 2 else 3) and summary["recaptures"] == 0, summary
+    assert summary["fallback_steps"] == 0, summary
     assert_same_run(base, run)
 
 
