@@ -162,6 +162,19 @@ class ReplayClosure:
     def __call__(self, trainer: Any, closure: functools.partial) -> Any:
         """What ``closure()`` returns (the step's loss), with its ``ClosureResult`` kept for Lightning."""
         module, optimizer, inner = closure.args
+        loss = self._closure(trainer, module, optimizer, inner)
+        # Precision._wrap_closure, then its _after_closure
+        self._hook(trainer, "on_before_optimizer_step", optimizer)
+        # configure_gradient_clipping: the callback's, a no-op in replay mode (the graph clipped)
+        return loss
+
+    def micro_batch(self, trainer: Any, module: LightningModule, inner: Closure) -> Any:
+        """What an accumulating micro-batch's ``closure()`` returns (Lightning calls it itself, outside
+        the precision plugin's wrapper: no ``on_before_optimizer_step``, no clipping)."""
+        return self._closure(trainer, module, trainer.optimizers[0], inner)
+
+    def _closure(self, trainer: Any, module: LightningModule, optimizer: Any, inner: Closure) -> Any:
+        """Lightning's ``Closure.__call__`` in replay mode: the step's loss, its result kept for Lightning."""
         self._refresh(trainer, module)
         self.calls += 1
         with torch.enable_grad():  # Closure.closure's
@@ -181,9 +194,6 @@ class ReplayClosure:
                 # module.backward: the callback's, a no-op in replay mode
                 self._hook(trainer, "on_after_backward")
         inner._result = step_output
-        # Precision._wrap_closure, then its _after_closure
-        self._hook(trainer, "on_before_optimizer_step", optimizer)
-        # configure_gradient_clipping: the callback's, a no-op in replay mode (the graph clipped)
         return step_output.loss
 
     def _hook(self, trainer: Any, hook: str, *args: Any) -> None:

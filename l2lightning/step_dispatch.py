@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from l2lightning.accumulation import MicroBatchStep
 from l2lightning.capture import clear_cublas_workspaces, loss_of
 from l2lightning.cuda_memory import free_cached_memory
 from l2lightning.replay_check import (
@@ -196,8 +197,11 @@ class StepDispatch:
         self._reissued = set()
         if closure is None:
             return loss_of(graph.output, "training_step")
-        if self._replay_closure is not None and is_stock_closure(closure):
-            return self._replay_closure(self._trainer, closure)
+        if self._replay_closure is not None:
+            if is_stock_closure(closure):
+                return self._replay_closure(self._trainer, closure)
+            if isinstance(closure, MicroBatchStep):
+                return self._replay_closure.micro_batch(self._trainer, self._module, closure.closure)
         return closure()
 
     # ------------------------------------------------------------------ the sampled replay check

@@ -304,3 +304,32 @@ def test_role_of_tells_what_accumulation_of_tells():
                     continue  # no micro-batch accumulates without accumulation
                 told = accumulation_of(trainer, closure, module)
                 assert role_of(trainer, closure) == told.role, (factor, zero_grad, closure)
+
+
+class LogsInClosureHooks(TinyMLP):
+    """The closure's hooks on the module, logging values of the step (a replay re-issues them)."""
+
+    def on_before_zero_grad(self, optimizer):
+        self.log("before_zero_grad", self.head.weight.sum())
+
+    def on_before_backward(self, loss):
+        self.log("before_backward", loss * 2)
+
+    def on_after_backward(self):
+        self.log("grad_after_backward", self.head.weight.grad.norm())
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log("grad_before_step", self.head.weight.grad.norm())
+
+
+def test_replayed_micro_batches_call_the_closures_hooks_as_lightning_does():
+    base, run, cb = accumulated_pair(LogsInClosureHooks, factor=3, fused=True)
+    assert cb.summary()["graphs"] == 3, cb.summary()
+    # the replays' closures ran through the callback's dispatch of the hooks that do something
+    assert cb._replay_closure is not None and cb._replay_closure.calls > 40
+    # every micro-batch's logged values as plain Lightning's: the window's first logs before zero_grad,
+    # every micro-batch before and after backward, the closing one before the optimizer step
+    assert {"before_zero_grad", "before_backward", "grad_after_backward", "grad_before_step"} <= set(
+        run[1].logged[-1]
+    )
+    assert_same_state(base, run)
