@@ -333,3 +333,23 @@ def test_replayed_micro_batches_call_the_closures_hooks_as_lightning_does():
         run[1].logged[-1]
     )
     assert_same_state(base, run)
+
+
+def test_every_kind_of_log_and_a_metric_object_through_the_roles_graphs():
+    """ManyLogs (step and epoch reductions, log_dict, a torchmetrics MeanMetric updated in the step,
+    a per-step LR) with factor 3 over 3 epochs: the metric's state passes from one graph's home
+    tensors to the next's before each replay, and is reset at each epoch's end, as in plain Lightning."""
+    from tests.logging_models import ManyLogs
+
+    base, run, cb = accumulated_pair(
+        ManyLogs, factor=3, steps=-1, trainer_kwargs={"max_epochs": 3}, fused=True
+    )
+    s = cb.summary()
+    assert s["graphs"] == 3 and s["recaptures"] == 0, s
+    assert_same_state(base, run)
+    mean_a, mean_b = base[0].train_mean, run[0].train_mean
+    assert torch.equal(mean_a.mean_value, mean_b.mean_value) and torch.equal(mean_a.weight, mean_b.weight)
+    metrics_a, metrics_b = base[2].callback_metrics, run[2].callback_metrics
+    assert metrics_a.keys() == metrics_b.keys()
+    for key in metrics_a:
+        assert torch.equal(metrics_a[key], metrics_b[key]), key
