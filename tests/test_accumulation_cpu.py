@@ -353,3 +353,25 @@ def test_every_kind_of_log_and_a_metric_object_through_the_roles_graphs():
     assert metrics_a.keys() == metrics_b.keys()
     for key in metrics_a:
         assert torch.equal(metrics_a[key], metrics_b[key]), key
+
+
+def test_lightnings_docs_schedule_of_falling_factors_is_bitwise_the_baseline():
+    """Lightning's training-tricks docs: ``GradientAccumulationScheduler(scheduling={0: 8, 4: 4, 8: 1})``.
+    Each role's graph is captured again once the new factor stays; at factor 1 the plain step's own graph."""
+
+    def schedule():
+        return [GradientAccumulationScheduler(scheduling={0: 8, 4: 4, 8: 1})]
+
+    base, run, cb = accumulated_pair(
+        factor=1,
+        steps=-1,
+        n=128,
+        callbacks=schedule,
+        trainer_kwargs={"max_epochs": 10},
+        callback_kwargs={"recapture_wait": False},
+        fused=True,
+    )
+    assert run[2].global_step == base[2].global_step
+    s = cb.summary()
+    assert s["graphs"] == 4 and s["recaptures"] >= 2, s  # three roles, then the plain step
+    assert_same_state(base, run)
