@@ -494,9 +494,8 @@ class StepCapture:
         graph.generation = self._flags.generation
         if binding is not None:
             binding.finish_capture()
-        if (
-            closes
-        ):  # what the graph's optimizer step bakes in and updates (an accumulating micro-batch's: nothing)
+        if closes:
+            # what the graph's optimizer step bakes in and updates (an accumulating micro-batch's: nothing)
             wrapped.mark_captured()
             self._stepping_captures += 1
         self._graph = graph
