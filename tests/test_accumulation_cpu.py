@@ -375,3 +375,26 @@ def test_lightnings_docs_schedule_of_falling_factors_is_bitwise_the_baseline():
     s = cb.summary()
     assert s["graphs"] == 4 and s["recaptures"] >= 2, s  # three roles, then the plain step
     assert_same_state(base, run)
+
+
+class ReadsTheGradientNormOnTheHost(TinyMLP):
+    """A host read in `on_before_optimizer_step`: only the closing micro-batch's step can't be captured."""
+
+    def on_before_optimizer_step(self, optimizer):
+        _ = self.head.weight.grad.norm().item()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_refused_closing_micro_batch_after_replayed_micro_batches_leaves_the_fit_plain(fused):
+    """Factor 4: the adding micro-batches' graph is captured and replayed before the closing micro-batch's
+    warm-up refuses the fit; no capture switched the optimizer, so the fit is plain Lightning's bit for
+    bit, foreach AdamW included."""
+    kw = {"trainer_kwargs": {"accumulate_grad_batches": 4}, "fused": fused}
+    plain = fit(ReadsTheGradientNormOnTheHost, steps=20, **kw)
+    cb = callback(check_share=1.0)
+    with pytest.warns(UserWarning, match="reading a tensor's value on the host"):
+        run = fit(ReadsTheGradientNormOnTheHost, [cb], steps=20, **kw)
+    s = cb.summary()
+    assert s["captured"] and s["reason"] and s["capturable_from_step"] is None, s
+    assert emu.FakeGraph.replays >= 1  # the adding micro-batches' graph made their update before the refusal
+    assert_same_state(plain, run)
