@@ -62,7 +62,9 @@ class LossRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].detach().clone())
-        self.logged.append(trainer.callback_metrics["train/loss"].detach().clone())
+        logged = trainer.callback_metrics.get("train/loss")  # (a module may log under other names)
+        if logged is not None:
+            self.logged.append(logged.detach().clone())
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.metrics.append({k: v.detach().clone() for k, v in trainer.callback_metrics.items()})
