@@ -388,7 +388,8 @@ class L2GraphCallback(
         self._last_recapture_s: float | None = None  # the wall seconds of the last of them
         self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
         self._eager_hooks: set[str] = set()
-        # a traced step's gradient tensors as it starts, by parameter: its backward must not add to them
+        # a traced step's gradient tensors as it starts (weak references), by parameter: its backward must
+        # not add to them
         self._grads_before_step: dict[int, Any] = {}
         # per hook name, what its functions' code may write (l2lightning.hook_writes), read once a fit
         self._hook_writes: dict[str, list[str]] = {}

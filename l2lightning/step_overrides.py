@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +49,12 @@ class StepOverrides:
             return output
         if mode == "trace":
             # the gradient tensors an earlier step left: a backward of this step must not add to them
-            self._grads_before_step = {id(p): p.grad for p in self._module.parameters() if p.grad is not None}
+            # weak references: a strong one would keep the last step's gradients alive through this step's
+            # backward after `zero_grad` dropped them (a whole set of gradients more than plain training holds:
+            # out of memory on the H100 with 4% to spare, tests/gpu/test_oom_gpu.py)
+            self._grads_before_step = {
+                id(p): weakref.ref(p.grad) for p in self._module.parameters() if p.grad is not None
+            }
         accumulating = self._trainer is not None and self._trainer.accumulate_grad_batches != 1
         if (
             not self._in_step
@@ -154,7 +160,7 @@ class StepOverrides:
         held = [
             (p, p.grad)
             for p in self._module.parameters()
-            if p.grad is not None and before.get(id(p)) is p.grad
+            if p.grad is not None and (ref := before.get(id(p))) is not None and ref() is p.grad
         ]
         if not held:
             return []

@@ -3674,3 +3674,25 @@ def test_adagrad_is_captured_and_bitwise_the_plain_fit():
 
 def test_adagrad_with_a_decaying_lr_trains_eagerly_naming_lr_decay_and_like_plain():
     assert_refused_like_plain(DecayingAdagradMLP, r"Adagrad with `lr_decay` != 0")
+
+
+def test_a_traced_step_does_not_keep_the_last_steps_gradients_alive_through_its_backward():
+    """Lightning's zero_grad drops the last step's gradients before backward; the traced warm-up step
+    must not hold them (a whole set of gradients more than plain training: out of memory on the H100
+    with 4% to spare, tests/gpu/test_oom_gpu.py)."""
+
+    class LastGradients(Callback):
+        def __init__(self):
+            self.refs, self.alive_in_backward = [], []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.refs = [weakref.ref(p.grad) for p in pl_module.parameters() if p.grad is not None]
+
+        def on_after_backward(self, trainer, pl_module):
+            if self.refs:
+                self.alive_in_backward.append(sum(r() is not None for r in self.refs))
+
+    probe = LastGradients()
+    cb = callback()
+    fit(TinyMLP, [cb, probe], steps=3)
+    assert probe.alive_in_backward and not any(probe.alive_in_backward), probe.alive_in_backward
