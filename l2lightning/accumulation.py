@@ -1,30 +1,27 @@
-"""Gradient accumulation: the closing micro-batch's graph adds the gradients the earlier ones left.
+"""Gradient accumulation: every micro-batch a graph of its role, adding to the gradients the earlier ones left.
 
-With ``Trainer(accumulate_grad_batches=N)`` Lightning runs the closure of an accumulating
-micro-batch itself (training step and backward, no ``optimizer.step``), and the closing micro-batch
-through ``optimizer.step`` as any step. Only the closing micro-batch reaches the callback's wrapper:
-the accumulating ones train eagerly, as in a plain fit, and leave their sum in ``p.grad`` (eager
-tensors, allocated anew at each window's ``zero_grad``). The closing step's graph must add its own
-gradients to that sum, as eager backward does (``AccumulateGrad``: ``grad += new``), before
-``on_after_backward``, the clipping and the update read it.
+With ``Trainer(accumulate_grad_batches=N)`` Lightning runs the closure of an accumulating micro-batch
+itself (training step and backward, no ``optimizer.step``), and the closing micro-batch through
+``optimizer.step`` as any step. The closing one reaches the callback through the capturable
+optimizer's wrapper; the accumulating ones through :class:`MicroBatchClosures`, which hands each of
+their closures to the callback (by wrapping the closure factory of this Trainer's
+automatic-optimization loop, nothing global) as a :class:`MicroBatchStep`, whose call is the
+callback's step without an optimizer update.
 
-So a closing step that adds to accumulated gradients gets its own graph kind (:class:`Accumulation`
-in the step's key, with the factor, since Lightning divides the loss by it inside the closure): at
-its capture the accumulated gradients are copied into static tensors (:class:`AccumulatedGrads`),
-the captured backward adds them to the fresh gradients it makes (``new + acc``: IEEE addition
-commutes, so the sum is bitwise eager's ``acc + new``), and before each replay this step's
-accumulated gradients are copied into them. Which step is which comes from Lightning's own state:
-the closure zeroes the gradients (``zero_grad_fn``) exactly on a window's first micro-batch, so a
-closure without it adds to earlier gradients. A window of one micro-batch (an epoch's last, when
-its length is not a multiple of N) zeroes first: a plain step, with the factor in its key.
+A micro-batch's role (:attr:`Accumulation.role`) says which graph serves it: the window's first
+(its closure zeroes the gradients, ``zero_grad_fn``, so its backward makes them afresh), one that
+adds to the sum the earlier ones left, and the closing one that adds and steps the optimizer. Each
+role has a graph of its own (:mod:`l2lightning.graph_slots`): a window of four micro-batches replays
+three graphs. The factor is in the step's key too, since Lightning divides the loss by it inside the
+closure. A window of one micro-batch (an epoch's last, when its length is not a multiple of N)
+zeroes first and steps: a plain step's role, with the factor in its key.
 
-The accumulating micro-batches are graphs too. Lightning calls their closure itself, not through
-``optimizer.step``: :class:`MicroBatchClosures` hands each such closure to the callback instead
-(by wrapping the closure factory of this Trainer's automatic-optimization loop, nothing global), as
-a :class:`MicroBatchStep` whose call is the callback's step without an optimizer update. Their
-:class:`Accumulation` says ``closes=False``: a window's first micro-batch (its closure zeroes the
-gradients) and one that adds to the sum are two more graph kinds, each with its own graph
-(:mod:`l2lightning.graph_slots`), so that a window of four micro-batches replays three graphs.
+A graph that adds must add its own gradients to the sum, as eager backward does (``AccumulateGrad``:
+``grad += new``), before ``on_after_backward``, the clipping and the update read it. At its capture
+the accumulated gradients are copied into static tensors (:class:`AccumulatedGrads`), the captured
+backward adds them to the fresh gradients it makes (``new + acc``: IEEE addition commutes, so the sum
+is bitwise eager's ``acc + new``), and before each replay the sum the last micro-batch left is copied
+into them.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from lightning.pytorch.loops.optimization.automatic import Closure
 
 from l2lightning.replay_closure import lightning_closure
@@ -179,12 +177,15 @@ class MicroBatchClosures:
 
 
 class AccumulatedGrads:
-    """The static tensors a closing step's graph reads the accumulated gradients from."""
+    """The static tensors the graph of a micro-batch that adds to the sum reads the accumulated gradients from."""
 
     def __init__(self, params: tuple) -> None:
         self.params = params
         # copies outside the graph's pool (the capture reads them; each replay's copy writes them)
         self.tensors = tuple(p.grad.detach().clone() if p.grad is not None else None for p in params)
+        # the parameters that hold a sum (the step's key says which), and the tensors their sums go to
+        self._holding = tuple(p for p, acc in zip(params, self.tensors) if acc is not None)
+        self._targets = [acc for acc in self.tensors if acc is not None]
 
     def put_back(self) -> None:
         """The accumulated gradients back in ``p.grad`` (copies: an eager run adds to them in place)."""
@@ -202,7 +203,7 @@ class AccumulatedGrads:
                 p.grad.add_(acc)
 
     def copy_in(self) -> None:
-        """Before a replay: this step's accumulated gradients into the tensors the graph reads."""
-        for p, acc in zip(self.params, self.tensors):
-            if acc is not None:
-                acc.copy_(p.grad)
+        """Before a replay: this step's accumulated gradients into the tensors the graph reads. One
+        foreach copy, not a copy per parameter: it runs before every adding micro-batch's replay."""
+        if self._targets:
+            torch._foreach_copy_(self._targets, [p.grad for p in self._holding])
