@@ -208,6 +208,7 @@ def _plain_summary(summary: dict[str, Any]) -> dict[str, Any]:
         "capture_step",
         "capturable_from_step",
         "captures",
+        "graphs",
         "eager_step_ms",
         "graph_step_ms",
         "replay_speedup",
