@@ -398,3 +398,56 @@ def test_a_refused_closing_micro_batch_after_replayed_micro_batches_leaves_the_f
     assert s["captured"] and s["reason"] and s["capturable_from_step"] is None, s
     assert emu.FakeGraph.replays >= 1  # the adding micro-batches' graph made their update before the refusal
     assert_same_state(plain, run)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--factor", "1"], "--factor must be at least 2 (got 1)"),
+        (["--steps", "0"], "--steps must be positive (got 0)"),
+        (["--only", "no_such_idiom"], "--only: unknown idioms ['no_such_idiom']"),
+    ],
+)
+def test_the_accumulation_sweep_names_a_bad_argument(argv, named, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "sweep_idioms_accumulated.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+
+
+def test_the_accumulation_sweep_judges_an_idiom(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "sweep_idioms_accumulated.py"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--out",
+            str(tmp_path),
+            "--only",
+            "cleanrl_ppo,manual_gan",
+            "--steps",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["module"]: r for r in json.loads((tmp_path / "idioms_accumulated_f2.json").read_text())["rows"]}
+    assert rows["cleanrl_ppo"]["verdict"] == "captured, its baseline" and rows["cleanrl_ppo"]["graphs"] == 2
+    assert rows["manual_gan"]["verdict"] == "Lightning refuses it"
