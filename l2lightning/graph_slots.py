@@ -53,13 +53,18 @@ class GraphSlots:
     def __init__(self) -> None:
         self.current = PLAIN_ROLE
         self.parked: dict[tuple[bool, bool], dict[str, Any]] = {}
+        # the checks the parked graphs' schedules put off (their counts do not move while parked), so
+        # that the fit's count, asked at every replay, adds one number to the current schedule's
+        self._parked_deferred = 0
 
     def enter(self, owner: Any, role: tuple[bool, bool]) -> None:
         """Make `role`'s per-graph state the `owner`'s (the callback's) attributes, parking the current one's."""
         if role == self.current:
             return
         self.parked[self.current] = {name: getattr(owner, name) for name in PER_GRAPH}
+        self._parked_deferred += owner._check_schedule.deferred
         state = self.parked.pop(role, None) or fresh_state(owner.check_share)
+        self._parked_deferred -= state["_check_schedule"].deferred
         for name, value in state.items():
             setattr(owner, name, value)
         self.current = role
@@ -74,8 +79,8 @@ class GraphSlots:
             yield state["_check_schedule"]
 
     def deferred(self, owner: Any) -> int:
-        """Scheduled checks put off over the fit, all graphs together."""
-        return sum(schedule.deferred for schedule in self.schedules(owner))
+        """Scheduled checks put off over the fit, all graphs together (those of graphs dropped since included)."""
+        return owner._check_schedule.deferred + self._parked_deferred
 
     def gate_elsewhere(self) -> bool:
         """Whether the whole-step gate's trial is under way on a parked graph: until it ends, no other
@@ -83,5 +88,5 @@ class GraphSlots:
         return any(state["_gate"] is not None for state in self.parked.values())
 
     def clear(self) -> None:
-        """Drop every parked graph (the fit trains eagerly from here, or ends)."""
+        """Drop every parked graph (the fit trains eagerly from here, or ends); their put-off checks stay counted."""
         self.parked = {}

@@ -451,3 +451,26 @@ def test_the_accumulation_sweep_judges_an_idiom(tmp_path):
     rows = {r["module"]: r for r in json.loads((tmp_path / "idioms_accumulated_f2.json").read_text())["rows"]}
     assert rows["cleanrl_ppo"]["verdict"] == "captured, its baseline" and rows["cleanrl_ppo"]["graphs"] == 2
     assert rows["manual_gan"]["verdict"] == "Lightning refuses it"
+
+
+def test_the_put_off_checks_of_every_roles_graph_are_counted():
+    from l2lightning.graph_slots import GraphSlots
+
+    class Owner:
+        check_share = 0.02
+
+    owner, slots = Owner(), GraphSlots()
+    from l2lightning.graph_slots import fresh_state
+
+    for name, value in fresh_state(owner.check_share).items():
+        setattr(owner, name, value)
+    owner._check_schedule.deferred = 2
+    slots.enter(owner, (False, False))  # the plain role's schedule parked with its 2
+    owner._check_schedule.deferred = 3
+    slots.enter(owner, (True, False))
+    owner._check_schedule.deferred = 1
+    assert slots.deferred(owner) == 6
+    slots.enter(owner, (False, True))  # back to the first: its own 2 current, the others' 4 parked
+    assert owner._check_schedule.deferred == 2 and slots.deferred(owner) == 6
+    slots.clear()
+    assert slots.deferred(owner) == 6  # dropped graphs' put-off checks stay in the fit's count
