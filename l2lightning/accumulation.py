@@ -83,15 +83,17 @@ def accumulation_of(trainer: Any, closure: Any, module: Any) -> Accumulation | s
         return f"gradient accumulation (accumulate_grad_batches={factor}) with the backward skipped"
     if inner._zero_grad_fn is not None:
         return Accumulation(factor, False, closes=closes)
-    holding = tuple(p.grad is not None for p in params)
+    holding = []  # one pass over the parameters: asked before every adding micro-batch
     for p in params:
-        if p.grad is not None and (p.grad.is_sparse or p._post_accumulate_grad_hooks):
+        grad = p.grad
+        holding.append(grad is not None)
+        if grad is not None and (grad.is_sparse or p._post_accumulate_grad_hooks):
             # a post-accumulate hook reads the sum mid-backward; a sparse sum is not added in place
             return (
                 f"gradient accumulation (accumulate_grad_batches={factor}) with sparse gradients or "
                 "`register_post_accumulate_grad_hook` hooks is not captured"
             )
-    return Accumulation(factor, True, holding, closes)
+    return Accumulation(factor, True, tuple(holding), closes)
 
 
 def role_of(trainer: Any, closure: Any) -> tuple[bool, bool]:
