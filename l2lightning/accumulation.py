@@ -164,10 +164,6 @@ class MicroBatchClosures:
 
         loop._make_closure = make_closure
 
-    @property
-    def installed(self) -> bool:
-        return self._loop is not None
-
     def uninstall(self) -> None:
         loop, self._loop = self._loop, None
         if loop is None:

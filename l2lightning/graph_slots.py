@@ -16,10 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from l2lightning.accumulation import PLAIN
 from l2lightning.replay_check import CheckSchedule
-
-# The role of an optimizer step that is its window's only micro-batch (no accumulation): (adds, closes)
-PLAIN_ROLE = (False, True)
 
 
 def fresh_state(check_share: float) -> dict[str, Any]:
@@ -51,7 +49,7 @@ class GraphSlots:
     """The parked per-graph state of the roles other than the current one (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.current = PLAIN_ROLE
+        self.current = PLAIN.role  # an optimizer step that is its window's only micro-batch
         self.parked: dict[tuple[bool, bool], dict[str, Any]] = {}
         # the checks the parked graphs' schedules put off (their counts do not move while parked), so
         # that the fit's count, asked at every replay, adds one number to the current schedule's
