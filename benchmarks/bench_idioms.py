@@ -29,6 +29,10 @@ Run from the repository root with the package on PYTHONPATH (not necessarily ins
 
     python3 benchmarks/bench_idioms.py --out benchmarks/results/h200/idioms_run
     python3 benchmarks/bench_idioms.py --out /tmp/x --only autoencoder,manual_gan --steps 8
+    python3 benchmarks/bench_idioms.py --out /tmp/y --resume /tmp/x/idioms.json   # the idioms /tmp/x lacks
+
+The files are written again after every idiom, so a run cut by a time limit keeps its finished rows;
+``--resume`` completes such a run (on the same device) without measuring its rows again.
 """
 
 from __future__ import annotations
@@ -159,6 +163,68 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{len(rows)} idioms: {captured} captured, {equal} equal to their reference")
 
 
+def _load_resume(path: Path, accelerator: str) -> dict[str, Any]:
+    """An earlier run's idioms.json, to be completed; refused when it was measured on another device."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--resume {path}: not a readable idioms.json ({exc})") from exc
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("rows"), list):
+        raise SystemExit(f"--resume {path}: no 'rows' list; pass an idioms.json that bench_idioms.py wrote")
+    import torch
+
+    here = torch.cuda.get_device_name(0) if accelerator == "gpu" and torch.cuda.is_available() else None
+    there = earlier.get("machine", {}).get("device")
+    if here is not None and there != here:
+        raise SystemExit(
+            f"--resume {path}: its rows were measured on {there!r}, this run is on {here!r}; "
+            "a table's speeds must come from one kind of device"
+        )
+    for row in earlier["rows"]:
+        detail = earlier.get("details", {}).get(row["module"], {})
+        row["detail"] = detail.get("detail")
+        row["extra"] = {k: v for k, v in detail.items() if k != "detail"}
+    return earlier
+
+
+def _write(
+    out: Path,
+    rows: list[dict[str, Any]],
+    earlier: dict[str, Any],
+    accelerator: str,
+    steps: int,
+    wall_s: float,
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "idioms.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        for r in rows:
+            writer.writerow(
+                [
+                    r["module"],
+                    r["captured"],
+                    r["reason"] or "",
+                    r["equal"],
+                    _fmt_ms(r["plain_ms"]),
+                    _fmt_ms(r["callback_ms"]),
+                ]
+            )
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    payload = {
+        "rows": [{k: r[k] for k in COLUMNS} for r in rows],
+        "machine": _machine(rows, accelerator),
+        "command": command,
+        "steps": steps,
+        "wall_s": round(wall_s, 1),
+        "details": {r["module"]: {"detail": r.get("detail"), **r.get("extra", {})} for r in rows},
+    }
+    if earlier:
+        # the rows kept from the earlier run: its command, tree and time stay on record beside this one's
+        payload["resumed_from"] = {k: earlier.get(k) for k in ("command", "machine", "wall_s", "resumed_from")}
+    (out / "idioms.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="directory for idioms.csv and idioms.json")
@@ -170,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         "--accelerator", choices=("gpu", "cpu"), default=None, help="default: gpu if CUDA is available"
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per idiom subprocess")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="an idioms.json of an earlier, cut run on the same device: keep its rows, run the idioms it lacks",
+    )
     parser.add_argument("--one", metavar="NAME", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     accelerator = args.accelerator or _default_accelerator()
@@ -188,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
             f"unknown idioms {unknown}; known: {list(IDIOMS)} and the variants {list(IDIOM_VARIANTS)}"
         )
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    earlier: dict[str, Any] = {}
+    if args.resume is not None:
+        earlier = _load_resume(args.resume, accelerator)
+        kept = {r["module"] for r in earlier["rows"]}
+        rows = [r for r in earlier["rows"] if r["module"] in names]
+        names = [n for n in names if n not in kept]
+        print(f"resuming {args.resume}: {len(rows)} idioms kept, {len(names)} to run", flush=True)
     started = time.perf_counter()
     for name in names:
         t0 = time.perf_counter()
@@ -200,31 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             + (f" ({row['detail']})" if row.get("detail") else ""),
             flush=True,
         )
+        # written after every idiom, so a run cut by a time limit keeps what it finished (--resume)
+        _write(args.out, rows, earlier, accelerator, args.steps, time.perf_counter() - started)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "idioms.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(COLUMNS)
-        for r in rows:
-            writer.writerow(
-                [
-                    r["module"],
-                    r["captured"],
-                    r["reason"] or "",
-                    r["equal"],
-                    _fmt_ms(r["plain_ms"]),
-                    _fmt_ms(r["callback_ms"]),
-                ]
-            )
-    payload = {
-        "rows": [{k: r[k] for k in COLUMNS} for r in rows],
-        "machine": _machine(rows, accelerator),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "steps": args.steps,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "details": {r["module"]: {"detail": r.get("detail"), **r.get("extra", {})} for r in rows},
-    }
-    (args.out / "idioms.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    _write(args.out, rows, earlier, accelerator, args.steps, time.perf_counter() - started)
     _print_table(rows)
     print(f"wrote {args.out / 'idioms.csv'} and {args.out / 'idioms.json'}")
     return 0

@@ -16,7 +16,8 @@
 #   harness-sweep the three MLP stacks x batches 4, 8, 16, 64, whole training step only,
 #                 without the torch.compile and decoy variants, 4 repeats of 10 steps
 #   idioms[=NAME,...]  the LightningModule idioms (tests/idiom_modules.py): plain vs the callback per
-#                 module, each in its own process, -> idioms.csv / idioms.json
+#                 module, each in its own process, -> idioms.csv / idioms.json (written after each idiom)
+#   idioms-resume=PATH  the idioms an earlier, cut run's idioms.json at PATH lacks, its rows kept
 #   harness-families[=FAMILY,...[@REPEATS]]  model families (default all) x batches 4, 8, 16, 64:
 #                 Lightning eager vs the callback without and with autotuned prefetch, 10 steps per
 #                 repeat (default 3 repeats)
@@ -65,9 +66,13 @@ for stage in "$@"; do
     verify_first)
       timeout 90 "${PYTEST[@]}" tests/gpu/test_callback_gpu.py -k "verify_passes" > "$OUT/pytest_verify_first.log" 2>&1
       echo "rc=$?"; tail -1 "$OUT/pytest_verify_first.log" ;;
+    idioms-resume=*)
+      # complete a cut idioms run: its idioms.json (committed or copied into the tree) keeps its rows
+      timeout 540 python3 benchmarks/bench_idioms.py --out "$OUT" --resume "${stage#*=}" > "$OUT/idioms.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/idioms.log" | tail -22 ;;
     idioms*)
       only=""; [[ "$stage" == *=* ]] && only="--only ${stage#*=}"
-      timeout 420 python3 benchmarks/bench_idioms.py --out "$OUT" $only > "$OUT/idioms.log" 2>&1
+      timeout 540 python3 benchmarks/bench_idioms.py --out "$OUT" $only > "$OUT/idioms.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/idioms.log" | tail -22 ;;
     tests*)
       # one log per tests stage of the run: pytest_gpu.log, then pytest_gpu_2.log, ...; -v names each
