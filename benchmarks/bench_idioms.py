@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
 
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(IDIOMS)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or [*IDIOMS, *IDIOM_VARIANTS]
     unknown = [n for n in names if n not in IDIOMS and n not in IDIOM_VARIANTS]
     if unknown:
         parser.error(
