@@ -221,7 +221,9 @@ def _write(
     }
     if earlier:
         # the rows kept from the earlier run: its command, tree and time stay on record beside this one's
-        payload["resumed_from"] = {k: earlier.get(k) for k in ("command", "machine", "wall_s", "resumed_from")}
+        payload["resumed_from"] = {
+            k: earlier.get(k) for k in ("command", "machine", "wall_s", "resumed_from")
+        }
     (out / "idioms.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 

@@ -35,6 +35,7 @@ def fresh_state(check_share: float) -> dict[str, Any]:
         "_rent_target_s": 0.0,
         "_rent_per_step_s": 0.0,
         "_rental_factor": 1,
+        "_last_paying_step": None,  # the last optimizer step whose capture the fit's steps left pay for
         "_gate": None,  # the whole-step gate's trial, on the graph it started with
         "_live_log_values": set(),  # the logged values its replays re-issue read from Python
         "_warmed_up_again": False,

@@ -7,6 +7,7 @@ A mixin of :class:`l2lightning.callback.L2GraphCallback`: its methods use the ca
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import deque
 from typing import Any
@@ -49,6 +50,23 @@ OPERAND_CHECK = "operand value changed"
 OPERAND_CHECKS = 3
 # The cause a waiting step counts under in summary()["fallback_causes"]
 WAIT_CAUSE = "waiting to capture again until the eager steps have cost what a capture costs"
+TOO_LATE_CAUSE = "too few steps left in the fit to pay for another capture"
+
+
+def last_paying_step(trainer: Any, cost_s: float, saved_per_step_s: float) -> float:
+    """The last optimizer step at which a capture costing `cost_s` still pays for itself before the fit
+    ends, each later step saving `saved_per_step_s`; infinity where the fit's length is not known.
+
+    The fit's length is Lightning's own estimate (``trainer.estimated_stepping_batches``: max_steps, or
+    the epochs' batches over the accumulation factor). A fit that stops sooner (``max_time``, early
+    stopping) can still end before a capture pays; one that runs to its end cannot."""
+    try:
+        total = float(trainer.estimated_stepping_batches)
+    except Exception:  # noqa: BLE001 -- no estimate (an unsized loader): the fit's end is not known
+        return math.inf
+    if not math.isfinite(total) or total <= 0:
+        return math.inf
+    return total - math.ceil(cost_s / saved_per_step_s)
 
 
 class StepDecision:
@@ -300,7 +318,8 @@ class StepDecision:
             # these steps run eagerly, as a plain step does, until they have cost what a capture costs.
             self._recapture_next = cause
             self._waited_steps += 1
-            self._count_fallback(WAIT_CAUSE)
+            too_late = self._rented_s >= self._rent_target_s  # the wait is over; the fit ends too soon
+            self._count_fallback(TOO_LATE_CAUSE if too_late else WAIT_CAUSE)
             return "eager"
         problem = self._too_large_to_compare()
         if problem:  # a value the step reads grew past what a comparison before each replay holds
@@ -331,7 +350,11 @@ class StepDecision:
         the step captured again. A value that changes sooner costs no capture; one that stays costs
         at most one capture's time more than capturing at once. Only where both step times are
         measured on the device (CUDA events of warm-up steps and replays): without them the step is
-        captured again at once.
+        captured again at once. And not at all once the fit's steps left (Lightning's estimate of its
+        length, :func:`last_paying_step`) are too few for the replays to save what the capture costs:
+        a capture near the fit's end made it slower than plain (the ``aux_loss_flag`` and
+        ``rebound_loss_weight`` idioms, captured again at steps 59 and 55 of 60: 0.86x and 0.94x on an
+        H100, ``benchmarks/results/h100/idioms.csv``).
         """
         if not self.recapture_wait or self._captures_here == 0:
             return False
@@ -340,6 +363,9 @@ class StepDecision:
             # step times it reads do not change while no graph replays), so a waiting step does
             # no more than a plain step's bookkeeping (benchmarks/recapture_phases.py).
             if self._rented_s >= self._rent_target_s:
+                if self._trainer.global_step > self._last_paying_step:
+                    self._warn_too_late_to_capture()
+                    return True  # the rest of the fit runs eagerly: no capture it could pay back
                 self._rented_s = 0.0
                 return False
             self._rented_s += self._rent_per_step_s
@@ -362,6 +388,7 @@ class StepDecision:
             return False
         self._rent_target_s, self._rent_per_step_s = target, saved_per_step
         self._rented_s = saved_per_step
+        self._last_paying_step = last_paying_step(self._trainer, cost, saved_per_step)
         if "recapture-wait" in self._warned:
             return True
         self._warn_once(
@@ -373,6 +400,15 @@ class StepDecision:
             "capture each time (counted in `summary()['fallback_steps']` and `['recapture_wait_steps']`)",
         )
         return True
+
+    def _warn_too_late_to_capture(self) -> None:
+        self._warn_once(
+            "recapture-too-late",
+            f"not capturing the step again: the fit's optimizer steps after step {self._last_paying_step} "
+            f"are too few to pay for a capture ({self._last_capture_cost_s:.3f} s at "
+            f"{self._rent_per_step_s * 1000:.2f} ms saved per step, by `trainer.estimated_stepping_batches`); "
+            "the rest of the fit runs eagerly, as plain Lightning's does",
+        )
 
     def _too_large_to_compare(self) -> str | None:
         """A refusal, naming it, where a value the step reads is made of numbers a graph may bake in but

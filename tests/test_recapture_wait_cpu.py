@@ -7,9 +7,12 @@ costs 20 ms and a replay saves 4 ms over the eager step, so a capture pays for i
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from l2lightning import L2GraphCallback, fit_report
+from l2lightning.step_decision import TOO_LATE_CAUSE, WAIT_CAUSE, last_paying_step
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.lightning_models import TinyMLP
 from tests.test_callback_replay_cpu import assert_same, baseline_of, fit
@@ -100,6 +103,66 @@ def test_a_value_changing_faster_than_a_capture_pays_waits_longer_each_time():
     assert summary["captures"] == 4, summary
     assert summary["fallback_steps"] == 5 + 10 + 20 + 12, summary
     assert_same(base, run)
+
+
+class ChangedNearTheEnd(EpochWeight):
+    """The weight changed once, 8 steps before a 48-step fit ends (and not at the epoch start)."""
+
+    def on_train_epoch_start(self):
+        pass
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == 40:
+            self.weight = 2.0
+
+
+@pytest.mark.usefixtures("measured_steps")
+def test_no_capture_again_when_the_steps_left_cannot_pay_for_it():
+    """A capture pays after 5 replays here, so in a 48-step fit the last step worth capturing at is 43.
+    The change at step 40 waits its 5 steps (40..44); at 45 the wait is over, but 3 replays would not
+    pay for the capture: the fit ends eagerly, like plain Lightning, with one warning saying why."""
+    base = fit(baseline_of(ChangedNearTheEnd), steps=48)
+    cb = fixed_costs()
+    with pytest.warns(
+        UserWarning, match=r"not capturing the step again: the fit's optimizer steps after step 43"
+    ):
+        run = fit(ChangedNearTheEnd, [cb], steps=48)
+    summary = cb.summary()
+    assert summary["captures"] == 1 and summary["recaptures"] == 0, summary
+    assert summary["fallback_steps"] == 8 and summary["recapture_wait_steps"] == 8, summary
+    assert summary["fallback_causes"] == sorted([WAIT_CAUSE, TOO_LATE_CAUSE]), summary
+    assert_same(base, run)
+
+
+class _Stepping:
+    def __init__(self, total):
+        self.total = total
+
+    @property
+    def estimated_stepping_batches(self):
+        if isinstance(self.total, Exception):
+            raise self.total
+        return self.total
+
+
+@pytest.mark.parametrize(
+    ("total", "expected"),
+    [
+        (48, 43),
+        (48.0, 43),
+        (100, 95),
+        (float("inf"), math.inf),
+        (0, math.inf),
+        (TypeError("no len"), math.inf),
+    ],
+)
+def test_last_paying_step_reads_the_fits_length_from_lightning(total, expected):
+    # a capture of 20 ms that saves 4 ms per step pays after 5 steps
+    assert last_paying_step(_Stepping(total), 0.020, 0.004) == expected
+
+
+def test_a_capture_that_pays_in_a_fraction_of_a_step_needs_one_step():
+    assert last_paying_step(_Stepping(10), 0.001, 0.004) == 9
 
 
 def test_without_device_timings_the_step_is_captured_again_at_once():
