@@ -99,7 +99,7 @@ from l2lightning.step_source import StepSource, analyse, analyse_callbacks
 from l2lightning.step_trace import (
     StepTracer,
 )
-from l2lightning.warmup_steps import WarmupSteps, _Group
+from l2lightning.warmup_steps import WarmupSteps, _Group, momentum_cycled_every_step
 
 PREFETCH_MODES = ("off", "default", "auto", "decoy")
 VERIFY_MODES = ("sampled", "capture", False)
@@ -782,6 +782,10 @@ class L2GraphCallback(
             self._disable(
                 f"{len(trainer.optimizers)} optimizers configured; the capture supports exactly one"
             )
+            return
+        reason = momentum_cycled_every_step(trainer) if self._manual is None else None
+        if reason:
+            self._disable(reason)
             return
         optimizer = trainer.optimizers[0]
         scaler = grad_scaler_of(trainer.precision_plugin)

@@ -536,6 +536,34 @@ def _moved_between(before: dict[str, Any] | None, now: dict[str, Any]) -> str:
     return ", ".join(moved[:3])
 
 
+def momentum_cycled_every_step(trainer: Any) -> str | None:
+    """A refusal before the first warm-up step where a scheduler Lightning steps after every optimizer
+    step cycles a hyperparameter the graph bakes: OneCycleLR and CyclicLR with ``cycle_momentum=True``
+    (their default) write Adam's beta1 or SGD's momentum at every step, and the capturable and fused
+    optimizers read those as host numbers (``tests/test_optim.py``). The warm-up finds the same after
+    three traced steps (WarmupSteps._baked_every_step); known here, the fit runs plain from its first
+    step instead of paying for those traces (``adamw_onecycle_momentum`` ran 0.61x its first plain fit
+    on an H100, ``benchmarks/results/h100/idioms.csv``)."""
+    from torch.optim.lr_scheduler import CyclicLR, OneCycleLR
+
+    for config in getattr(trainer, "lr_scheduler_configs", None) or []:
+        scheduler = config.scheduler
+        if not isinstance(scheduler, (OneCycleLR, CyclicLR)) or not getattr(
+            scheduler, "cycle_momentum", False
+        ):
+            continue
+        if config.interval != "step" or config.frequency != 1:
+            continue  # a change every N steps or per epoch: captured again (or waited out) at each change
+        key = "betas" if getattr(scheduler, "use_beta1", False) else "momentum"
+        name = type(scheduler.optimizer).__name__
+        return (
+            f"{name}'s ['{key}'] change at every step: {type(scheduler).__name__} with `cycle_momentum=True` "
+            f"(its default) is stepped after every optimizer step, and {name} bakes them into the graph as "
+            f"numbers, so every step would need a new capture. {baked_schedule_advice([key])}"
+        )
+    return None
+
+
 def baked_schedule_advice(changed: list[str]) -> str:
     """What keeps one graph when a per-step schedule changes the baked hyperparameters `changed`."""
     advice = []

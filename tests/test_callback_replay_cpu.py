@@ -822,10 +822,12 @@ class OneCycleSGD(TinyMLP):
 def test_onecycle_sgd_momentum_and_clipping_is_refused_by_name_and_equals_plain():
     plain = fit(OneCycleSGD, trainer_kwargs={"gradient_clip_val": 1.0})
     cb = callback()
-    # the LR is a tensor (fused SGD under a scheduler); the momentum OneCycleLR cycles is baked
-    with pytest.warns(UserWarning, match=r"SGD's \['momentum'\] changed at every warm-up step"):
+    # the LR is a tensor (fused SGD under a scheduler); the momentum OneCycleLR cycles is baked:
+    # known from the scheduler before the first step, so no step is traced
+    with pytest.warns(UserWarning, match=r"SGD's \['momentum'\] change at every step: OneCycleLR with"):
         run = fit(OneCycleSGD, [cb], trainer_kwargs={"gradient_clip_val": 1.0})
     assert_same(plain, run)
+    assert cb._traced_steps == 0 and cb.summary()["eager_step_ms"] is None, cb.summary()
 
 
 class OneCycleAdamW(TinyMLP):
@@ -845,7 +847,7 @@ class OneCycleAdamWConstantBetas(OneCycleAdamW):
 
 def test_onecycle_adamw_cycling_its_betas_is_refused_naming_the_option_that_keeps_one_graph():
     cb = callback()
-    with pytest.warns(UserWarning, match=r"AdamW's \['betas'\] changed at every warm-up step") as caught:
+    with pytest.warns(UserWarning, match=r"AdamW's \['betas'\] change at every step: OneCycleLR") as caught:
         fit(OneCycleAdamW, [cb])
     message = next(str(w.message) for w in caught if "betas" in str(w.message))
     assert "`cycle_momentum=False`" in message and "use Adam or AdamW" not in message.lower()

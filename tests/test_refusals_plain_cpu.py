@@ -40,13 +40,25 @@ class CountsItsSteps(TinyMLP):
 
 
 class CyclesItsBetas(TinyMLP):
-    """Refused at the capture decision, after three warm-up steps: OneCycleLR's default
-    ``cycle_momentum=True`` moves AdamW's beta1 at every step."""
+    """Refused before the first step: OneCycleLR's default ``cycle_momentum=True`` moves AdamW's beta1
+    at every step, known from the scheduler Lightning steps."""
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)
         scheduler = OneCycleLR(opt, max_lr=1e-2, total_steps=200)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class RampsItsBetas(TinyMLP):
+    """Refused at the capture decision, after three warm-up steps: a hook moves AdamW's beta1 at every
+    step, which no scheduler tells beforehand."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        group = self.optimizers().optimizer.param_groups[0]
+        group["betas"] = (0.85 + 0.001 * self.global_step, group["betas"][1])
 
 
 class MovesAQueuePointer(TinyMLP):
@@ -111,7 +123,8 @@ def test_a_per_step_weight_kept_in_a_buffer_is_captured_once():
         ),
         (MovesAQueuePointer, r"ran different work .*The step reads `self.ptr` \(\d+ -> \d+\), which changed"),
         (CountsItsSteps, r"the step changes Python state \(`self.updates`\)"),
-        (CyclesItsBetas, r"AdamW's \['betas'\] changed at every warm-up step"),
+        (CyclesItsBetas, r"AdamW's \['betas'\] change at every step: OneCycleLR with `cycle_momentum=True`"),
+        (RampsItsBetas, r"AdamW's \['betas'\] changed at every warm-up step"),
         (FailsInCapture, r"could not be captured \(RuntimeError: operation not permitted"),
     ],
     ids=[
@@ -119,6 +132,7 @@ def test_a_per_step_weight_kept_in_a_buffer_is_captured_once():
         "per-step-number",
         "moved-number",
         "second-traced-step",
+        "before-the-first-step",
         "capture-decision",
         "failed-capture",
     ],

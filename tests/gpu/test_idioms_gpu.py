@@ -18,11 +18,11 @@ pytestmark = pytest.mark.gpu
 
 # What the refusal of each idiom expected to be refused must name.
 REFUSAL_NAMES = {
-    "sgd_onecycle_clip": "SGD's ['momentum'] changed at every warm-up step",
+    "sgd_onecycle_clip": "SGD's ['momentum'] change at every step: OneCycleLR",
     # two optimizers are captured (manual_gan_device_noise); the tutorial's noise is drawn on the host
     "manual_gan": "the step draws random numbers on the host, from torch's global CPU generator",
     "own_step_counter": "the step changes Python state (`self.updates`)",
-    "adamw_onecycle_momentum": "AdamW's ['betas'] changed at every warm-up step",
+    "adamw_onecycle_momentum": "AdamW's ['betas'] change at every step: OneCycleLR",
     "nan_guard_bad_batch": "`on_before_optimizer_step` may write: `optimizer.zero_grad()`",
     "grad_norm_own_clipping": "the module's `configure_gradient_clipping` changes the gradients",
 }
