@@ -164,7 +164,8 @@ class L2GraphCallback(
             False, raise :class:`~l2lightning.optim.OptimizerNotCapturableError`.
         log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/replay_speedup`` (their ratio:
             CUDA-event time of an eager step over one graph replay, Lightning's host work left out),
-            ``l2/graph_pool_mib``, ``l2/tuning_s``, ``l2/capture_s``, ``l2/compile_s``,
+            ``l2/graph_pool_mib`` (what the captures of the graphs alive together reserved: one graph,
+            or under gradient accumulation one per role), ``l2/tuning_s``, ``l2/capture_s``, ``l2/compile_s``,
             ``l2/recapture_s`` (wall seconds of prefetch tuning, of the captures, of the first compiled
             step, of the captures after the fit's first with their tuning), ``l2/prefetch_layers``,
             ``l2/prefetch_mib`` and ``l2/fallback_steps`` through the Trainer's loggers on rank zero, once the first

@@ -117,6 +117,8 @@ class _Graph:
     operands: OperandScalars | None = None
     # indices into StepSource.counter_values of the numbers the operand scalars stand for
     counters_served: frozenset = frozenset()
+    # the memory its capture reserved (MiB; None off CUDA): what its pool holds while it lives
+    pool_mib: float | None = None
 
     def bind_grads(self) -> None:
         """Point every parameter's ``.grad`` at the tensor this graph writes for it (an eager step, the
@@ -626,7 +628,16 @@ class StepCapture:
             for w in caught:  # the user's warning filters decide, as if nothing had recorded them
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         if torch.cuda.is_available():
-            self._pool_mib = (torch.cuda.memory_reserved() - reserved) / (1 << 20)
+            graph.pool_mib = (torch.cuda.memory_reserved() - reserved) / (1 << 20)
+            self._pool_mib = self._pools_alive_mib(graph)
+
+    def _pools_alive_mib(self, graph: _Graph) -> float:
+        """The memory the pools of the graphs alive together reserved at their captures: `graph`'s, the
+        whole-step gate's other graph while its trial runs, and under gradient accumulation the other
+        roles' (l2lightning.graph_slots). The graph `graph` replaces is gone by then."""
+        gate_graphs = self._gate.graphs.values() if self._gate is not None else ()
+        alive = {id(g): g for g in (graph, *gate_graphs, *self._slots.parked_graphs()) if g is not None}
+        return sum(g.pool_mib for g in alive.values() if g.pool_mib is not None)
 
     def _undo_capture(self, saved: TrainingState, binding: MetricBinding | None, metrics: dict) -> None:
         """A capture that did not complete leaves nothing: state, RNG (CUDA generator too), metrics, grads."""

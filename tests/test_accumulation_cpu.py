@@ -474,3 +474,26 @@ def test_the_put_off_checks_of_every_roles_graph_are_counted():
     assert owner._check_schedule.deferred == 2 and slots.deferred(owner) == 6
     slots.clear()
     assert slots.deferred(owner) == 6  # dropped graphs' put-off checks stay in the fit's count
+
+
+def test_graph_pool_mib_adds_the_pools_of_every_roles_graph():
+    """`summary()["graph_pool_mib"]` is what the graphs alive together reserved: with factor 4, the
+    three roles' graphs (the capture's own reading of the CUDA allocator is GPU-only; here each graph
+    is given a size, and the sum is read while the fit holds them)."""
+    from lightning.pytorch.callbacks import Callback
+
+    seen = {}
+
+    class ReadPools(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 8 and "sum" not in seen:
+                graphs = [cb._graph, *cb._slots.parked_graphs()]
+                for size, graph in zip((1.0, 2.0, 4.0), graphs):
+                    graph.pool_mib = size
+                seen["graphs"] = len(graphs)
+                seen["sum"] = cb._pools_alive_mib(cb._graph)
+                seen["unsized"] = cb._pools_alive_mib(type(cb._graph)(graph=None, static=None, key=()))
+
+    cb = callback()
+    fit(TinyMLP, [cb, ReadPools()], steps=10, trainer_kwargs={"accumulate_grad_batches": 4}, fused=True)
+    assert seen == {"graphs": 3, "sum": 7.0, "unsized": 6.0}, seen
