@@ -692,6 +692,9 @@ class StepTracer(TorchDispatchMode):
         # inside activation checkpointing's recomputation with the forward's random state put back
         self._recomputing_with_forward_rng = False
         self.trace = StepTrace()
+        # an out-of-memory error one of the step's ops raised: in backward, on CUDA, autograd's device
+        # thread loses it and the step fails with a SystemError instead (see __torch_dispatch__)
+        self.out_of_memory: torch.OutOfMemoryError | None = None
         # storages of every tensor the step's ops made (what an attribute rebound to them holds is
         # the step's own result: carried state, l2lightning.carried_state)
         self.made: set[int] = set()
@@ -1002,7 +1005,16 @@ class StepTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        try:
+            return self._dispatch(func, args, kwargs or {})
+        except torch.OutOfMemoryError as exc:
+            # Kept for the caller: raised in backward on CUDA, it reached the fit as "SystemError: <built-in
+            # method run_backward ...> returned NULL without setting an exception" (torch 2.11 on an H100,
+            # benchmarks/results/h100/pytest_gpu_operands_manual_oom_check_rng.log), which names nothing
+            self.out_of_memory = exc
+            raise
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self._paused:
             if self._watching is not None and self._reads_updated(tree_flatten((args, kwargs))[0]):
                 self.trace.parameter_reading_hooks.add(self._watching)

@@ -238,6 +238,11 @@ class WarmupSteps:
                 sync_free_bincount(),
             ):
                 return closure() if closure is not None else None
+        except SystemError as exc:
+            if tracer.out_of_memory is None:
+                raise
+            # the out-of-memory error autograd's device thread lost (StepTracer.__torch_dispatch__)
+            raise tracer.out_of_memory from exc
         finally:
             self._tracer = None
 
