@@ -172,6 +172,7 @@ class PrefetchSetup:
         self._graph = kept
         # the dropped graph's gradients must not keep its pool alive
         kept.bind_grads()
+        self._pool_mib = self._pools_alive_mib(kept)  # the dropped graph's pool no longer counts
         if result.kept == "off":
             self._reject_prefetch()
         self._timing.graph.clear()  # graph_step_ms: the kept graph's replays from here on

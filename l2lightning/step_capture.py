@@ -631,13 +631,15 @@ class StepCapture:
             graph.pool_mib = (torch.cuda.memory_reserved() - reserved) / (1 << 20)
             self._pool_mib = self._pools_alive_mib(graph)
 
-    def _pools_alive_mib(self, graph: _Graph) -> float:
+    def _pools_alive_mib(self, graph: _Graph) -> float | None:
         """The memory the pools of the graphs alive together reserved at their captures: `graph`'s, the
         whole-step gate's other graph while its trial runs, and under gradient accumulation the other
-        roles' (l2lightning.graph_slots). The graph `graph` replaces is gone by then."""
+        roles' (l2lightning.graph_slots); None where none was measured (off CUDA). The graph `graph`
+        replaces is gone by then."""
         gate_graphs = self._gate.graphs.values() if self._gate is not None else ()
         alive = {id(g): g for g in (graph, *gate_graphs, *self._slots.parked_graphs()) if g is not None}
-        return sum(g.pool_mib for g in alive.values() if g.pool_mib is not None)
+        sizes = [g.pool_mib for g in alive.values() if g.pool_mib is not None]
+        return sum(sizes) if sizes else None
 
     def _undo_capture(self, saved: TrainingState, binding: MetricBinding | None, metrics: dict) -> None:
         """A capture that did not complete leaves nothing: state, RNG (CUDA generator too), metrics, grads."""
