@@ -57,6 +57,10 @@ class Accumulation:
         if self.factor == 1:
             return "no accumulation"
         what = "the window's first micro-batch" if not self.adds else "adding to the accumulated gradients"
+        if self.adds and not all(self.holding):
+            # part of the key: which parameters hold a sum (a head some micro-batches skip) tells two
+            # adding steps apart that read the same otherwise
+            what += f" of {sum(self.holding)} of the {len(self.holding)} parameters"
         if not self.closes:
             what = f"an accumulating micro-batch, {what}"
         return f"accumulate_grad_batches={self.factor}, {what}"

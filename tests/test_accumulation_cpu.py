@@ -195,8 +195,20 @@ def test_gradients_zeroed_in_place_between_windows():
 def test_parameters_holding_an_accumulated_gradient_on_some_windows_only():
     # factor 3 over batches 0..29: a closing micro-batch at idx 2, 5, 8, ... holds the extra head's
     # gradient from an even batch in its window; the windows alternate which batches are even
-    base, run, cb = accumulated_pair(HeadEveryOtherBatch, factor=3, fused=True)
+    with pytest.warns(UserWarning, match=r"adding to the accumulated gradients of \d+ of the \d+ parameters"):
+        base, run, cb = accumulated_pair(HeadEveryOtherBatch, factor=3, fused=True)
     assert_same_state(base, run)
+
+
+def test_an_accumulation_names_which_parameters_hold_a_sum_only_where_some_do_not():
+    from l2lightning.accumulation import Accumulation
+
+    assert Accumulation(4, True, (True, True), False).describe() == (
+        "accumulate_grad_batches=4, an accumulating micro-batch, adding to the accumulated gradients"
+    )
+    assert Accumulation(4, True, (True, False, True), True).describe() == (
+        "accumulate_grad_batches=4, adding to the accumulated gradients of 2 of the 3 parameters"
+    )
 
 
 def test_a_post_accumulate_grad_hook_trains_the_closing_micro_batches_eagerly_by_name():
