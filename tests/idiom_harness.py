@@ -69,6 +69,9 @@ class IdiomRun:
     warnings: list[str] = field(default_factory=list)
     note: str | None = None  # e.g. make_capturable skipped off CUDA
     loops: dict[str, Any] = field(default_factory=dict)  # loop_state(trainer) after the fit
+    # the wall seconds of the whole `trainer.fit` (its GPU work finished): what the user waits for, warm-up,
+    # capture and checks included, which the per-step time from `first_timed` leaves out
+    fit_s: float | None = None
 
     @property
     def steps(self) -> int:
@@ -294,8 +297,11 @@ def _run_idiom(name: str, variant: str, steps: int, accelerator: str, switch_ste
     tb = ""
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
         warnings.simplefilter("always")
+        fit_started = time.perf_counter()
         try:
             trainer.fit(module, loader)
+            _sync(trainer.strategy.root_device)
+            run.fit_s = time.perf_counter() - fit_started
         except Exception as exc:  # judged below: a refusal by name, or a crash
             error = exc
             tb = traceback.format_exc()
@@ -475,6 +481,9 @@ def judge(name: str, steps: int = 60, accelerator: str = "gpu", recheck_plain: b
             "expect": (IDIOMS[name] if name in IDIOMS else IDIOM_VARIANTS[name]).expect,
             "baseline_ms": baseline.step_ms if baseline is not None else None,
             "plain_again_ms": again.step_ms if again is not None else None,
+            "plain_fit_s": plain.fit_s,
+            "callback_fit_s": cb.fit_s,
+            "plain_again_fit_s": again.fit_s if again is not None else None,
             "baseline_error": baseline_error,
             "baseline_note": baseline.note if baseline is not None else None,
             "refused_at_setup": cb.refused_at_setup,
