@@ -222,6 +222,9 @@ def _plain_summary(summary: dict[str, Any]) -> dict[str, Any]:
     out["fallback_causes"] = list(summary.get("fallback_causes") or [])
     out["graph_pool_mib"] = summary.get("graph_pool_mib")
     out["replay_check"] = summary.get("replay_check")
+    # what the capture cost the fit (wall seconds), beside its per-step times: the fit's own accounting
+    for key in ("tuning_s", "capture_s", "compile_s", "recapture_s", "recaptures", "recapture_wait_steps"):
+        out[key] = summary.get(key)
     return out
 
 

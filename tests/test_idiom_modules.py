@@ -128,6 +128,10 @@ def test_judge_the_two_optimizer_gan_on_the_emulator_captures_it_equal_to_its_ba
     assert result["extra"]["summary"]["captures"] == 1
     assert result["extra"]["summary"]["capturable_from_step"] == 6  # the fourth batch, two steps a batch
     assert result["equal"] is True, result["detail"]
+    # the fits' whole wall times, and what the capture cost of them, for the "over its fit" question
+    extra = result["extra"]
+    assert all(extra[k] > 0 for k in ("plain_fit_s", "callback_fit_s", "plain_again_fit_s")), extra
+    assert extra["summary"]["capture_s"] > 0 and extra["summary"]["recaptures"] == 0, extra["summary"]
 
 
 @pytest.mark.parametrize(
