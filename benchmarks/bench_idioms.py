@@ -52,7 +52,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ["module", "captured", "reason", "equal", "plain_ms", "callback_ms"]
-# from each row's details: the second plain fit's step time, and every fit's whole wall time
+# from each row's details: the second plain fit's step time (after the callback's; none for a fit refused
+# at setup), which beside the first shows how far two plain fits of one process lie apart, and every
+# fit's whole wall time
 DETAIL_COLUMNS = ["plain_again_ms", "plain_fit_s", "callback_fit_s", "plain_again_fit_s"]
 MARKER = "IDIOM_RESULT "
 
@@ -150,12 +152,6 @@ def _machine(rows: list[dict[str, Any]], accelerator: str) -> dict[str, Any]:
     }
 
 
-def _plain_again_ms(row: dict[str, Any]) -> Any:
-    """The second plain fit's step time (after the callback's; none for a fit refused at setup): beside
-    the first, it shows how far two plain fits of one process lie apart, which a single ratio hides."""
-    return row.get("extra", {}).get("plain_again_ms")
-
-
 def _cells(row: dict[str, Any]) -> dict[str, Any]:
     """A row's table cells. The fits' wall times (``*_fit_s``: the whole ``trainer.fit``, warm-up,
     capture and checks included) answer "slower than plain over its fit?", which the per-step times
@@ -175,7 +171,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             speedup = f"{r['plain_ms'] / r['callback_ms']:.2f}x"
         print(
             f"{r['module']:32s} {str(r['captured']):8s} {str(r['equal']):5s} {_fmt3(r['plain_ms']):>9s} "
-            f"{_fmt3(_plain_again_ms(r)):>9s} {_fmt3(r['callback_ms']):>9s} {speedup:>7s}  "
+            f"{_fmt3(_cells(r)['plain_again_ms']):>9s} {_fmt3(r['callback_ms']):>9s} {speedup:>7s}  "
             f"{(r['reason'] or '')[:80]}"
         )
     captured = sum(bool(r["captured"]) for r in rows)
