@@ -1014,6 +1014,15 @@ class StepTracer(TorchDispatchMode):
             self.out_of_memory = exc
             raise
 
+    def real_error(self, exc: BaseException) -> BaseException:
+        """`exc`, or the out-of-memory error an op raised where autograd's device thread turned it into
+        a SystemError (see __torch_dispatch__). The tracer lets go of the error it kept: its traceback
+        holds the failed step's tensors, which must not stay alive beside an eager step after it."""
+        kept, self.out_of_memory = self.out_of_memory, None
+        if isinstance(exc, SystemError) and kept is not None:
+            return kept
+        return exc
+
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self._paused:
             if self._watching is not None and self._reads_updated(tree_flatten((args, kwargs))[0]):

@@ -238,11 +238,11 @@ class WarmupSteps:
                 sync_free_bincount(),
             ):
                 return closure() if closure is not None else None
-        except SystemError as exc:
-            if tracer.out_of_memory is None:
+        except Exception as exc:
+            real = tracer.real_error(exc)  # an out-of-memory error autograd's device thread lost
+            if real is exc:
                 raise
-            # the out-of-memory error autograd's device thread lost (StepTracer.__torch_dispatch__)
-            raise tracer.out_of_memory from exc
+            raise real from exc
         finally:
             self._tracer = None
 

@@ -15,7 +15,7 @@ import torch
 
 from l2lightning.step_trace import StepTracer
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import callback, fit
+from tests.test_callback_replay_cpu import assert_same, callback, fit
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
@@ -54,18 +54,24 @@ class ScaledGrad(TinyMLP):
         return (self.head(self.net(_ScaleGrad.apply(x.requires_grad_()))).squeeze(-1) - y).square().mean()
 
 
-@pytest.fixture
-def failing_backward_op(monkeypatch):
-    """The traced step's backward op runs out of memory (under the tracer only: plain steps are whole)."""
+def _fail_backward_op(monkeypatch, in_capture: bool) -> None:
+    """The backward op runs out of memory under the tracer (plain steps are whole): in the warm-up's
+    traced steps, or (`in_capture`) in the capture only."""
     dispatch = StepTracer._dispatch
 
     def out_of_memory_in_backward(self, func, args, kwargs):
-        if _ScaleGrad.failing and func is torch.ops.aten.mul.Tensor:
+        capturing = self.constants is not None
+        if _ScaleGrad.failing and func is torch.ops.aten.mul.Tensor and capturing == in_capture:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
         return dispatch(self, func, args, kwargs)
 
     monkeypatch.setattr(StepTracer, "_dispatch", out_of_memory_in_backward)
     monkeypatch.setattr(_ScaleGrad, "lose", True)
+
+
+@pytest.fixture
+def failing_backward_op(monkeypatch):
+    _fail_backward_op(monkeypatch, in_capture=False)
 
 
 @pytest.mark.usefixtures("failing_backward_op")
@@ -74,6 +80,23 @@ def test_an_out_of_memory_error_lost_in_backward_reaches_the_fit_as_itself():
         fit(ScaledGrad, [callback()], steps=4)
     # the SystemError it stood behind stays on record
     assert isinstance(caught.value.__cause__, SystemError) and LOST in str(caught.value.__cause__)
+
+
+def test_an_out_of_memory_error_lost_in_the_captures_backward_is_named_and_the_fit_trains_like_plain(
+    monkeypatch,
+):
+    """In the capture (its step runs under the tracer too, through the same `_run_traced`), running out
+    of memory is caught: the fit trains eagerly, the warning naming the out-of-memory error, not the
+    SystemError (which read as a step that cannot be captured)."""
+    plain = fit(ScaledGrad, steps=12, fused=True)
+    _fail_backward_op(monkeypatch, in_capture=True)
+    cb = callback()
+    with pytest.warns(
+        UserWarning, match=r"could not be captured: out of memory \(.*Tried to allocate 2.00 GiB"
+    ):
+        run = fit(ScaledGrad, [cb], steps=12, fused=True)
+    assert not cb.summary()["captured"]
+    assert_same(plain, run)
 
 
 def test_a_system_error_without_an_out_of_memory_error_stays_as_it_is(monkeypatch):
