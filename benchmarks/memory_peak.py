@@ -24,6 +24,9 @@ Scenarios:
 - ``oom-steps-plain``, ``oom-steps-capture-fails``: that fit plain, and with the defaults on a module
   whose capture runs out of memory (the rest of the fit trains eagerly), with each step's peak and
   the step's own allocations alive at it;
+- ``accumulate-plain``, ``accumulate-callback``, ``accumulate-callback-factor-1``: a fit with
+  ``accumulate_grad_batches=4`` (a graph per micro-batch role with the callback) and, to compare, the
+  callback's fit of the same module without accumulation;
 - ``outside-torch``: what each thing the callback does before its first step (CuPy, the prefetch
   kernels, a new stream, the capturable optimizer, the op tracer) adds outside PyTorch's allocator.
 
@@ -343,6 +346,45 @@ def tiny_mlp_fit(with_callback: bool, model_name: str = "TinyMLP", per_step: boo
     return recorded(run, trace_starts if per_step else None)
 
 
+def accumulated_fit(with_callback: bool, factor: int = 4) -> dict[str, Any]:
+    """Gradient accumulation's memory (issue 35): TinyMLP 1024 x 8 at batch 512, fused AdamW, 12
+    optimizer steps of `factor` micro-batches, plain or with the callback's defaults. With the
+    callback each micro-batch role (the window's first, the adding ones, the closing one) replays a
+    graph of its own, each pool holding a micro-batch's activations; `graph_pool_mib` is their sum.
+    ``factor=1`` is the same fit without accumulation, one graph, to compare against."""
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from lightning.pytorch import seed_everything
+
+    from l2lightning import L2GraphCallback
+    from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
+
+    def run() -> dict[str, Any]:
+        seed_everything(0)
+        model = TinyMLP(width=1024, depth=8, fused=True)
+        cb = L2GraphCallback() if with_callback else None
+        trainer = quiet_trainer(
+            accelerator="gpu",
+            devices=1,
+            max_steps=12,
+            accumulate_grad_batches=factor,
+            callbacks=[cb] if cb else [],
+        )
+        trainer.fit(model, regression_loader(n=512 * factor * 13, width=1024, batch_size=512))
+        summary = cb.summary() if cb else {}
+        return {
+            "factor": factor,
+            "peak_reserved_mib": torch.cuda.max_memory_reserved() / MIB,
+            **{
+                k: summary.get(k)
+                for k in ("captured", "reason", "graphs", "graph_pool_mib", "fallback_steps")
+            },
+        }
+
+    return recorded(run)
+
+
 def outside_torch_mib() -> float:
     """Device memory this process uses beyond PyTorch's allocator: CUDA context, loaded kernels,
     library handles and workspaces outside it, other allocators (CuPy's)."""
@@ -453,6 +495,9 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "oom-fit-callback": lambda: tiny_mlp_fit(True),
     "oom-steps-plain": lambda: tiny_mlp_fit(False, per_step=True),
     "oom-steps-capture-fails": lambda: tiny_mlp_fit(True, "RunsOutOfMemoryInCapture", per_step=True),
+    "accumulate-plain": lambda: accumulated_fit(False),
+    "accumulate-callback": lambda: accumulated_fit(True),
+    "accumulate-callback-factor-1": lambda: accumulated_fit(True, factor=1),
     "tune-training": tune_training,
     "fit-plain": lambda: fit("plain"),
     "fit-off": lambda: fit("off"),
