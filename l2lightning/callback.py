@@ -175,9 +175,9 @@ class L2GraphCallback(
             capture took (measured on the device: the eager step's and the replay's CUDA-event times),
             and only then capture again, the wait doubled after each graph that did not pay for its
             capture; so a value that changes every few steps costs no capture each time (the steps
-            waited are counted in ``summary()["fallback_steps"]``); where the fit's steps left
-            (``trainer.estimated_stepping_batches``) cannot pay for the capture any more, the rest of
-            the fit runs eagerly. False captures again at the next step. CUDA only (elsewhere no step
+            waited are counted in ``summary()["fallback_steps"]``); under automatic optimization,
+            where the fit's steps left (``trainer.estimated_stepping_batches``) cannot pay for the
+            capture any more, the rest of the fit runs eagerly. False captures again at the next step. CUDA only (elsewhere no step
             time is measured).
         operand_scalars: where a Python number the step reads reaches its ops only as the operand of a
             tensor ``*``, ``+`` or ``-`` written in the step's source (``loss - self.ent_coef * entropy``,

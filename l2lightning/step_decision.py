@@ -313,12 +313,12 @@ class StepDecision:
         return "replay"
 
     def _recapture(self, cause: str) -> str:
+        too_late = self._too_late_to_capture()  # asked first: the wait's bookkeeping below moves on
         if self._capture_not_paid_for(cause):
             # The graph is stale and stays unused (the cause is kept, so it never replays again):
             # these steps run eagerly, as a plain step does, until they have cost what a capture costs.
             self._recapture_next = cause
             self._waited_steps += 1
-            too_late = self._rented_s >= self._rent_target_s  # the wait is over; the fit ends too soon
             self._count_fallback(TOO_LATE_CAUSE if too_late else WAIT_CAUSE)
             return "eager"
         problem = self._too_large_to_compare()
@@ -363,7 +363,7 @@ class StepDecision:
             # step times it reads do not change while no graph replays), so a waiting step does
             # no more than a plain step's bookkeeping (benchmarks/recapture_phases.py).
             if self._rented_s >= self._rent_target_s:
-                if self._trainer.global_step > self._last_paying_step:
+                if self._too_late_to_capture():
                     self._warn_too_late_to_capture()
                     return True  # the rest of the fit runs eagerly: no capture it could pay back
                 self._rented_s = 0.0
@@ -388,7 +388,11 @@ class StepDecision:
             return False
         self._rent_target_s, self._rent_per_step_s = target, saved_per_step
         self._rented_s = saved_per_step
-        self._last_paying_step = last_paying_step(self._trainer, cost, saved_per_step)
+        # Under manual optimization Lightning's estimate counts batches where global_step counts each
+        # optimizer step (two a batch for a GAN): no common unit, so no bound there
+        self._last_paying_step = (
+            last_paying_step(self._trainer, cost, saved_per_step) if self._manual is None else math.inf
+        )
         if "recapture-wait" in self._warned:
             return True
         self._warn_once(
@@ -400,6 +404,14 @@ class StepDecision:
             "capture each time (counted in `summary()['fallback_steps']` and `['recapture_wait_steps']`)",
         )
         return True
+
+    def _too_late_to_capture(self) -> bool:
+        """Whether a wait under way is over and the fit's steps left are too few to pay for the capture."""
+        return (
+            self._rented_s > 0.0
+            and self._rented_s >= self._rent_target_s
+            and self._trainer.global_step > self._last_paying_step
+        )
 
     def _warn_too_late_to_capture(self) -> None:
         self._warn_once(

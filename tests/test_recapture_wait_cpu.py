@@ -16,6 +16,7 @@ from l2lightning.step_decision import TOO_LATE_CAUSE, WAIT_CAUSE, last_paying_st
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.lightning_models import TinyMLP
 from tests.test_callback_replay_cpu import assert_same, baseline_of, fit
+from tests.test_manual_optimization_cpu import ManualTwoOptimizers
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
@@ -131,6 +132,41 @@ def test_no_capture_again_when_the_steps_left_cannot_pay_for_it():
     assert summary["captures"] == 1 and summary["recaptures"] == 0, summary
     assert summary["fallback_steps"] == 8 and summary["recapture_wait_steps"] == 8, summary
     assert summary["fallback_causes"] == sorted([WAIT_CAUSE, TOO_LATE_CAUSE]), summary
+    assert_same(base, run)
+
+
+class ManualWeightedLateChange(ManualTwoOptimizers):
+    """Two optimizers stepped by hand (two global steps a batch), a loss weight changed at the third
+    epoch's start: batch 32 of 48, global_step 64 where Lightning estimates 48 stepping batches."""
+
+    weight = 1.0
+
+    def on_train_epoch_start(self):
+        if self.current_epoch == 2:
+            self.weight = 2.0
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        loss = TinyMLP.training_step(self, batch, batch_idx) * self.weight
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.step()
+
+
+@pytest.mark.usefixtures("measured_steps")
+def test_under_manual_optimization_the_fits_end_does_not_bound_the_wait():
+    """Lightning's estimate counts batches there (`estimated_stepping_batches`, 48) while global_step
+    counts every optimizer step (two a batch): compared, the bound would call the change at batch 32
+    too late to pay, with 11 batches left after its wait. Under manual optimization the wait captures
+    again as it did before the bound (at batch 37)."""
+    base = fit(baseline_of(ManualWeightedLateChange), **EPOCHS)
+    cb = fixed_costs()
+    run = fit(ManualWeightedLateChange, [cb], **EPOCHS)
+    summary = cb.summary()
+    assert summary["captures"] == 2 and summary["fallback_steps"] == 5, summary
+    assert TOO_LATE_CAUSE not in summary["fallback_causes"], summary
     assert_same(base, run)
 
 
