@@ -3,20 +3,18 @@ numbers mean nothing here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("ab_host_path", ROOT / "benchmarks" / "ab_host_path.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ab_host_path")
 
 
 def test_arguments_are_checked(tmp_path, capsys):

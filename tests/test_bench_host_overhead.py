@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
@@ -11,15 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host_overhead.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_host_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_host_overhead")
 
 
 def test_smoke_writes_csv_json_profile_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

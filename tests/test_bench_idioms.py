@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_idioms.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_idioms", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.mark.parametrize(
@@ -29,7 +19,9 @@ def test_resume_refuses_a_file_that_is_not_an_idioms_table(tmp_path, content, na
     earlier = tmp_path / "idioms.json"
     earlier.write_text(content)
     with pytest.raises(SystemExit, match=named):
-        _load().main(["--out", str(tmp_path / "out"), "--only", "autoencoder", "--resume", str(earlier)])
+        load_benchmark("bench_idioms").main(
+            ["--out", str(tmp_path / "out"), "--only", "autoencoder", "--resume", str(earlier)]
+        )
 
 
 def test_resume_keeps_the_earlier_rows_and_their_details(tmp_path):
@@ -39,5 +31,5 @@ def test_resume_keeps_the_earlier_rows_and_their_details(tmp_path):
         '"plain_ms": 2.0, "callback_ms": 1.0}], "machine": {"device": "x"}, '
         '"details": {"autoencoder": {"detail": null, "plain_again_ms": 1.5}}}'
     )
-    kept = _load()._load_resume(earlier, "cpu")
+    kept = load_benchmark("bench_idioms")._load_resume(earlier, "cpu")
     assert kept["rows"][0]["extra"] == {"plain_again_ms": 1.5} and kept["rows"][0]["detail"] is None

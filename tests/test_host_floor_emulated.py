@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "host_floor_emulated.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("host_floor_emulated", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_the_emulated_floor_writes_its_medians_and_rounds(tmp_path, monkeypatch):
     # the emulator it installs (and its replay that runs nothing) is undone after the test
-    assert _load().main(["--out", str(tmp_path), "--rounds", "2", "--steps", "5"], monkeypatch.setattr) == 0
+    assert (
+        load_benchmark("host_floor_emulated").main(
+            ["--out", str(tmp_path), "--rounds", "2", "--steps", "5"], monkeypatch.setattr
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "host_floor_emulated.json").read_text())
     names = {"lightning_bare_ms", "plain_floor_ms", "callback_floor_ms"}
     assert set(result["medians_ms"]) == set(result["rounds_ms"]) == names
@@ -35,5 +31,5 @@ def test_the_emulated_floor_writes_its_medians_and_rounds(tmp_path, monkeypatch)
 @pytest.mark.parametrize("argv", [["--rounds", "0"], ["--steps", "0"]])
 def test_the_emulated_floor_names_a_bad_count(argv, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        _load().main(["--out", str(tmp_path), *argv])
+        load_benchmark("host_floor_emulated").main(["--out", str(tmp_path), *argv])
     assert "--rounds and --steps must be at least 1" in capsys.readouterr().err

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from l2lightning.tools import doctor
+from tests.benchmark_scripts import load_benchmark
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -460,14 +460,10 @@ def test_read_sample_through_nvml(monkeypatch):
 
 
 # ---------------------------------------------------------------------- the benchmark scripts use the check
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _benchmark(name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(name)
 
 
 @pytest.mark.parametrize("name", ["bench_callback", "bench_prefetch_forward"])
