@@ -204,6 +204,11 @@ class TeacherInAList(_Changes):
         super().__init__(**kwargs)
         self.teacher_box = [copy.deepcopy(self.head).requires_grad_(False)]
 
+    def on_fit_start(self):
+        # Lightning moves only the module tree to the device; a teacher kept out of it is moved by
+        # hand, as its user would (in place, so the dict of TeacherInADict holds the moved one too)
+        self.teacher_box[0].to(self.device)
+
     def change(self):
         self.teacher_box = [copy.deepcopy(self.head).requires_grad_(False)]
 
