@@ -33,3 +33,23 @@ def test_resume_keeps_the_earlier_rows_and_their_details(tmp_path):
     )
     kept = load_benchmark("bench_idioms")._load_resume(earlier, "cpu")
     assert kept["rows"][0]["extra"] == {"plain_again_ms": 1.5} and kept["rows"][0]["detail"] is None
+
+
+def test_the_printed_table_gives_the_whole_fits_ratio_beside_the_per_step_speedup(capsys):
+    row = {
+        "module": "autoencoder",
+        "captured": True,
+        "reason": "",
+        "equal": True,
+        "plain_ms": 4.0,
+        "callback_ms": 1.0,
+        "extra": {"plain_again_ms": 3.5, "plain_fit_s": 0.9, "callback_fit_s": 0.8, "plain_again_fit_s": 0.2},
+    }
+    refused_at_setup = {**row, "module": "x", "captured": False, "extra": {"plain_again_fit_s": None}}
+    load_benchmark("bench_idioms")._print_table([row, refused_at_setup])
+    header, first, second, _ = capsys.readouterr().out.splitlines()
+    assert header.split()[6:8] == ["speedup", "fit_x"]
+    # 4.0 / 1.0 per step; 0.2 / 0.8 over the whole fit: faster steps, a slower fit
+    assert first.split()[6:8] == ["4.00x", "0.25x"]
+    # no second plain fit (a fit refused at set-up): no whole-fit ratio, the row's last cell the speedup
+    assert second.split()[-1] == "4.00x"
