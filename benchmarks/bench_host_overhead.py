@@ -42,6 +42,9 @@ bucket (data loading/collation, host-to-device batch copy, Lightning loop and ho
 other) by its file, or, for generic code (torch, builtins, lightning_utilities, the family modules),
 split over its callers in proportion to the time each caller spent in it. cProfile slows Python
 down, so read the buckets as shares; ``profiled_step_ms`` beside them is the profiled step time.
+``floor_profile`` in the same file profiles the floor's fit with the callback and Lightning's bare
+fit over the same steps, and lists the functions whose own time per step differs most between them:
+where ``floor_ms - lightning_bare_ms`` goes.
 
 Output in ``--out``: ``host_overhead.csv`` (columns ``CSV_COLUMNS``, empty where a variant does not
 apply or was not run), ``host_overhead.json`` (rows, every round, why columns are empty, the machine:
@@ -633,7 +636,7 @@ def profile_family(setup: FamilySetup, args: argparse.Namespace) -> dict[str, An
             "function": f"{_norm(f[0]).split('site-packages/')[-1]}:{f[1]}({f[2]})",
             "ms_per_step": v[2] * 1e3 / n,
         }
-        for f, v in sorted(top.stats.items(), key=lambda kv: -kv[1][2])[:15]
+        for f, v in sorted(top.stats.items(), key=lambda kv: -kv[1][2])[:40]
     ]
     return {
         "family": setup.family,
@@ -645,6 +648,68 @@ def profile_family(setup: FamilySetup, args: argparse.Namespace) -> dict[str, An
         "captured": (out.get("callback") or {}).get("captured"),
         "capture_reason": (out.get("callback") or {}).get("reason"),
     }
+
+
+def _own_ms_per_step(profile: cProfile.Profile, steps: int) -> dict[str, float]:
+    """Each function's own time per step in ms, by ``file:line(name)`` (site-packages stripped)."""
+    stats = pstats.Stats(profile).stats
+    return {
+        f"{_norm(f[0]).split('site-packages/')[-1]}:{f[1]}({f[2]})": v[2] * 1e3 / steps
+        for f, v in stats.items()
+        if v[2] > 0
+    }
+
+
+def profile_floor(args: argparse.Namespace, top: int = 40) -> dict[str, Any]:
+    """Where ``floor_ms - lightning_bare_ms`` goes (issue 37): the floor's fit with the callback and
+    Lightning's bare fit, each under cProfile for ``--profile-steps`` steps from step SKIP (after the
+    capture), on the floor's loader and Trainer. Per variant the profiled step time and the buckets;
+    then the `top` functions whose own time per step differs most between the two (callback minus
+    bare: what the callback's replay path and automatic optimization add, and what they skip)."""
+    from l2lightning import L2GraphCallback
+
+    device = _floor_device(args)
+    impl = "fused" if args.accelerator == "cuda" else "foreach"
+    floor_args = SimpleNamespace(**{**vars(args), "steps": args.profile_steps})
+    variants: dict[str, Any] = {}
+    own: dict[str, dict[str, float]] = {}
+    for name in ("callback_floor", "bare"):
+        profiler = _Profiler(SKIP, args.profile_steps)
+        if name == "bare":
+            callbacks: list[Any] = [profiler]
+            module = _bare_module(device)
+        else:
+            callback = L2GraphCallback(prefetch="off", log_timing=False)
+            callbacks = [callback, profiler]
+            module = _logging_module(0, device, impl)
+        _fit_on_floor_loader(floor_args, module, callbacks)
+        steps = min(args.profile_steps, max(profiler.calls - SKIP - 1, 0))
+        if profiler.t0 is None or steps <= 0:
+            return {"error": f"the {name} fit never reached its profile window"}
+        own[name] = _own_ms_per_step(profiler.profile, steps)
+        variants[name] = {
+            "profiled_steps": steps,
+            "profiled_step_ms": (profiler.t1 - profiler.t0) * 1e3 / steps,
+            "buckets_ms_per_step": {b: v * 1e3 / steps for b, v in bucket_profile(profiler.profile).items()},
+        }
+        if name == "callback_floor":
+            summary = callback.summary()
+            variants[name]["captured"] = summary["captured"]
+            variants[name]["capture_reason"] = summary["reason"]
+    functions = set(own["callback_floor"]) | set(own["bare"])
+    differences = sorted(
+        (
+            {
+                "function": f,
+                "callback_floor_ms": own["callback_floor"].get(f, 0.0),
+                "bare_ms": own["bare"].get(f, 0.0),
+                "difference_ms": own["callback_floor"].get(f, 0.0) - own["bare"].get(f, 0.0),
+            }
+            for f in functions
+        ),
+        key=lambda row: -abs(row["difference_ms"]),
+    )
+    return {**variants, "largest_differences": differences[:top]}
 
 
 # ---------------------------------------------------------------------- output
@@ -956,6 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
 
         profiles: list[dict[str, Any]] = []
         profile_note = None
+        floor_profile: dict[str, Any] | None = None
         if args.no_profile:
             profile_note = "skipped (--no-profile)"
         else:
@@ -976,6 +1042,13 @@ def main(argv: list[str] | None = None) -> int:
                         )
             if not profiles:
                 profile_note = f"no family ran at the profiled batches {list(PROFILE_BATCHES)}"
+            floor_profile = attempt("floor", 1, "floor profile", lambda: profile_floor(args))
+            if floor_profile and "error" not in floor_profile:
+                gap = (
+                    floor_profile["callback_floor"]["profiled_step_ms"]
+                    - floor_profile["bare"]["profiled_step_ms"]
+                )
+                print(f"profile floor - bare: {gap:.3f} ms per profiled step", flush=True)
 
         write_csv(args.out / "host_overhead.csv", rows)
         if args.pinned:
@@ -1027,6 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
                     "code split over callers by time; ms per step (cProfile overhead included)",
                     "note": profile_note,
                     "profiles": profiles,
+                    "floor_profile": floor_profile,
                 },
                 indent=2,
                 default=str,

@@ -78,7 +78,34 @@ def test_smoke_writes_csv_json_profile_and_plot(tmp_path: Path, monkeypatch: pyt
         assert set(buckets) == set(bho.BUCKETS)
         assert sum(buckets.values()) > 0
         assert buckets["lightning_loop"] > 0
+    floor = profile["floor_profile"]
+    assert floor["callback_floor"]["profiled_steps"] > 0 and floor["bare"]["profiled_steps"] > 0
+    assert set(floor["bare"]["buckets_ms_per_step"]) == set(bho.BUCKETS)
     assert (tmp_path / "host_overhead.png").stat().st_size > 0
+
+
+@pytest.mark.usefixtures("emulated_cuda_graphs")
+def test_the_floor_profile_names_what_the_callbacks_replays_add_to_the_bare_loop() -> None:
+    """On the graph emulator the floor's fit is captured and replayed: the functions whose own time
+    differs most from the bare fit's include the callback's replay path, absent from the bare fit,
+    and the list is ordered by the size of the difference."""
+    bho = _load()
+    args = bho.parse_args(["--out", "unused", "--smoke", "--profile-steps", "30"])
+    args.accelerator = "cpu"
+    floor = bho.profile_floor(args, top=200)
+    assert floor["callback_floor"]["captured"] is True, floor["callback_floor"]["capture_reason"]
+    differences = floor["largest_differences"]
+    sizes = [abs(row["difference_ms"]) for row in differences]
+    assert sizes == sorted(sizes, reverse=True)
+    (replay,) = [
+        row
+        for row in differences
+        if "step_dispatch.py:" in row["function"] and row["function"].endswith("(_replay_step)")
+    ]
+    assert replay["bare_ms"] == 0.0 and replay["difference_ms"] == replay["callback_floor_ms"] > 0
+    # the StepTimer both fits carry is in both
+    timer = [row for row in differences if "step_timer.py" in row["function"]]
+    assert timer and all(row["bare_ms"] > 0 and row["callback_floor_ms"] > 0 for row in timer)
 
 
 def test_log_cost_pairs_alternate_and_give_the_median_of_the_pairs(tmp_path: Path, monkeypatch) -> None:
