@@ -786,6 +786,27 @@ class GradCheckpointing(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class DropoutResidualBlock(ResidualBlock):
+    """ResidualBlock with Hugging Face's hidden dropout after its MLP (``hidden_dropout_prob``)."""
+
+    def __init__(self, width: int, p: float = 0.1) -> None:
+        super().__init__(width)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.mlp(self.norm(x)))
+
+
+class GradCheckpointingDropout(GradCheckpointing):
+    """GradCheckpointing with dropout inside each checkpointed block, as a Hugging Face model with
+    ``gradient_checkpointing_enable()`` trains: the backward recomputes each block's forward, which
+    must draw the same dropout mask again (checkpoint puts the generator's state back first)."""
+
+    def __init__(self, in_dim: int = 32, width: int = 128, depth: int = 8) -> None:
+        super().__init__(in_dim, width, depth)
+        self.blocks = nn.ModuleList(DropoutResidualBlock(width) for _ in range(depth))
+
+
 class ModelEma(nn.Module):
     """timm ``ModelEmaV2``/``V3``: a deep copy of the model (no grads) updated in place under no_grad."""
 
@@ -1914,6 +1935,14 @@ IDIOM_VARIANTS: dict[str, Idiom] = {
             "16-mixed's GradScaler with a fused AdamW: unscale, inf check, skip and scale update run on the "
             "device, inside the graph (on the CPU Lightning needs its plugin passed for fp16)",
             trainer_kwargs=_steps(precision="16-mixed"),
+        ),
+        Idiom(
+            "grad_checkpointing_dropout",
+            GradCheckpointingDropout,
+            functools.partial(_regression_loader, n=512, dim=32, batch_size=32, seed=10),
+            "capture",
+            "dropout inside non-reentrant checkpointed blocks: the recomputation in backward restores the "
+            "generator's state and draws the forward's masks again, inside the graph",
         ),
         Idiom(
             "accumulate_bf16_decay_groups",

@@ -1563,6 +1563,19 @@ def test_dropout_in_a_block_checkpointing_recomputes_with_the_forwards_rng_is_re
     )
 
 
+def test_the_checkpointing_with_dropout_idiom_is_refused_outside_cuda_by_name_and_trains_like_plain():
+    """The Hugging Face-style idiom (dropout inside non-reentrant checkpointed residual blocks): refused
+    here for the reason above, and the refused fit bitwise plain; on the GPU it is captured
+    (tests/gpu/test_idioms_gpu.py)."""
+    from tests.idiom_harness import judge
+
+    result = judge("grad_checkpointing_dropout", steps=12, accelerator="cpu")
+    assert result["captured"] is False and result["equal"] is True, result["detail"]
+    assert "outside CUDA (cpu)" in result["reason"] and "idiom_modules.py" in result["reason"], result[
+        "reason"
+    ]
+
+
 @pytest.mark.parametrize("cls", [CheckpointedDropoutUnpreserved, DropoutOutsideCheckpoint])
 def test_checkpointed_blocks_without_a_put_back_rng_or_without_dropout_are_captured_bitwise(cls):
     base, run, cb = captured_pair(cls, fused=True)
