@@ -1,8 +1,9 @@
 """Per-step ``Trainer.fit`` time, plain Lightning vs L2GraphCallback, on modules written the way users
 write them (issue 12), with the bitwise verdict for each.
 
-What it measures: for each idiom module of ``tests/idiom_modules.py`` (16 public idioms: Lightning's
-docs and demos, lightning-hydra-template, torchmetrics' docs, CleanRL, timm, DLRM, pytorch/examples),
+What it measures: for each idiom module of ``tests/idiom_modules.py`` (20 public idioms: Lightning's
+docs and demos, lightning-hydra-template, torchmetrics' docs, CleanRL, timm, DLRM, pytorch/examples)
+and each variant of ``tests/idiom_variants.py``,
 ``tests/idiom_harness.judge`` fits it ``--steps`` batches three times in one process: plain, with
 its optimizers passed through ``make_capturable`` (the baseline), and with
 ``L2GraphCallback()`` at its defaults; then a plain fit again. Every fit is seeded
@@ -275,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required")
 
     sys.path.insert(0, str(ROOT))
-    from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
+    from tests.idiom_modules import IDIOMS
+    from tests.idiom_variants import IDIOM_VARIANTS
 
     names = [n.strip() for n in args.only.split(",") if n.strip()] or [*IDIOMS, *IDIOM_VARIANTS]
     unknown = [n for n in names if n not in IDIOMS and n not in IDIOM_VARIANTS]

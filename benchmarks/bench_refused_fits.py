@@ -14,7 +14,7 @@ the per-pair ratios and how many of them are above 1.0, the median whole-fit wal
 (warm-up, tracing and the callback's set-up included: "slower over its fit?"), whether every
 callback fit was refused and bitwise its pair's plain fit, and the refusal's text.
 
-Default idioms: those of ``tests/idiom_modules.py`` expected to be refused. On a CPU (``--accelerator
+Default idioms: those of ``tests/idiom_modules.py`` and ``tests/idiom_variants.py`` expected to be refused. On a CPU (``--accelerator
 cpu``) the callback refuses every fit at its set-up for want of CUDA: a check of the script, not a
 measurement of a refusal made by the warm-up.
 
@@ -54,8 +54,9 @@ COLUMNS = [
 
 
 def refused_idioms() -> list[str]:
-    """The idioms (variants included) that ``tests/idiom_modules.py`` expects the callback to refuse."""
-    from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
+    """The idioms (``tests/idiom_modules.py``) and variants (``tests/idiom_variants.py``) expected refused."""
+    from tests.idiom_modules import IDIOMS
+    from tests.idiom_variants import IDIOM_VARIANTS
 
     return [name for name, idiom in {**IDIOMS, **IDIOM_VARIANTS}.items() if idiom.expect == "refuse"]
 
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
+    from tests.idiom_modules import IDIOMS
+    from tests.idiom_variants import IDIOM_VARIANTS
 
     accelerator = args.accelerator or ("gpu" if torch.cuda.is_available() else "cpu")
     names = [n.strip() for n in args.only.split(",") if n.strip()] or refused_idioms()

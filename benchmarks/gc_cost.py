@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tests.idiom_harness import run_idiom
-    from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
+    from tests.idiom_modules import IDIOMS
+    from tests.idiom_variants import IDIOM_VARIANTS
 
     if args.idiom not in IDIOMS and args.idiom not in IDIOM_VARIANTS:
         parser.error(f"--idiom: unknown idiom {args.idiom!r}; known: {sorted({**IDIOMS, **IDIOM_VARIANTS})}")

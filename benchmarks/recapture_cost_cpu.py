@@ -3,7 +3,7 @@
 A re-capture runs the step once more under the tracer, re-reads the code the step calls
 (``called_code.analyse_called_code``) and captures. The last of those is the emulator's here, so
 only the host work is measured, which is the same Python on a GPU machine. Per round, one fit of the
-``epoch_weighted_aux`` idiom (``tests/idiom_modules.py``: a loss weight from ``current_epoch``, three
+``epoch_weighted_aux`` idiom (``tests/idiom_variants.py``: a loss weight from ``current_epoch``, three
 20-step epochs, so two re-captures) with ``L2GraphCallback(prefetch="off", verify=False)`` per
 variant, interleaved: ``cached`` (as shipped: ``step_source._is_user_code`` keeps its verdict per
 code file name) and ``uncached`` (every call judges the path again, as before the cache). Reported
@@ -33,7 +33,7 @@ def _fit(variant: str) -> dict:
 
     from l2lightning import L2GraphCallback, step_source
     from tests import graph_emulator
-    from tests.idiom_modules import IDIOM_VARIANTS
+    from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 
     undo: list[tuple[object, str, object]] = []

@@ -1,6 +1,6 @@
 """Where a re-capture's wall time goes, and what the eager steps of a re-capture wait cost over plain.
 
-Two measurements on the idioms of issue 36 (``tests/idiom_modules.py``: ``global_loss_weight``,
+Two measurements on the idioms of issue 36 (``tests/idiom_variants.py``: ``global_loss_weight``,
 ``rebound_loss_weight``, ``epoch_weighted_aux``; a 64-dim regression MLP, batch 32, 60 steps):
 
 * **captures**: one fit per idiom with ``L2GraphCallback(recapture_wait=False)`` (captured again at
@@ -164,7 +164,7 @@ def _captures_fit(name: str, device: str) -> dict:
     from lightning.pytorch import seed_everything
 
     from l2lightning import L2GraphCallback, step_capture, step_dispatch, warmup_steps
-    from tests.idiom_modules import IDIOM_VARIANTS
+    from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 
     undo: list = []
@@ -270,7 +270,7 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
     from lightning.pytorch import seed_everything
 
     from l2lightning import L2GraphCallback, fit_report
-    from tests.idiom_modules import IDIOM_VARIANTS
+    from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 
     undo: list = []

@@ -1,4 +1,4 @@
-"""Every idiom of ``tests/idiom_modules.py`` again with gradient accumulation, on the CPU graph emulator.
+"""Every idiom of ``tests/idiom_modules.py`` and ``tests/idiom_variants.py`` again with gradient accumulation, on the CPU graph emulator.
 
 Each idiom that does not accumulate already is fit with ``accumulate_grad_batches=FACTOR`` added to
 its Trainer arguments: plain, with ``L2GraphCallback`` and against its ``make_capturable`` baseline
@@ -41,13 +41,13 @@ def main() -> int:
     torch.set_num_threads(1)  # as the CPU tests run the emulator: bitwise-repeatable reductions
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    from tests import graph_emulator, idiom_harness, idiom_modules
+    from tests import graph_emulator, idiom_harness, idiom_modules, idiom_variants
 
     graph_emulator.install(lambda owner, name, value: setattr(owner, name, value))
     idiom_harness._EXTRA_CAPTURABLE_DEVICES = ("cpu",)  # the baseline switches where the callback did
-    tables = (idiom_modules.IDIOMS, idiom_modules.IDIOM_VARIANTS)
+    tables = (idiom_modules.IDIOMS, idiom_variants.IDIOM_VARIANTS)
     names = [n for n in idiom_modules.IDIOMS] + [
-        n for n in idiom_modules.IDIOM_VARIANTS if n not in idiom_modules.IDIOMS
+        n for n in idiom_variants.IDIOM_VARIANTS if n not in idiom_modules.IDIOMS
     ]
     if args.only:
         wanted = args.only.split(",")
@@ -58,7 +58,7 @@ def main() -> int:
     rows = []
     started = time.perf_counter()
     for name in names:
-        idiom = idiom_modules.IDIOMS.get(name) or idiom_modules.IDIOM_VARIANTS[name]
+        idiom = idiom_modules.IDIOMS.get(name) or idiom_variants.IDIOM_VARIANTS[name]
         if idiom.trainer_kwargs.get("accumulate_grad_batches", 1) != 1:
             continue  # accumulates already (tests/test_accumulation_cpu.py)
         accumulated = dataclasses.replace(

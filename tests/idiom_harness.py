@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
+from tests.idiom_modules import IDIOMS
+from tests.idiom_variants import IDIOM_VARIANTS
 
 # Lightning's deterministic=True sets this too, but only once a Trainer exists; cuBLAS reads it when
 # its first handle is created.

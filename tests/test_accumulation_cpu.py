@@ -18,8 +18,8 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
     capturable_from_of_the_last_callback_fit,
 )
 from tests.lightning_models import TinyMLP
+from tests.replay_helpers import assert_same, callback, fit
 from tests.test_amp_fp16_cpu import FusedSGD, fp16
-from tests.test_callback_replay_cpu import assert_same, callback, fit
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
@@ -139,9 +139,9 @@ def test_accumulating_micro_batches_keep_their_hooks_and_logs():
 def test_idiom_accumulate_bf16_decay_groups_is_captured_bitwise_the_baseline():
     from lightning.pytorch import seed_everything
 
-    from tests.idiom_modules import IDIOM_VARIANTS
+    from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
-    from tests.test_callback_replay_cpu import Recorder
+    from tests.replay_helpers import Recorder
 
     idiom = IDIOM_VARIANTS["accumulate_bf16_decay_groups"]
     assert idiom.expect == "capture"

@@ -23,7 +23,7 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
 )
 from tests.idiom_harness import loop_state
 from tests.lightning_models import TinyMLP, quiet_trainer
-from tests.test_callback_replay_cpu import assert_same, callback, fit
+from tests.replay_helpers import assert_same, callback, fit
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
@@ -227,9 +227,9 @@ def test_a_disabled_scaler_is_captured_with_any_optimizer():
 
 # --------------------------------------------------------------------------- the idiom
 def test_the_fp16_fused_adamw_idiom_is_captured_bitwise_its_baseline():
-    """``fp16_fused_adamw`` (tests/idiom_modules.py) as users write it, with the CPU's explicit plugin."""
-    from tests.idiom_modules import IDIOM_VARIANTS
-    from tests.test_callback_replay_cpu import Recorder
+    """``fp16_fused_adamw`` (tests/idiom_variants.py) as users write it, with the CPU's explicit plugin."""
+    from tests.idiom_variants import IDIOM_VARIANTS
+    from tests.replay_helpers import Recorder
 
     idiom = IDIOM_VARIANTS["fp16_fused_adamw"]
     assert idiom.expect == "capture" and idiom.trainer_kwargs["precision"] == "16-mixed"

@@ -7,7 +7,7 @@ import pytest
 from l2lightning import CapturableFrom
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_same, callback, fit
+from tests.replay_helpers import assert_same, callback, fit
 
 
 @pytest.mark.parametrize("step", [-1, True, 2.0, "3", None])

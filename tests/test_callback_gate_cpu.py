@@ -16,9 +16,12 @@ import pytest
 
 from l2lightning import L2GraphCallback, step_gate
 from l2lightning.step_gate import VARIANTS
-from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
+from tests.baselines import (
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,  # noqa: F401 -- records switch steps
+)
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_same, baseline_of, fit
+from tests.replay_helpers import assert_same, fit
 
 
 class StandInHooks:

@@ -17,7 +17,8 @@ from l2lightning import grad_norm_reads
 from l2lightning.grad_norm_reads import GradNormNames, batched_grad_norm, batched_grad_norm_in
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.graph_emulator import FakeGraph
-from tests.test_callback_replay_cpu import GradNormLogging, assert_same, captured_pair
+from tests.replay_helpers import assert_same, captured_pair
+from tests.test_callback_replay_cpu import GradNormLogging
 
 
 def _with_grads(module: nn.Module, seed: int = 0) -> nn.Module:

@@ -31,7 +31,7 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
 )
 from tests.idiom_modules import IDIOMS, ManualGAN, ManualGANDeviceNoise
 from tests.lightning_models import TinyMLP, quiet_trainer
-from tests.test_callback_replay_cpu import Recorder, assert_same, callback, fit
+from tests.replay_helpers import Recorder, assert_same, callback, fit
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

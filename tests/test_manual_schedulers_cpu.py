@@ -23,7 +23,7 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
 )
 from tests.idiom_modules import ManualGANScheduled
 from tests.lightning_models import quiet_trainer, regression_loader
-from tests.test_callback_replay_cpu import assert_same, callback, fit
+from tests.replay_helpers import assert_same, callback, fit
 from tests.test_manual_optimization_cpu import (
     ByHand,
     ManualMLP,

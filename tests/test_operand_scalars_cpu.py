@@ -24,7 +24,7 @@ from tests.operand_models import (
     CosineLossWeight,
     KLRamp,
 )
-from tests.test_callback_replay_cpu import assert_same, callback, fit
+from tests.replay_helpers import assert_same, callback, fit
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

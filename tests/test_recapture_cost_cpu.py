@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from l2lightning import L2GraphCallback, fit_report, prefetch_setup, step_capture
-from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
-from tests.test_callback_replay_cpu import assert_same, baseline_of, fit
+from tests.baselines import (
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,  # noqa: F401 -- records switch steps
+)
+from tests.replay_helpers import assert_same, fit
 from tests.test_recapture_wait_cpu import EPOCHS, EpochWeight, FixedCosts
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")

@@ -13,9 +13,12 @@ import pytest
 
 from l2lightning import L2GraphCallback, fit_report
 from l2lightning.step_decision import TOO_LATE_CAUSE, WAIT_CAUSE, last_paying_step
-from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
+from tests.baselines import (
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,  # noqa: F401 -- records switch steps
+)
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_same, baseline_of, fit
+from tests.replay_helpers import assert_same, fit
 from tests.test_manual_optimization_cpu import ManualTwoOptimizers
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")

@@ -26,7 +26,7 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
 )
 from tests.between_step_models import MovesTheScaleEachEpoch, ScalesByAPlainTensor
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_same, fit
+from tests.replay_helpers import assert_same, fit
 
 
 # --------------------------------------------------------------------------- the schedule

@@ -17,9 +17,12 @@ from lightning.pytorch.trainer import call
 from l2lightning import L2GraphCallback, replay_closure
 from l2lightning.log_replay import ReissuedLog
 from l2lightning.replay_closure import CLOSURE_HOOKS, is_stock_closure, why_not_fast
-from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
+from tests.baselines import (
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,  # noqa: F401 -- records switch steps
+)
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_same, baseline_of, callback, fit
+from tests.replay_helpers import assert_same, callback, fit
 
 # every test here runs on the CPU graph emulator (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")

@@ -33,7 +33,7 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
     capturable_from_of_the_last_callback_fit,
 )
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_same, callback, fit
+from tests.replay_helpers import assert_same, callback, fit
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

@@ -36,7 +36,7 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
     capturable_from_of_the_last_callback_fit,
 )
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_refused_like_plain, assert_same, callback, fit
+from tests.replay_helpers import assert_refused_like_plain, assert_same, callback, fit
 
 SWITCH_STEP = 13  # the global step at which a batch-start hook changes what the step reads
 

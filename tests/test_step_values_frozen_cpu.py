@@ -29,9 +29,12 @@ from l2lightning.step_values import (
     frozen,
     frozen_read,
 )
-from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- the autouse fixture
+from tests.baselines import (
+    baseline_of,
+    capturable_from_of_the_last_callback_fit,  # noqa: F401 -- the autouse fixture
+)
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_same, baseline_of, callback, fit
+from tests.replay_helpers import assert_same, callback, fit
 
 # the fits run on the CPU graph emulator (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")

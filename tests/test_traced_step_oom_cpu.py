@@ -15,7 +15,7 @@ import torch
 
 from l2lightning.step_trace import StepTracer
 from tests.lightning_models import TinyMLP
-from tests.test_callback_replay_cpu import assert_same, callback, fit
+from tests.replay_helpers import assert_same, callback, fit
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

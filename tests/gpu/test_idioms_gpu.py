@@ -1,6 +1,6 @@
 """GPU: L2GraphCallback on modules written the way users write them (issue 12).
 
-Each idiom of ``tests/idiom_modules.py`` is fit for 60 steps plain, with the callback and with its
+Each idiom of ``tests/idiom_modules.py`` and ``tests/idiom_variants.py`` is fit for 60 steps plain, with the callback and with its
 baseline (plain, switched to ``make_capturable``'s configuration at the callback's capture step) (``tests/idiom_harness.judge``). Every idiom must end bitwise equal
 to its reference: the baseline when the callback captured, plain Lightning when it refused (and a
 plain fit after the callback's fit must still equal the first one). Idioms expected to capture must
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from tests.idiom_harness import judge
-from tests.idiom_modules import IDIOM_VARIANTS, IDIOMS
+from tests.idiom_modules import IDIOMS
+from tests.idiom_variants import IDIOM_VARIANTS
 
 pytestmark = pytest.mark.gpu
 
