@@ -18,8 +18,9 @@
 #   idioms[=NAME,...]  the LightningModule idioms (tests/idiom_modules.py): plain vs the callback per
 #                 module, each in its own process, -> idioms.csv / idioms.json (written after each idiom)
 #   idioms-resume=PATH  the idioms an earlier, cut run's idioms.json at PATH lacks, its rows kept
-#   refused-fits[=ARGS]  benchmarks/bench_refused_fits.py with ARGS (as host-overhead's): the refused idioms,
-#                 plain and with the callback in turns, several rounds in one process -> refused_fits.csv / .json
+#   idiom-pairs[=ARGS]  benchmarks/bench_idiom_pairs.py with ARGS (as host-overhead's; default the refused
+#                 idioms): plain and callback fits in turns, several rounds in one process, per step and
+#                 over the whole fit -> idiom_pairs.csv / .json
 #   harness-families[=FAMILY,...[@REPEATS]]  model families (default all) x batches 4, 8, 16, 64:
 #                 Lightning eager vs the callback without and with autotuned prefetch, 10 steps per
 #                 repeat (default 3 repeats)
@@ -72,10 +73,10 @@ for stage in "$@"; do
       # complete a cut idioms run: its idioms.json (committed or copied into the tree) keeps its rows
       timeout 540 python3 benchmarks/bench_idioms.py --out "$OUT" --resume "${stage#*=}" > "$OUT/idioms.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/idioms.log" | tail -22 ;;
-    refused-fits*)
+    idiom-pairs*)
       extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
-      timeout 400 python3 benchmarks/bench_refused_fits.py --out "$OUT" $(stage_args "$extra") > "$OUT/refused_fits.log" 2>&1
-      echo "rc=$?"; grep -E "^[a-z_0-9]+ +plain|wrote|Error" "$OUT/refused_fits.log" | tail -12 ;;
+      timeout 540 python3 benchmarks/bench_idiom_pairs.py --out "$OUT" $(stage_args "$extra") > "$OUT/idiom_pairs.log" 2>&1
+      echo "rc=$?"; grep -E "^[a-z_0-9]+ +plain|wrote|Error" "$OUT/idiom_pairs.log" | tail -20 ;;
     idioms*)
       only=""; [[ "$stage" == *=* ]] && only="--only ${stage#*=}"
       timeout 540 python3 benchmarks/bench_idioms.py --out "$OUT" $only > "$OUT/idioms.log" 2>&1
