@@ -177,8 +177,8 @@ class L2GraphCallback(
             capture; so a value that changes every few steps costs no capture each time (the steps
             waited are counted in ``summary()["fallback_steps"]``); under automatic optimization,
             where the fit's steps left (``trainer.estimated_stepping_batches``) cannot pay for the
-            capture any more, the rest of the fit runs eagerly. False captures again at the next step. CUDA only (elsewhere no step
-            time is measured).
+            capture any more, the rest of the fit runs eagerly. False captures again at the next step.
+            CUDA only (elsewhere no step time is measured).
         operand_scalars: where a Python number the step reads reaches its ops only as the operand of a
             tensor ``*``, ``+`` or ``-`` written in the step's source (``loss - self.ent_coef * entropy``,
             ``beta * reg`` with ``beta`` computed from ``self.current_epoch``), on float32 or float64
