@@ -387,6 +387,9 @@ class L2GraphCallback(
         # second reaches the first
         self._last_capture_cost_s: float | None = None
         self._capture_once_s = 0.0  # of the capture under way: what a later capture does not repeat
+        # the prefetch set-up of the capture step under way collected all generations before tuning
+        # (l2lightning.prefetch_setup): the capture in the same step need not walk them again
+        self._collected_for_capture = False
         self._recaptures = 0  # captures after the fit's first (the gate's second capture included)
         self._last_recapture_s: float | None = None  # the wall seconds of the last of them
         self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)

@@ -63,6 +63,7 @@ class PrefetchSetup:
             # peak. On the d1024x60 stack the defaults' reserved peak was tuning's 86 MiB on top of
             # 190 MiB of such segments, 80 MiB over `off` (benchmarks/memory_peak.py on the H200).
             free_cached_memory()
+            self._collected_for_capture = True
         out_of_memory = None
         try:
             with _leaves_no_trace(pl_module, self._optimizer.optimizer if self._optimizer else None):

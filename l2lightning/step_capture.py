@@ -204,6 +204,7 @@ class StepCapture:
         # the check kernels compiling in the background load their module when done, which a CUDA graph
         # capture in progress (the prefetch tuner's or the step's, global capture mode) would not survive
         check_kernels.wait_prepared()
+        self._collected_for_capture = False  # set by this step's prefetch set-up, if it collects
         module, wrapped = self._module, self._optimizer
         key = self._pending_key
         group = self._groups.get(key)
@@ -576,6 +577,38 @@ class StepCapture:
                 "eager reference",
             )
 
+    def _collect_before_capture(self) -> None:
+        """Give back what the eager steps left before the capture's pool is measured (on CUDA).
+
+        The eager steps' cuBLAS workspaces are dropped here, before the pool's reading, rather than only
+        at the capture's start (graph_capture drops them to give the graph its own, and
+        torch.cuda.graph then empties the cache): released after the reading, they were subtracted
+        from the pool's size, which read 64 MiB (the graph's two workspaces) short on the H200 whenever
+        no tuning had released them first.
+        """
+        clear_cublas_workspaces()
+        if self.captures == 0 and not self._collected_for_capture:
+            # The fit's first capture collects all generations: a dead autograd graph in a reference
+            # cycle (made before the fit, on another stream) keeps AccumulateGrad nodes bound to that
+            # stream, which would break the capture.
+            collecting = time.perf_counter()
+            free_cached_memory()
+            self._capture_once_s += time.perf_counter() - collecting
+            return
+        # The young generations only, where the full collection's work is done already. A full one
+        # took 0.31-0.33 s of a 0.34-0.37 s re-capture on the H200, whose capture itself took 0.02 s
+        # (benchmarks/results/h200/recapture_phases_before.json).
+        # - The fit's first capture, when this step's prefetch set-up collected all generations
+        #   before tuning: what ran since made no autograd graph on another stream (the chain
+        #   discovery's dry run is under no_grad, the tuner times throwaway copies of the layers, the
+        #   verify step runs on this capture's stream).
+        # - A capture after the fit's first: every step since the fit's start ran on this capture's
+        #   stream (_on_step_stream), so no AccumulateGrad node of a step's autograd graph is bound to
+        #   another, and the graph this one replaces died by reference count when _capture_graph_step
+        #   dropped it, its pool with it (tests/test_recapture_cost_cpu.py), before the cache release.
+        gc.collect(1)
+        torch.cuda.empty_cache()
+
     def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:
         module = self._module
         # The capture allocates the gradients in the graph's pool. The eager step's gradients are
@@ -586,29 +619,7 @@ class StepCapture:
         module.zero_grad(set_to_none=True)
         reserved = 0
         if torch.cuda.is_available():
-            # The eager steps' cuBLAS workspaces are dropped here, before the reading below, rather
-            # than only at the capture's start (graph_capture drops them to give the graph its own,
-            # and torch.cuda.graph then empties the cache): released after the reading, they were
-            # subtracted from the pool's size, which read 64 MiB (the graph's two workspaces) short
-            # on the H200 whenever no tuning had released them first.
-            clear_cublas_workspaces()
-            if self.captures == 0:
-                # Collected too: a dead autograd graph in a reference cycle keeps AccumulateGrad nodes
-                # bound to another stream, which would break the capture.
-                collecting = time.perf_counter()
-                free_cached_memory()
-                self._capture_once_s += time.perf_counter() - collecting
-            else:
-                # A capture after the fit's first collects the young generations only. The full
-                # collection was most of a re-capture: 0.31-0.33 s of 0.34-0.37 s on the H200, whose
-                # capture itself took 0.02 s (benchmarks/results/h200/recapture_phases_before.json).
-                # What it was for is done by then: every step since the fit's start ran on this
-                # capture's stream (_on_step_stream), so no AccumulateGrad node of a step's autograd
-                # graph is bound to another, and the graph this one replaces died by reference count
-                # when _capture_graph_step dropped it, its pool with it
-                # (tests/test_recapture_cost_cpu.py), before the cache release below.
-                gc.collect(1)
-                torch.cuda.empty_cache()
+            self._collect_before_capture()
             reserved = torch.cuda.memory_reserved()
         caught: list = []
         try:

@@ -17,7 +17,7 @@ import weakref
 import pytest
 import torch
 
-from l2lightning import L2GraphCallback, fit_report, step_capture
+from l2lightning import L2GraphCallback, fit_report, prefetch_setup, step_capture
 from tests.baselines import (
     baseline_of,
     capturable_from_of_the_last_callback_fit,  # noqa: F401 -- records switch steps
@@ -72,8 +72,15 @@ def collections(monkeypatch):
         seen.append(f"collect({generation})")
         return gc.collect(generation)
 
+    def full_before_tuning():
+        seen.append("full before tuning")
+        time.sleep(sleep[0])
+
     monkeypatch.setattr(step_capture, "torch", Torch())
     monkeypatch.setattr(step_capture, "free_cached_memory", full)
+    # the prefetch set-up's own full collection, before its tuning (with prefetch on)
+    monkeypatch.setattr(prefetch_setup, "torch", Torch())
+    monkeypatch.setattr(prefetch_setup, "free_cached_memory", full_before_tuning)
     monkeypatch.setattr(step_capture, "gc", types.SimpleNamespace(collect=collect))
     seen.sleep = sleep  # a test may make the full collection slower
     return seen
@@ -87,6 +94,33 @@ def test_a_recapture_collects_the_young_generations_only_and_stays_the_baseline(
     assert summary["captures"] == 3, summary
     # the first capture: the full collection; the two re-captures: a young one and the cache release
     assert collections == ["full", "collect(1)", "empty_cache", "collect(1)", "empty_cache"], collections
+    assert_same(base, run)
+
+
+def test_a_first_capture_after_the_prefetch_set_ups_full_collection_collects_the_young_generations_only(
+    collections,
+):
+    """With prefetch on, the capture step's prefetch set-up collects all generations before tuning;
+    the capture a moment later in the same step collects the young ones only (a second full walk
+    of the process's objects would find nothing the first left), and the fit stays its baseline.
+    (Here the set-up finds no CuPy and captures without prefetch, after its collection.)"""
+    base = fit(baseline_of(EpochWeight), **EPOCHS)
+    cb = L2GraphCallback(log_timing=False, operand_scalars=False)
+    with pytest.warns(UserWarning, match=r"prefetch off \("):
+        run = fit(EpochWeight, [cb], **EPOCHS)
+    summary = cb.summary()
+    assert summary["captures"] == 3, summary
+    assert collections == [
+        "full before tuning",
+        "collect(1)",
+        "empty_cache",
+        "collect(1)",
+        "empty_cache",
+        "collect(1)",
+        "empty_cache",
+    ], collections
+    # the first capture spent no full collection of its own: nothing for the re-capture wait to leave out
+    assert summary["tuning_s"] >= FULL_COLLECTION_S
     assert_same(base, run)
 
 
