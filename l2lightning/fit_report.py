@@ -26,6 +26,12 @@ from l2lightning.metric_binding import (
 TIMED_REPLAYS_BEFORE_LOG = 5
 # CUDA-event pairs kept for the step-time medians (a window, so a long fit holds no growing list).
 TIMING_WINDOW = 256
+# Replays timed: every one until the window holds TIMED_FIRST_REPLAYS pairs, then one in
+# TIMING_STRIDE. Two events made and recorded per replay are host time a step with nothing else to
+# do notices (each record also builds a Python object of the current stream); a median over a
+# sample reads the same.
+TIMED_FIRST_REPLAYS = 32
+TIMING_STRIDE = 8
 
 
 @dataclass
@@ -35,6 +41,10 @@ class _Timing:
     eager: deque = field(default_factory=lambda: deque(maxlen=TIMING_WINDOW))
     graph: deque = field(default_factory=lambda: deque(maxlen=TIMING_WINDOW))
     graph_count: int = 0
+
+    def times_replay(self) -> bool:
+        """Whether the next replay is timed (its count is ``graph_count``)."""
+        return len(self.graph) < TIMED_FIRST_REPLAYS or self.graph_count % TIMING_STRIDE == 0
 
     @staticmethod
     def _median_ms(pairs: Any) -> float | None:

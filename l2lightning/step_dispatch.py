@@ -143,8 +143,9 @@ class StepDispatch:
         clear_cublas_workspaces()
         free_cached_memory()
 
-    def _launch_replay(self, graph: Any) -> tuple[Any, Any]:
-        """This step's batch into the static buffers, the graph's inputs in place, one replay: its events."""
+    def _launch_replay(self, graph: Any, timed: bool = True) -> tuple[Any, Any] | None:
+        """This step's batch into the static buffers, the graph's inputs in place, one replay: its events
+        (None where not `timed`)."""
         graph.static.copy_tensors(self._pending_tensors)  # _decide flattened the batch, compared signatures
         if graph.accumulated is not None:  # before bind_grads: the sum the earlier micro-batches left
             graph.accumulated.copy_in()
@@ -154,6 +155,9 @@ class StepDispatch:
         for carried in graph.carried:  # the last step's recurrent state, into the memory the graph reads
             carried.copy_in()
         self._optimizer.sync_tensors()
+        if not timed:
+            graph.graph.replay()
+            return None
         start, end = self._events()
         start.record()
         graph.graph.replay()
@@ -179,18 +183,20 @@ class StepDispatch:
 
     def _replay_step(self, closure: Any) -> Any:
         graph = self._graph
-        start, end = self._launch_replay(graph)
+        timing = self._timing
+        events = self._launch_replay(graph, self._gate_turn is not None or timing.times_replay())
         for where, element in graph.appends:  # what the step's Python appended, as in an eager step
             current = where.current()  # not None: _appends_redoable ran this step eagerly otherwise
             if current is not None:
                 current.append(copied_element(element))
         for carried in graph.carried:  # what the step's Python rebound, as in an eager step
             carried.fresh_out()
-        self._timing.graph.append((start, end))
-        self._timing.graph_count += 1
-        if self._gate_turn is not None:
-            self._gate.record(self._gate_turn, start, end)
-            self._gate_turn = None
+        if events is not None:
+            timing.graph.append(events)
+            if self._gate_turn is not None:
+                self._gate.record(self._gate_turn, *events)
+                self._gate_turn = None
+        timing.graph_count += 1
         if graph.binding is not None:
             graph.binding.after_replay()
         self._mode = "replay"
@@ -238,7 +244,7 @@ class StepDispatch:
             return self._replay_step(closure)
         clock.lap("save")
         targets = written.current()  # the tensors the graph writes, whatever the eager step rebinds
-        self._launch_replay(graph)
+        self._launch_replay(graph, timed=False)  # the check times its phases itself
         try:
             replayed: list | None = written.snapshot()
             replayed_out = {label: t.detach().clone() for label, t in step_tensors(graph.output)}

@@ -22,8 +22,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from l2lightning import L2GraphCallback
-from l2lightning.fit_report import TIMING_WINDOW
+from l2lightning import L2GraphCallback, fit_report
+from l2lightning.fit_report import TIMED_FIRST_REPLAYS, TIMING_STRIDE, TIMING_WINDOW
 from tests import graph_emulator as emu
 from tests.baselines import (
     baseline_of,
@@ -898,13 +898,33 @@ def test_partial_batch_at_the_capture_step_defers_the_capture():
     assert_same(base, run)
 
 
-def test_timing_is_a_bounded_window_and_teardown_drops_references():
+def test_timing_is_a_bounded_window_and_teardown_drops_references(monkeypatch):
+    monkeypatch.setattr(fit_report, "TIMING_STRIDE", 1)  # every replay timed: the window fills
     cb = callback()
     model, _, trainer = fit(TinyMLP, [cb], steps=TIMING_WINDOW + 40)
     assert len(cb._timing.graph) == TIMING_WINDOW
     assert cb._module is None and cb._graph is None and cb._optimizer is None and cb._trainer is None
     assert not {"training_step", "log"} & set(vars(model))
     assert "step" not in vars(trainer.optimizers[0])
+
+
+def test_replays_are_timed_each_until_the_first_window_then_one_in_the_stride():
+    made = []
+    cb = callback()
+    events = cb._events
+    cb._events = lambda: made.append(1) or events()  # the replays' events (the warm-up's too)
+    base = fit(baseline_of(TinyMLP), steps=120)
+    run = fit(TinyMLP, [cb], steps=120)
+    assert_same(base, run)  # untimed replays run the same graph
+    replays = cb._timing.graph_count
+    assert replays > TIMED_FIRST_REPLAYS + 4 * TIMING_STRIDE
+    timed = TIMED_FIRST_REPLAYS + sum(
+        1 for n in range(TIMED_FIRST_REPLAYS, replays) if n % TIMING_STRIDE == 0
+    )
+    assert timed < replays
+    assert len(cb._timing.graph) == timed
+    assert len(made) == timed + len(cb._timing.eager)  # no pair of events made for an untimed replay
+    assert cb.summary()["graph_step_ms"] is not None
 
 
 class StepSchedule(TinyMLP):
