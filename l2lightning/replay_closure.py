@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.loops.optimization.automatic import Closure
+from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult, _AutomaticOptimization
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
@@ -178,7 +178,7 @@ class ReplayClosure:
         self._refresh(trainer, module)
         self.calls += 1
         with torch.enable_grad():  # Closure.closure's
-            step_output = inner._step_fn()
+            step_output = self._step_output(trainer, inner)
             if inner._zero_grad_fn is not None:
                 # _AutomaticOptimization's zero_grad_fn: its progress counters are checkpointed
                 # (`loops` in the checkpoint), so they advance as in an eager step
@@ -195,6 +195,39 @@ class ReplayClosure:
                 self._hook(trainer, "on_after_backward")
         inner._result = step_output
         return step_output.loss
+
+    def _step_output(self, trainer: Any, inner: Closure) -> ClosureResult:
+        """Lightning's ``_AutomaticOptimization._training_step``, without the loss's division by the
+        accumulation factor where that factor is 1 and nothing sees the divided loss.
+
+        ``closure_loss / 1`` equals ``closure_loss`` bit for bit; on a GPU it is a kernel launch per
+        step (host time Lightning's bare loop does not spend). The divided tensor reaches only
+        ``on_before_backward`` (no callback or module overrides it here) and the module's
+        ``backward``, which in replay mode is the callback's and does nothing; ``ClosureResult``
+        clones the loss as in an eager step, so what Lightning keeps is a fresh tensor either way.
+        Anywhere else (another loop's step function, a result class of its own) Lightning's runs.
+        """
+        step_fn = inner._step_fn
+        loop = getattr(getattr(step_fn, "func", None), "__self__", None)
+        if (
+            "on_before_backward" in self._callback_hooks
+            or "on_before_backward" in self._module_hooks
+            or trainer.accumulate_grad_batches != 1
+            or not isinstance(step_fn, functools.partial)
+            or getattr(step_fn.func, "__func__", None) is not _AutomaticOptimization._training_step
+            or type(loop).output_result_cls is not ClosureResult
+            or len(step_fn.args) != 1
+            or step_fn.keywords
+        ):
+            return step_fn()
+        output = call._call_strategy_hook(trainer, "training_step", *step_fn.args[0].values())
+        trainer.strategy.post_training_step()  # called by Lightning "for backward compatibility"
+        if isinstance(output, torch.Tensor):
+            return ClosureResult(output)
+        if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+            return ClosureResult(output["loss"], extra={k: v for k, v in output.items() if k != "loss"})
+        # anything else (a Mapping of another type): Lightning's own conversion, division included
+        return ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
 
     def _hook(self, trainer: Any, hook: str, *args: Any) -> None:
         if hook in self._callback_hooks:

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.loops.optimization.automatic import Closure
+from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 from lightning.pytorch.trainer import call
@@ -196,3 +196,48 @@ def test_the_callback_decides_per_fit(monkeypatch):
     cb = L2GraphCallback(prefetch="off", log_timing=False)
     fit(TinyMLP, [cb], steps=8)
     assert cb.summary()["captured"] and cb._replay_closure is None
+
+
+class KeepsOutputs(Callback):
+    """What Lightning hands `on_train_batch_end`: the step's loss, kept across steps."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"])
+
+
+def _converted_at(monkeypatch, callbacks, steps):
+    """A fit with the steps (global_step) at which Lightning's ``from_training_step_output`` ran, and the
+    replays' steps."""
+    converted = []
+    real = ClosureResult.from_training_step_output.__func__
+
+    def counted(cls, output, normalize=1):
+        converted.append(callbacks[0]._trainer.global_step)
+        return real(cls, output, normalize)
+
+    with monkeypatch.context() as m:
+        m.setattr(ClosureResult, "from_training_step_output", classmethod(counted))
+        run, ran, _ = fit_counting(m, TinyMLP, callbacks, steps)
+    return run, converted, ran
+
+
+def test_replays_skip_lightnings_division_by_one_and_keep_fresh_losses(monkeypatch):
+    cb, kept = callback(verify=False), KeepsOutputs()
+    run, converted, ran = _converted_at(monkeypatch, [cb, kept], 16)
+    assert cb.summary()["captured"] and len(ran) >= 10
+    assert converted and not set(ran) & set(converted)  # the eager steps only
+    base_kept = KeepsOutputs()
+    assert_same(fit(baseline_of(TinyMLP), [base_kept], steps=16), run)
+    # each step's loss is a tensor of its own, equal to the eager fit's, kept unchanged by later replays
+    assert len({t.data_ptr() for t in kept.losses}) == len(kept.losses) == 16
+    assert all(torch.equal(a, b) for a, b in zip(kept.losses, base_kept.losses))
+
+
+def test_replays_divide_as_lightning_does_where_on_before_backward_sees_the_loss(monkeypatch):
+    cb = callback(verify=False)
+    run, converted, ran = _converted_at(monkeypatch, [cb, LoggingHooks()], 16)
+    assert cb.summary()["captured"] and ran and set(ran) <= set(converted)
+    assert_same(fit(baseline_of(TinyMLP), [LoggingHooks()], steps=16), run)
