@@ -446,7 +446,7 @@ def raw_graph_loop(setup: FamilySetup, args: argparse.Namespace) -> float:
     """LeanRL's whole-update graph of the family's training step in a plain loop; median ms per step."""
     import torch
 
-    from l2lightning.capture import loss_of
+    from l2lightning.graph.capture import loss_of
     from l2lightning.tools.bench import run as bench
 
     device = torch.device("cuda", args.device)
@@ -504,7 +504,7 @@ def compile_ro_loop(setup: FamilySetup, args: argparse.Namespace, cache: dict[st
     import torch
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
-    from l2lightning.capture import loss_of
+    from l2lightning.graph.capture import loss_of
     from l2lightning.tools.bench import run as bench
 
     key = f"{setup.family}_b{setup.batch}"

@@ -22,7 +22,7 @@ millisecond per step cannot be told from.
 
 With ``--cupy-loaded`` the process imports CuPy and loads the prefetch kernels before its first fit,
 as a fit with prefetch on (``prefetch="auto"``, the default) has done at set-up: the check then
-compares with its own kernels (``l2lightning.check_kernels``), which it uses only once CuPy is
+compares with its own kernels (``l2lightning.guards.check_kernels``), which it uses only once CuPy is
 imported. Without it, fits with prefetch off compare with torch's kernels.
 
     python benchmarks/bench_replay_check.py --out OUTDIR [--steps 1000] [--rounds 3] [--isolate] [--cupy-loaded]

@@ -1,7 +1,7 @@
 """What a garbage collection costs in a training process: the callback's one-time costs are largely
 full collections.
 
-The callback runs ``gc.collect()`` (all generations, through ``l2lightning.cuda_memory.free_cached_memory``)
+The callback runs ``gc.collect()`` (all generations, through ``l2lightning.graph.cuda_memory.free_cached_memory``)
 before the prefetch tuning, before a fit's first capture, after the whole-step gate's trial and when a
 fit it stopped handling gives its stream's memory back; a re-capture collects the young generations
 only (``gc.collect(1)``). A full collection walks every tracked Python object of the process, so its

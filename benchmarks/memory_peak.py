@@ -181,7 +181,7 @@ def recorded(run: Callable[[], dict[str, Any]], step_starts: list[int] | None = 
 def tune_training() -> dict[str, Any]:
     from torch import nn
 
-    from l2lightning.capture import clear_cublas_workspaces
+    from l2lightning.graph.capture import clear_cublas_workspaces
     from l2lightning.prefetch.chain import discover_chain
     from l2lightning.tune.search import Autotuner
 
@@ -402,8 +402,8 @@ def outside_torch_steps() -> dict[str, Any]:
     """
     from torch import nn
 
-    from l2lightning.optim import make_capturable
-    from l2lightning.step_trace import StepTracer
+    from l2lightning.graph.optim import make_capturable
+    from l2lightning.guards.step_trace import StepTracer
 
     seen: list[tuple[str, float]] = [("torch initialised", outside_torch_mib())]
 

@@ -1,7 +1,7 @@
 """Whether three training-step idioms can be held by a CUDA graph, bit for bit, on this GPU.
 
 Each probe builds the step with plain PyTorch (no Lightning; of l2lightning only its generator
-put-back, ``l2lightning.rng.put_back_cuda_rng``), runs it eagerly from a saved state, captures it in
+put-back, ``l2lightning.graph.rng.put_back_cuda_rng``), runs it eagerly from a saved state, captures it in
 ``torch.cuda.graph`` and replays it from the same state, and compares every parameter, gradient and
 carried tensor bitwise. Each probe runs in its own process (a failed capture leaves the CUDA
 generator unusable):
@@ -35,8 +35,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from l2lightning.rng import put_back_cuda_rng
-from l2lightning.step_trace import cudnn_dropout_state
+from l2lightning.graph.rng import put_back_cuda_rng
+from l2lightning.guards.step_trace import cudnn_dropout_state
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

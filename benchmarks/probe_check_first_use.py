@@ -9,7 +9,7 @@ differs, and the judgment against two replays' spread (``beyond_replay_spread``)
 
 - ``torch``: torch's kernels (the bytes joined in batches of at most 64 MiB a side, compared and
   reduced; multi-tensor subtractions and norms for the spread), ``check_kernels.ENABLED = False``;
-- ``kernel``: the check's own kernels (``l2lightning.check_kernels``, ``kernels/replay_check.cu``),
+- ``kernel``: the check's own kernels (``l2lightning.guards.check_kernels``, ``kernels/replay_check.cu``),
   CuPy imported and the prefetch kernels loaded first, as a fit with prefetch on has them at set-up
   (timed apart: ``cupy_import_ms``, ``prefetch_kernels_ms``); the first call includes compiling the
   check's module with NVRTC where CuPy's kernel cache does not hold it yet (the conv stack's process
@@ -80,7 +80,7 @@ def _trained_tensors(model_name: str) -> list[torch.Tensor]:
 
 
 def _one(model_name: str, path: str) -> dict:
-    from l2lightning import check_kernels, replay_check
+    from l2lightning.guards import check_kernels, replay_check
 
     tensors = _trained_tensors(model_name)
     cupy_import_ms = prefetch_kernels_ms = None
@@ -132,7 +132,7 @@ def _timed_value(fn, *args, **kwargs):
 
 def _breakdown() -> dict:
     """Each operation of the device path's equal comparison on the MLP stack's tensors, timed once."""
-    from l2lightning.replay_check import _bytes, _joined_batches
+    from l2lightning.guards.replay_check import _bytes, _joined_batches
 
     tensors = _trained_tensors("mlp_stack")
     copies = [t.clone() for t in tensors]

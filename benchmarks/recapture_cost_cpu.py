@@ -31,7 +31,8 @@ def _fit(variant: str) -> dict:
     import torch
     from lightning.pytorch import seed_everything
 
-    from l2lightning import L2GraphCallback, step_source
+    from l2lightning import L2GraphCallback
+    from l2lightning.guards import step_source
     from tests import graph_emulator
     from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer

@@ -163,7 +163,8 @@ def _captures_fit(name: str, device: str) -> dict:
     """One fit with `recapture_wait=False`: every capture's phases, the warm-up steps' times."""
     from lightning.pytorch import seed_everything
 
-    from l2lightning import L2GraphCallback, step_capture, step_dispatch, warmup_steps
+    from l2lightning import L2GraphCallback
+    from l2lightning.callback import step_capture, step_dispatch, warmup_steps
     from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 
@@ -269,7 +270,8 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
     """`plain`, `baseline` (CapturableFrom at the callback's capture step) or `wait`: per-step times."""
     from lightning.pytorch import seed_everything
 
-    from l2lightning import L2GraphCallback, fit_report
+    from l2lightning import L2GraphCallback
+    from l2lightning.callback import fit_report
     from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 

@@ -37,7 +37,7 @@ def source_digest(name: str) -> str:
 
 _lock = threading.Lock()
 # one lock per (source, device, defines): a source compiling in the background (the replay check's,
-# l2lightning.check_kernels.prepare) does not hold up another's compile on the training thread
+# l2lightning.guards.check_kernels.prepare) does not hold up another's compile on the training thread
 _module_locks: dict[tuple[str, int, tuple[str, ...]], threading.Lock] = {}
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from l2lightning.optim import make_capturable
+from l2lightning.graph.optim import make_capturable
 
 
 class CapturableFrom(Callback):

@@ -212,7 +212,7 @@ def run_variant(
     returns ``step_fn(batch) -> loss``; `make_optimizer(model)` returns a capturable optimizer or None;
     `make_hooks(model)` installs :class:`PrefetchHooks` (for ``graph+prefetch``).
     """
-    from l2lightning.capture import capture_step, loss_of, run_step
+    from l2lightning.graph.capture import capture_step, loss_of, run_step
 
     if variant not in ("eager", "graph", "graph+prefetch"):
         raise ValueError(f"`variant` must be 'eager', 'graph' or 'graph+prefetch', got {variant!r}")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from l2lightning import L2GraphCallback, make_capturable
-from l2lightning.optim import installed_capturable
+from l2lightning.graph.optim import installed_capturable
 
 # the test's callback fits, in order: (the callback's id, its capturable_from_step)
 _recorded: list[tuple[int, int | None]] = []

@@ -1,4 +1,4 @@
-"""Modules whose step runs code beyond training_step's own source (l2lightning.called_code): a custom
+"""Modules whose step runs code beyond training_step's own source (l2lightning.guards.called_code): a custom
 layer's forward and hooks registered on the module, its parameters and nn.Module's global hooks, each
 reading a module-level value an epoch hook changes. Shared by the CPU and GPU callback tests."""
 

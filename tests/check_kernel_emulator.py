@@ -1,5 +1,5 @@
 """A CPU stand-in for kernels/replay_check.cu: it reads the launch's table of addresses the way the
-kernels do, so l2lightning.check_kernels' host side (items, chunks, dtype codes, how results are
+kernels do, so l2lightning.guards.check_kernels' host side (items, chunks, dtype codes, how results are
 combined) and replay_check's use of it run without a GPU. The kernels themselves are checked against
 torch's path on the GPU (tests/gpu/test_check_kernels_gpu.py)."""
 
@@ -51,7 +51,7 @@ def launch(function: str, table: list[int], out: torch.Tensor, device: torch.dev
 
 def install(monkeypatch) -> None:
     """check_kernels decides for CPU tensors through this stand-in (pytest's monkeypatch)."""
-    from l2lightning import check_kernels
+    from l2lightning.guards import check_kernels
 
     monkeypatch.setattr(check_kernels, "usable", lambda device: check_kernels.ENABLED)
     monkeypatch.setattr(check_kernels, "_launch", launch)

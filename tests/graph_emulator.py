@@ -200,9 +200,9 @@ def install(monkeypatch_setattr) -> None:
 
     `monkeypatch_setattr(obj, name, value)`: pytest's monkeypatch.setattr.
     """
-    from l2lightning import callback as cbm
-    from l2lightning import optim as optim_mod
-    from l2lightning import step_capture
+    from l2lightning.callback import graph_callback as cbm
+    from l2lightning.callback import step_capture
+    from l2lightning.graph import optim as optim_mod
 
     def devices(*a, **k):
         return ["cuda", "cpu"]

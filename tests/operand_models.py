@@ -1,6 +1,6 @@
 """LightningModules whose loss reads a Python number that changes between epochs, as users write them:
 the number reaches the step's ops only as the operand of a tensor ``*``, ``+`` or ``-`` (read from a
-device scalar, l2lightning.operand_scalars), or some other way too (baked, captured again)."""
+device scalar, l2lightning.graph.operand_scalars), or some other way too (baked, captured again)."""
 
 from __future__ import annotations
 

@@ -134,7 +134,10 @@ def test_classify_buckets() -> None:
     assert bho.classify(("~", 0, "<method 'item' of 'torch._C.TensorBase' objects>")) == "host_sync"
     assert bho.classify(("/x/site-packages/torchmetrics/metric.py", 1, "update")) == "metric_updates"
     assert bho.classify(("/x/site-packages/tqdm/std.py", 1, "update")) == "progress_bar"
-    assert bho.classify(("/w/l2lightning/callback.py", 1, "on_train_batch_start")) == "callback_replay"
+    assert (
+        bho.classify(("/w/l2lightning/callback/graph_callback.py", 1, "on_train_batch_start"))
+        == "callback_replay"
+    )
     assert bho.classify(("/w/l2lightning/app/models/rl_policy.py", 1, "training_step")) is None
     assert bho.classify(("/x/site-packages/torch/nn/modules/linear.py", 1, "forward")) is None
 

@@ -7,9 +7,11 @@ function does, so a cycle through one is still a cycle, only a later one. Import
 the package's lazy export table to the module that defines NAME, because that is what runs.
 
 Checked: no import cycles; the library (everything outside ``l2lightning.tools`` and
-``l2lightning.app``) imports neither the tools nor the app; and, in a fresh interpreter, importing
-the callback, constructing ``L2GraphCallback(report=True)`` and building a step report loads no
-module of the tools or the app.
+``l2lightning.app``) imports neither the tools nor the app; the captured graph's mechanics
+(``l2lightning.graph``) and the replay's guards (``l2lightning.guards``) never import the callback;
+the benchmark tools import in no circle even counting their ``TYPE_CHECKING`` imports (a reader
+follows those too); and, in a fresh interpreter, importing the callback, constructing
+``L2GraphCallback(report=True)`` and building a step report loads no module of the tools or the app.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 import l2lightning
 
@@ -45,11 +49,12 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+def _import_nodes(tree: ast.AST, type_checking: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of `tree`; those under ``if TYPE_CHECKING:`` only with `type_checking`."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
             for child in node.orelse:
                 visit(child)
             return
@@ -62,12 +67,13 @@ def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package modules that running `name` (any of its functions included) may import."""
+def imports_of(name: str, path: Path, modules: dict[str, Path], type_checking: bool = False) -> set[str]:
+    """The package modules that running `name` (any of its functions included) may import; with
+    `type_checking`, also those its ``TYPE_CHECKING`` block names (what a reader has to follow)."""
     is_package = path.name == "__init__.py"
     exports = getattr(l2lightning, "_EXPORTS", {})
     targets: set[str] = set()
-    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+    for node in _import_nodes(ast.parse(path.read_text(), str(path)), type_checking):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
             continue
@@ -86,9 +92,9 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return {t for t in targets if t in modules and t != name}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     modules = package_modules()
-    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+    return {name: imports_of(name, path, modules, type_checking) for name, path in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -133,9 +139,9 @@ def is_core(name: str) -> bool:
 def test_the_graph_sees_function_local_and_lazy_imports():
     graph = import_graph()
     # callback.py imports the step report inside a method; the CLI reaches the doctor the same way.
-    assert "l2lightning.step_report" in graph["l2lightning.callback"]
+    assert "l2lightning.step_report" in graph["l2lightning.callback.graph_callback"]
     assert "l2lightning.tools.doctor" in graph["l2lightning.tools.cli"]
-    assert "l2lightning.prefetch.hooks" in graph["l2lightning.callback"]
+    assert "l2lightning.prefetch.hooks" in graph["l2lightning.callback.graph_callback"]
 
 
 def test_cycles_finds_a_planted_cycle():
@@ -156,6 +162,35 @@ def test_the_library_never_imports_the_tools_or_the_app():
     assert {name: targets for name, targets in wrong.items() if targets} == {}
 
 
+@pytest.mark.parametrize("group", ["l2lightning.graph", "l2lightning.guards"])
+def test_the_graph_and_the_guards_never_import_the_callback(group):
+    callback = "l2lightning.callback"
+    wrong = {
+        name: sorted(t for t in targets if t == callback or t.startswith(callback + "."))
+        for name, targets in import_graph().items()
+        if name == group or name.startswith(group + ".")
+    }
+    assert {name: targets for name, targets in wrong.items() if targets} == {}
+
+
+def test_the_benchmark_tools_import_in_no_circle_even_for_type_checkers():
+    bench = "l2lightning.tools.bench"
+    graph = {
+        name: {t for t in targets if t.startswith(bench + ".")}
+        for name, targets in import_graph(type_checking=True).items()
+        if name.startswith(bench + ".")
+    }
+    assert cycles(graph) == []
+
+
+def test_type_checking_imports_are_read_only_when_asked(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import l2lightning.verify\n")
+    modules = {"l2lightning.verify": source, "m": source}
+    assert imports_of("m", source, modules) == set()
+    assert imports_of("m", source, modules, type_checking=True) == {"l2lightning.verify"}
+
+
 def test_the_tuner_is_called_by_the_resolver_and_never_calls_back_into_it():
     graph = import_graph()
     tuner = {name for name in graph if name.startswith("l2lightning.tune")}
@@ -169,7 +204,7 @@ def test_callback_with_report_loads_no_tool_module():
         """
         import sys
         import torch
-        from l2lightning.callback import L2GraphCallback
+        from l2lightning.callback.graph_callback import L2GraphCallback
         from l2lightning.step_report import build_report
 
         L2GraphCallback(report=True)

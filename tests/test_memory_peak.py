@@ -39,7 +39,7 @@ def test_the_reserved_peak_is_the_most_segment_bytes_mapped_with_their_stream_an
     trace = [
         {**event("segment_alloc", 10, 20 * mib), "stream": 0},
         {
-            **event("segment_alloc", 11, 2 * mib, filename="/r/l2lightning/step_capture.py", line=7),
+            **event("segment_alloc", 11, 2 * mib, filename="/r/l2lightning/callback/step_capture.py", line=7),
             "stream": 5,
         },
         event("alloc", 10, 20 * mib),  # block events do not count towards the reserved bytes
@@ -51,13 +51,15 @@ def test_the_reserved_peak_is_the_most_segment_bytes_mapped_with_their_stream_an
     assert sorted(segments) == [10, 11]
     rows = memory_peak.segment_groups(segments)
     assert rows[0] == {"where": "stream 0: l2lightning/tune/throwaway.py:42 forward", "mib": 20.0, "count": 1}
-    assert rows[1]["where"] == "stream 5: l2lightning/step_capture.py:7 forward"
+    assert rows[1]["where"] == "stream 5: l2lightning/callback/step_capture.py:7 forward"
 
 
 def test_capture_segments_are_those_mapped_under_the_capture_grouped_by_their_innermost_frame():
     mib = 1 << 20
     capture = [{"filename": "/s/site-packages/torch/cuda/graphs.py", "line": 3, "name": "capture_begin"}]
-    capture.append({"filename": "/r/l2lightning/step_capture.py", "line": 9, "name": "_capture_into"})
+    capture.append(
+        {"filename": "/r/l2lightning/callback/step_capture.py", "line": 9, "name": "_capture_into"}
+    )
     trace = [
         {**event("segment_alloc", 1, 20 * mib), "stream": 7},  # before any capture: not listed
         {"action": "segment_alloc", "addr": 2, "size": 2 * mib, "stream": 7, "frames": capture},
@@ -66,7 +68,7 @@ def test_capture_segments_are_those_mapped_under_the_capture_grouped_by_their_in
     rows = memory_peak.capture_segments(trace)
     assert rows == [
         {
-            "where": "stream 7: torch/cuda/graphs.py:3 capture_begin (via l2lightning/step_capture.py:9 _capture_into)",
+            "where": "stream 7: torch/cuda/graphs.py:3 capture_begin (via l2lightning/callback/step_capture.py:9 _capture_into)",
             "mib": 6.0,
             "count": 2,
         }
@@ -77,19 +79,19 @@ def test_allocations_group_by_the_innermost_frame_of_the_package_before_lightnin
     frames = [
         {"filename": "/site/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
         {"filename": "/site/lightning/pytorch/core/module.py", "line": 9, "name": "log"},
-        {"filename": "/repo/l2lightning/optim.py", "line": 158, "name": "run"},
+        {"filename": "/repo/l2lightning/graph/optim.py", "line": 158, "name": "run"},
     ]
-    assert memory_peak.frame_label(frames) == "l2lightning/optim.py:158 run"
+    assert memory_peak.frame_label(frames) == "l2lightning/graph/optim.py:158 run"
     assert memory_peak.frame_label(frames[:2]) == "lightning/pytorch/core/module.py:9 log"
     assert memory_peak.frame_label([]).startswith("(no Python frame")
     mib = 1 << 20
     alive = {
         1: event("alloc", 1, 3 * mib),
         2: event("alloc", 2, 1 * mib),
-        3: event("alloc", 3, 8 * mib, filename="/repo/l2lightning/optim.py", line=158, name="run"),
+        3: event("alloc", 3, 8 * mib, filename="/repo/l2lightning/graph/optim.py", line=158, name="run"),
     }
     rows = memory_peak.groups(alive)
-    assert rows[0] == {"where": "l2lightning/optim.py:158 run", "mib": 8.0, "count": 1}
+    assert rows[0] == {"where": "l2lightning/graph/optim.py:158 run", "mib": 8.0, "count": 1}
     assert rows[1] == {"where": "l2lightning/tune/throwaway.py:42 forward", "mib": 4.0, "count": 2}
 
 

@@ -336,7 +336,7 @@ def test_via_is_validated():
 def test_compiled_forward_compiles_torch_containers_and_keeps_the_points():
     from torch._dynamo.utils import counters
 
-    from l2lightning.prefetch_setup import _compiled_forward
+    from l2lightning.callback.prefetch_setup import _compiled_forward
 
     torch._dynamo.reset()
     counters.clear()
@@ -387,7 +387,7 @@ def test_a_hooked_pass_leaves_no_autograd_graph_for_the_collector(backward):
 def test_the_dry_run_calls_the_users_step_as_lightning_would_and_logs_nothing():
     """The chain discovery's dry run passed `batch_idx` 0 to every step: a `training_step(self, batch)`
     failed with a TypeError on the GPU (the default prefetch runs it), where the fit had been captured."""
-    from l2lightning.prefetch_setup import dry_step_of
+    from l2lightning.callback.prefetch_setup import dry_step_of
     from tests.lightning_models import StepWithoutBatchIdx, TinyMLP
 
     batch = (torch.ones(3, 4), torch.ones(3))

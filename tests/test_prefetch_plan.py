@@ -64,7 +64,7 @@ def test_prefetch_without_cuda_raises_with_reason():
 
 
 def test_import_touches_neither_cuda_nor_cupy():
-    code = "import sys, l2lightning; import l2lightning.prefetch.install, l2lightning.capture; print('cupy' in sys.modules, __import__('torch').cuda.is_initialized())"
+    code = "import sys, l2lightning; import l2lightning.prefetch.install, l2lightning.graph.capture; print('cupy' in sys.modules, __import__('torch').cuda.is_initialized())"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()

@@ -53,7 +53,7 @@ def instantiate_node(node: Any, where: str, **kwargs: Any) -> Any:
 
 def _l2_class(cfg: DictConfig) -> type | None:
     """The callback class of `cfg.l2` after checking its keys, or None for ``l2: null`` (l2=none)."""
-    from l2lightning.callback import L2GraphCallback
+    from l2lightning.callback.graph_callback import L2GraphCallback
 
     node = cfg.get("l2")
     if node is None:

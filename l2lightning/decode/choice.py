@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from l2lightning.capture import graph_capture
 from l2lightning.decode.backends import (
     AttentionBackend,
     AttentionSpec,
@@ -38,6 +37,7 @@ from l2lightning.decode.kernel import (
 )
 from l2lightning.decode.numerics import reference_decode_attention, relative_error
 from l2lightning.decode.timing import time_graph_replays
+from l2lightning.graph.capture import graph_capture
 
 # A candidate further than this from float64 attention is wrong, not merely rounded: bf16 attention
 # outputs sit at about 1.7e-3 from it (the rounding floor, measured on the H200 in

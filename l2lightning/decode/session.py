@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from l2lightning.capture import graph_capture
 from l2lightning.decode.backends import (
     AttentionBackend,
     AttentionSpec,
@@ -33,6 +32,7 @@ from l2lightning.decode.decoder import LlamaDecoder
 from l2lightning.decode.elementwise import EAGER_FNS, compiled_fns
 from l2lightning.decode.kernel import MAX_SPLITS
 from l2lightning.decode.state import DecodeState, LayerRecorder
+from l2lightning.graph.capture import graph_capture
 from l2lightning.prefetch.plan import PrefetchPlan, check_plans_arg
 
 ATTENTION_MODES = ("auto", "kernel", "torch", "flashinfer")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from l2lightning.rng import forked_rng
+from l2lightning.graph.rng import forked_rng
 
 # Blocks PyTorch runs through fused kernels that bypass their submodules' forward: hook them whole.
 FUSED_BLOCK_TYPES: tuple[type[nn.Module], ...] = (
@@ -73,7 +73,7 @@ class Layer:
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """The tensors of a nested tuple/list/dict, depth first, lazily.
 
-    Not :func:`l2lightning.capture.flatten_batch`: that one also builds a spec to rebuild the batch,
+    Not :func:`l2lightning.graph.capture.flatten_batch`: that one also builds a spec to rebuild the batch,
     and its recursive closure is a reference cycle that keeps every tensor it saw alive until the
     garbage collector runs. The hooks call this on each layer's output during a pass; holding an
     output keeps its autograd graph and the parameters' AccumulateGrad nodes, which a later capture

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from l2lightning.capture import graph_capture
+from l2lightning.graph.capture import graph_capture
 
 
 def capture_chain(

@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
+from l2lightning.graph.rng import forked_rng
 from l2lightning.prefetch.chain import Layer, device_l2_bytes
 from l2lightning.prefetch.plan import KINDS, MIB, PrefetchPlan
-from l2lightning.rng import forked_rng
 from l2lightning.tune.cache import PlanCache
 from l2lightning.tune.candidates import (
     BLOCK_PREFETCH_RATE,

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from l2lightning.capture import graph_capture
+from l2lightning.graph.capture import graph_capture
 from l2lightning.prefetch.chain import Layer, device_l2_bytes
 from l2lightning.prefetch.install import PlanHooks
 from l2lightning.prefetch.plan import PrefetchPlan

@@ -1,6 +1,6 @@
 """GPU: gradient accumulation captured, bit-identical to its eager baseline.
 
-Every micro-batch replays a graph of its role (``l2lightning.accumulation``, ``graph_slots``): a
+Every micro-batch replays a graph of its role (``l2lightning.graph.accumulation``, ``graph_slots``): a
 window's first makes the gradients, the next ones add to them, the closing one adds and steps the
 optimizer. Every micro-batch's loss and logged values, the
 parameters and the optimizer's state are compared with the baseline (plain Lightning, switched to

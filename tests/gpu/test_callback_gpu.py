@@ -1090,7 +1090,7 @@ def test_an_optimizer_state_tensor_moved_to_other_memory_is_made_eagerly_then_ca
 
 def test_adagrad_is_captured_and_bitwise_the_plain_fit():
     """Adagrad (no capturable mode) on CUDA: its counters on the device, its step count unread where its
-    LR does not decay (l2lightning.optim._adagrad_step_count_unread), foreach as torch picks it for CUDA
+    LR does not decay (l2lightning.graph.optim._adagrad_step_count_unread), foreach as torch picks it for CUDA
     parameters: captured, checked, and bitwise the plain fit itself."""
     plain = fit(AdagradMLP, [], steps=30)
     cb = L2GraphCallback(prefetch="off", check_share=1.0)

@@ -13,7 +13,7 @@ from l2lightning import (
     capture_step,
     make_capturable,
 )
-from l2lightning.capture import run_step
+from l2lightning.graph.capture import run_step
 from l2lightning.prefetch.kernels import prefetch, supported_kinds
 from l2lightning.verify import assert_same_gradients, compare
 
@@ -53,7 +53,12 @@ def test_kernel_runs_inside_a_captured_graph_and_writes_nothing(kind):
 
 
 def test_the_prefetch_switch_finds_the_prefetch_nodes_and_the_graph_replays_alike_with_them_off_and_on():
-    from l2lightning.prefetch_switch import find_switch, kernel_nodes, new_cuda_graph, prefetch_functions
+    from l2lightning.graph.prefetch_switch import (
+        find_switch,
+        kernel_nodes,
+        new_cuda_graph,
+        prefetch_functions,
+    )
 
     torch.manual_seed(0)
     w = torch.randn(1024, 1024, device="cuda")

@@ -1,4 +1,4 @@
-"""GPU: re-issued ``self.log`` calls (the shortcut in ``l2lightning.log_replay``) leave exactly what an
+"""GPU: re-issued ``self.log`` calls (the shortcut in ``l2lightning.guards.log_replay``) leave exactly what an
 eager fit leaves in the progress bar, ``callback_metrics``, ``logged_metrics`` and a CSV logger."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_reissued_logs_equal_the_eager_fit_everywhere_users_read_them(tmp_path, 
     base_model, base_seen, base_csv = _fit(baseline_of(ManyLogs), [], tmp_path, "eager")
     summary = cb.summary()
     assert summary["captured"] and summary["fallback_steps"] == 0, summary
-    # the replays dispatched only the overridden closure hooks (l2lightning.replay_closure)
+    # the replays dispatched only the overridden closure hooks (l2lightning.graph.replay_closure)
     assert cb._replay_closure is not None and cb._replay_closure.calls > 0
     assert_logged_alike(base_seen, seen)
     assert csv_text == base_csv

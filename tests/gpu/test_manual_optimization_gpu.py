@@ -1,7 +1,7 @@
 """GPU: manual optimization (``automatic_optimization = False``) captured, bitwise its baseline.
 
 The whole ``training_step`` (``self.optimizers()``, ``zero_grad``, ``manual_backward``, ``step``) is one
-graph (l2lightning.manual_step), with one optimizer or with two (Lightning's basic GAN, its noise drawn
+graph (l2lightning.graph.manual_step), with one optimizer or with two (Lightning's basic GAN, its noise drawn
 on the device: both Adam updates and ``toggle_optimizer`` in the graph); every step's loss and logs,
 the parameters, every optimizer's state, ``requires_grad`` and the loop's progress are compared with
 the baseline (plain Lightning, switched to ``make_capturable``'s configuration at the callback's

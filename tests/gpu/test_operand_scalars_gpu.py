@@ -1,4 +1,4 @@
-"""GPU: Python numbers read from device scalars by the graph's ops (l2lightning.operand_scalars), on
+"""GPU: Python numbers read from device scalars by the graph's ops (l2lightning.graph.operand_scalars), on
 CUDA graphs: a number annealed per epoch or computed from the epoch is captured once and every fit is
 bit for bit its baseline (float32: PyTorch's CUDA kernels compute ``tensor * number`` and ``tensor *
 0-dim tensor`` alike); numbers that reach the step another way are captured again."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from l2lightning import L2GraphCallback, python_state
+from l2lightning import L2GraphCallback
+from l2lightning.guards import python_state
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.between_step_models import MovesTheScaleEachEpoch, ScalesByAPlainTensor
 from tests.gpu.test_callback_gpu import assert_same_run, fit
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_a_stale_replay_the_checks_before_it_miss_is_caught_redone_and_captured_again(monkeypatch):
-    from l2lightning.step_source import StepSource
+    from l2lightning.guards.step_source import StepSource
 
     # the two per-replay checks that see the scale's memory move (its address, its value), off
     monkeypatch.setattr(python_state, "addresses", lambda checks: ())

@@ -1,4 +1,4 @@
-"""GPU: putting the CUDA generator back leaves cuDNN's RNN dropout state alone (``l2lightning.rng``).
+"""GPU: putting the CUDA generator back leaves cuDNN's RNN dropout state alone (``l2lightning.graph.rng``).
 
 Setting a CUDA generator's state the usual way (``torch.cuda.set_rng_state``) makes the next cuDNN
 RNN call with dropout re-seed its dropout state: a host sync (``.item()``) that no graph capture can
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from l2lightning.rng import cuda_rng_states, put_back_cuda_rng
+from l2lightning.graph.rng import cuda_rng_states, put_back_cuda_rng
 from tests.idiom_harness import judge
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from l2lightning.capture import clear_cublas_workspaces
+from l2lightning.graph.capture import clear_cublas_workspaces
 from l2lightning.prefetch.chain import discover_chain
 from l2lightning.prefetch.hooks import PrefetchHooks
 from l2lightning.prefetch.plan import MIB

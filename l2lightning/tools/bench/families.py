@@ -27,8 +27,7 @@ from l2lightning import floors as floors_module
 from l2lightning.tools.bench.settings import family_names
 
 if TYPE_CHECKING:
-    from l2lightning.tools.bench.runners import Runner
-    from l2lightning.tools.bench.settings import BenchSettings
+    from l2lightning.tools.bench.settings import BenchSettings, RunInfo
 
 # Distinct batches drawn from a family's data module and cycled through every fit (as make_batches).
 FAMILY_BATCHES = 4
@@ -168,7 +167,7 @@ def module_optimizer(module: Any) -> Any:
 
 def eager_family_step(module: Any, optimizer: Any, batches: Sequence[Any]) -> Callable[[int], Any]:
     """``step(i)``: zero-grad, ``training_step`` on batch i, backward, optimizer step (outside Lightning)."""
-    from l2lightning.capture import loss_of
+    from l2lightning.graph.capture import loss_of
 
     source = f"{type(module).__name__}.training_step"
 
@@ -276,5 +275,5 @@ class FamilyCase:
             "data_target": cfg.data.get("_target_") if cfg is not None else None,
         }
 
-    def variant_fields(self, variant: str, runner: Runner | None) -> dict[str, Any]:
+    def variant_fields(self, variant: str, runner: RunInfo | None) -> dict[str, Any]:
         return capture_fields(variant, getattr(runner, "callback_summaries", None) or [])

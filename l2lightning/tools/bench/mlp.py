@@ -20,8 +20,7 @@ from l2lightning import floors as floors_module
 from l2lightning.tools import report
 
 if TYPE_CHECKING:
-    from l2lightning.tools.bench.runners import Runner
-    from l2lightning.tools.bench.settings import BenchSettings
+    from l2lightning.tools.bench.settings import BenchSettings, RunInfo
 
 
 def _mlp_block(x: Any, ln_weight: Any, ln_bias: Any, weight: Any, bias: Any) -> Any:
@@ -168,5 +167,5 @@ class BenchCase:
     def row_fields(self) -> dict[str, Any]:
         return {"layer_mib": self.width * self.width * floors_module.dtype_bytes(self.dtype) / (1 << 20)}
 
-    def variant_fields(self, variant: str, runner: Runner | None) -> dict[str, Any]:
+    def variant_fields(self, variant: str, runner: RunInfo | None) -> dict[str, Any]:
         return {}

@@ -20,8 +20,7 @@ from l2lightning.tools import report
 if TYPE_CHECKING:
     from l2lightning.tools.bench.families import FamilyCase
     from l2lightning.tools.bench.mlp import BenchCase
-    from l2lightning.tools.bench.runners import Runner
-    from l2lightning.tools.bench.settings import BenchSettings
+    from l2lightning.tools.bench.settings import BenchSettings, RunInfo
 
 CSV_COLUMNS = (
     "config",
@@ -80,7 +79,7 @@ def variant_row(
     kernels: int | None = None,
     error: str | None = None,
     setup_s: float = 0.0,
-    runner: Runner | None = None,
+    runner: RunInfo | None = None,
 ) -> dict[str, Any]:
     """The result row of one variant of one case (`times`: that variant's step times, one list per repeat)."""
     repeat_medians = [statistics.median(t) for t in times]

@@ -9,7 +9,7 @@ code, Lightning fits and compiled code interleaved, so nothing a graph reads or 
 before the runner's ``close()``. The library takes care of the two things that once were not held
 (an ``illegal memory access`` on replay, found here): ``CapturedStep`` keeps its optimizer, whose
 state the graph updates in place, and every capture goes through
-:func:`l2lightning.capture.graph_capture`, which gives each graph's GEMMs a cuBLAS workspace in the
+:func:`l2lightning.graph.capture.graph_capture`, which gives each graph's GEMMs a cuBLAS workspace in the
 graph's own pool instead of one that Lightning's teardown or inductor's cudagraph trees free.
 """
 
@@ -238,7 +238,7 @@ def _capture_forward(model: Any, batches: list[tuple[Any, Any]]) -> Callable[[in
     """A CUDA graph of ``model(x)`` under no_grad; the step copies each x into the static input."""
     import torch
 
-    from l2lightning.capture import graph_capture
+    from l2lightning.graph.capture import graph_capture
 
     static_x = batches[0][0].clone()
     side = torch.cuda.Stream()

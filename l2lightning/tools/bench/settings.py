@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from l2lightning import floors as floors_module
 from l2lightning.tools.bench.variants import (
@@ -99,3 +100,10 @@ def family_names() -> tuple[str, ...]:
     from l2lightning.app.models import FAMILIES
 
     return tuple(FAMILIES)
+
+
+class RunInfo(Protocol):
+    """What a case's result row reads of the runner that timed it (``Runner.info``): typed here, so
+    that the cases and the results need not import the runners, which import the cases."""
+
+    info: dict[str, Any]

@@ -1,0 +1,1028 @@
+"""L2GraphCallback: Lightning's own training step captured in one CUDA graph, with L2 weight prefetch.
+
+Route chosen: a callback that installs instance-level overrides of the LightningModule's documented
+hooks (``training_step``, ``optimizer_zero_grad``, ``backward``, ``configure_gradient_clipping``
+and, where the user defined them, ``on_before_zero_grad``, ``on_before_backward``,
+``on_after_backward``, ``on_before_optimizer_step``), and wraps the optimizer's ``step`` (under manual
+optimization every optimizer's: :mod:`l2lightning.graph.joined_optimizers`). A
+callback cannot swap the Trainer's strategy, and the product's front door is
+``Trainer(callbacks=[L2GraphCallback()])`` on an unmodified module. No private Lightning method is
+patched; everything is removed again at ``teardown`` and, after an error, at ``on_exception``.
+
+One step of automatic optimization goes ``optimizer_step`` hook -> ``LightningOptimizer.step`` ->
+``Precision.optimizer_step`` -> ``optimizer.step(closure)``, where the closure runs
+``training_step``, ``on_before_zero_grad``/``optimizer_zero_grad``, ``backward`` with its hooks,
+``on_before_optimizer_step`` and gradient clipping. The callback works at ``optimizer.step``, so a
+user's ``optimizer_step`` override (an LR warm-up setting ``pg["lr"]``) runs in Python every step,
+around whatever the step does. (Under ``precision="16-mixed"`` Lightning's precision plugin runs the
+closure itself, then the GradScaler's step and update: there the callback works one level up, at
+the plugin's ``optimizer_step``, with a fused optimizer; :mod:`l2lightning.graph.amp_step`.) Each step:
+
+* warm-up steps run eagerly and are traced (:mod:`l2lightning.guards.step_trace`): two steps that run
+  different ops or host values, host syncs, host tensors that change, list-state metrics are
+  refused before anything is captured, naming the user's line;
+* the capture step records the closure and the optimizer update in one graph and replays it once,
+  which is that step's real update;
+* every later step copies the batch into the static buffers, replays, and calls the closure in
+  replay mode: ``training_step`` returns this step's outputs (extra tensors as fresh copies), every
+  ``self.log`` call recorded at capture is re-issued with this replay's values (Python numbers
+  re-evaluated from their source where it can be read), hooks the graph ran are not run again, and
+  torchmetrics objects updated in the step get their Python-side state back
+  (:mod:`l2lightning.guards.metric_binding`).
+
+Before each replay the callback checks, from metadata only (never a host sync), what a graph
+cannot see: the batch's structure and shapes, the branch the step takes on the step counters
+(:mod:`l2lightning.guards.step_source`), ``eager_steps``, the accumulation factor, the optimizer's baked
+hyperparameters, modules' ``training`` flags and parameters' ``requires_grad``. A step that does
+not match runs eagerly or is captured again (bounded); anything that cannot be replayed faithfully
+runs eagerly with one warning naming the cause. A capture that fails leaves the model, optimizer,
+RNG (the CUDA generator included) and process as a plain fit would have them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from typing_extensions import override
+
+from l2lightning._env import cuda_unavailable_reason
+from l2lightning.callback.fit_report import FitReport, _NoPhaseEvents, _Timing
+from l2lightning.callback.prefetch_setup import PrefetchSetup
+from l2lightning.callback.step_capture import StepCapture, _Graph
+from l2lightning.callback.step_decision import StepDecision
+from l2lightning.callback.step_dispatch import StepDispatch
+from l2lightning.callback.step_gate import GATE_PAIRS, StepGateResult
+from l2lightning.callback.step_overrides import StepOverrides, forwarding, presenting_signature_of
+from l2lightning.callback.warmup_steps import WarmupSteps, _Group, momentum_cycled_every_step
+from l2lightning.graph.accumulation import MicroBatchClosures, MicroBatchStep, role_of, run_micro_batch
+from l2lightning.graph.amp_step import (
+    ScaledStep,
+    grad_scaler_of,
+    run_through,
+    scaled_step_refusal,
+    unfused_refusal,
+)
+from l2lightning.graph.attributes import ABSENT, put_back
+from l2lightning.graph.capture import StaticBatch
+from l2lightning.graph.graph_slots import GraphSlots, fresh_state
+from l2lightning.graph.joined_optimizers import (
+    CapturableOptimizers,
+    intercept_all,
+    members_of,
+    optimizer_names,
+)
+from l2lightning.graph.manual_step import (
+    ManualStep,
+    manual_refusal,
+    manual_source_refusal,
+    manual_start_refusal,
+    none_as_empty,
+)
+from l2lightning.graph.optim import (
+    CapturableOptimizer,
+    OptimizerNotCapturableError,
+    installed_capturable,
+    intercept,
+)
+from l2lightning.graph.replay_closure import CLOSURE_HOOKS, ReplayClosure, why_not_fast
+from l2lightning.graph.rng import watch_cuda_state_setters
+from l2lightning.graph.scheduler_steps import ReissuedSchedulerStep
+from l2lightning.guards import check_kernels
+from l2lightning.guards.batch_reads import BatchReads, batch_reads
+from l2lightning.guards.called_code import analyse_called_code
+from l2lightning.guards.grad_norm_reads import GradNormNames
+from l2lightning.guards.log_replay import ReissuedLog
+from l2lightning.guards.metric_binding import (
+    named_metrics,
+    needs_sync_free_nan_check,
+    sync_free_nan_check,
+)
+from l2lightning.guards.module_flags import ModuleFlags
+from l2lightning.guards.progress_bar_reads import defer_progress_bar_reads
+from l2lightning.guards.replay_check import CHECK_SHARE, ReplayCheckReport
+from l2lightning.guards.step_source import StepSource, analyse, analyse_callbacks
+from l2lightning.guards.step_trace import (
+    StepTracer,
+)
+from l2lightning.prefetch.plan import PrefetchPlan
+
+PREFETCH_MODES = ("off", "default", "auto", "decoy")
+VERIFY_MODES = ("sampled", "capture", False)
+UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
+# Module methods replaced for the fit: replay mode skips them or answers from the graph.
+_MODULE_OVERRIDES = ("training_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping", "log")
+
+
+def _stale_read(what: str, lines: list[str], changes: str, kept: str, advice: str) -> str:
+    """The refusal of a step that reads `what` (at `lines`), a value that changes between steps where
+    a replayed graph cannot see it."""
+    return (
+        f"the step reads {what} ({'; '.join(lines[:3])}), {changes}; a replayed graph would keep "
+        f"{kept}. {advice}"
+    )
+
+
+class L2GraphCallback(
+    StepDispatch, StepDecision, StepCapture, WarmupSteps, StepOverrides, PrefetchSetup, FitReport, Callback
+):
+    """Capture the whole training step (forward, loss, backward, optimizer step) in one CUDA graph.
+
+    Inside the graph a side-stream kernel prefetches into L2 the weights the next layer will read
+    (forward: W_{i+1}; backward: W_{i-1}). Gradients stay bit-identical to an eager run of the same
+    (capturable) optimizer configuration, ``make_capturable(optimizer)``; ``verify=True`` checks
+    that at capture. What cannot be replayed faithfully runs eagerly, with one warning naming the
+    cause and, where there is one, the user's line.
+
+    During the fit, ``self.log`` calls are re-issued after each replay with that replay's values
+    (:mod:`l2lightning.guards.log_replay`), and values logged with ``prog_bar=True`` are turned into numbers
+    when ``trainer.progress_bar_metrics`` is read rather than at every batch end
+    (:mod:`l2lightning.guards.progress_bar_reads`): the same numbers, without a host sync per step.
+
+    Args:
+        warmup_steps: eager steps before the capture (>= 1). The first ``warmup_steps - 1`` (at
+            least one) are traced and compared op by op, the last one is timed.
+        prefetch: ``"auto"`` (the autotuner keeps a plan per layer shape only where it measurably
+            pays), ``"default"`` (plans sized by layer bytes), ``"off"`` (graph only), ``"decoy"``
+            (same traffic at the wrong layer: a control for benchmarks), or a
+            :class:`~l2lightning.PrefetchPlan` for every layer large enough.
+        backward_prefetch: also prefetch W_{i-1} in backward.
+        verify: ``"sampled"`` (the default; :mod:`l2lightning.guards.replay_check`): at replay 1, 2, 4, 8, ...
+            of each capture and at the first replay after each epoch start, validation loop and
+            checkpoint load, the step is also computed eagerly from the replay's state and compared
+            bit for bit (loss, returned tensors, gradients, parameters, buffers, optimizer and metric
+            states); the eager step is the one that stands, a difference is warned about naming the
+            first differing tensor and captured again once, a second one means eager training for
+            the rest of the fit; counts and wall time in ``summary()["replay_check"]``.
+            ``"capture"`` (or True): at capture only, run the step once eagerly and once captured from
+            the same state and raise :class:`~l2lightning.EquivalenceError` if the loss, a gradient
+            or a parameter differs in any bit (for users' GPU CI). False: no check.
+        check_share: with ``verify="sampled"``, the most of the fit's wall time (so far, from the
+            training start) the checks may take, a number in (0, 1]: a scheduled check beyond it is
+            deferred to the first replay within it (counted in ``summary()["replay_check"]["deferred"]``);
+            the first replay of every capture is always checked. 1.0 checks every scheduled replay.
+        compile: compile the LightningModule's child modules with ``torch.compile`` (default mode,
+            no CUDA graphs of its own) at the first step, so inductor's fusion runs inside the
+            whole-step graph (prefetch through :mod:`l2lightning.prefetch.ops`).
+        report: print the step report (per-layer plans, tuning table, timings) at capture.
+        eager_optimizer_fallback: when the optimizer cannot be captured (it has no ``capturable``
+            mode: LBFGS, Adagrad with ``lr_decay`` != 0), train eagerly with one warning naming it (the default), or, with
+            False, raise :class:`~l2lightning.graph.optim.OptimizerNotCapturableError`.
+        log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/replay_speedup`` (their ratio:
+            CUDA-event time of an eager step over one graph replay, Lightning's host work left out),
+            ``l2/graph_pool_mib`` (what the captures of the graphs alive together reserved: one graph,
+            or under gradient accumulation one per role), ``l2/tuning_s``, ``l2/capture_s``, ``l2/compile_s``,
+            ``l2/recapture_s`` (wall seconds of prefetch tuning, of the captures, of the first compiled
+            step, of the captures after the fit's first with their tuning), ``l2/prefetch_layers``,
+            ``l2/prefetch_mib`` and ``l2/fallback_steps`` through the Trainer's loggers on rank zero, once the first
+            replays have finished on the device (read without a host sync), and at each epoch end.
+        recapture_wait: after a change that makes the graph stale (a value the step reads, the
+            optimizer's state), run the steps eagerly until they have cost, over replays, what the last
+            capture took (measured on the device: the eager step's and the replay's CUDA-event times),
+            and only then capture again, the wait doubled after each graph that did not pay for its
+            capture; so a value that changes every few steps costs no capture each time (the steps
+            waited are counted in ``summary()["fallback_steps"]``); under automatic optimization,
+            where the fit's steps left (``trainer.estimated_stepping_batches``) cannot pay for the
+            capture any more, the rest of the fit runs eagerly. False captures again at the next step.
+            CUDA only (elsewhere no step time is measured).
+        operand_scalars: where a Python number the step reads reaches its ops only as the operand of a
+            tensor ``*``, ``+`` or ``-`` written in the step's source (``loss - self.ent_coef * entropy``,
+            ``beta * reg`` with ``beta`` computed from ``self.current_epoch``), on float32 or float64
+            tensors, the graph reads it from a device scalar written before each replay, so a change
+            (an epoch hook's annealing) needs no new capture; the first replays with a new value (three
+            per capture) are checked against the eager step. Only with ``verify="sampled"`` (the check
+            is what sees a use of the number no analysis found). False bakes such numbers in and
+            captures again when they change (:mod:`l2lightning.graph.operand_scalars`).
+        eager_steps: ``(trainer, batch_idx) -> bool``; steps for which it returns True run eagerly
+            (a periodic target-network sync, image logging, a print), and their effects flow into
+            the next replay. Branches on ``self.global_step``/``current_epoch``/``batch_idx`` that
+            the callback can read in ``training_step`` are handled without it.
+        autotune: the autotuner behind ``prefetch="auto"``: None (its defaults) or a mapping of
+            :class:`~l2lightning.Autotuner`'s arguments.
+        gate_pairs: with ``prefetch="auto"``, the whole-step gate (:mod:`l2lightning.callback.step_gate`):
+            the next ``2 * gate_pairs`` steps replay the captured step with its prefetch kernel
+            nodes switched on and off in turn (:mod:`l2lightning.graph.prefetch_switch`; where they
+            cannot be switched, a second capture without prefetch replays in the off turns), and
+            the plans stay only if the 95% confidence interval of the whole step's gain is above
+            zero. 0 keeps the tuner's plans without the gate.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from l2lightning import L2GraphCallback
+        >>> cb = L2GraphCallback(eager_steps=lambda trainer, batch_idx: trainer.global_step % 100 == 0)
+        >>> trainer = Trainer(accelerator="gpu", devices=1, max_steps=1000, callbacks=[cb])
+        >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
+    """
+
+    # Prefetch settings the whole-step gate judges: the tuner's plans. "default" and explicit plans are
+    # what the user asked for, "decoy" is a control that benchmarks must see as it is.
+    _GATED_MODES: tuple[str, ...] = ("auto",)
+    # devices whose step timings (CUDA events) decide when a re-capture pays for itself
+    # (StepDecision._capture_not_paid_for); tests on the graph emulator widen it
+    _RENTAL_DEVICES: tuple[str, ...] = ("cuda",)
+    # under a GradScaler (16-mixed), the precision plugin's optimizer_step the fit's steps go through
+    # (set at the training start, removed at clean-up; a class default, for a clean-up before any set-up)
+    _scaled: ScaledStep | None = None
+    _manual: ManualStep | None = None
+
+    def __init__(
+        self,
+        warmup_steps: int = 3,
+        prefetch: str | PrefetchPlan = "auto",
+        backward_prefetch: bool = True,
+        verify: str | bool = "sampled",
+        check_share: float = CHECK_SHARE,
+        compile: bool = False,
+        report: bool = False,
+        eager_optimizer_fallback: bool = True,
+        log_timing: bool = True,
+        eager_steps: Callable[[Trainer, int], bool] | None = None,
+        autotune: Any = None,
+        gate_pairs: int = GATE_PAIRS,
+        recapture_wait: bool = True,
+        operand_scalars: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"`warmup_steps` must be an int >= 1, got {warmup_steps!r}")
+        if not isinstance(prefetch, PrefetchPlan) and prefetch not in PREFETCH_MODES:
+            raise ValueError(
+                f"`prefetch` must be one of {PREFETCH_MODES} or a PrefetchPlan, got {prefetch!r}"
+            )
+        for name, value in [
+            ("backward_prefetch", backward_prefetch),
+            ("compile", compile),
+            ("report", report),
+            ("eager_optimizer_fallback", eager_optimizer_fallback),
+            ("log_timing", log_timing),
+            ("recapture_wait", recapture_wait),
+            ("operand_scalars", operand_scalars),
+        ]:
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool (True or False), got {value!r}")
+        if (
+            isinstance(gate_pairs, bool)
+            or not isinstance(gate_pairs, int)
+            or gate_pairs < 0
+            or gate_pairs == 1
+        ):
+            raise ValueError(
+                f"`gate_pairs` must be 0 (no whole-step gate) or an int >= 2, got {gate_pairs!r}"
+            )
+        if (
+            isinstance(check_share, bool)
+            or not isinstance(check_share, (int, float))
+            or not 0.0 < float(check_share) <= 1.0
+        ):
+            raise ValueError(
+                f"`check_share` must be a number in (0, 1] (the most of the fit's time the sampled replay "
+                f"check may take), got {check_share!r}"
+            )
+        self.check_share = float(check_share)
+        if verify is True:
+            verify = "capture"  # what verify=True meant before the sampled check
+        if (
+            isinstance(verify, bool)
+            and verify
+            or not isinstance(verify, (str, bool))
+            or verify not in VERIFY_MODES
+        ):
+            raise ValueError(f"`verify` must be one of {VERIFY_MODES} (True means 'capture'), got {verify!r}")
+        if eager_steps is not None and not callable(eager_steps):
+            raise TypeError(
+                f"`eager_steps` must be None or a callable (trainer, batch_idx) -> bool, got {eager_steps!r}"
+            )
+        from l2lightning.prefetch.hooks import make_autotuner
+
+        make_autotuner(autotune)  # a wrong `autotune` fails here, naming the argument, not at capture
+        self.autotune = autotune
+        self.warmup_steps = warmup_steps
+        self.prefetch = prefetch
+        self.backward_prefetch = backward_prefetch
+        self.verify = verify
+        self.compile = compile
+        self.report = report
+        self.eager_optimizer_fallback = eager_optimizer_fallback
+        self.log_timing = log_timing
+        self.eager_steps = eager_steps
+        self.gate_pairs = gate_pairs
+        self.recapture_wait = recapture_wait
+        self.operand_scalars = operand_scalars
+        self._reset_run_state()
+        # Persisted through state_dict (chosen plans and capture step of the last run).
+        self._resumed_capturable_from: int | None = None
+        self.capture_step: int | None = None
+        self.plans: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ state
+    def _reset_run_state(self) -> None:
+        if getattr(self, "_flags", None) is not None:
+            self._flags.close()  # its global registration hooks, should a fit have ended without clean-up
+        self.disabled_reason: str | None = None
+        self._replay_closure: ReplayClosure | None = None
+        self.verify_report: Any = None
+        self.fallback_steps = 0
+        self.captures = 0
+        self.replay_check = ReplayCheckReport(mode=str(self.verify) if self.verify else "off")
+        # What the callback keeps per captured graph (its replays, check schedule, re-capture state, ...):
+        # the attributes of the graph serving the current step; with gradient accumulation, one graph per
+        # role of a micro-batch, the others' parked (l2lightning.graph.graph_slots)
+        for name, value in fresh_state(self.check_share).items():
+            setattr(self, name, value)
+        self._slots = GraphSlots()
+        # Lightning's closures of accumulating micro-batches, handed to _micro_batch_step (on_train_start)
+        self._micro_batches: MicroBatchClosures | None = None
+        # captures whose graph steps the optimizer (not an accumulating micro-batch's)
+        self._stepping_captures = 0
+        self._captured_roles: set[tuple[bool, bool]] = set()  # the accumulation roles with a graph (summary)
+        self._fit_started_at: float | None = None  # perf_counter at the training start: the check's budget
+        self._check_on = self.verify == "sampled"
+        self._record_output = False  # the checked step's eager training_step output is kept (_checked_output)
+        self._checked_output: Any = None
+        self._check_why = ""  # why this step is checked (CheckSchedule.due)
+        # where the step draws from cuDNN's RNN dropout state (a buffer outside torch's generators):
+        # eager work beside the fit's steps that cannot put it back (the prefetch's dry run, the
+        # capture's eager check) is off; the sampled check saves and puts it back
+        self._hidden_random: str | None = None
+        self._disable_next: str | None = None  # why the next step trains eagerly for the rest of the fit
+        self._verify_capture_off = False
+        # a check after an operand value's change found the replay differing: later captures bake them in
+        self._operands_off = False
+        # the operand sites (their lines) the last capture read from device scalars, and the values
+        # written to them since the fit's start (summary()['operand_scalars'])
+        self._operand_lines: list[str] = []
+        self._operand_changes = 0
+        self._undo_cuda_state_watch: Callable[[], None] | None = None
+        # the global step from which the optimizer ran make_capturable's configuration (first capture)
+        self.capturable_from_step: int | None = None
+        self._resumed_switched = False  # switched at train start: a resumed fit that was capturable
+        self._fallback_causes: set[str] = set()
+        self._warned: set[str] = set()
+        self._module: LightningModule | None = None
+        self._trainer: Trainer | None = None
+        self._installed: dict[str, Any] = {}  # module attribute -> our override
+        # (attribute dict, name, held) of the methods whose source the step was read from (StepSource.code_bindings)
+        self._code_bindings: list[tuple[Any, str, Any, str]] = []
+        # (callback, hook, what the callback's instance held under that name before, or ABSENT)
+        self._callback_overrides: list[tuple[Any, str, Any]] = []
+        self._shadowed: dict[str, Any] = {}
+        self._undo_progress_bar_reads: Callable[[], None] | None = None
+        self._mode = "eager"
+        # the optimizer whose steps the callback handles; several a manual step steps, as one
+        self._optimizer: CapturableOptimizer | CapturableOptimizers | None = None
+        # a capturable optimizer the callback no longer handles, kept switched on until the fit ends
+        self._kept_optimizer: CapturableOptimizer | CapturableOptimizers | None = None
+        self._owns_optimizer = False
+        self._nan_patched: list[Any] = []
+        self._flags: ModuleFlags | None = None  # the module's train()/requires_grad flags, read per replay
+        self._groups: dict[tuple, _Group] = {}
+        self._baked_history: list[Any] = []  # the optimizer's baked hyperparameters at each warm-up step
+        self._traced_steps = 0
+        self._tracer: StepTracer | None = None
+        self._capture_logs: list[ReissuedLog | ReissuedSchedulerStep] = []
+        self._pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
+        self._pending_key: tuple = ()
+        self._step_closure: Any = None  # the closure optimizer.step got, while its step is decided
+        # the accumulated gradients a closing micro-batch's capture adds to (l2lightning.graph.accumulation)
+        self._capture_accumulated: Any = None
+        self._pending_tensors: list[torch.Tensor] = []  # the pending batch flattened (by _decide)
+        self._in_step = False
+        self._reissued: set[str] = set()
+        # the wall seconds of the last capture (its tuning and what only a first capture spends apart),
+        # and the replay time the eager steps since a change have forgone: a re-capture waits until the
+        # second reaches the first
+        self._last_capture_cost_s: float | None = None
+        self._capture_once_s = 0.0  # of the capture under way: what a later capture does not repeat
+        # the prefetch set-up of the capture step under way collected all generations before tuning
+        # (l2lightning.callback.prefetch_setup): the capture in the same step need not walk them again
+        self._collected_for_capture = False
+        self._recaptures = 0  # captures after the fit's first (the gate's second capture included)
+        self._last_recapture_s: float | None = None  # the wall seconds of the last of them
+        self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
+        self._eager_hooks: set[str] = set()
+        # a traced step's gradient tensors as it starts (weak references), by parameter: its backward must
+        # not add to them
+        self._grads_before_step: dict[int, Any] = {}
+        # per hook name, what its functions' code may write (l2lightning.guards.hook_writes), read once a fit
+        self._hook_writes: dict[str, list[str]] = {}
+        self._grad_norm_names = GradNormNames()  # where those hooks find Lightning's grad_norm
+        self._originals: dict[str, Any] = {}
+        self._capture_graph: _Graph | None = None
+        self._source = StepSource()
+        # objects of the user's whose methods run as hooks inside the step (l2lightning.guards.called_code)
+        self._hook_owners: list[Any] = []
+        self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
+        self._hooks: Any = None
+        self._timing = _Timing()
+        self._pool_mib: float | None = None
+        self._timing_logged = False
+        self._tuning_report: Any = None
+        self._step_output: Any = None
+        self._captured = False
+        self._compiled_children: list[torch.nn.Module] = []
+        # per compiled child, the `forward` its instance held before compile=True replaced it, or ABSENT
+        self._children_forward: list[Any] = []
+        self._static_for_prefetch: StaticBatch | None = None
+        # The stream every non-replayed step runs on, and the capture too (set at the first step)
+        self._step_stream: Any = None
+        # What capturing cost: wall seconds of prefetch tuning (chain discovery and the tuner), of
+        # the captures (verify included) and of torch.compile's first compiled step
+        self._cost_s: dict[str, float] = {
+            "tuning_s": 0.0,
+            "capture_s": 0.0,
+            "compile_s": 0.0,
+            "recapture_s": 0.0,
+        }
+        self._compile_pending = False  # compile=True: the next step compiles (and is timed as compile_s)
+        # no prefetch for the rest of this fit: tuning ran out of memory, or the whole-step gate said no
+        self._prefetch_failed = False
+        # The whole-step gate's trial (_gate, per graph: both graphs and their replay times), whose turn
+        # this replay is, whether the capture under way is the trial's step without prefetch, and the verdict.
+        self._gate_turn: str | None = None
+        self._gate_capturing = False
+        self._gate_result: StepGateResult | None = None
+        from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
+
+        self._phase_events = PhaseEvents() if self.report and torch.cuda.is_available() else _NoPhaseEvents()
+        self._kernel_counter = PhaseKernelCounter()
+        self.step_report: Any = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "capture_step": self.capture_step,
+            "plans": self.plans,
+            "capturable_from_step": self.capturable_from_step,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.capture_step = state_dict.get("capture_step")
+        self.plans = list(state_dict.get("plans", []))
+        # a fit resumed past its capture step goes on in make_capturable's configuration, as the
+        # uninterrupted fit did (on_train_start switches the optimizer before the first step)
+        self._resumed_capturable_from = state_dict.get("capturable_from_step")
+
+    def summary(self) -> dict[str, Any]:
+        """What happened in the last fit: captured or not (and why), timings, plans, verify verdict."""
+        eager_ms = self._timing.eager_ms()
+        graph_ms = self._timing.graph_ms()
+        return {
+            "captured": self._captured,
+            "reason": self.disabled_reason,
+            "capture_step": self.capture_step,
+            "capturable_from_step": self.capturable_from_step,
+            "captures": self.captures,
+            "graphs": len(self._captured_roles),
+            "eager_step_ms": eager_ms,
+            "graph_step_ms": graph_ms,
+            "replay_speedup": (eager_ms / graph_ms) if eager_ms and graph_ms else None,
+            "plans": self.plans,
+            "verify": str(self.verify_report) if self.verify_report is not None else None,
+            "replay_check": self.replay_check.to_dict(),
+            "fallback_steps": self.fallback_steps,
+            "fallback_causes": sorted(self._fallback_causes),
+            "graph_pool_mib": self._pool_mib,
+            "prefetch_gate": self._gate_result.to_dict() if self._gate_result is not None else None,
+            # wall seconds to the microsecond (a tuning that gives up at once is not 0)
+            **{key: round(value, 6) for key, value in self._cost_s.items()},
+            "recaptures": self._recaptures,
+            "last_recapture_s": None if self._last_recapture_s is None else round(self._last_recapture_s, 6),
+            "recapture_wait_steps": self._waited_steps,
+            "operand_scalars": {"sites": list(self._operand_lines), "changes": self._operand_changes},
+            "tuning": self._tuning_report.to_dict() if self._tuning_report is not None else None,
+            "step_report": self.step_report.to_dict() if self.step_report is not None else None,
+        }
+
+    # ------------------------------------------------------------------ refusals
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(f"L2GraphCallback: {message}")
+
+    def _disable(self, reason: str) -> None:
+        """Train eagerly for the rest of the fit, with one warning: with the optimizer as configured, or,
+        after a capture, in make_capturable's configuration to the fit's end (the warning says so)."""
+        if self.disabled_reason is None:
+            self.disabled_reason = reason
+            rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.{self._capturable_stretch()}")
+        self._mode = "eager"
+        self._graph = None
+        self._gate = None
+        self._gate_turn = None
+        self._slots.clear()  # the graphs of the other accumulation roles
+        self._release_optimizer()
+
+    def _capturable_stretch(self) -> str:
+        """What of the fit runs in make_capturable's configuration, for a warning that gives up after a capture."""
+        wrapped = self._optimizer
+        if wrapped is None or not self._owns_optimizer or not wrapped.switched:
+            return ""
+        if not (self._stepping_captures or self._resumed_switched):
+            return ""  # a capture that failed: the optimizer goes back to the user's configuration
+        name = optimizer_names(wrapped)
+        runs = "run" if isinstance(wrapped, CapturableOptimizers) else "runs"
+        step = self.capturable_from_step
+        return (
+            f" From step {step} on, {name} {runs} in make_capturable's configuration (`capturable=True`, the "
+            "one the replays used), whose arithmetic can differ from yours in the last bits (Adam and AdamW "
+            f"without `fused=True`); `l2lightning.CapturableFrom({step})` reproduces this fit eagerly"
+        )
+
+    def _release_optimizer(self, fit_ends: bool = False) -> None:
+        """Stop handling the optimizer's steps; give it back as the user configured it unless it has
+        run in make_capturable's configuration (from the capture step), which it then keeps until the
+        fit ends (`fit_ends`), so that the whole fit has one eager reference (CapturableFrom)."""
+        wrapped, self._optimizer = self._optimizer, None
+        if wrapped is None:
+            wrapped, self._kept_optimizer = self._kept_optimizer, None
+            if wrapped is not None and fit_ends:
+                wrapped.release()
+            return
+        wrapped.handler = None
+        if self._owns_optimizer:
+            if wrapped.switched and (self._stepping_captures or self._resumed_switched) and not fit_ends:
+                self._kept_optimizer = wrapped  # released at the fit's end (_cleanup)
+            else:
+                wrapped.release()
+                if not self._stepping_captures:  # switched for a capture that failed: the fit stayed plain
+                    self.capturable_from_step = None
+        for metric in self._nan_patched:
+            if "_cast_and_nan_check_input" in vars(metric):
+                del metric._cast_and_nan_check_input
+        self._nan_patched = []
+
+    def _refusal(self, trainer: Trainer, pl_module: LightningModule) -> str | None:
+        """Why this run cannot be captured at all (and trains eagerly), or None."""
+        reason = cuda_unavailable_reason()
+        if reason:
+            return f"no CUDA ({reason})"
+        if trainer.strategy.root_device.type != "cuda":
+            return f"the Trainer runs on {trainer.strategy.root_device}, not a CUDA device"
+        if trainer.world_size > 1:
+            return (
+                f"multi-process training (world size {trainer.world_size}) is not captured yet: the DDP capture "
+                "path has not been validated on several GPUs"
+            )
+        return self._configuration_refusal(trainer, pl_module)
+
+    @staticmethod
+    def _configuration_refusal(trainer: Trainer, pl_module: LightningModule) -> str | None:
+        """What the Trainer's and the module's configuration rule out, on any device."""
+        if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+            return (
+                "`training_step` takes `dataloader_iter` and fetches its own batches; the capture needs the batch "
+                "Lightning passes to `training_step(batch, batch_idx)`"
+            )
+        # 16-mixed: Lightning's GradScaler step is captured around a fused optimizer (l2lightning.graph.amp_step;
+        # whether the optimizer is fused is known at the training start, once it is configured)
+        return scaled_step_refusal(trainer.precision_plugin)
+
+    # ------------------------------------------------------------------ set-up and clean-up
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset_run_state()
+        self._scaled = None
+        self._manual = None
+        strategy = type(trainer.strategy).__name__
+        if strategy in UNSUPPORTED_STRATEGIES:
+            raise ValueError(
+                f"L2GraphCallback does not support the {strategy}; supported: single-device strategies "
+                "(DDP falls back to eager). Unsupported: FSDP, DeepSpeed, ModelParallel, XLA."
+            )
+        if not pl_module.automatic_optimization:
+            # the whole training_step is the captured step (l2lightning.graph.manual_step); what it cannot
+            # capture trains eagerly, saying why: a fit plain Lightning runs runs with the callback too
+            reason = manual_refusal(trainer, pl_module, self.verify, own=self)
+            if reason:
+                self._disable(reason)
+                return
+            self._manual = ManualStep(self)
+        reason = self._refusal(trainer, pl_module)
+        if reason:
+            self._disable(reason)
+            return
+        if self._manual is not None:
+            # the prefetch's chain discovery runs training_step under no_grad: a manual step's
+            # manual_backward and optimizer steps cannot run there (said at the training start)
+            self._prefetch_failed = True
+        user_hooks = tuple(h for h in CLOSURE_HOOKS if is_overridden(h, pl_module))
+        # every hook of the module that runs inside the captured step (analyse skips Lightning's own)
+        self._source = analyse(
+            pl_module,
+            ("training_step", *user_hooks, "configure_gradient_clipping", "optimizer_zero_grad", "backward"),
+        )
+        analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CLOSURE_HOOKS, self._source)
+        self._batch_reads = batch_reads(pl_module)
+        reason = self._source_refusal() or (
+            manual_source_refusal(self._source, pl_module) if self._manual is not None else None
+        )
+        if reason:
+            self._disable(reason)
+            return
+        self._module = pl_module
+        self._trainer = trainer
+        step = self._training_step if self._manual is None else self._manual.training_step
+        overrides: dict[str, Any] = {
+            "training_step": presenting_signature_of(pl_module.training_step, step),
+            "optimizer_zero_grad": forwarding(self._optimizer_zero_grad),
+            "backward": forwarding(self._backward),
+            "configure_gradient_clipping": forwarding(self._configure_gradient_clipping),
+            "log": forwarding(self._log),
+        }
+        for hook in user_hooks:
+            overrides[hook] = self._captured_hook(hook, getattr(pl_module, hook))
+        self._originals = {name: getattr(pl_module, name) for name in overrides}
+        if self._manual is not None:  # a manual step returning None is a step to capture all the same
+            self._originals["training_step"] = none_as_empty(self._originals["training_step"])
+        # what the module's instance itself holds (`model.training_step = fn`) goes back after the fit
+        self._shadowed = {name: vars(pl_module).get(name, ABSENT) for name in overrides}
+        for name, fn in overrides.items():
+            setattr(pl_module, name, fn)
+        self._installed = overrides
+        for cb in trainer.callbacks:
+            if cb is self:
+                continue
+            for hook in CLOSURE_HOOKS:
+                if is_overridden(hook, cb, parent=Callback):
+                    self._callback_overrides.append((cb, hook, vars(cb).get(hook, ABSENT)))
+                    setattr(cb, hook, self._captured_hook(hook, getattr(cb, hook)))
+        # where each method the step's source was read through is bound, the overrides above included
+        self._code_bindings = self._source.code_bindings()
+
+    def _cleanup(self, pl_module: LightningModule | None) -> None:
+        """Undo everything the callback installed; drop every reference to the module and the graph."""
+        module = self._module or pl_module
+        if module is not None:
+            for name, fn in self._installed.items():
+                if vars(module).get(name) is fn:  # not replaced again by someone else during the fit
+                    put_back(module, name, self._shadowed[name])
+        self._installed = {}
+        self._shadowed = {}
+        if self._undo_progress_bar_reads is not None:
+            self._undo_progress_bar_reads()
+            self._undo_progress_bar_reads = None
+        if self._undo_cuda_state_watch is not None:
+            self._undo_cuda_state_watch()
+            self._undo_cuda_state_watch = None
+        for cb, hook, before in self._callback_overrides:
+            put_back(cb, hook, before)
+        self._callback_overrides = []
+        for child, before in zip(self._compiled_children, self._children_forward):
+            put_back(child, "forward", before)  # the class's forward, or a library's per-instance wrapper
+        self._compiled_children = []
+        self._children_forward = []
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        self._release_optimizer(fit_ends=True)
+        if self._scaled is not None:
+            self._scaled.uninstall()
+            self._scaled = None
+        if self._manual is not None:
+            self._manual.schedulers.uninstall()
+        self._manual = None
+        if self._micro_batches is not None:
+            self._micro_batches.uninstall()
+            self._micro_batches = None
+        self._graph = None
+        self._gate = None
+        self._gate_turn = None
+        self._slots.clear()
+        if self._flags is not None:
+            self._flags.close()
+            self._flags = None
+        self._capture_graph = None
+        self._groups = {}
+        self._tracer = None
+        self._pending = None
+        self._pending_tensors = []
+        self._step_output = None
+        self._capture_logs = []
+        self._static_for_prefetch = None
+        self._originals = {}
+        self._module = None
+        self._trainer = None
+
+    def _source_refusal(self) -> str | None:
+        """Why what the step's source does cannot be replayed (and the fit trains eagerly), or None."""
+        source = self._source
+        if source.global_writes:
+            return (
+                f"the step assigns module-level or closure names ({'; '.join(source.global_writes[:3])}); a replayed "
+                "graph runs no Python, so they would stop changing. Change them outside the step "
+                "(`on_train_batch_end` runs after every replay)"
+            )
+        if source.trainer_metric_reads:
+            return _stale_read(
+                "the Trainer's metrics",
+                source.trainer_metric_reads,
+                "whose values Lightning replaces as steps log and validations run",
+                "reading the values of the capture step",
+                "Pass them in through an attribute updated in place (`self.w.copy_(value)` in "
+                "`on_validation_end`) instead",
+            )
+        if source.scheduler_reads:
+            return _stale_read(
+                "an LR scheduler's state",
+                source.scheduler_reads,
+                "which each scheduler step changes",
+                "the value of the capture step",
+                'Read the learning rate from the optimizer (`self.optimizers().param_groups[0]["lr"]`), '
+                "which replays read as it is at each step",
+            )
+        if source.clock_reads:
+            return _stale_read(
+                "the host clock",
+                source.clock_reads,
+                "which moves from step to step",
+                "the capture step's reading",
+                "Decide on the time in a hook outside the step (`on_train_batch_start`) and hand the "
+                "decision in through an attribute the step reads (compared before each replay), or run "
+                "such steps eagerly with `eager_steps=lambda trainer, batch_idx: ...`",
+            )
+        if source.iterator_advances:
+            return (
+                f"the step advances an iterator held outside it ({'; '.join(source.iterator_advances[:3])}); a "
+                "replayed graph runs no Python, so it would stop advancing and every replay would keep the "
+                "capture step's item. Advance it in a hook outside the step (`on_train_batch_start`) and hand "
+                "the item in through an attribute the step reads (compared before each replay)"
+            )
+        if source.opaque_conditions and self.eager_steps is None:
+            # A replayed graph would take the capture step's branch at every step: refused rather than
+            # trained on the wrong branch; `eager_steps` tells the callback which steps take the other.
+            return (
+                "training_step branches on the step counters in a way the callback cannot evaluate, at "
+                f"{'; '.join(source.opaque_conditions)}; a replayed graph would always take the branch "
+                "of the capture step. Pass `eager_steps=lambda trainer, batch_idx: ...` returning True for "
+                "the steps that take the other branch to capture the rest"
+            )
+        return None
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._cleanup(pl_module)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # teardown does not run after an error (or KeyboardInterrupt): leave nothing installed
+        self._cleanup(pl_module)
+        self._mode = "eager"
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.disabled_reason or self._module is None:
+            return
+        # Submodules (configure_model builds them after setup) and hooks registered up to now: what
+        # their code reads joins the comparisons before each replay, what it assigns is refused
+        self._hook_owners = analyse_called_code(pl_module, self._source)
+        reason = self._source_refusal()
+        if reason:
+            self._disable(reason)
+            return
+        reason = manual_start_refusal(trainer, pl_module) if self._manual is not None else None
+        if reason:
+            self._disable(reason)
+            return
+        if self._manual is None and len(trainer.optimizers) != 1:
+            # (a manual step may step several: they are captured together, l2lightning.graph.joined_optimizers)
+            self._disable(
+                f"{len(trainer.optimizers)} optimizers configured; the capture supports exactly one"
+            )
+            return
+        reason = momentum_cycled_every_step(trainer) if self._manual is None else None
+        if reason:
+            self._disable(reason)
+            return
+        optimizer = trainer.optimizers[0]
+        scaler = grad_scaler_of(trainer.precision_plugin)
+        if scaler is not None:
+            reason = unfused_refusal(optimizer, str(trainer.precision), scaler)
+            if reason:
+                self._disable(reason)
+                return
+        try:
+            # the user's configuration until the capture step (StepCapture switches it on there)
+            if len(trainer.optimizers) > 1:  # a manual step's (l2lightning.graph.joined_optimizers)
+                wrapped = intercept_all(trainer.optimizers, trainer.strategy.root_device)
+                owns = any(wrapped.owned)
+            else:
+                existing = installed_capturable(optimizer)
+                wrapped = existing or intercept(optimizer, trainer.strategy.root_device)
+                owns = existing is None
+        except OptimizerNotCapturableError as exc:
+            if not self.eager_optimizer_fallback:
+                raise OptimizerNotCapturableError(
+                    f"{exc}. Leave L2GraphCallback(eager_optimizer_fallback=True) (the default) to train "
+                    "eagerly instead"
+                ) from exc
+            self._disable(str(exc))
+            return
+        self._optimizer = wrapped
+        self._owns_optimizer = owns
+        if self._check_on:
+            # the sampled check's kernels compile beside the warm-up steps, not at the first check
+            # (CuPy imported for them where prefetch would import it anyway)
+            check_kernels.prepare(trainer.strategy.root_device, import_cupy=self.prefetch != "off")
+        if self._manual is not None:
+            # the whole training_step is the step (ManualStep.training_step); its optimizer steps run as they are
+            wrapped.handler = self._manual.optimizer_step
+            # the LR schedulers the step steps itself: stepped again after each replay (l2lightning.graph.scheduler_steps)
+            self._manual.schedulers.install([c.scheduler for c in trainer.lr_scheduler_configs])
+            if self.prefetch != "off":
+                self._warn_once(
+                    "prefetch-manual",
+                    "prefetch off under manual optimization (its set-up runs training_step without gradients, "
+                    "which a manual step's `manual_backward` needs); capturing the graph without it.",
+                )
+        elif scaler is None:
+            wrapped.handler = self._optimizer_step
+        else:
+            # the whole step (closure, scaler.step, scaler.update) is handled at the precision plugin;
+            # the optimizer's step inside it runs as it is
+            self._scaled = ScaledStep(
+                trainer.precision_plugin,
+                optimizer,
+                self._scaled_step,
+                active=lambda: self._optimizer is not None,
+                undone=lambda: self._mode == "verify",
+            )
+            self._scaled.install()
+            wrapped.handler = run_through
+        if self._manual is None:
+            # accumulating micro-batches, whose closures Lightning calls itself, are steps of the callback too
+            self._micro_batches = MicroBatchClosures(trainer, self._micro_batch_step)
+        resumed, self._resumed_capturable_from = self._resumed_capturable_from, None
+        if resumed is not None and trainer.global_step >= resumed:
+            wrapped.switch_on()  # resumed after the capture step: the configuration the fit had there
+            self.capturable_from_step = resumed
+            self._resumed_switched = True
+        # prog_bar values: read when the progress bar (or anyone) reads them, not with a host sync per step
+        self._undo_progress_bar_reads = defer_progress_bar_reads(trainer)
+        # a CUDA generator's state set between steps (a seed in a hook) re-seeds cuDNN's RNN dropout at
+        # the next eager nn.LSTM call, never at a replay: the next replay is checked
+        self._undo_cuda_state_watch = watch_cuda_state_setters(self._cuda_state_set)
+        self._fit_started_at = time.perf_counter()
+        # replays dispatch only the closure's hooks that something overrides (l2lightning.graph.replay_closure)
+        self._replay_closure = ReplayClosure() if why_not_fast(trainer) is None else None
+        for _, metric in named_metrics(pl_module):
+            if needs_sync_free_nan_check(metric) and "_cast_and_nan_check_input" not in vars(metric):
+                metric._cast_and_nan_check_input = sync_free_nan_check(metric)
+                self._nan_patched.append(metric)
+        if self._source.opaque_conditions:  # captured only because `eager_steps` was given (see setup)
+            self._warn_once(
+                "opaque",
+                "training_step branches on the step counters in a way the callback cannot evaluate, at "
+                f"{'; '.join(self._source.opaque_conditions)}; replays take the branch of the capture step, "
+                "and the steps your `eager_steps` selects run eagerly: it must select every step that takes "
+                "the other branch",
+            )
+
+    def _optimizer_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """The capturable optimizer's handler: the callback's step, on the graph of its accumulation role."""
+        self._enter_role(closure)
+        return self._step(run, closure, kwargs)
+
+    def _micro_batch_step(self, step: MicroBatchStep) -> Any:
+        """An accumulating micro-batch (its closure, which Lightning calls itself): the callback's step
+        without an optimizer update, on the graph of its role (l2lightning.graph.accumulation)."""
+        if self._optimizer is None or self._in_step:  # given up on (or inside a step): as Lightning runs it
+            return step()
+        self._enter_role(step)
+        return self._step(run_micro_batch, step, {})
+
+    def _enter_role(self, closure: Any) -> None:
+        """The per-graph state of the graph that serves this step (l2lightning.graph.graph_slots)."""
+        self._slots.enter(self, role_of(self._trainer, closure))
+
+    def _scaled_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """The step under a GradScaler (:class:`~l2lightning.graph.amp_step.ScaledStep`'s handler): the
+        callback's step, with what the graph holds of the scaler kept in view."""
+        self._enter_role(closure)
+        scaled = self._scaled
+        if self._graph is not None and self._recapture_next is None:
+            changes = scaled.baked_changes()
+            if changes:
+                self._recapture_next = (
+                    f"the GradScaler's {', '.join(changes)} since capture (baked into the graph)"
+                )
+        captures = self.captures
+        result = self._step(run, closure, kwargs)
+        if self.captures != captures and self._graph is not None:
+            # written by scaler.update, outside the closure the step tracer sees: the sampled replay
+            # check saves, puts back and compares them with the rest of what the step writes
+            self._graph.external_writes += scaled.written()
+            scaled.mark_captured()
+        return result
+
+    # ------------------------------------------------------------------ per-step decision
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.disabled_reason or self._module is None:
+            self._pending = None
+            self._give_back_step_stream()  # once, after the step that disabled the callback
+            return
+        self._pending = (batch, batch_idx)
+        if self.compile and not self._compiled_children:
+            self._prepare_compiled(pl_module, batch)
+
+    # ------------------------------------------------------------------ the optimizer step
+
+    # ------------------------------------------------------------------ capture
+
+    # ------------------------------------------------------------------ replay
+
+    # ------------------------------------------------------------------ the overridden LightningModule hooks
+
+    @staticmethod
+    def _events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def _device(self) -> torch.device:
+        return self._trainer.strategy.root_device
+
+    def _device_type(self) -> str:
+        return self._device().type
+
+    # ------------------------------------------------------------------ logging through replays
+
+    # ------------------------------------------------------------------ prefetch, compile
+
+    # ------------------------------------------------------------------ the whole-step gate
+
+    # ------------------------------------------------------------------ verify
+
+    # ------------------------------------------------------------------ checkpoints and metrics
+    @override
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._manual is not None:  # the step wrappers a manual step's LR schedulers hold for the fit
+            self._manual.schedulers.portable_states(checkpoint.get("lr_schedulers", []))
+        wrapped = self._optimizer or self._kept_optimizer
+        if wrapped is None or "optimizer_states" not in checkpoint:
+            return
+        # Save what the optimizer would save without capture (original capturable flag, CPU steps);
+        # several (a manual step's) are in the Trainer's order, as Lightning saves them
+        states = checkpoint["optimizer_states"]
+        for i, member in enumerate(members_of(wrapped)[: len(states)]):
+            states[i] = member.portable_state_dict(states[i])
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._mode = "eager"
+        self._log_timing_once_known(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._log_timing(trainer)
+
+    # ------------------------------------------------------------------ the sampled replay check's events
+    def _cuda_state_set(self, name: str) -> None:
+        """`torch.cuda.NAME` set a CUDA generator's state. Between steps (a hook) the next replay is
+        checked; inside a step it is the step's own (activation checkpointing's recomputation puts the
+        forward's state back at every backward), which the step tracer judges."""
+        if self._in_step:
+            return
+        self._checks_after(f"a call of `torch.cuda.{name}`")
+        if self._hidden_random is not None and not self._check_on and self._graph is not None:
+            # plain Lightning's next nn.LSTM/GRU call re-seeds cuDNN's dropout state after this; a replay
+            # never calls it, and without the sampled check no replay is compared: train eagerly
+            self._disable_next = (
+                f"`torch.cuda.{name}` was called between steps, after which cuDNN re-seeds its RNN dropout "
+                f"state at the next eager call ({self._hidden_random}), which a replay never makes; with "
+                f"verify={self.verify!r} no replay is compared with the eager step (verify='sampled' checks "
+                "the next replay and captures again)"
+            )
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._checks_after("an epoch start")
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._checks_after("a validation loop")
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._checks_after("a checkpoint load")
+
+    def _checks_after(self, event: str) -> None:
+        """The next replay of every graph is checked (an event may have changed what the step reads)."""
+        for schedule in self._slots.schedules(self):
+            schedule.after(event)

@@ -1,0 +1,708 @@
+"""The capture step: record the closure and the optimizer update in one graph, or undo everything.
+
+A mixin of :class:`l2lightning.callback.graph_callback.L2GraphCallback`: its methods use the callback's run state
+(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from operator import attrgetter, is_not
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from l2lightning.callback.step_gate import StepGateResult
+from l2lightning.callback.step_overrides import copied_element
+from l2lightning.graph.accumulation import AccumulatedGrads
+from l2lightning.graph.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
+from l2lightning.graph.carried_state import Carried, split_carried
+from l2lightning.graph.cuda_memory import free_cached_memory, memory_state
+from l2lightning.graph.operand_scalars import OperandScalars, substituting
+from l2lightning.graph.prefetch_switch import new_cuda_graph
+from l2lightning.graph.scheduler_steps import ReissuedSchedulerStep
+from l2lightning.guards import check_kernels, numerics_settings, python_state
+from l2lightning.guards.called_code import StepHooks, analyse_called_code
+from l2lightning.guards.log_replay import ReissuedLog
+from l2lightning.guards.metric_binding import (
+    MetricBinding,
+    drop_autograd_graphs,
+    named_metrics,
+)
+from l2lightning.guards.step_trace import (
+    CaptureRefused,
+    HostConstants,
+    HostRead,
+    StepTracer,
+    describe_frame,
+    first_line,
+    user_frame_of_traceback,
+)
+from l2lightning.guards.step_values import Same, addresses
+
+# PyTorch's warning when a gradient reaches a parameter through an AccumulateGrad node made in an
+# earlier step (kept alive by a tensor that still holds that step's autograd graph)
+STALE_GRAPH_WARNING = "AccumulateGrad node's stream does not match"
+STALE_GRAPH_HINT = (
+    "a tensor kept from an earlier step still holds that step's autograd graph (for example a loss "
+    "stored on the module, `self.last_loss = loss`), and its parameters' gradient accumulators are bound "
+    "to the stream that step ran on; keep `loss.detach()` instead"
+)
+
+
+_grad_of = attrgetter("grad")  # per parameter per replay: mapped in C, not a Python loop
+
+
+@dataclass
+class _Graph:
+    """One captured step and what its replays need."""
+
+    graph: Any
+    static: StaticBatch
+    key: tuple
+    output: Any = None
+    # the parameters and the gradient tensors the graph writes for them (rebound before a replay if an
+    # eager step replaced them), as two parallel tuples: the check before every replay maps them in C
+    params: tuple = ()
+    grad_tensors: tuple = ()
+    # the step's self.log calls, and (manual optimization) its LR schedulers' steps, in their order
+    log_calls: list[ReissuedLog | ReissuedSchedulerStep] = field(default_factory=list)
+    binding: MetricBinding | None = None
+    constants: HostConstants | None = None
+    flags: tuple = ()
+    # lists the step appends to, with the element the capture appended (graph tensors: copied per replay)
+    appends: list[tuple[python_state.Append, Any]] = field(default_factory=list)
+    # attributes the step reads and rebinds to its own results (a recurrent hidden state), replayed
+    carried: list[Carried] = field(default_factory=list)
+    # tensors from before the capture that its ops write in place, with the user's line (the step tracer's)
+    external_writes: list[tuple[torch.Tensor, str]] = field(default_factory=list)
+    # Python numbers the capture may have baked in (python_state.baked_scalars), checked before each replay
+    scalars: list[tuple[dict, str, Any]] = field(default_factory=list)
+    # small containers of numbers it reads from module globals (python_state.baked_globals), the same
+    containers: list[tuple[dict, str, Any]] = field(default_factory=list)
+    # tensors it reads from plain attributes (python_state.baked_tensors), checked before each replay
+    tensors: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
+    # their memory at the capture (python_state.addresses): `t.data = ...` keeps the object, not the memory
+    tensor_addresses: tuple = ()
+    # the functions and submodules it calls through attributes (python_state.baked_callables), likewise
+    callables: list[tuple[dict, str, Any]] = field(default_factory=list)
+    # the arguments the functools.partial among them bind (python_state.partial_bindings), likewise
+    partials: list[tuple[dict, str, Any]] = field(default_factory=list)
+    # its parameters and buffers (ModuleFlags.tensors), compared after any registration (generation);
+    # the graph reads and writes their data at these addresses, compared before each replay
+    registered: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    registered_tensors: tuple = ()
+    data_ptrs: tuple = ()
+    generation: int = 0
+    # the numbers the step computes from the step counters (StepSource.counter_values) at capture
+    counters: tuple = ()
+    # the values the step reads through self that are Python numbers (StepSource.attribute_values)
+    attributes: list = field(default_factory=list)
+    # the hooks the graph ran (on the module, its layers, its parameters, nn.Module's global ones)
+    hooks: StepHooks | None = None
+    # the host tensors its device ops read at the capture (step_trace.HostRead), compared before each replay
+    host_reads: list[HostRead] = field(default_factory=list)
+    # the process-wide settings that chose its kernels (numerics_settings.read), likewise
+    numerics: tuple = ()
+    # a closing micro-batch's: the static copies of the accumulated gradients it adds to (l2lightning.graph.accumulation)
+    accumulated: AccumulatedGrads | None = None
+    # the device scalars its ops read Python numbers from (l2lightning.graph.operand_scalars), written before
+    # each replay; the values they stand for are left out of the comparisons above
+    operands: OperandScalars | None = None
+    # indices into StepSource.counter_values of the numbers the operand scalars stand for
+    counters_served: frozenset = frozenset()
+    # the memory its capture reserved (MiB; None off CUDA): what its pool holds while it lives
+    pool_mib: float | None = None
+
+    def bind_grads(self) -> None:
+        """Point every parameter's ``.grad`` at the tensor this graph writes for it (an eager step, the
+        user or the gate's other graph may have replaced it). Per replay: the check is mapped in C."""
+        if any(map(is_not, map(_grad_of, self.params), self.grad_tensors)):
+            for param, grad in zip(self.params, self.grad_tensors):
+                if param.grad is not grad:
+                    param.grad = grad
+
+
+class StepCapture:
+    """The capture step: record the closure and the optimizer update in one graph, or undo everything."""
+
+    def _operand_scalars(self, gate_capture: bool, batch_idx: int) -> OperandScalars | None:
+        """The device scalars this capture hands the step's operand sites (l2lightning.graph.operand_scalars):
+        the gate's second capture shares its first's, which the replays of both read."""
+        if gate_capture and self._gate is not None:
+            return self._gate.graphs["prefetch"].operands
+        sites = self._source.operand_sites if self._source is not None else []
+        if (
+            not self.operand_scalars
+            # the sampled check judges the first replays with new values: a use of the number that
+            # no analysis saw would otherwise go unseen (the number would not be compared any more)
+            or not self._check_on
+            or self._operands_off
+            or not sites
+            # a TorchFunctionMode around compiled code makes dynamo compile it again, inside the capture
+            or self.compile
+            or self._compiled_submodules()
+        ):
+            return None
+        return OperandScalars(sites, self._device(), self._module, batch_idx)
+
+    def _serve_operands(self, graph: _Graph, operands: OperandScalars | None) -> None:
+        """Leave out of `graph`'s comparisons the values its operand scalars stand for: a number read
+        only inside operand sites whose every op took its device scalar at this capture."""
+        self._operand_lines = []
+        if operands is None or not operands.live:
+            return
+        live = operands.live
+        graph.operands = operands
+        source = self._source
+        graph.counters_served = frozenset(
+            i for i, c in enumerate(source.counter_values) if c.sites and c.sites <= live
+        )
+        graph.attributes = [(a, v) for a, v in graph.attributes if not (a.sites and a.sites <= live)]
+        own = vars(self._module)
+        served = {
+            name
+            for name, sites in source.site_reads.items()
+            if name not in source.other_reads and sites <= live
+        }
+        served_globals = {
+            key
+            for key, sites in source.site_globals.items()
+            if key not in source.other_globals and sites <= live
+        }
+        graph.scalars = [
+            (attributes, name, value)
+            for attributes, name, value in graph.scalars
+            if not (attributes is own and name in served) and (id(attributes), name) not in served_globals
+        ]
+        self._operand_lines = sorted(operands.sites[key].site.line for key in live)
+
+    def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        gate_capture = self._gate_capturing  # set by _decide; the prefetch scope reads it too
+        if self._gate is not None and not gate_capture:
+            self._abandon_gate(
+                "the step was captured again (see the warning) before the gate's trial finished"
+            )
+        try:
+            result = self._capture_graph_step(run, closure, kwargs, gate_capture)
+        finally:
+            self._capture_graph = None
+            self._capture_accumulated = None
+            self._gate_capturing = False
+        return result
+
+    def _capture_graph_step(
+        self, run: Callable[..., Any], closure: Any, kwargs: dict, gate_capture: bool
+    ) -> Any:
+        """Capture the step (`gate_capture`: the gate's second capture, without prefetch), then replay it once."""
+        # the check kernels compiling in the background load their module when done, which a CUDA graph
+        # capture in progress (the prefetch tuner's or the step's, global capture mode) would not survive
+        check_kernels.wait_prepared()
+        self._collected_for_capture = False  # set by this step's prefetch set-up, if it collects
+        module, wrapped = self._module, self._optimizer
+        key = self._pending_key
+        group = self._groups.get(key)
+        batch, batch_idx = self._pending
+        # The steps before ran the user's configuration, so that a fit refused before its capture is
+        # plain Lightning bit for bit; from here on the optimizer is capturable. (Not for an accumulating
+        # micro-batch's graph, which makes no optimizer step: its closing micro-batch's capture switches it.)
+        closes = key[0][1].closes
+        switching = closes and not wrapped.switched
+        if switching:
+            wrapped.switch_on()
+        if switching and self.capturable_from_step is None:
+            self.capturable_from_step = int(self._trainer.global_step)
+        operands = self._operand_scalars(gate_capture, batch_idx)
+        torch.cuda.synchronize()
+        if group is not None and group.traces:
+            try:
+                constants = HostConstants(group.traces[-1].constants, self._device())
+            except ValueError as exc:
+                self._disable(str(exc))
+                return run(closure, **kwargs)
+        elif self._graph is not None and self._graph.constants is not None:
+            constants = self._graph.constants  # a re-capture: the same host constants, checked again
+        else:
+            constants = HostConstants([], self._device())
+        constants.used = 0
+        metrics = dict(named_metrics(module))
+        bound = {name: metrics[name] for name in sorted(group.metrics if group else ()) if name in metrics}
+        if self._graph is not None and self._graph.binding is not None:
+            self._graph.binding.bring_home()
+            bound.update(self._graph.binding.metrics)
+        self._graph = None  # a re-capture replaces the graph; a failed one leaves none
+        binding = MetricBinding(bound) if bound else None
+        try:
+            static = StaticBatch(batch, self._batch_reads)
+        except Exception as exc:  # a container type that cannot be rebuilt around other tensors
+            self._disable(
+                f"the batch ({type(batch).__name__}) cannot be rebuilt around the graph's static "
+                f"buffers: {type(exc).__name__}: {first_line(exc)}"
+            )
+            return run(closure, **kwargs)
+        # hooks registered since training started (by a callback whose on_train_start ran after this
+        # one's): read before this capture bakes in what they read
+        self._hook_owners = analyse_called_code(module, self._source)
+        reason = self._source_refusal()
+        if reason:
+            self._disable(reason)
+            return run(closure, **kwargs)
+        holders = self._python_holders()
+        device_type = self._device_type()
+        # The chain discovery's dry run and the verify step run training_step's Python too: what they
+        # do to Python state (an appended output, a drawn random number) is undone like their tensors.
+        self._no_work_beside_the_steps()
+        python_start = python_state.snapshot(holders, device_type=device_type)
+        # an LR scheduler the step itself steps (refused below, but it stepped in the dry run, the
+        # verify step and the capture attempt): its counters go back with the rest of the Python state
+        schedulers = _scheduler_states(self._trainer)
+        # A closing micro-batch adds to the gradients the earlier ones left: copied before anything
+        # below drops them; each eager run of the step from here starts from copies of them again
+        accumulated = AccumulatedGrads(tuple(module.parameters())) if key[0][1].adds else None
+        self._capture_accumulated = accumulated
+        if self._hooks is None and not self.compile:
+            # The last eager step's gradients are spent (its optimizer step read them; this step's
+            # closure zeroes them, and the capture below drops them anyway): dropped before the
+            # tuner runs, they are not part of its peak (180 MiB of the defaults' extra on the
+            # d1536x40 stack; benchmarks/memory_peak.py on the H200).
+            wrapped.optimizer.zero_grad(set_to_none=True)
+            module.zero_grad(set_to_none=True)
+            self._static_for_prefetch = static
+            self._install_prefetch(module)
+        verifying = self.verify == "capture" and not self._verify_capture_off
+        if verifying and accumulated is not None:
+            accumulated.put_back()
+        eager_record = self._verify_eager(run, closure, kwargs, binding) if verifying else None
+        python_state.restore(python_start)
+        _put_back_schedulers(schedulers)
+        # What a failed capture must undo: the capture runs no kernel, so only host tensors and the RNG
+        saved = TrainingState.save(
+            module, wrapped.optimizer, binding.state_tensors() if binding else (), host_only=True
+        )
+        saved_metrics = binding.python_state() if binding else {}
+        # validate_args is switched off for the capture below, by the callback, not by the step
+        ours = frozenset((id(m), "validate_args") for m in bound.values())
+        python_before = python_state.snapshot(holders, ours, device_type)
+        # A graph the whole-step gate will time with its prefetch on and off keeps its node list, to
+        # switch those kernel nodes (l2lightning.graph.prefetch_switch) instead of capturing the step twice
+        keep = not gate_capture and self._gate_may_start()
+        graph = _Graph(new_cuda_graph(keep_graph=keep), static, key, binding=binding, constants=constants)
+        self._capture_logs = []
+        self._step_output = None
+        memo = group.traces[-1].memo if group is not None and group.traces else self._memo
+        self._memo = memo
+        tracer = StepTracer(device_type, constants, memo, capture_stream=self._step_stream)
+        self._mode = "capture"
+        self._capture_graph = graph
+        wrapped.sync_tensors()
+        wrapped.freeze(True)
+
+        def captured() -> Any:
+            # What the step's own code changes is read from here, inside the capture: what the
+            # capture sets around the step is not the step's (the CPU graph emulator flags its
+            # capture in a module-level list that tests' steps read). `python_before` stays what a
+            # failed capture restores.
+            python_started = python_state.snapshot(holders, ours, device_type)
+            with substituting(operands):
+                out = self._run_traced(tracer, closure)
+            if self._step_output is None:
+                raise _Defer()
+            python_after = python_state.snapshot(holders, ours, device_type)
+            # an entry a dict gained is refused here: its replays would append to it at every step
+            appended, python_changed = python_state.split_appends(
+                python_started, python_after, new_entries=False
+            )
+            carried, python_changed = split_carried(
+                python_started, python_after, tracer.made, python_changed, tracer.read_from_before
+            )
+            python_changed += self._optimizer_writes()
+            if python_changed and self._traced_steps >= 1:
+                raise _PythonChangedInCapture(self._python_problem(python_changed, tracer.trace))
+            graph.appends = [(a, a.current()[-1]) for a in appended]
+            graph.carried = carried
+            graph.external_writes = [
+                (t, describe_frame(frame)) for t, frame in tracer.external_writes.values()
+            ]
+            graph.host_reads = tracer.host_reads
+            return out
+
+        drop_autograd_graphs(module)  # a metric's step value can hold the last step's autograd graph
+        validating = [m for m in bound.values() if getattr(m, "validate_args", False)]
+        for m in validating:
+            m.validate_args = False  # input checks sync with the host; the warm-up steps ran them
+        # torch.distributions checks its arguments by default (`Categorical(logits=...)` syncs on
+        # `valid.all()`): the same, for the distributions the step makes without `validate_args=True`
+        distributions_validate = torch.distributions.Distribution._validate_args
+        torch.distributions.Distribution.set_default_validate_args(False)
+        # Which submodules the step calls: their Python numbers (nn.Dropout.p) are baked into the graph.
+        # Not with compile=True: a global hook would make dynamo recompile inside the capture.
+        ran: set[int] | None = None if self.compile else set()
+        hook = (
+            torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: ran.add(id(m)))
+            if ran is not None
+            else None
+        )
+        optimizers = self._optimizer_holders()
+
+        def run_whole(closure: Any, **kwargs: Any) -> Any:
+            # the user's optimizer's own Python runs around the closure (`optimizer.step(closure)`)
+            optimizer_before = python_state.snapshot(optimizers, generators=False)
+            out = run(closure, **kwargs)
+            after = python_state.snapshot(optimizers, generators=False)
+            changed = python_state.changed(optimizer_before, after)
+            if changed and self._traced_steps >= 1:
+                raise _PythonChangedInCapture(self._python_problem(changed, tracer.trace))
+            return out
+
+        try:
+            try:
+                self._capture_into(graph, run_whole if optimizers else run, captured, kwargs)
+            finally:
+                if hook is not None:
+                    hook.remove()
+                wrapped.freeze(False)
+                for m in validating:
+                    m.validate_args = True
+                torch.distributions.Distribution.set_default_validate_args(distributions_validate)
+        except _Defer:
+            self._undo_capture(saved, binding, saved_metrics)
+            if accumulated is not None:
+                accumulated.put_back()  # the eager step below adds to them
+            python_state.restore(python_before)
+            _put_back_schedulers(schedulers)
+            self._mode = "eager"
+            if gate_capture:
+                self._graph = self._gate.graphs["prefetch"]  # the gate captures at a later step
+            elif switching:  # nothing captured yet: this step, too, runs the user's configuration
+                wrapped.switch_off()
+                if self.capturable_from_step == int(self._trainer.global_step):
+                    self.capturable_from_step = None
+            return run(closure, **kwargs)  # training_step returned None: nothing to capture this step
+        except Exception as exc:  # a host sync or an op that cannot be captured
+            self._undo_capture(saved, binding, saved_metrics)
+            python_state.restore(python_before)  # the eager step below changes them once
+            _put_back_schedulers(schedulers)
+            # Only what the fallback needs is kept: the exception's frames hold the partial
+            # capture's tensors (in the graph's pool) until it is gone, and the eager step below
+            # must not run next to them (with little memory to spare it would run out itself).
+            failed = (
+                first_line(exc)
+                if gate_capture or isinstance(exc, torch.OutOfMemoryError)
+                else self._capture_failure_reason(exc)
+            )
+            out_of_memory = isinstance(exc, torch.OutOfMemoryError)
+            # A step captured again after a change (a curriculum's longer sequences) may build
+            # something once in that first step at the new shapes, as a first warm-up step may (a
+            # rotary cache grown and its buffers registered anew): warm up again, once per capture,
+            # rather than train the rest of the fit eagerly
+            warm_up_again = (
+                isinstance(exc, _PythonChangedInCapture)
+                and self._captures_here > 0
+                and not gate_capture
+                and not self._warmed_up_again
+            )
+        else:
+            failed = None
+        if failed is not None:
+            graph = self._capture_graph = None  # the partial graph's pool goes with it
+            if accumulated is not None:
+                accumulated.put_back()  # the eager step below adds to them
+            if gate_capture:
+                # the step with prefetch was captured; only the comparison failed: keep that graph
+                self._graph = self._gate.graphs["prefetch"]
+                self._gate = None
+                self._gate_result = StepGateResult(
+                    "prefetch",
+                    None,
+                    None,
+                    None,
+                    f"the step without prefetch could not be captured: {failed}",
+                    "second capture",
+                )
+                free_cached_memory()
+            elif out_of_memory:
+                free_cached_memory()
+                self._disable(f"the step could not be captured: out of memory ({memory_state()}; {failed})")
+            elif warm_up_again:
+                # no graph now: the steps from the next one are warm-up steps again, traced, then captured
+                self._warmed_up_again = True
+                self._warn_once(
+                    "warm-up-again",
+                    f"{failed}; this step runs eagerly and the next ones warm up again (a step at new shapes may "
+                    "build something once, a cache grown); a second such change ends the capture",
+                )
+            else:
+                self._disable(failed)
+            return run(closure, **kwargs)
+        graph.output = self._step_output
+        graph.accumulated = accumulated
+        graph.log_calls = self._capture_logs
+        graph.params = tuple(module.parameters())
+        graph.grad_tensors = tuple(p.grad for p in graph.params)
+        graph.flags = self._module_flags()
+        graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
+        graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)
+        graph.callables = python_state.baked_callables(module, self._source.reads, ran, self._installed)
+        graph.counters = self._source.counter_snapshot(module, batch_idx)
+        carried = {id(t) for c in graph.carried for t in c.outputs}
+        graph.attributes = [  # a carried attribute is rebound by design: handed to each replay instead
+            (a, v) for a, v in self._source.attribute_snapshot(module, batch_idx) if not _holds(v, carried)
+        ]
+        scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)
+        graph.scalars += scalars
+        graph.tensors += tensors
+        # the Python numbers and tensors the user's optimizer's step reads from its own attributes
+        # (`p.mul_(self.shrink)`), baked into the graph like the module's
+        scalars, tensors = python_state.baked_optimizer_attributes(optimizers)
+        graph.scalars += scalars
+        graph.tensors += tensors
+        baked = python_state.baked_globals(self._source.global_reads.values())
+        graph.scalars += baked.scalars
+        graph.tensors += baked.tensors
+        # a module-level list the step appends to is the step's Python state, re-appended after each
+        # replay (graph.appends), not a container whose entries the graph baked in
+        appended = {(id(vars(a.owner)), a.name) for a, _ in graph.appends if hasattr(a.owner, "__dict__")}
+        graph.containers = [c for c in baked.containers if (id(c[0]), c[1]) not in appended]
+        graph.callables += baked.callables
+        graph.partials = python_state.partial_bindings(graph.callables)
+        # the Trainer's clipping settings, which Lightning passes to `configure_gradient_clipping` as
+        # numbers (a callback that changes `trainer.gradient_clip_val` mid-fit)
+        trainer_attributes = vars(self._trainer)
+        graph.scalars += [
+            (trainer_attributes, name, trainer_attributes.get(name))
+            for name in ("gradient_clip_val", "gradient_clip_algorithm")
+            if name in trainer_attributes
+        ]
+        # an attribute reached two ways (a loss object the module holds whose method the step calls):
+        # compared once
+        graph.scalars = python_state.unique_checks(graph.scalars)
+        self._serve_operands(graph, operands)
+        graph.tensors = [  # a carried attribute is rebound by design: handed to each replay instead
+            (owner, name, t)
+            for owner, name, t in python_state.unique_checks(graph.tensors)
+            if not any(owner is c.owner and name == c.name for c in graph.carried)
+        ]
+        graph.tensor_addresses = python_state.addresses(graph.tensors)
+        graph.hooks = StepHooks.of(module)
+        graph.numerics = numerics_settings.read()
+        graph.registered = self._flags.tensors()
+        graph.registered_tensors = tuple(t for _, t in graph.registered)
+        graph.data_ptrs = addresses(graph.registered_tensors)
+        graph.generation = self._flags.generation
+        if binding is not None:
+            binding.finish_capture()
+        if closes:
+            # what the graph's optimizer step bakes in and updates (an accumulating micro-batch's: nothing)
+            wrapped.mark_captured()
+            self._stepping_captures += 1
+        self._graph = graph
+        self.captures += 1
+        self._captures_here += 1
+        self._captured_roles.add(key[0][1].role)
+        self._warmed_up_again = False  # a later capture may warm up again once itself
+        if gate_capture:
+            self._gate.graphs["off"] = graph
+        else:
+            self.capture_step = int(self._trainer.global_step)
+            self._check_schedule.captured()  # the sampled check counts this capture's replays from 1
+            self._replays_since_capture = 0  # what the re-capture wait weighs against its cost
+            self._start_gate(graph)
+        self._captured = True
+        # the traces and their host copies are not needed any more: this role's (another accumulation
+        # role's warm-up goes on)
+        role = key[0][1].role
+        self._groups = {k: g for k, g in self._groups.items() if k[0][1].role != role}
+        # The capture recorded but did not run the step: this replay is the step's real update. Then
+        # the closure again, in replay mode, so Lightning keeps fresh outputs and the logs are issued.
+        graph.graph.replay()
+        for where, element in graph.appends:  # the capture appended graph tensors: now they hold values
+            current = where.current()
+            if current:
+                current[-1] = copied_element(element)
+        for carried in graph.carried:
+            carried.fresh_out()
+        if binding is not None:
+            binding.fresh_forward_caches()
+        self._live_log_values, frozen_log = self._python_log_sources(graph.log_calls)
+        self._mode = "replay"
+        self._reissued = set()
+        result = closure() if closure is not None else None
+        if self.verify == "capture":
+            self._finish_verify(eager_record)
+        if self.report and not gate_capture:
+            self._build_step_report()
+            rank_zero_info(self._report_text())
+        if self.captures == 1 and self._source.conditions and not self._source.opaque_conditions:
+            rank_zero_info(
+                "L2GraphCallback: steps whose branch (on the step counters or the module's attributes) differs "
+                "from the captured step's "
+                f"({[c.line for c in self._source.conditions]}) run eagerly."
+            )
+        if frozen_log is not None:
+            # this step's own log was right (the capture ran its Python); the next ones would not be
+            self._disable(frozen_log)
+        return result
+
+    def _no_work_beside_the_steps(self) -> None:
+        """Where the step draws from cuDNN's RNN dropout state (a buffer outside torch's generators,
+        advanced by every call), eager work beside the fit's own steps that does not put that buffer
+        back would move it on and change every later dropout mask. The sampled check saves and puts it
+        back (the capture records it among the tensors the step writes); the prefetch's dry run of the
+        forward and ``verify="capture"``'s eager step, both run before the capture has found the
+        buffer, are off."""
+        where = self._hidden_random
+        if where is None:
+            return
+        turned_off = []
+        if self.prefetch != "off" and not self._prefetch_failed:
+            self._prefetch_failed = True
+            turned_off.append("the prefetch (whose set-up runs the step's forward once)")
+        if self.verify == "capture":
+            self._verify_capture_off = True
+            turned_off.append(
+                "the capture's eager check (`verify='sampled'` checks the first replay, with that state saved)"
+            )
+        if turned_off:
+            self._warn_once(
+                "hidden-random",
+                f"the step draws dropout from cuDNN's RNN dropout state (at {where}), which lives outside "
+                f"torch's generators and moves on at every call: {' and '.join(turned_off)} "
+                f"{'is' if len(turned_off) == 1 else 'are'} off for this fit, so that it stays bitwise its "
+                "eager reference",
+            )
+
+    def _collect_before_capture(self) -> None:
+        """Give back what the eager steps left before the capture's pool is measured (on CUDA).
+
+        The eager steps' cuBLAS workspaces are dropped here, before the pool's reading, rather than only
+        at the capture's start (graph_capture drops them to give the graph its own, and
+        torch.cuda.graph then empties the cache): released after the reading, they were subtracted
+        from the pool's size, which read 64 MiB (the graph's two workspaces) short on the H200 whenever
+        no tuning had released them first.
+        """
+        clear_cublas_workspaces()
+        if self.captures == 0 and not self._collected_for_capture:
+            # The fit's first capture collects all generations: a dead autograd graph in a reference
+            # cycle (made before the fit, on another stream) keeps AccumulateGrad nodes bound to that
+            # stream, which would break the capture.
+            collecting = time.perf_counter()
+            free_cached_memory()
+            self._capture_once_s += time.perf_counter() - collecting
+            return
+        # The young generations only, where the full collection's work is done already. A full one
+        # took 0.31-0.33 s of a 0.34-0.37 s re-capture on the H200, whose capture itself took 0.02 s
+        # (benchmarks/results/h200/recapture_phases_before.json).
+        # - The fit's first capture, when this step's prefetch set-up collected all generations
+        #   before tuning: what ran since made no autograd graph on another stream (the chain
+        #   discovery's dry run is under no_grad, the tuner times throwaway copies of the layers, the
+        #   verify step runs on this capture's stream).
+        # - A capture after the fit's first: every step since the fit's start ran on this capture's
+        #   stream (_on_step_stream), so no AccumulateGrad node of a step's autograd graph is bound to
+        #   another, and the graph this one replaces died by reference count when _capture_graph_step
+        #   dropped it, its pool with it (tests/test_recapture_cost_cpu.py), before the cache release.
+        gc.collect(1)
+        torch.cuda.empty_cache()
+
+    def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:
+        module = self._module
+        # The capture allocates the gradients in the graph's pool. The eager step's gradients are
+        # dropped first, so that the cache release below gives their memory back to the driver
+        # before the pool asks for its own (otherwise the peak holds both), and so that the pool's
+        # size below is measured from what the capture itself reserves.
+        self._optimizer.optimizer.zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=True)
+        reserved = 0
+        if torch.cuda.is_available():
+            self._collect_before_capture()
+            reserved = torch.cuda.memory_reserved()
+        caught: list = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with graph_capture(graph.graph, stream=self._step_stream):
+                    self._phase_events.mark("start")
+                    run(closure, **kwargs)
+                    if graph.binding is not None:
+                        graph.binding.bring_home()
+                    self._phase_events.mark("end")
+        except Exception as exc:
+            if any(STALE_GRAPH_WARNING in str(w.message) for w in caught):
+                exc.add_note(STALE_GRAPH_HINT)
+            raise
+        finally:
+            for w in caught:  # the user's warning filters decide, as if nothing had recorded them
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        if torch.cuda.is_available():
+            graph.pool_mib = (torch.cuda.memory_reserved() - reserved) / (1 << 20)
+            self._pool_mib = self._pools_alive_mib(graph)
+
+    def _pools_alive_mib(self, graph: _Graph) -> float | None:
+        """The memory the pools of the graphs alive together reserved at their captures: `graph`'s, the
+        whole-step gate's other graph while its trial runs, and under gradient accumulation the other
+        roles' (l2lightning.graph.graph_slots); None where none was measured (off CUDA). The graph `graph`
+        replaces is gone by then."""
+        gate_graphs = self._gate.graphs.values() if self._gate is not None else ()
+        alive = {id(g): g for g in (graph, *gate_graphs, *self._slots.parked_graphs()) if g is not None}
+        sizes = [g.pool_mib for g in alive.values() if g.pool_mib is not None]
+        return sum(sizes) if sizes else None
+
+    def _undo_capture(self, saved: TrainingState, binding: MetricBinding | None, metrics: dict) -> None:
+        """A capture that did not complete leaves nothing: state, RNG (CUDA generator too), metrics, grads."""
+        module = self._module
+        saved.restore_rng()  # first: the CUDA generator may be unusable until it gets a fresh state
+        saved.restore(self._optimizer.optimizer if self._optimizer is not None else None)
+        if binding is not None:
+            binding.rebind()  # attributes back on the home tensors restored above
+            binding.restore_python_state(metrics)
+        module.zero_grad(set_to_none=True)
+        self._capture_logs = []
+        self._step_output = None
+        self._mode = "eager"
+
+    def _capture_failure_reason(self, exc: BaseException) -> str:
+        if isinstance(exc, CaptureRefused):
+            return f"the step could not be captured: {exc}"
+        where = user_frame_of_traceback(exc.__traceback__)
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        located = f" at {describe_frame(where)}" if where else ""
+        if STALE_GRAPH_HINT in getattr(exc, "__notes__", ()):
+            return f"the step could not be captured ({type(exc).__name__}: {first}): {STALE_GRAPH_HINT}"
+        return (
+            f"the step could not be captured ({type(exc).__name__}: {first}){located}; if that line syncs with the "
+            "host (`.item()`, `print(tensor)`, `if tensor:`), log the tensor with `self.log` or run such steps "
+            "eagerly with `eager_steps`"
+        )
+
+
+def _scheduler_states(trainer: Any) -> list[tuple[Any, dict]]:
+    """Each LR scheduler of the Trainer with a copy of its state (its counters and last LRs)."""
+    configs = getattr(trainer, "lr_scheduler_configs", None) or []
+    return [(c.scheduler, copy.deepcopy(c.scheduler.state_dict())) for c in configs]
+
+
+def _put_back_schedulers(saved: list[tuple[Any, dict]]) -> None:
+    for scheduler, state in saved:
+        scheduler.load_state_dict(copy.deepcopy(state))
+
+
+def _holds(frozen_value: Any, tensor_ids: set[int]) -> bool:
+    """Whether a :func:`l2lightning.guards.step_values.frozen` value holds one of the tensors `tensor_ids`."""
+    if isinstance(frozen_value, Same):
+        return id(frozen_value.obj) in tensor_ids
+    if isinstance(frozen_value, tuple):
+        return any(_holds(v, tensor_ids) for v in frozen_value)
+    return False
+
+
+class _PythonChangedInCapture(CaptureRefused):
+    """The captured step's own code changed Python state that a replay would not change."""
+
+
+class _Defer(Exception):
+    """training_step returned None at the capture step: capture at a later step."""

@@ -1,0 +1,494 @@
+"""What each optimizer step does: replay, capture (again), or run eagerly, and why.
+
+A mixin of :class:`l2lightning.callback.graph_callback.L2GraphCallback`: its methods use the callback's run state
+(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections import deque
+from typing import Any
+
+from l2lightning.graph.accumulation import accumulation_of
+from l2lightning.graph.capture import flatten_batch, read_signature
+from l2lightning.guards import numerics_settings, python_state
+from l2lightning.guards.compiled_calls import partial_arguments
+from l2lightning.guards.module_flags import ModuleFlags
+from l2lightning.guards.step_source import rebound_code
+from l2lightning.guards.step_trace import describe_frame
+from l2lightning.guards.step_values import (
+    MAX_FROZEN_BYTES,
+    MAX_FROZEN_ITEMS,
+    NUMPY_ARRAYS,
+    TooLarge,
+    addresses,
+    frozen_read,
+)
+
+# Module-level values python_state.baked_globals leaves out that step_values.frozen snapshots exactly
+_UNCOMPARED_CONTAINERS = (*NUMPY_ARRAYS, deque, set, frozenset)
+# Re-captures on consecutive steps after which a schedule is taken to change the graph every step.
+RECAPTURE_STREAK_LIMIT = 3
+# Steps on one other branch in a row after which that branch is captured in place of the current one
+BRANCH_SWITCH_STEPS = 3
+# How to keep a number a schedule moves at every step (a KL or loss-weight ramp, a cosine weight from
+# global_step) out of the graph's baked constants: the graph then reads it from memory, one capture
+PER_STEP_NUMBER_ADVICE = (
+    "to capture the step once, keep the number in a registered buffer that a hook fills before each "
+    "step (`self.register_buffer('w', torch.tensor(0.0))`; `self.w.fill_(schedule(self.global_step))` in "
+    "`on_train_batch_start`; `loss + self.w * aux` in the step): a replay reads it from memory, and one "
+    "capture serves the whole schedule"
+)
+# Why a replay is checked when it is one of the first with a new value in the graph's operand scalars,
+# and how many of a graph's changes are checked so (a number that moves at every step, a KL ramp from
+# global_step, is then left to the sampled check's schedule: the graph and the evaluation of its
+# numbers are the same at every later change)
+OPERAND_CHECK = "operand value changed"
+OPERAND_CHECKS = 3
+# The cause a waiting step counts under in summary()["fallback_causes"]
+WAIT_CAUSE = "waiting to capture again until the eager steps have cost what a capture costs"
+TOO_LATE_CAUSE = "too few steps left in the fit to pay for another capture"
+
+
+def last_paying_step(trainer: Any, cost_s: float, saved_per_step_s: float) -> float:
+    """The last optimizer step at which a capture costing `cost_s` still pays for itself before the fit
+    ends, each later step saving `saved_per_step_s`; infinity where the fit's length is not known.
+
+    The fit's length is Lightning's own estimate (``trainer.estimated_stepping_batches``: max_steps, or
+    the epochs' batches over the accumulation factor). A fit that stops sooner (``max_time``, early
+    stopping) can still end before a capture pays; one that runs to its end cannot."""
+    try:
+        total = float(trainer.estimated_stepping_batches)
+    except Exception:  # noqa: BLE001 -- no estimate (an unsized loader): the fit's end is not known
+        return math.inf
+    if not math.isfinite(total) or total <= 0:
+        return math.inf
+    return total - math.ceil(cost_s / saved_per_step_s)
+
+
+class StepDecision:
+    """What each optimizer step does: replay, capture (again), or run eagerly, and why."""
+
+    # The module-level NumPy arrays, deques and sets the step reads (``loss * WEIGHTS[0]``), as
+    # step_values.frozen snapshots taken as the step is captured, compared before each replay like
+    # python_state.baked_globals' containers (which holds lists, tuples and dicts only). Rebound, never
+    # changed in place, by _too_large_to_compare.
+    _module_values: list[tuple[dict, str, Any]] = []
+
+    def _decide(self) -> str:
+        """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture", "replay"."""
+        if self.disabled_reason or self._pending is None or self._optimizer is None:
+            return "eager"
+        if self._disable_next is not None:
+            self._disable(self._disable_next)
+            return "eager"
+        rebound = rebound_code(self._code_bindings)
+        if rebound:
+            # the branch tests, values and logs compared before each replay were read from the old code,
+            # and a replay would run it: this step and the rest of the fit run the new code eagerly
+            self._disable(
+                f"the code the step runs was rebound since the training start ({', '.join(rebound)}): its "
+                "source was read then, and a replay would run the captured code"
+            )
+            return "eager"
+        trainer, module = self._trainer, self._module
+        batch, batch_idx = self._pending
+        # Lightning's accumulation state: an accumulating micro-batch, and a closing one that adds to the
+        # gradients the earlier ones left, are graphs of their own (l2lightning.graph.accumulation), the factor
+        # in their key; _enter_role made this role's graph the current one (l2lightning.graph.graph_slots)
+        accumulation = accumulation_of(trainer, self._step_closure, module)
+        if isinstance(accumulation, str):
+            self._fall_back(accumulation)
+            return "eager"
+        if self.eager_steps is not None and self.eager_steps(trainer, batch_idx):
+            self._count_fallback("`eager_steps` asked for it")
+            return "eager"
+        tensors, spec = flatten_batch(batch)
+        self._pending_tensors = tensors  # a replay copies them into the static batch
+        # values in parts of the batch the step never reads (file names, ids) may change
+        key = (
+            (self._source.branch_key(module, batch_idx), accumulation),
+            read_signature(batch, tensors, spec, self._batch_reads),
+        )
+        self._pending_key = key
+        graph = self._graph
+        if graph is None:
+            decision = self._warmup_decision(key)
+            if decision == "capture" and self._slots.gate_elsewhere():
+                # captured once the trial has chosen whether the fit's graphs prefetch
+                self._fall_back(
+                    f"{accumulation.describe()}: waiting for the whole-step gate's trial on another graph"
+                )
+                return "eager"
+            if decision == "capture" and (problem := self._too_large_to_compare()):
+                self._disable(problem)
+                return "eager"
+            return decision
+        if key[0] != graph.key[0]:
+            # A branch that stays switched (clipping on from step 10, an auxiliary loss from epoch 1)
+            # gets a graph of its own after a few steps; a periodic one (a target sync every N
+            # steps) keeps running eagerly on its steps.
+            run = self._other_branch[1] + 1 if self._other_branch[0] == key[0] else 1
+            self._other_branch = (key[0], run)
+            if key[0][1] != graph.key[0][1]:
+                # an epoch's shorter last window, or a GradientAccumulationScheduler's new factor
+                if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
+                    self._other_branch = (None, 0)
+                    return self._recapture(
+                        f"gradient accumulation changed and stayed changed ({key[0][1].describe()})"
+                    )
+                self._fall_back(
+                    f"gradient accumulation ({key[0][1].describe()}) other than the captured graph's "
+                    f"({graph.key[0][1].describe()})"
+                )
+                return "eager"
+            if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
+                self._other_branch = (None, 0)
+                return self._recapture("the step's branch changed and stayed changed")
+            self._fall_back("the step takes another branch on the step counters than the captured one")
+            return "eager"
+        self._other_branch = (None, 0)
+        if key[1] != graph.static.signature:
+            self._fall_back(f"batch {batch_idx}: {graph.static.mismatch(batch)}")
+            return "eager"
+        for carried in graph.carried:
+            problem = carried.mismatch()
+            if problem:
+                self._fall_back(f"the carried state {problem}")
+                return "eager"
+        if self._recapture_next:
+            # before the rest of the checks: a waiting step (StepDecision._capture_not_paid_for) runs
+            # eagerly whatever they find, and the capture that ends the wait reads everything anew
+            cause, self._recapture_next = self._recapture_next, None
+            return self._recapture(cause)
+        flags = self._module_flags()
+        # an accumulating micro-batch's graph neither reads nor writes the optimizer's state
+        replaced = self._optimizer.state_replaced() if accumulation.closes else None
+        if replaced:
+            # the graph updates the old state tensors: this step makes the new state eagerly
+            self._recapture_next = f"{replaced} since capture"
+            self._fall_back(f"{replaced} since capture (captured again next step)")
+            return "eager"
+        if flags != graph.flags:
+            if flags[1] != graph.flags[1]:
+                # new trainable parameters need their optimizer state made eagerly, outside a graph
+                self._recapture_next = "parameters' `requires_grad` changed since capture"
+                self._fall_back(
+                    "parameters' `requires_grad` changed since capture (captured again next step)"
+                )
+                return "eager"
+            if flags[0] == graph.flags[0]:  # as many modules (one `training` each): their code differs
+                changed, replaced = self._flags.changed_code(graph.flags, flags)
+                if replaced:  # `self.act = nn.GELU()`, in the module's tree (`self.net[1] = ...` too)
+                    return self._recapture(
+                        f"the functions or submodules the step calls were replaced since capture "
+                        f"({_first_names(replaced)})"
+                    )
+                return self._recapture(
+                    f"the code of layers changed since capture (their class, their class's `forward` or a `forward` "
+                    f"assigned to the instance: {_first_names(changed)}; a replay runs the captured code)"
+                )
+            return self._recapture("modules' `train()`/`eval()` mode changed since capture")
+        changes = self._optimizer.baked_changes() if accumulation.closes else None
+        if changes:
+            return self._recapture(f"the optimizer's {', '.join(changes)} (baked into the graph)")
+        if graph.hooks is not None and graph.hooks.changed(module):
+            return self._recapture(
+                "hooks were registered on or removed from the module, its layers or its parameters since "
+                "capture (a replay runs the capture's hooks only)"
+            )
+        scalars = python_state.changed_scalars(graph.scalars)
+        if graph.containers:
+            scalars += python_state.changed_containers(graph.containers)
+        if self._module_values:
+            scalars += python_state.changed_containers(self._module_values)
+        if scalars:
+            return self._recapture(f"Python numbers the step reads changed ({', '.join(scalars)})")
+        now = addresses(graph.registered_tensors)
+        if now != graph.data_ptrs:
+            # `p.data = ...` or `module.half()` between steps: the graph's addresses are no longer the
+            # tensors' (and the old memory may already hold something else)
+            moved = [name for (name, _), a, b in zip(graph.registered, now, graph.data_ptrs) if a != b]
+            return self._recapture(
+                f"parameters' or buffers' data moved since capture ({', '.join(moved[:3])}"
+                f"{', ...' if len(moved) > 3 else ''}: `tensor.data = ...`, a dtype change)"
+            )
+        replaced = python_state.rebound(graph.callables)
+        if replaced:
+            return self._recapture(
+                f"the functions or submodules the step calls were replaced since capture ({', '.join(replaced)})"
+            )
+        if graph.partials:
+            bound = python_state.changed_partial_bindings(graph.partials)
+            if bound:
+                return self._recapture(
+                    f"the arguments `functools.partial` binds changed since capture ({', '.join(bound)})"
+                )
+        rebound = python_state.rebound(graph.tensors, module)
+        if self._flags.generation != graph.generation:
+            # something was registered since capture: a parameter or buffer may be a new tensor
+            rebound += self._flags.rebound(graph.registered)
+            if not rebound:
+                graph.generation = self._flags.generation
+        if rebound:
+            return self._recapture(
+                f"the module's tensors {_first_names(rebound)} are other objects than at capture (the graph reads "
+                "the old ones; update them in place, `self.w.mul_(0.9)`, to keep one graph)"
+            )
+        if graph.tensor_addresses and python_state.addresses(graph.tensors) != graph.tensor_addresses:
+            moved = python_state.moved(graph.tensors, graph.tensor_addresses)
+            return self._recapture(
+                f"the module's tensors {_first_names(moved)} hold other memory than at capture (`t.data = ...`, "
+                "`t.set_(...)`; the graph reads the old memory)"
+            )
+        # after the tensors' own check, whose message is the more specific for an attribute's tensor
+        counters = self._source.changed_counter_values(
+            graph.counters, module, batch_idx, graph.counters_served
+        )
+        if counters:
+            return self._recapture(
+                f"numbers the step computes from the step counters changed ({'; '.join(counters)})"
+            )
+        attributes = self._source.changed_attribute_values(graph.attributes, module, batch_idx)
+        if attributes:
+            return self._recapture(f"values the step reads changed ({'; '.join(attributes)})")
+        changed_hosts = [read for read in graph.host_reads if read.changed()]
+        if changed_hosts:
+            if graph.constants is not None:
+                graph.constants.take_changed_sources()  # the next capture substitutes the new values
+            where = sorted({describe_frame(read.frame) for read in changed_hosts})
+            return self._recapture(
+                f"host tensors the step reads changed in place since capture (read at {', '.join(where[:3])}"
+                f"{', ...' if len(where) > 3 else ''}; the graph holds the values it read then)"
+            )
+        numerics = numerics_settings.read()
+        if numerics != graph.numerics:
+            changed = "; ".join(numerics_settings.changes(graph.numerics, numerics))
+            return self._recapture(
+                f"torch's numerics settings changed since capture ({changed}; the graph holds the kernels "
+                "its capture chose)"
+            )
+        fresh = False  # one of the first replays with a new value in the operand scalars
+        if graph.operands is not None:
+            written = graph.operands.update(module, batch_idx)
+            if written is None:
+                return self._recapture(
+                    "a number the graph reads from a device scalar is no longer a Python int or float "
+                    f"(one of {', '.join(self._operand_lines)})"
+                )
+            if written:
+                self._operand_changes += 1
+                fresh = graph.operands.changes <= OPERAND_CHECKS
+        self._recapture_streak = 0
+        self._replays_since_capture += 1
+        if self._check_on:
+            started = self._fit_started_at
+            elapsed = time.perf_counter() - started if started is not None else float("inf")
+            why = self._check_schedule.due(self.replay_check.seconds, elapsed)
+            self.replay_check.deferred = self._slots.deferred(self)
+            if fresh:
+                # the eager step from the same state judges the new value (one check for it and any
+                # check the schedule had due: its count of replays moves on as at any replay)
+                why = OPERAND_CHECK
+            if why is not None:
+                self._check_why = why
+                return "check"  # a gate trial under way takes its next turn at the next replay
+        gate = self._gate
+        if gate is not None:
+            if gate.needs_off_graph:
+                self._gate_capturing = True
+                return "capture"
+            if gate.complete:
+                self._finish_gate()
+            else:
+                self._gate_turn = gate.next_variant()
+                try:
+                    self._graph = gate.graph_for(self._gate_turn)
+                except RuntimeError as exc:  # the driver refused to switch a prefetch node
+                    self._graph = gate.graphs["prefetch"]
+                    self._abandon_gate(f"the prefetch kernel nodes could not be switched ({exc})")
+        return "replay"
+
+    def _recapture(self, cause: str) -> str:
+        too_late = self._too_late_to_capture()  # asked first: the wait's bookkeeping below moves on
+        if self._capture_not_paid_for(cause):
+            # The graph is stale and stays unused (the cause is kept, so it never replays again):
+            # these steps run eagerly, as a plain step does, until they have cost what a capture costs.
+            self._recapture_next = cause
+            self._waited_steps += 1
+            self._count_fallback(TOO_LATE_CAUSE if too_late else WAIT_CAUSE)
+            return "eager"
+        problem = self._too_large_to_compare()
+        if problem:  # a value the step reads grew past what a comparison before each replay holds
+            self._disable(problem)
+            return "eager"
+        self._recapture_streak += 1
+        if self._recapture_streak >= RECAPTURE_STREAK_LIMIT:
+            per_step = cause.startswith("numbers the step computes from the step counters")
+            self._disable(
+                f"{cause}, on {self._recapture_streak} steps in a row: every step would need a new capture"
+                + (f"; {PER_STEP_NUMBER_ADVICE}" if per_step else "")
+            )
+            return "eager"
+        self._warn_once(f"recapture:{cause.split(' ')[0]}", f"capturing the step again: {cause}.")
+        return "capture"
+
+    def _capture_not_paid_for(self, cause: str) -> bool:
+        """Whether this step runs eagerly instead of capturing again (warned once per fit), or False to capture now.
+
+        A capture costs the fit its wall time; each replay saves the eager step's time less the
+        replay's. A value that changes every few steps (a loss weight an epoch hook sets over short
+        epochs) captured again at each change makes the fit slower than plain (the ``epoch_weighted_aux``
+        idiom: 0.32x on the H200, ``benchmarks/results/h200/idioms_sgd_gradnorm_recapture.csv``). So,
+        as one rents skis until the rent paid equals the price: after a change the steps run eagerly
+        until what they cost over replays (the measured eager step less the measured replay, per
+        step) adds up to what the last capture took (of the fit's first capture, what a later one
+        repeats: StepDispatch._eager_modes leaves out its full garbage collection), and only then is
+        the step captured again. A value that changes sooner costs no capture; one that stays costs
+        at most one capture's time more than capturing at once. Only where both step times are
+        measured on the device (CUDA events of warm-up steps and replays): without them the step is
+        captured again at once. And not at all once the fit's steps left (Lightning's estimate of its
+        length, :func:`last_paying_step`) are too few for the replays to save what the capture costs:
+        a capture near the fit's end made it slower than plain (the ``aux_loss_flag`` and
+        ``rebound_loss_weight`` idioms, captured again at steps 59 and 55 of 60: 0.86x and 0.94x on an
+        H100, ``benchmarks/results/h100/idioms.csv``).
+        """
+        if not self.recapture_wait or self._captures_here == 0:
+            return False
+        if self._rented_s > 0.0:
+            # A step of a wait under way: its saving per step was fixed at the wait's start (the
+            # step times it reads do not change while no graph replays), so a waiting step does
+            # no more than a plain step's bookkeeping (benchmarks/recapture_phases.py).
+            if self._rented_s >= self._rent_target_s:
+                if self._too_late_to_capture():
+                    self._warn_too_late_to_capture()
+                    return True  # the rest of the fit runs eagerly: no capture it could pay back
+                self._rented_s = 0.0
+                return False
+            self._rented_s += self._rent_per_step_s
+            return True
+        if self._device_type() not in self._RENTAL_DEVICES:
+            return False
+        cost = self._last_capture_cost_s
+        eager_ms, graph_ms = self._timing.eager_ms(), self._timing.graph_ms()
+        if cost is None or eager_ms is None or graph_ms is None:
+            return False
+        saved_per_step = (eager_ms - graph_ms) / 1000.0
+        if saved_per_step <= 0:
+            return False  # no graph has shown a gain here: capturing at once changes nothing to the cost
+        # the start of a wait: did the stale graph pay for its capture? Each one that did not
+        # doubles the next wait, so captures that do not pay grow rarer and rarer
+        paid = self._replays_since_capture * saved_per_step >= cost
+        self._rental_factor = 1 if paid else self._rental_factor * 2
+        target = cost * self._rental_factor
+        if target <= 0.0:
+            return False
+        self._rent_target_s, self._rent_per_step_s = target, saved_per_step
+        self._rented_s = saved_per_step
+        # Under manual optimization Lightning's estimate counts batches where global_step counts each
+        # optimizer step (two a batch for a GAN): no common unit, so no bound there
+        self._last_paying_step = (
+            last_paying_step(self._trainer, cost, saved_per_step) if self._manual is None else math.inf
+        )
+        if "recapture-wait" in self._warned:
+            return True
+        self._warn_once(
+            "recapture-wait",
+            f"the step will be captured again ({cause}) once the eager steps since have cost about what a "
+            f"capture costs ({target:.3f} s, at {saved_per_step * 1000:.2f} ms per step: about "
+            f"{max(1, round(target / saved_per_step))} steps, twice as many after each graph that did not pay "
+            "for its capture); until then it runs eagerly, so that a value that changes every few steps costs no "
+            "capture each time (counted in `summary()['fallback_steps']` and `['recapture_wait_steps']`)",
+        )
+        return True
+
+    def _too_late_to_capture(self) -> bool:
+        """Whether a wait under way is over and the fit's steps left are too few to pay for the capture."""
+        return (
+            self._rented_s > 0.0
+            and self._rented_s >= self._rent_target_s
+            and self._trainer.global_step > self._last_paying_step
+        )
+
+    def _warn_too_late_to_capture(self) -> None:
+        self._warn_once(
+            "recapture-too-late",
+            f"not capturing the step again: the fit's optimizer steps after step {self._last_paying_step} "
+            f"are too few to pay for a capture ({self._last_capture_cost_s:.3f} s at "
+            f"{self._rent_per_step_s * 1000:.2f} ms saved per step, by `trainer.estimated_stepping_batches`); "
+            "the rest of the fit runs eagerly, as plain Lightning's does",
+        )
+
+    def _too_large_to_compare(self) -> str | None:
+        """A refusal, naming it, where a value the step reads is made of numbers a graph may bake in but
+        is too large to compare before each replay (:class:`l2lightning.guards.step_values.TooLarge`): a replay
+        runs no Python, so a hook that changed it (`self.class_weights = ...`, an array written in
+        place) would go unseen. Asked before each capture: of the values read through ``self`` and
+        module-level chains (``StepSource.attribute_values``), the module-level names the step reads
+        (``StepSource.global_reads``), and the arguments the ``functools.partial`` it calls bind."""
+        module, source = self._module, self._source
+        batch_idx = self._pending[1] if self._pending is not None else 0
+        found = []
+        for value in source.attribute_values:
+            now = value.value(module, batch_idx)
+            if isinstance(now, TooLarge):
+                found.append(f"{now.what} at {value.line}")
+        callables, module_values = [], []
+        for namespace, names in source.global_reads.values():
+            for name in sorted(names):
+                if name.startswith("__") or name not in namespace:
+                    continue
+                held = namespace[name]
+                now = frozen_read(held, tensors=True)
+                if isinstance(now, TooLarge):
+                    found.append(f"{now.what} in the module-level `{name}`")
+                elif isinstance(held, _UNCOMPARED_CONTAINERS) and now is not None:
+                    module_values.append((namespace, name, now))
+                elif isinstance(held, functools.partial):
+                    callables.append((name, held))
+        self._module_values = module_values
+        callables += [
+            (name, held)
+            for _, name, held in python_state.baked_callables(module, source.reads, None, self._installed)
+            if isinstance(held, functools.partial)
+        ]
+        for name, held in callables:
+            now = frozen_read(partial_arguments(held), tensors=True)
+            if isinstance(now, TooLarge):
+                found.append(f"{now.what} bound by the `functools.partial` `{name}`")
+        if not found:
+            return None
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        return (
+            f"the step reads {found[0]}{more}, too large to compare before each replay (at most "
+            f"{MAX_FROZEN_ITEMS} numbers, or a NumPy array of {MAX_FROZEN_BYTES // 1024} KiB, are): a replay "
+            "runs no Python, so a change to it would go unseen; keep it in a tensor buffer "
+            "(`self.register_buffer(...)`, updated in place), which the graph reads from memory"
+        )
+
+    def _module_flags(self) -> tuple:
+        if self._flags is None:
+            self._flags = ModuleFlags(self._module)
+        return self._flags.read()
+
+    def _count_fallback(self, cause: str) -> None:
+        self.fallback_steps += 1
+        self._fallback_causes.add(cause)
+
+    def _fall_back(self, cause: str) -> None:
+        """This one step runs eagerly; the graph stays for later steps."""
+        kind = cause.split(":", 1)[-1].strip()
+        self._count_fallback(kind)
+        self._warn_once(
+            f"fallback:{kind}", f"running this step eagerly ({cause}); the graph is kept for later steps."
+        )
+
+
+def _first_names(names: list[str], shown: int = 6) -> str:
+    """The first `shown` of `names`, and how many there are in all when that is more."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])}, ... ({len(names)} in all)"

@@ -1,0 +1,440 @@
+"""L2GraphCallback without CUDA: it warns once, trains eagerly and identically, validates its arguments."""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torchmetrics
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from l2lightning import L2GraphCallback, PrefetchPlan
+from l2lightning.callback import fit_report
+from l2lightning.callback.warmup_steps import metric_update_reason
+from l2lightning.graph.optim import baked_schedule_advice
+from l2lightning.guards.metric_binding import (
+    sync_free_nan_check,
+    unreplayable_reason,
+    update_counts,
+    updated_between,
+)
+from tests.lightning_models import TinyMLP, quiet_trainer, regression_loader
+
+
+def fit(callbacks, steps: int = 6, model=None, **trainer_kwargs):
+    seed_everything(0)
+    model = TinyMLP() if model is None else model
+    trainer = quiet_trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, **trainer_kwargs)
+    trainer.fit(model, regression_loader())
+    return model, trainer
+
+
+def test_cpu_fit_with_callback_equals_fit_without():
+    plain, _ = fit([])
+    cb = L2GraphCallback()
+    with pytest.warns(UserWarning, match="L2GraphCallback: no CUDA"):
+        with_cb, trainer = fit([cb])
+    assert trainer.global_step == 6
+    for a, b in zip(plain.parameters(), with_cb.parameters()):
+        assert torch.equal(a, b)
+    summary = cb.summary()
+    assert summary["captured"] is False and "no CUDA" in summary["reason"]
+    assert all("training_step" not in vars(with_cb) for _ in [0])  # overrides were never installed
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"warmup_steps": 0}, "`warmup_steps` must be an int >= 1"),
+        ({"warmup_steps": True}, "`warmup_steps` must be an int >= 1"),
+        ({"prefetch": "fast"}, r"`prefetch` must be one of \('off', 'default', 'auto', 'decoy'\)"),
+        ({"verify": "yes"}, r"`verify` must be one of \('sampled', 'capture', False\)"),
+        ({"compile": 1}, "`compile` must be a bool"),
+        ({"eager_optimizer_fallback": None}, "`eager_optimizer_fallback` must be a bool"),
+        ({"operand_scalars": "yes"}, r"`operand_scalars` must be a bool \(True or False\), got 'yes'"),
+        (
+            {"eager_steps": 10},
+            r"`eager_steps` must be None or a callable \(trainer, batch_idx\) -> bool, got 10",
+        ),
+    ],
+)
+def test_bad_arguments_are_rejected_naming_them(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        L2GraphCallback(**kwargs)
+
+
+def test_plan_object_is_accepted():
+    assert L2GraphCallback(prefetch=PrefetchPlan(blocks=4)).prefetch.blocks == 4
+
+
+def test_state_dict_round_trip():
+    cb = L2GraphCallback()
+    cb.capture_step = 7
+    cb.plans = [{"layer": "net.0.1", "mib": 1.0, "forward": "hint8", "backward": None}]
+    other = L2GraphCallback()
+    other.load_state_dict(cb.state_dict())
+    assert other.state_dict() == cb.state_dict()
+
+
+def test_manual_optimization_without_cuda_trains_eagerly_with_a_warning_naming_why():
+    """Lightning's basic-GAN tutorial style: the fit plain Lightning runs, the callback runs too (eagerly,
+    here for want of CUDA; the capture itself: tests/test_manual_optimization_cpu.py)."""
+
+    from tests.test_manual_optimization_cpu import ManualMLP  # zero_grad, manual_backward, step; returns None
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = ManualMLP()
+        trainer = quiet_trainer(accelerator="cpu", max_steps=3, callbacks=callbacks)
+        trainer.fit(model, regression_loader())
+        return model, trainer
+
+    graph = L2GraphCallback()
+    with pytest.warns(UserWarning, match=r"no CUDA"):
+        model, trainer = run([graph])
+    plain, _ = run([])
+    assert trainer.global_step == 3
+    assert graph.summary()["captured"] is False and "no CUDA" in graph.summary()["reason"]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_unsupported_strategy_is_named():
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class FSDPStrategy(SingleDeviceStrategy):  # stands in for the real FSDP class name
+        pass
+
+    trainer = Trainer(
+        strategy=FSDPStrategy(device=torch.device("cpu")),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[L2GraphCallback()],
+    )
+    with pytest.raises(ValueError, match="does not support the FSDPStrategy.*FSDP, DeepSpeed"):
+        trainer.fit(TinyMLP(), regression_loader())
+
+
+class DestroyGlooGroupAtExit(Callback):
+    """Destroys the gloo process group at each worker's exit, while the interpreter is still alive.
+
+    Lightning registers that for NCCL only. Left to interpreter finalization, gloo's worker threads
+    sometimes abort the process ("terminate called without an active exception", SIGABRT) after a
+    fit that finished, with or without L2GraphCallback; CI saw it once in a plain ddp_spawn fit.
+    """
+
+    def setup(self, trainer, pl_module, stage):
+        atexit.register(_destroy_dist_connection)
+
+
+def test_ddp_on_cpu_gloo_falls_back_and_trains_like_plain_ddp():
+    plain, _ = fit([DestroyGlooGroupAtExit()], steps=4, strategy="ddp_spawn", devices=2)
+    cb = L2GraphCallback()
+    with_cb, _ = fit([cb, DestroyGlooGroupAtExit()], steps=4, strategy="ddp_spawn", devices=2)
+    for a, b in zip(plain.parameters(), with_cb.parameters()):
+        assert torch.equal(a, b)
+    assert not torch.equal(next(plain.parameters()), next(TinyMLP().parameters()))  # it did train
+
+
+def test_summary_does_not_claim_a_capture_restored_from_a_checkpoint():
+    cb = L2GraphCallback()
+    cb.load_state_dict({"capture_step": 12, "plans": []})
+    with pytest.warns(UserWarning, match="no CUDA"):
+        fit([cb], steps=2)
+    assert cb.summary()["captured"] is False and cb.summary()["capture_step"] == 12
+
+
+# ---------------------------------------------------------------- torchmetrics inside training_step
+
+
+class MetricInStep(TinyMLP):
+    """Updates a torchmetrics object inside training_step (captured with the step)."""
+
+    def __init__(self, call: str = "update"):
+        super().__init__()
+        self.train_mean = torchmetrics.MeanMetric()
+        self.call = call
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.call == "update":
+            self.train_mean.update(loss.detach())
+        else:
+            self.train_mean(loss.detach())  # forward() updates the state too
+        return loss
+
+
+def _counted_training_step(model):
+    """Update counts around training_step only, as the callback takes them."""
+    model.log = lambda *a, **k: None  # no Trainer attached
+    before = update_counts(model)
+    model.training_step(next(iter(regression_loader())), 0)
+    return updated_between(before, update_counts(model))
+
+
+@pytest.mark.parametrize("call", ["update", "forward"])
+def test_metric_updated_in_training_step_is_detected_by_name(call):
+    model = MetricInStep(call)
+    assert update_counts(model) == {"train_mean": 0}
+    assert _counted_training_step(model) == ["train_mean"]
+    assert unreplayable_reason("train_mean", model.train_mean) is None  # a sum-reduced tensor state
+    reason = metric_update_reason(["train_cat"], "it keeps a list")
+    assert "['train_cat']" in reason and "on_train_batch_end" in reason
+
+
+def test_list_and_mean_reduced_metric_states_are_named_as_unreplayable():
+    cat = torchmetrics.CatMetric()
+    assert "`preds` (CatMetric) keeps a list state `value`" in unreplayable_reason("preds", cat)
+
+    class MeanReduced(torchmetrics.Metric):
+        def __init__(self):
+            super().__init__()
+            self.add_state("m", default=torch.tensor(0.0), dist_reduce_fx="mean")
+
+        def update(self, x):
+            self.m += x
+
+        def compute(self):
+            return self.m
+
+    assert "reduces its state `m` with dim_zero_mean" in unreplayable_reason("m", MeanReduced())
+
+
+def test_metric_detection_names_nested_metrics_and_ignores_modules_without_any(monkeypatch):
+    model = TinyMLP()
+    assert update_counts(model) == {}
+    model.metrics = torch.nn.ModuleDict({"acc": torchmetrics.MeanMetric()})
+    before = update_counts(model)
+    model.metrics["acc"].update(torch.tensor(1.0))
+    assert updated_between(before, update_counts(model)) == ["metrics.acc"]
+    # torchmetrics never imported: nothing can be a metric, and nothing is imported to find out
+    monkeypatch.delitem(sys.modules, "torchmetrics")
+    assert update_counts(model) == {}
+
+
+@pytest.mark.parametrize("strategy", ["warn", "ignore", 0.5])
+def test_sync_free_nan_check_matches_the_eager_mean_without_nan_and_ignores_nan(strategy):
+    eager, patched = (
+        torchmetrics.MeanMetric(nan_strategy=strategy),
+        torchmetrics.MeanMetric(nan_strategy=strategy),
+    )
+    patched._cast_and_nan_check_input = sync_free_nan_check(patched)
+    x = torch.randn(37)
+    eager.update(x)
+    patched.update(x)
+    assert torch.equal(eager.compute(), patched.compute())
+    with_nan = torch.tensor([1.0, float("nan"), 3.0])
+    expected = 2.0 if strategy != 0.5 else 1.5
+    patched.reset()
+    patched.update(with_nan)
+    assert float(patched.compute()) == pytest.approx(expected)
+
+
+class _DoneEvent:
+    """Stands in for a torch.cuda.Event on a machine without CUDA."""
+
+    def __init__(self, ms: float = 1.0, done: bool = True):
+        self.ms, self.done = ms, done
+
+    def record(self):
+        return None
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        return end.ms
+
+
+# ---------------------------------------------------------------- l2/* metrics to the loggers
+
+
+class _RecordingLogger:
+    def __init__(self):
+        self.rows = []
+
+    def log_metrics(self, metrics, step):
+        self.rows.append((step, dict(metrics)))
+
+
+def _logging_state(replays: int, last_done: bool = True, rank_zero: bool = True):
+    """A callback as it stands after a capture with `replays` timed replays, and a Trainer stand-in."""
+    cb = L2GraphCallback()
+    cb._module = TinyMLP()
+    cb._graph = object()
+    cb._captured = True
+    cb.capture_step = 3
+    cb._pool_mib = 12.5
+    cb.plans = [
+        {"layer": "net.0.1", "mib": 1.5, "forward": "hint8", "backward": None},
+        {"layer": "net.1.1", "mib": 2.0, "forward": None, "backward": None},
+    ]
+    cb._timing.eager.extend([(_DoneEvent(), _DoneEvent(9.0)), (_DoneEvent(), _DoneEvent(4.0))])
+    cb._timing.graph.extend((_DoneEvent(), _DoneEvent(2.0)) for _ in range(replays))
+    cb._timing.graph_count = replays
+    if replays:
+        cb._timing.graph[-1][1].done = last_done
+    logger = _RecordingLogger()
+    epoch_loop = SimpleNamespace(_batches_that_stepped=replays + 3)
+    trainer = SimpleNamespace(
+        loggers=[logger],
+        is_global_zero=rank_zero,
+        global_step=replays + 4,
+        fit_loop=SimpleNamespace(epoch_loop=epoch_loop),
+    )
+    return cb, trainer, logger
+
+
+def _batch_end(cb, trainer):
+    cb.on_train_batch_end(trainer, cb._module, None, None, 0)
+
+
+def test_l2_metrics_are_logged_once_at_the_first_batch_end_after_timed_replays():
+    n = fit_report.TIMED_REPLAYS_BEFORE_LOG
+    cb, trainer, logger = _logging_state(replays=n - 1)
+    _batch_end(cb, trainer)
+    assert logger.rows == []  # not known yet
+    cb._timing.graph.append((_DoneEvent(), _DoneEvent(2.0)))
+    cb._timing.graph_count += 1
+    trainer.fit_loop.epoch_loop._batches_that_stepped += 1
+    trainer.global_step += 1  # in on_train_batch_end, one ahead of the step Lightning logs at
+    _batch_end(cb, trainer)
+    assert len(logger.rows) == 1
+    step, metrics = logger.rows[0]
+    assert step == n + 3 and trainer.global_step == n + 4  # Lightning's step for this batch's metrics
+    assert metrics == {
+        "l2/eager_step_ms": 6.5,  # the median of the timed eager steps
+        "l2/graph_step_ms": 2.0,
+        "l2/replay_speedup": 3.25,
+        "l2/graph_pool_mib": 12.5,
+        "l2/tuning_s": 0.0,  # this state was set up by hand: no tuning, capture or compile ran
+        "l2/capture_s": 0.0,
+        "l2/compile_s": 0.0,
+        "l2/recapture_s": 0.0,
+        "l2/prefetch_layers": 1.0,
+        "l2/prefetch_mib": 1.5,
+        "l2/fallback_steps": 0.0,
+    }
+    assert all(type(v) is float for v in metrics.values())
+    _batch_end(cb, trainer)
+    _batch_end(cb, trainer)
+    assert len(logger.rows) == 1  # once per fit
+
+
+def test_l2_metrics_wait_for_the_replays_to_finish_without_syncing():
+    cb, trainer, logger = _logging_state(replays=fit_report.TIMED_REPLAYS_BEFORE_LOG, last_done=False)
+    _batch_end(cb, trainer)
+    assert logger.rows == []
+    cb._timing.graph[-1][1].done = True
+    _batch_end(cb, trainer)
+    assert len(logger.rows) == 1
+
+
+def test_l2_metrics_are_logged_once_enough_replays_completed_though_the_host_runs_ahead():
+    """A host that does not wait for the device finds the latest replay pending at every batch end;
+    the metrics go out once the first replays are done, over the done ones."""
+    n = fit_report.TIMED_REPLAYS_BEFORE_LOG
+    cb, trainer, logger = _logging_state(replays=n + 3)
+    for _, end in list(cb._timing.graph)[n - 1 :]:
+        end.done = False  # the device is 4 replays behind
+    _batch_end(cb, trainer)
+    assert logger.rows == []
+    cb._timing.graph[n - 1][1].done = True
+    cb._timing.graph[n - 1][1].ms = 4.0  # the median over the n done: of [2.0] * (n - 1) + [4.0]
+    _batch_end(cb, trainer)
+    assert len(logger.rows) == 1 and logger.rows[0][1]["l2/graph_step_ms"] == 2.0
+
+
+@pytest.mark.parametrize("case", ["not rank zero", "log_timing off", "no graph"])
+def test_l2_metrics_are_not_logged_early_off_rank_zero_without_opt_in_or_graph(case):
+    cb, trainer, logger = _logging_state(
+        replays=fit_report.TIMED_REPLAYS_BEFORE_LOG + 2, rank_zero=case != "not rank zero"
+    )
+    if case == "log_timing off":
+        cb.log_timing = False
+    if case == "no graph":
+        cb._graph = None
+    _batch_end(cb, trainer)
+    assert logger.rows == []
+
+
+def test_l2_metrics_are_logged_again_at_epoch_end(monkeypatch):
+    cb, trainer, logger = _logging_state(replays=fit_report.TIMED_REPLAYS_BEFORE_LOG)
+    _batch_end(cb, trainer)
+    cb._timing.graph.append((_DoneEvent(), _DoneEvent(1.0)))
+    cb._timing.graph_count += 1
+    cb.fallback_steps = 1
+    trainer.fit_loop.epoch_loop._batches_that_stepped += 1
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    cb.on_train_epoch_end(trainer, cb._module)
+    assert len(logger.rows) == 2
+    step, metrics = logger.rows[1]
+    assert step == fit_report.TIMED_REPLAYS_BEFORE_LOG + 4
+    assert metrics["l2/fallback_steps"] == 1.0 and metrics["l2/graph_step_ms"] == 2.0
+    assert set(metrics) == set(logger.rows[0][1])  # one consistent set of keys
+
+
+def test_autotune_argument_is_checked_up_front_and_reaches_the_tuner(monkeypatch):
+    from l2lightning.prefetch import hooks as prefetch_hooks
+
+    with pytest.raises(ValueError, match=r"`autotune` has unknown settings \['budget'\]"):
+        L2GraphCallback(autotune={"budget": 1.0})
+    with pytest.raises(TypeError, match="`autotune` must be None, an l2lightning.Autotuner"):
+        L2GraphCallback(autotune=3)
+    seen = {}
+
+    class Hooks:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(prefetch_hooks, "PrefetchHooks", Hooks)
+    monkeypatch.setattr("l2lightning.callback.prefetch_setup.prefetch_unavailable_reason", lambda: None)
+    cb = L2GraphCallback(autotune={"budget_s": 0.2, "cache": None})
+    cb._static_for_prefetch = type("S", (), {"batch": None})()
+    cb._originals = {"training_step": None, "log": None}
+    cb._prefetch_hooks(torch.nn.Linear(1, 1))
+    assert seen["autotune"] == {"budget_s": 0.2, "cache": None} and seen["plans"] == "auto"
+
+
+@pytest.mark.parametrize(
+    "changed, advice",
+    [
+        (
+            ["lr"],
+            "Use Adam or AdamW (their learning rate is read from a tensor) or step the schedule per epoch",
+        ),
+        (
+            ["lr", "momentum"],
+            "Use Adam or AdamW (their learning rate is read from a tensor), pass `cycle_momentum=False` to "
+            "OneCycleLR or CyclicLR (it cycles the momentum by default), or step the schedule per epoch",
+        ),
+        (
+            ["betas"],
+            "Pass `cycle_momentum=False` to OneCycleLR or CyclicLR (it cycles the momentum by default) or step "
+            "the schedule per epoch",
+        ),
+        (["weight_decay"], "Step the schedule per epoch"),
+    ],
+)
+def test_a_per_step_schedule_of_baked_hyperparameters_gets_advice_for_what_it_changes(changed, advice):
+    assert baked_schedule_advice(changed) == advice
+
+
+def test_traced_steps_watch_the_submodules_the_user_compiled_and_those_compile_true_compiled():
+    cb = L2GraphCallback()
+    module = TinyMLP(width=8, depth=2)
+    assert cb._compiled_submodules() == []  # before the fit: no module
+    cb._module = module
+    module.net[0] = torch.compile(module.net[0], backend="eager")
+    module.net[1].compile(backend="eager")  # compiled in place
+    cb._compiled_children = [module.head]
+    assert [(name, type(sub).__name__) for name, sub in cb._compiled_submodules()] == [
+        ("net.0", "OptimizedModule"),
+        ("net.1", "Sequential"),
+        ("head", "Linear"),
+    ]
