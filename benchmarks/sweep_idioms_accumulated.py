@@ -60,7 +60,7 @@ def main() -> int:
     for name in names:
         idiom = idiom_modules.IDIOMS.get(name) or idiom_variants.IDIOM_VARIANTS[name]
         if idiom.trainer_kwargs.get("accumulate_grad_batches", 1) != 1:
-            continue  # accumulates already (tests/test_accumulation_cpu.py)
+            continue  # accumulates already (tests/graph/test_accumulation_cpu.py)
         accumulated = dataclasses.replace(
             idiom, trainer_kwargs={**idiom.trainer_kwargs, "accumulate_grad_batches": args.factor}
         )

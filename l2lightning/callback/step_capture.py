@@ -605,7 +605,7 @@ class StepCapture:
         # - A capture after the fit's first: every step since the fit's start ran on this capture's
         #   stream (_on_step_stream), so no AccumulateGrad node of a step's autograd graph is bound to
         #   another, and the graph this one replaces died by reference count when _capture_graph_step
-        #   dropped it, its pool with it (tests/test_recapture_cost_cpu.py), before the cache release.
+        #   dropped it, its pool with it (tests/callback/test_recapture_cost_cpu.py), before the cache release.
         gc.collect(1)
         torch.cuda.empty_cache()
 

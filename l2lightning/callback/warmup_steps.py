@@ -546,7 +546,7 @@ def momentum_cycled_every_step(trainer: Any) -> str | None:
     """A refusal before the first warm-up step where a scheduler Lightning steps after every optimizer
     step cycles a hyperparameter the graph bakes: OneCycleLR and CyclicLR with ``cycle_momentum=True``
     (their default) write Adam's beta1 or SGD's momentum at every step, and the capturable and fused
-    optimizers read those as host numbers (``tests/test_optim.py``). The warm-up finds the same after
+    optimizers read those as host numbers (``tests/graph/test_optim.py``). The warm-up finds the same after
     three traced steps (WarmupSteps._baked_every_step); known here, the fit runs plain from its first
     step instead of paying for those traces (``adamw_onecycle_momentum`` on an H100: its warm-up steps
     took 24 ms each against a plain step's 2.6-4.5 ms, ``benchmarks/results/h100/idioms.json``)."""

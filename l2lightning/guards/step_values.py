@@ -76,7 +76,7 @@ _PLAIN = (int, float, bool, str, type(None), tuple, *NUMPY_SCALARS)
 # The most numbers (and strings, tensors, arrays) a value the step reads (a list, tuple, deque, set or
 # dict, nested ones too, each counting as one more) may hold to be compared before each replay. A flat
 # container of floats, or of ints (of strings), is compared in C: 1000 floats cost about 20 us per
-# replay, what 63 cost one by one before (tests/test_step_values_frozen_cpu.py compares them). One of
+# replay, what 63 cost one by one before (tests/guards/test_step_values_frozen_cpu.py compares them). One of
 # mixed types, tensors (by identity) or arrays is compared element by element, about 0.3 us each: each
 # counts as SLOW_ITEM_COST, so at most 256 of those, about 80 us.
 MAX_FROZEN_ITEMS = 1024

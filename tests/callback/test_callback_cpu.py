@@ -82,9 +82,11 @@ def test_state_dict_round_trip():
 
 def test_manual_optimization_without_cuda_trains_eagerly_with_a_warning_naming_why():
     """Lightning's basic-GAN tutorial style: the fit plain Lightning runs, the callback runs too (eagerly,
-    here for want of CUDA; the capture itself: tests/test_manual_optimization_cpu.py)."""
+    here for want of CUDA; the capture itself: tests/graph/test_manual_optimization_cpu.py)."""
 
-    from tests.test_manual_optimization_cpu import ManualMLP  # zero_grad, manual_backward, step; returns None
+    from tests.graph.test_manual_optimization_cpu import (
+        ManualMLP,  # zero_grad, manual_backward, step; returns None
+    )
 
     def run(callbacks):
         torch.manual_seed(0)

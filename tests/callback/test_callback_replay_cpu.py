@@ -50,6 +50,7 @@ from tests.between_step_models import (
     SetsTheConfigEachEpoch,
     SetsTheLoggedNumbersEachEpoch,
 )
+from tests.callback.test_callback_replay_step_python_cpu import MetricsInStep
 from tests.lightning_models import (
     Finetuned,
     StepWithoutBatchIdx,
@@ -65,7 +66,6 @@ from tests.replay_helpers import (
     captured_pair,
     fit,
 )
-from tests.test_callback_replay_step_python_cpu import MetricsInStep
 
 # every test here runs on the CPU graph emulator (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
@@ -366,7 +366,7 @@ def test_a_module_level_list_the_step_appends_to_gets_every_steps_element(called
 
 # Hooks Lightning calls inside the optimizer closure: a replay runs their tensor work in the graph,
 # so they are counted with a tensor, which counts what the graph did (a Python list appended there
-# would be refused as step state; tests/test_replay_closure_cpu.py checks their Python calls)
+# would be refused as step state; tests/graph/test_replay_closure_cpu.py checks their Python calls)
 IN_STEP_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 

@@ -32,6 +32,7 @@ from tests.between_step_models import (
     SetsTheConfigEachEpoch,
     TF32FromEpochOne,
 )
+from tests.callback.test_callback_replay_step_python_cpu import TargetSync
 from tests.idiom_modules import IDIOMS
 from tests.lightning_models import (
     TinyMLP,
@@ -46,7 +47,6 @@ from tests.replay_helpers import (
     captured_pair,
     fit,
 )
-from tests.test_callback_replay_step_python_cpu import TargetSync
 
 # every test here runs on the CPU graph emulator (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")

@@ -23,8 +23,8 @@ from tests.baselines import (
     baseline_of,
     capturable_from_of_the_last_callback_fit,  # noqa: F401 -- records switch steps
 )
+from tests.callback.test_recapture_wait_cpu import EPOCHS, EpochWeight, FixedCosts
 from tests.replay_helpers import assert_same, fit
-from tests.test_recapture_wait_cpu import EPOCHS, EpochWeight, FixedCosts
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

@@ -18,9 +18,9 @@ from tests.baselines import (
     baseline_of,
     capturable_from_of_the_last_callback_fit,  # noqa: F401 -- records switch steps
 )
+from tests.graph.test_manual_optimization_cpu import ManualTwoOptimizers
 from tests.lightning_models import TinyMLP
 from tests.replay_helpers import assert_same, fit
-from tests.test_manual_optimization_cpu import ManualTwoOptimizers
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

@@ -14,9 +14,9 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
     baseline_of,
     capturable_from_of_the_last_callback_fit,
 )
+from tests.callback.test_callback_replay_cpu import FailsInCapture
 from tests.lightning_models import TinyMLP
 from tests.replay_helpers import assert_same, callback, fit
-from tests.test_callback_replay_cpu import FailsInCapture
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from l2lightning.guards import check_kernels, replay_check
-from tests.test_check_kernels_cpu import both_paths as kernel_and_torch_paths
+from tests.guards.test_check_kernels_cpu import both_paths as kernel_and_torch_paths
 
 pytestmark = pytest.mark.gpu
 

@@ -23,16 +23,16 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
     capturable_from_of_the_last_callback_fit,
     is_baseline,
 )
-from tests.idiom_harness import loop_state
-from tests.idiom_modules import IDIOMS, ManualGAN, ManualGANDeviceNoise
-from tests.lightning_models import quiet_trainer, regression_loader
-from tests.test_manual_optimization_cpu import (
+from tests.graph.test_manual_optimization_cpu import (
     AdamState,
     ManualMLP,
     ManualTwoOptimizers,
     OptimizerStates,
     assert_same_optimizer_states,
 )
+from tests.idiom_harness import loop_state
+from tests.idiom_modules import IDIOMS, ManualGAN, ManualGANDeviceNoise
+from tests.lightning_models import quiet_trainer, regression_loader
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ On the H200 (2026-12-01) the callback's fit now needs no more PyTorch memory tha
 so with 4% to spare it captures; and the tuner sizes its throwaway chains to the free memory it
 finds (even with its memory budget lifted), so it skips the shapes it cannot fit instead of running
 out. The out-of-memory fallback in the capture is exercised on the CPU
-(tests/test_callback_replay_state_cpu.py); the one in tuning here, by a real allocator error inside a
+(tests/callback/test_callback_replay_state_cpu.py); the one in tuning here, by a real allocator error inside a
 tuning capture: a bench that, once its chain is built, takes the memory that is still free (as
 another process on the GPU could) before capturing. A process's first
 kernel on a second CUDA stream takes 70 MiB outside PyTorch's allocator, which no fallback can avoid

@@ -16,7 +16,7 @@ from l2lightning.guards import python_state
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.between_step_models import MovesTheScaleEachEpoch, ScalesByAPlainTensor
 from tests.gpu.test_callback_gpu import assert_same_run, fit
-from tests.test_replay_check_cpu import NormalizedMetricDropout
+from tests.guards.test_replay_check_cpu import NormalizedMetricDropout
 
 pytestmark = pytest.mark.gpu
 

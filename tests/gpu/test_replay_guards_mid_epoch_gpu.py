@@ -1,6 +1,6 @@
 """GPU: changes a hook makes mid-epoch, where no sampled replay check runs, on the H200.
 
-The modules of ``tests/test_replay_guards_mid_epoch_cpu.py`` (each changes what its step depends on
+The modules of ``tests/guards/test_replay_guards_mid_epoch_cpu.py`` (each changes what its step depends on
 at global step 14, between the sampled checks at steps 11 and 19), fit with real CUDA graphs: the
 rebound code trains eagerly from there, the changed values are captured again, the advanced iterator
 is refused, and each fit is bit for bit its baseline (plain Lightning for the refusal).
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from l2lightning import L2GraphCallback
-from tests import test_replay_guards_mid_epoch_cpu as guards
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
 from tests.gpu.test_callback_gpu import assert_same_run, fit
+from tests.guards import test_replay_guards_mid_epoch_cpu as guards
 
 pytestmark = pytest.mark.gpu
 

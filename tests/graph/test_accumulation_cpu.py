@@ -17,9 +17,9 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
     baseline_of,
     capturable_from_of_the_last_callback_fit,
 )
+from tests.graph.test_amp_fp16_cpu import FusedSGD, fp16
 from tests.lightning_models import TinyMLP
 from tests.replay_helpers import assert_same, callback, fit
-from tests.test_amp_fp16_cpu import FusedSGD, fp16
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 
@@ -425,7 +425,7 @@ def test_the_accumulation_sweep_names_a_bad_argument(argv, named, tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = root / "benchmarks" / "sweep_idioms_accumulated.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--out", str(tmp_path), *argv],
@@ -442,7 +442,7 @@ def test_the_accumulation_sweep_judges_an_idiom(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = root / "benchmarks" / "sweep_idioms_accumulated.py"
     proc = subprocess.run(
         [

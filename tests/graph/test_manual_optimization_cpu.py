@@ -6,7 +6,7 @@ its baseline (per-step losses and logs, parameters, the optimizer's state, the l
 ``global_step`` is the manual loop's optimizer-step count, which replays move on too). So are two
 optimizers stepped in one step (Lightning's basic GAN, ``toggle_optimizer`` included: both updates in
 the one graph, ``global_step`` two per batch, ``requires_grad`` after every step as in plain
-Lightning). LR schedulers the step steps are in tests/test_manual_schedulers_cpu.py. What is not
+Lightning). LR schedulers the step steps are in tests/graph/test_manual_schedulers_cpu.py. What is not
 captured (hooks inside the step; a parameter two optimizers step; hyperparameters the step writes)
 trains eagerly with one warning naming the cause, bit for bit plain Lightning, and never raises.
 
@@ -583,7 +583,7 @@ def test_a_checkpoint_saves_both_optimizers_as_plain_lightning_does(tmp_path):
 
 
 def test_a_draw_on_the_host_is_named_with_its_line_and_the_device_fix():
-    """Off the CPU (``meta`` stands for the device, as in tests/test_step_trace.py), a draw from torch's
+    """Off the CPU (``meta`` stands for the device, as in tests/guards/test_step_trace.py), a draw from torch's
     global CPU generator is noted with the user's line, and the refusal of the Python state it changes
     names that line and `device=self.device`; draws on the device or from a generator of the step's own
     are not noted."""

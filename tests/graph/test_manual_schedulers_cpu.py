@@ -21,10 +21,7 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
     baseline_of,
     capturable_from_of_the_last_callback_fit,
 )
-from tests.idiom_modules import ManualGANScheduled
-from tests.lightning_models import quiet_trainer, regression_loader
-from tests.replay_helpers import assert_same, callback, fit
-from tests.test_manual_optimization_cpu import (
+from tests.graph.test_manual_optimization_cpu import (
     ByHand,
     ManualMLP,
     ManualTwoOptimizers,
@@ -34,6 +31,9 @@ from tests.test_manual_optimization_cpu import (
     assert_same_optimizer_states,
     gan_fit,
 )
+from tests.idiom_modules import ManualGANScheduled
+from tests.lightning_models import quiet_trainer, regression_loader
+from tests.replay_helpers import assert_same, callback, fit
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

@@ -16,9 +16,9 @@ from torch import nn
 from l2lightning.guards import grad_norm_reads
 from l2lightning.guards.grad_norm_reads import GradNormNames, batched_grad_norm, batched_grad_norm_in
 from tests.baselines import capturable_from_of_the_last_callback_fit  # noqa: F401 -- records switch steps
+from tests.callback.test_callback_replay_cpu import GradNormLogging
 from tests.graph_emulator import FakeGraph
 from tests.replay_helpers import assert_same, captured_pair
-from tests.test_callback_replay_cpu import GradNormLogging
 
 
 def _with_grads(module: nn.Module, seed: int = 0) -> nn.Module:

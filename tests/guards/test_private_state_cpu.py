@@ -29,9 +29,9 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
     baseline_of,
     capturable_from_of_the_last_callback_fit,
 )
+from tests.graph.test_manual_optimization_cpu import ManualTwoOptimizers
 from tests.lightning_models import TinyMLP
 from tests.replay_helpers import assert_same, callback, fit
-from tests.test_manual_optimization_cpu import ManualTwoOptimizers
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

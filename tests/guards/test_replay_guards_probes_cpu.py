@@ -26,8 +26,8 @@ from tests.baselines import (  # noqa: F401 -- the fixture records each callback
     baseline_of,
     capturable_from_of_the_last_callback_fit,
 )
+from tests.guards.test_replay_guards_mid_epoch_cpu import STEPS, SWITCH, N, _Changes, mse
 from tests.replay_helpers import assert_same, callback, fit
-from tests.test_replay_guards_mid_epoch_cpu import STEPS, SWITCH, N, _Changes, mse
 
 pytestmark = pytest.mark.usefixtures("emulated_cuda_graphs")
 

@@ -232,7 +232,7 @@ def test_values_read_through_self_are_compared_where_they_are_python_numbers():
     assert frozen(float("nan")) == frozen(float("nan"))  # unchanged, though NaN != NaN
     assert frozen([1.0, {"a": 2}]) is not None and frozen(list(range(100))) is not None
     # a container too large to compare before each replay, and a value of another kind: None
-    # (frozen_read tells the first apart: tests/test_step_values_frozen_cpu.py)
+    # (frozen_read tells the first apart: tests/guards/test_step_values_frozen_cpu.py)
     assert frozen(list(range(100000))) is None and frozen(object()) is None
 
     found = analyse(_ReadsThroughSelf())
