@@ -12,8 +12,9 @@ the phases.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -37,51 +38,67 @@ class WallPhases:
 
     def wrap(self, owner: object, name: str, phase: str, undo: list) -> None:
         """Replace `owner.name` by a wrapper timing it as `phase`, recording in `undo` what to put back
-        (:func:`undo_all`)."""
+        (:func:`undo_all`). The wrapper is a plain function (no context-manager object per call): its
+        own cost is what :func:`wrapper_cost_s` measures."""
         original = getattr(owner, name)
         raw = vars(owner).get(name, original) if isinstance(owner, type) else original
-        phases = self
+        enter, leave = self._enter, self._leave
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            entry = enter(phase)
+            if entry is None:
+                return original(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                leave(entry)
 
         if isinstance(raw, classmethod):
             function = raw.__func__
 
             def timed_cls(cls: Any, *args: Any, **kwargs: Any) -> Any:
-                with phases.phase(phase):
+                entry = enter(phase)
+                if entry is None:
                     return function(cls, *args, **kwargs)
+                try:
+                    return function(cls, *args, **kwargs)
+                finally:
+                    leave(entry)
 
             replacement: object = classmethod(timed_cls)
         else:
-
-            def timed(*args: Any, **kwargs: Any) -> Any:
-                with phases.phase(phase):
-                    return original(*args, **kwargs)
-
             # a static method stays one (the function alone would be bound to the instance)
             replacement = staticmethod(timed) if isinstance(raw, staticmethod) else timed
         undo.append((owner, name, vars(owner).get(name) if isinstance(owner, type) else original))
         setattr(owner, name, replacement)
 
-    def phase(self, name: str) -> Any:
-        phases = self
+    def _enter(self, name: str) -> list | None:
+        if not self.active:
+            return None
+        self.calls[-1] += 1
+        entry = [name, time.perf_counter(), 0.0]
+        self.stack.append(entry)
+        return entry
 
-        class _Open:
-            def __enter__(self_inner) -> None:
-                if phases.active:
-                    phases.calls[-1] += 1
-                    phases.stack.append([name, time.perf_counter(), 0.0])
+    def _leave(self, entry: list) -> None:
+        spent = time.perf_counter() - entry[1]
+        if not self.active or not self.stack or self.stack[-1] is not entry:
+            return  # the window closed (or was opened anew) while the phase ran
+        self.stack.pop()
+        current = self.windows[-1]
+        current[entry[0]] = current.get(entry[0], 0.0) + spent - entry[2]
+        if self.stack:
+            self.stack[-1][2] += spent
 
-            def __exit__(self_inner, *exc: Any) -> bool:
-                if not phases.active or not phases.stack or phases.stack[-1][0] != name:
-                    return False
-                _, started, children = phases.stack.pop()
-                spent = time.perf_counter() - started
-                current = phases.windows[-1]
-                current[name] = current.get(name, 0.0) + spent - children
-                if phases.stack:
-                    phases.stack[-1][2] += spent
-                return False
-
-        return _Open()
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The block as `name` (for code the caller runs itself rather than a wrapped function)."""
+        entry = self._enter(name)
+        try:
+            yield
+        finally:
+            if entry is not None:
+                self._leave(entry)
 
 
 def set_undone(undo: list, obj: object, attr: str, value: object) -> None:
