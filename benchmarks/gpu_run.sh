@@ -34,6 +34,11 @@
 #                 the whole-step gate -> default_cost.csv / default_cost.json
 #   memory-peak[=SCENARIO,...]  benchmarks/memory_peak.py: the allocations alive at the peak of the tuner's
 #                 training case and of callback fits, grouped by the code that made them -> memory_peak.json
+#   host-path-phases[=ARGS]  benchmarks/host_path_phases.py --device cuda with ARGS (as host-overhead's): the
+#                 floor's replayed step split by the callback's functions -> host_path_phases_cuda.json
+#   ab-host-path=ARGS  benchmarks/ab_host_path.py with ARGS (as host-overhead's; --a and --b name source
+#                 trees carried into the checkout, such as .ab_tree_a) -> ab_host_path_N/ab_host_path.json, N the
+#                 stage's place among the run's A/B stages
 #   h2d-wait      benchmarks/h2d_wait.py: whether a pageable or pinned host-to-device copy waits for queued GPU work
 #   probe         benchmarks/probe_capture_idioms.py: cuDNN RNNs with carried state, checkpointed dropout and
 #                 fp16 GradScaler with fused AdamW under torch.cuda.graph, bitwise -> probe_capture_idioms.json
@@ -155,6 +160,15 @@ for stage in "$@"; do
       extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
       timeout 570 python3 benchmarks/bench_replay_check.py --out "$OUT" $(stage_args "$extra") > "$OUT/replay_check.log" 2>&1
       echo "rc=$?"; grep -v DEBUG "$OUT/replay_check.log" | tail -10 ;;
+    host-path-phases*)
+      extra=""; [[ "$stage" == *=* ]] && extra=${stage#*=}
+      timeout 300 python3 benchmarks/host_path_phases.py --out "$OUT" --device cuda $(stage_args "$extra") > "$OUT/host_path_phases.log" 2>&1
+      echo "rc=$?"; grep -v DEBUG "$OUT/host_path_phases.log" | tail -20 ;;
+    ab-host-path=*)
+      # one directory per A/B stage of the run: ab_host_path_1/, ab_host_path_2/, ...
+      ab_run=$((${ab_run:-0} + 1))
+      timeout 300 python3 benchmarks/ab_host_path.py --out "$OUT/ab_host_path_$ab_run" $(stage_args "${stage#*=}") > "$OUT/ab_host_path_$ab_run.log" 2>&1
+      echo "rc=$?"; grep -E "B/A|Error" "$OUT/ab_host_path_$ab_run.log" | tail -8 ;;
     h2d-wait)
       timeout 60 python3 benchmarks/h2d_wait.py --out "$OUT" > "$OUT/h2d_wait.log" 2>&1
       echo "rc=$?"; tail -12 "$OUT/h2d_wait.log" ;;

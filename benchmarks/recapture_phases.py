@@ -46,77 +46,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from wall_phases import WallPhases, set_undone, undo_all  # noqa: E402 -- after the path
 
 IDIOMS = ("global_loss_weight", "rebound_loss_weight", "epoch_weighted_aux")
 CHANGE_STEP = {"global_loss_weight": 13, "rebound_loss_weight": 13, "epoch_weighted_aux": 20}
-
-
-class _Phases:
-    """Exclusive wall seconds per phase, for the capture steps only (a stack of open phases)."""
-
-    def __init__(self) -> None:
-        self.stack: list[list] = []  # [name, started, seconds of children]
-        self.captures: list[dict[str, float]] = []
-        self.active = False
-
-    def wrap(self, owner: object, name: str, phase: str, undo: list) -> None:
-        original = getattr(owner, name)
-        raw = vars(owner).get(name, original) if isinstance(owner, type) else original
-        phases = self
-
-        if isinstance(raw, classmethod):
-            function = raw.__func__
-
-            def timed_cls(cls, *args, **kwargs):
-                with phases.phase(phase):
-                    return function(cls, *args, **kwargs)
-
-            replacement: object = classmethod(timed_cls)
-        else:
-
-            def timed(*args, **kwargs):
-                with phases.phase(phase):
-                    return original(*args, **kwargs)
-
-            replacement = timed
-        undo.append((owner, name, vars(owner).get(name) if isinstance(owner, type) else original))
-        setattr(owner, name, replacement)
-
-    def phase(self, name: str):
-        phases = self
-
-        class _Open:
-            def __enter__(self_inner):
-                if phases.active:
-                    phases.stack.append([name, time.perf_counter(), 0.0])
-
-            def __exit__(self_inner, *exc):
-                if not phases.active or not phases.stack or phases.stack[-1][0] != name:
-                    return False
-                _, started, children = phases.stack.pop()
-                spent = time.perf_counter() - started
-                current = phases.captures[-1]
-                current[name] = current.get(name, 0.0) + spent - children
-                if phases.stack:
-                    phases.stack[-1][2] += spent
-                return False
-
-        return _Open()
-
-
-def _set_undone(undo: list, obj: object, attr: str, value: object) -> None:
-    """`setattr(obj, attr, value)`, what it replaces recorded in `undo` for :func:`_undo_all`."""
-    undo.append((obj, attr, vars(obj).get(attr) if isinstance(obj, type) else getattr(obj, attr)))
-    setattr(obj, attr, value)
-
-
-def _undo_all(undo: list) -> None:
-    """Put back what `undo` recorded, last first (a class attribute that was not its own goes)."""
-    for obj, attr, value in reversed(undo):
-        if value is None and isinstance(obj, type):
-            delattr(obj, attr)
-        else:
-            setattr(obj, attr, value)
 
 
 def _step_times(device: str):
@@ -170,23 +105,22 @@ def _captures_fit(name: str, device: str) -> dict:
 
     undo: list = []
 
-    setattr_undone = functools.partial(_set_undone, undo)
+    setattr_undone = functools.partial(set_undone, undo)
 
     _emulate(setattr_undone, device)
-    phases = _Phases()
+    phases = WallPhases()
     cls = L2GraphCallback
     capture_step = cls._capture_step
 
     def timed_capture_step(self, run, closure, kwargs):
-        phases.captures.append({})
-        phases.active = True
+        phases.open_window()
         started = time.perf_counter()
         try:
             with phases.phase("other"):
                 return capture_step(self, run, closure, kwargs)
         finally:
-            phases.active = False
-            phases.captures[-1]["total"] = time.perf_counter() - started
+            phases.close_window()
+            phases.windows[-1]["total"] = time.perf_counter() - started
 
     setattr_undone(cls, "_capture_step", timed_capture_step)
     for owner, attr, phase in [
@@ -237,7 +171,7 @@ def _captures_fit(name: str, device: str) -> dict:
         trainer.fit(module, idiom.make_loader())
         s = cb.summary()
     finally:
-        _undo_all(undo)
+        undo_all(undo)
     warmup = [
         {"step": i, "mode": m, "ms": round(1000 * t, 3)}
         for i, (m, t) in enumerate(zip(modes, times.times))
@@ -261,7 +195,7 @@ def _captures_fit(name: str, device: str) -> dict:
         "warmup_steps": warmup,
         "captures": [
             {k: round(v * 1000, 3) for k, v in sorted(c.items(), key=lambda kv: -kv[1])}
-            for c in phases.captures
+            for c in phases.windows
         ],
     }
 
@@ -277,7 +211,7 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
 
     undo: list = []
 
-    setattr_undone = functools.partial(_set_undone, undo)
+    setattr_undone = functools.partial(set_undone, undo)
 
     _emulate(setattr_undone, device)
     pieces: dict[str, list[float]] = defaultdict(list)
@@ -334,7 +268,7 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
         trainer = quiet_trainer(callbacks=callbacks, **_trainer_kwargs(idiom, device))
         trainer.fit(module, idiom.make_loader())
     finally:
-        _undo_all(undo)
+        undo_all(undo)
     row = {"idiom": name, "variant": variant, "step_ms": [round(1000 * t, 4) for t in times.times]}
     if cb is not None:
         s = cb.summary()

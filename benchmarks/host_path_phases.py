@@ -1,0 +1,260 @@
+"""Where the host time of a replayed ``Trainer.fit`` step goes, by the code that spends it: the split
+of issue 37's ``floor_ms - lightning_bare_ms`` that a profiler cannot give without inflating it.
+
+In one process, ``--rounds`` rounds of two fits on ``bench_host_overhead.py``'s floor (a 1->1 Linear,
+batch 1, its loader and Trainer: no logger, no progress bar):
+
+- **bare**: plain Lightning with a step that does nothing (``bench_host_overhead.fit_bare``); its
+  per-step wall time (``StepTimer``) is ``lightning_bare_ms``;
+- **callback**: the floor's module with ``L2GraphCallback(prefetch="off", log_timing=False)``, whose
+  replayed steps are split into phases by wall-clock wrappers around the callback's own functions
+  (``wall_phases.py``; each phase exclusive of the phases inside it): the step decision, the batch's
+  copy into the graph's inputs, the replay's launch, CUDA events, the graph's ``replay()``, the replay
+  closure, the installed ``training_step`` and its log re-issue, Lightning's ``ClosureResult`` (its
+  loss clone), the rest of the callback's step path, the callback's own Lightning hooks, the progress
+  bar's deferred reads; and ``lightning_and_rest``, the step's wall time (one ``on_train_batch_start``
+  to the next) minus all of them.
+
+A window is a step whose replay ran (a checked step is not one). Per phase the median over a fit's
+replayed steps after ``bench_host_overhead.SKIP``, then the median over rounds; the wrappers' own
+cost per call is measured (``wall_phases.wrapper_cost_s``) and reported with the calls per step, so
+``callback_step_ms`` can be read without it.
+
+On a CPU (``--device cpu``) the graph emulator of ``tests/graph_emulator.py`` stands in for CUDA
+graphs, with a replay that runs nothing and the sampled check off, as ``host_floor_emulated.py``:
+the callback's Python and Lightning's loop alone. With ``--device cuda`` the fits are real, the
+sampled check as by default.
+
+    python3 benchmarks/host_path_phases.py --out OUTDIR [--device cpu|cuda] [--rounds 3] [--steps 300]
+        (writes OUTDIR/host_path_phases_<device>.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from wall_phases import WallPhases, undo_all, wrapper_cost_s  # noqa: E402 -- after the path
+
+REST = "lightning_and_rest"
+
+
+def _wrap_callback_path(phases: WallPhases, undo: list, device: str) -> None:
+    """Time the replayed step's own functions as phases (the callback's, and what it calls per replay)."""
+    import torch
+    from lightning.pytorch import Callback
+    from lightning.pytorch.loops.optimization.automatic import ClosureResult
+
+    from l2lightning import L2GraphCallback, capture, progress_bar_reads, replay_closure
+    from l2lightning.step_decision import StepDecision
+    from l2lightning.step_dispatch import StepDispatch
+    from l2lightning.step_overrides import StepOverrides
+
+    targets: list[tuple[object, str, str]] = [
+        (StepDecision, "_decide", "decide"),
+        (capture.StaticBatch, "copy_tensors", "batch_copy"),
+        (StepDispatch, "_launch_replay", "launch_replay"),
+        (StepDispatch, "_replay_step", "replay_step"),
+        (StepDispatch, "_step", "dispatch"),
+        (replay_closure.ReplayClosure, "__call__", "replay_closure"),
+        (StepOverrides, "_training_step", "training_step_override"),
+        (StepOverrides, "_reissue", "log_reissue"),
+        (ClosureResult, "__post_init__", "closure_result"),
+        (progress_bar_reads._DeferredProgressBarReads, "on_batch_end", "progress_bar_reads"),
+        (torch.cuda.CUDAGraph, "replay", "graph_replay"),
+    ]
+    if device == "cuda":
+        targets.append((torch.cuda.Event, "record", "cuda_events"))
+        targets.append((L2GraphCallback, "_events", "cuda_events"))
+    # the callback's own Lightning hooks (each one Lightning calls per step)
+    hooks = [name for name in vars(L2GraphCallback) if name.startswith("on_") and hasattr(Callback, name)]
+    targets += [(L2GraphCallback, name, "callback_hooks") for name in hooks]
+    for owner, name, phase in targets:
+        phases.wrap(owner, name, phase, undo)
+
+
+def _windowing(phases: WallPhases, cb: Any, windows: list[dict[str, Any]]) -> Any:
+    """A Lightning callback, first in the list: one window per training batch, from its
+    ``on_train_batch_start`` to the next; a window is kept with its step's total time and whether the
+    step replayed (the callback's replay count moved)."""
+    from lightning.pytorch import Callback
+
+    class Windows(Callback):
+        def __init__(self) -> None:
+            self.started: float | None = None
+            self.replays = 0
+
+        def _close(self) -> None:
+            if self.started is None:
+                return
+            phases.close_window()
+            replays = cb._timing.graph_count
+            windows.append(
+                {
+                    "total": time.perf_counter() - self.started,
+                    "replayed": replays > self.replays,
+                    "phases": phases.windows[-1],
+                    "calls": phases.calls[-1],
+                }
+            )
+            self.replays = replays
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self._close()
+            phases.open_window()
+            self.started = time.perf_counter()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self._close()
+            self.started = None
+
+    return Windows()
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def callback_fit(floor: argparse.Namespace, device: str, skip: int) -> dict[str, Any]:
+    """One floor fit with the callback, its replayed steps split into phases (ms, medians)."""
+    import bench_host_overhead as bho
+    import torch
+
+    from l2lightning import L2GraphCallback
+
+    undo: list = []
+    phases = WallPhases()
+    cb = L2GraphCallback(prefetch="off", log_timing=False, **({"verify": False} if device == "cpu" else {}))
+    windows: list[dict[str, Any]] = []
+    try:
+        _wrap_callback_path(phases, undo, device)
+        module = bho._logging_module(
+            0,
+            torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
+            "fused" if device == "cuda" else "foreach",
+        )
+        bho._fit_on_floor_loader(floor, module, [_windowing(phases, cb, windows), cb])
+    finally:
+        undo_all(undo)
+    summary = cb.summary()
+    if not summary["captured"]:
+        raise RuntimeError(f"the floor fit with the callback did not capture: {summary['reason']}")
+    replayed = [w for w in windows[skip:] if w["replayed"]]
+    if not replayed:
+        raise RuntimeError("no replayed step after the skipped ones: give more --steps")
+    names = sorted({name for w in replayed for name in w["phases"]})
+    per_phase = {name: _median([w["phases"].get(name, 0.0) * 1e3 for w in replayed]) for name in names}
+    per_phase[REST] = _median([(w["total"] - sum(w["phases"].values())) * 1e3 for w in replayed])
+    return {
+        "step_ms": _median([w["total"] * 1e3 for w in replayed]),
+        "phases_ms": per_phase,
+        "wrapped_calls_per_step": _median([w["calls"] for w in replayed]),
+        "replayed_steps": len(replayed),
+        "replay_checks": (summary.get("replay_check") or {}).get("checks"),
+    }
+
+
+def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
+    """`set_attr` installs the graph emulator on a CPU (a test passes ``monkeypatch.setattr``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="directory for host_path_phases_<device>.json"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the bare and the callback fit (default 3)"
+    )
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per fit (default 300)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1:
+        parser.error(f"--rounds and --steps must be at least 1, got {args.rounds} and {args.steps}")
+
+    import bench_host_overhead as bho
+    import lightning
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch sees no CUDA device")
+    if args.device == "cpu":
+        from tests import graph_emulator as emu
+
+        emu.install(set_attr)
+        set_attr(emu.FakeGraph, "replay", lambda self: None)
+    floor = argparse.Namespace(accelerator=args.device, device=0, steps=args.steps)
+    threads = torch.get_num_threads()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # as host_floor_emulated.py: the host path alone
+    rounds: list[dict[str, Any]] = []
+    try:
+        with bho._quiet_progress(True):
+            for _ in range(args.rounds):
+                bare = bho.fit_bare(floor)
+                rounds.append({"lightning_bare_ms": bare, **callback_fit(floor, args.device, bho.SKIP)})
+    finally:
+        torch.set_num_threads(threads)
+    wrapper_s = wrapper_cost_s()
+    phase_names = sorted({name for r in rounds for name in r["phases_ms"]})
+    medians = {
+        "lightning_bare_ms": _median([r["lightning_bare_ms"] for r in rounds]),
+        "callback_step_ms": _median([r["step_ms"] for r in rounds]),
+        "phases_ms": {name: _median([r["phases_ms"].get(name, 0.0) for r in rounds]) for name in phase_names},
+        "wrapped_calls_per_step": _median([r["wrapped_calls_per_step"] for r in rounds]),
+    }
+    wrappers_ms = wrapper_s * 1e3 * medians["wrapped_calls_per_step"]
+    result = {
+        "device": torch.cuda.get_device_name(0)
+        if args.device == "cuda"
+        else (platform.processor() or platform.machine()),
+        "medians": medians,
+        "wrapper_ms_per_call": wrapper_s * 1e3,
+        "wrappers_ms_per_step": wrappers_ms,
+        "callback_step_minus_wrappers_minus_bare_ms": medians["callback_step_ms"]
+        - wrappers_ms
+        - medians["lightning_bare_ms"],
+        "rounds": rounds,
+        "steps": args.steps,
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "git_commit": subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or None,
+        },
+        "command": " ".join(
+            shlex.quote(a)
+            for a in [
+                "python3",
+                "benchmarks/host_path_phases.py",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"host_path_phases_{args.device}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'phase':28s} ms per replayed step (median over {args.rounds} rounds)")
+    for name, value in sorted(medians["phases_ms"].items(), key=lambda kv: -(kv[1] or 0.0)):
+        print(f"{name:28s} {value:.4f}")
+    print(
+        f"callback step {medians['callback_step_ms']:.4f} ms, bare {medians['lightning_bare_ms']:.4f} ms, "
+        f"wrappers {wrappers_ms:.4f} ms ({medians['wrapped_calls_per_step']:.0f} calls)"
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""CPU: benchmarks/wall_phases.py splits time into exclusive phases and puts back what it wrapped, and
+benchmarks/host_path_phases.py splits the emulated floor's replayed steps into them (not its numbers)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.benchmark_scripts import load_benchmark
+
+
+class _Owner:
+    def outer(self):
+        time.sleep(0.002)
+        return self.inner() + 1
+
+    def inner(self):
+        time.sleep(0.004)
+        return 1
+
+    @staticmethod
+    def static(x):
+        return x * 2
+
+
+def test_phases_are_exclusive_of_the_phases_inside_them_and_are_undone():
+    wall = load_benchmark("wall_phases")
+    phases, undo = wall.WallPhases(), []
+    outer, static = _Owner.outer, vars(_Owner)["static"]
+    phases.wrap(_Owner, "outer", "outer", undo)
+    phases.wrap(_Owner, "inner", "inner", undo)
+    phases.wrap(_Owner, "static", "static", undo)
+    _Owner().outer()  # no window open: nothing recorded
+    assert phases.windows == []
+    phases.open_window()
+    started = time.perf_counter()
+    assert _Owner().outer() == 2 and _Owner().static(3) == 6 and _Owner.static(4) == 8
+    total = time.perf_counter() - started
+    phases.close_window()
+    window = phases.windows[0]
+    assert 0.004 <= window["inner"] and 0.002 <= window["outer"] < window["inner"]
+    assert sum(window.values()) <= total and phases.calls == [4]
+    wall.undo_all(undo)
+    assert _Owner.outer is outer and vars(_Owner)["static"] is static
+    assert wall.wrapper_cost_s(calls=200) >= 0.0
+
+
+def test_the_emulated_floor_is_split_into_the_callbacks_phases(tmp_path, monkeypatch):
+    from l2lightning.step_decision import StepDecision
+
+    decide = StepDecision._decide
+    script = load_benchmark("host_path_phases")
+    assert script.main(["--out", str(tmp_path), "--rounds", "1", "--steps", "30"], monkeypatch.setattr) == 0
+    assert StepDecision._decide is decide  # every wrapper undone
+    result = json.loads((tmp_path / "host_path_phases_cpu.json").read_text())
+    phases = result["medians"]["phases_ms"]
+    assert {"decide", "launch_replay", "batch_copy", "replay_closure", script.REST} <= set(phases)
+    assert all(v >= 0 for k, v in phases.items() if k != script.REST)
+    (round_,) = result["rounds"]
+    assert round_["replayed_steps"] > 0 and round_["lightning_bare_ms"] > 0
+    assert result["medians"]["wrapped_calls_per_step"] >= 8 and result["wrappers_ms_per_step"] >= 0
+    assert result["command"].startswith("python3 benchmarks/host_path_phases.py")
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--steps", "0"]])
+def test_host_path_phases_names_a_bad_count(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load_benchmark("host_path_phases").main(["--out", str(tmp_path), *argv])
+    assert "--rounds and --steps must be at least 1" in capsys.readouterr().err
