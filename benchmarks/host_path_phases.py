@@ -56,10 +56,12 @@ def _wrap_callback_path(phases: WallPhases, undo: list, device: str) -> None:
     from lightning.pytorch import Callback
     from lightning.pytorch.loops.optimization.automatic import ClosureResult
 
-    from l2lightning import L2GraphCallback, capture, progress_bar_reads, replay_closure
-    from l2lightning.step_decision import StepDecision
-    from l2lightning.step_dispatch import StepDispatch
-    from l2lightning.step_overrides import StepOverrides
+    from l2lightning import L2GraphCallback
+    from l2lightning.callback.step_decision import StepDecision
+    from l2lightning.callback.step_dispatch import StepDispatch
+    from l2lightning.callback.step_overrides import StepOverrides
+    from l2lightning.graph import capture, replay_closure
+    from l2lightning.guards import progress_bar_reads
 
     targets: list[tuple[object, str, str]] = [
         (StepDecision, "_decide", "decide"),

@@ -48,7 +48,7 @@ def test_phases_are_exclusive_of_the_phases_inside_them_and_are_undone():
 
 
 def test_the_emulated_floor_is_split_into_the_callbacks_phases(tmp_path, monkeypatch):
-    from l2lightning.step_decision import StepDecision
+    from l2lightning.callback.step_decision import StepDecision
 
     decide = StepDecision._decide
     script = load_benchmark("host_path_phases")
