@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -45,7 +43,6 @@ def main(argv: list[str] | None = None, set_attr=setattr) -> int:
         parser.error(f"--rounds and --steps must be at least 1, got {args.rounds} and {args.steps}")
 
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-    import lightning
     import torch
 
     from tests import graph_emulator as emu
@@ -53,6 +50,7 @@ def main(argv: list[str] | None = None, set_attr=setattr) -> int:
     emu.install(set_attr)
     set_attr(emu.FakeGraph, "replay", lambda self: None)
     import bench_host_overhead as bho
+    from run_record import machine_record
 
     from l2lightning import L2GraphCallback
 
@@ -88,16 +86,7 @@ def main(argv: list[str] | None = None, set_attr=setattr) -> int:
         "callback_floor_minus_bare_ms": medians["callback_floor_ms"] - medians["lightning_bare_ms"],
         "rounds_ms": rounds,
         "steps": args.steps,
-        "machine": {
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-            "git_commit": subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.strip()
-            or None,
-        },
+        "machine": machine_record(),
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,6 @@ import json
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from wall_phases import WallPhases, undo_all, wrapper_cost_s  # noqa: E402 -- after the path
+from run_record import machine_record  # noqa: E402 -- after the path
+from wall_phases import WallPhases, undo_all, wrapper_cost_s  # noqa: E402
 
 REST = "lightning_and_rest"
 
@@ -183,7 +183,6 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         parser.error(f"--rounds and --steps must be at least 1, got {args.rounds} and {args.steps}")
 
     import bench_host_overhead as bho
-    import lightning
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -226,15 +225,7 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         - medians["lightning_bare_ms"],
         "rounds": rounds,
         "steps": args.steps,
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-            "git_commit": subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.strip()
-            or None,
-        },
+        "machine": machine_record(),
         "command": " ".join(
             shlex.quote(a)
             for a in [
