@@ -175,7 +175,8 @@ class L2GraphCallback(
             mode: LBFGS, Adagrad with ``lr_decay`` != 0), train eagerly with one warning naming it (the default), or, with
             False, raise :class:`~l2lightning.graph.optim.OptimizerNotCapturableError`.
         log_timing: log ``l2/eager_step_ms``, ``l2/graph_step_ms``, ``l2/replay_speedup`` (their ratio:
-            CUDA-event time of an eager step over one graph replay, Lightning's host work left out),
+            CUDA-event time of an eager step over one graph replay, Lightning's host work left out;
+            medians over the latest timed steps: every replay is timed until 32 are, then one in 8),
             ``l2/graph_pool_mib`` (what the captures of the graphs alive together reserved: one graph,
             or under gradient accumulation one per role), ``l2/tuning_s``, ``l2/capture_s``, ``l2/compile_s``,
             ``l2/recapture_s`` (wall seconds of prefetch tuning, of the captures, of the first compiled
