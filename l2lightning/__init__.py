@@ -21,6 +21,7 @@ _EXPORTS = {
     "capture_step": "l2lightning.graph.capture",
     "BatchMismatchError": "l2lightning.graph.capture",
     "make_capturable": "l2lightning.graph.optim",
+    "OptimizerNotCapturableError": "l2lightning.graph.optim",
     "CapturableFrom": "l2lightning.baseline",
     "VerifyReport": "l2lightning.verify",
     "EquivalenceError": "l2lightning.verify",

@@ -261,3 +261,10 @@ def test_torchs_capturable_adam_reads_tensor_betas_on_the_host(monkeypatch):
                 opt.step()
             reads[isinstance(betas[0], torch.Tensor)] = mode.count
         assert reads[False] == 0 and reads[True] > 0, (foreach, reads)
+
+
+def test_the_not_capturable_error_is_importable_from_the_package():
+    import l2lightning
+
+    assert l2lightning.OptimizerNotCapturableError is OptimizerNotCapturableError
+    assert "OptimizerNotCapturableError" in l2lightning.__all__
