@@ -143,7 +143,7 @@ class StepDispatch:
         clear_cublas_workspaces()
         free_cached_memory()
 
-    def _launch_replay(self, graph: Any, timed: bool = True) -> tuple[Any, Any] | None:
+    def _launch_replay(self, graph: Any, timed: bool) -> tuple[Any, Any] | None:
         """This step's batch into the static buffers, the graph's inputs in place, one replay: its events
         (None where not `timed`)."""
         graph.static.copy_tensors(self._pending_tensors)  # _decide flattened the batch, compared signatures
@@ -155,14 +155,13 @@ class StepDispatch:
         for carried in graph.carried:  # the last step's recurrent state, into the memory the graph reads
             carried.copy_in()
         self._optimizer.sync_tensors()
-        if not timed:
-            graph.graph.replay()
-            return None
-        start, end = self._events()
-        start.record()
+        events = self._events() if timed else None
+        if events is not None:
+            events[0].record()
         graph.graph.replay()
-        end.record()
-        return start, end
+        if events is not None:
+            events[1].record()
+        return events
 
     def _appends_redoable(self) -> str:
         """What this step does instead of the replay _decide chose: ``"replay"``, or ``"eager"`` where a
