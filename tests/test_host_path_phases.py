@@ -69,3 +69,13 @@ def test_host_path_phases_names_a_bad_count(argv, tmp_path, capsys):
     with pytest.raises(SystemExit):
         load_benchmark("host_path_phases").main(["--out", str(tmp_path), *argv])
     assert "--rounds and --steps must be at least 1" in capsys.readouterr().err
+
+
+def test_host_path_phases_on_cuda_without_a_device_says_so(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the refusal is for one without")
+    with pytest.raises(SystemExit):
+        load_benchmark("host_path_phases").main(["--out", str(tmp_path), "--device", "cuda"])
+    assert "--device cuda: this torch sees no CUDA device" in capsys.readouterr().err
