@@ -25,7 +25,11 @@ graphs, with a replay that runs nothing and the sampled check off, as ``host_flo
 the callback's Python and Lightning's loop alone. With ``--device cuda`` the fits are real, the
 sampled check as by default.
 
-    python3 benchmarks/host_path_phases.py --out OUTDIR [--device cpu|cuda] [--rounds 3] [--steps 300]
+With ``--logs N`` each round also fits the module whose step logs its loss N times per step
+(``self.log(..., prog_bar=True)``), and the result gives each phase's cost per logged value: the log
+re-issue is the callback's; Lightning's batch-end handling of each key falls in the progress bar's reads.
+
+    python3 benchmarks/host_path_phases.py --out OUTDIR [--device cpu|cuda] [--rounds 3] [--steps 300] [--logs 4]
         (writes OUTDIR/host_path_phases_<device>.json)
 """
 
@@ -128,8 +132,9 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def callback_fit(floor: argparse.Namespace, device: str, skip: int) -> dict[str, Any]:
-    """One floor fit with the callback, its replayed steps split into phases (ms, medians)."""
+def callback_fit(floor: argparse.Namespace, device: str, skip: int, logs: int = 0) -> dict[str, Any]:
+    """One floor fit with the callback, its replayed steps split into phases (ms, medians); the step
+    logs its loss `logs` times (``self.log(..., prog_bar=True)``, as ``bench_host_overhead``'s log cost)."""
     import bench_host_overhead as bho
     import torch
 
@@ -142,7 +147,7 @@ def callback_fit(floor: argparse.Namespace, device: str, skip: int) -> dict[str,
     try:
         _wrap_callback_path(phases, undo, device)
         module = bho._logging_module(
-            0,
+            logs,
             torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
             "fused" if device == "cuda" else "foreach",
         )
@@ -178,9 +183,17 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         "--rounds", type=int, default=3, help="rounds of the bare and the callback fit (default 3)"
     )
     parser.add_argument("--steps", type=int, default=300, help="timed steps per fit (default 300)")
+    parser.add_argument(
+        "--logs",
+        type=int,
+        default=0,
+        help="also a callback fit whose step logs N values per step, and each phase's cost per log (default 0: none)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds and --steps must be at least 1, got {args.rounds} and {args.steps}")
+    if args.logs < 0:
+        parser.error(f"--logs must be 0 or more, got {args.logs}")
 
     import bench_host_overhead as bho
     import torch
@@ -201,7 +214,10 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         with bho._quiet_progress(True):
             for _ in range(args.rounds):
                 bare = bho.fit_bare(floor)
-                rounds.append({"lightning_bare_ms": bare, **callback_fit(floor, args.device, bho.SKIP)})
+                row = {"lightning_bare_ms": bare, **callback_fit(floor, args.device, bho.SKIP)}
+                if args.logs:
+                    row["with_logs"] = callback_fit(floor, args.device, bho.SKIP, args.logs)
+                rounds.append(row)
     finally:
         torch.set_num_threads(threads)
     wrapper_s = wrapper_cost_s()
@@ -213,6 +229,18 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         "wrapped_calls_per_step": _median([r["wrapped_calls_per_step"] for r in rounds]),
     }
     wrappers_ms = wrapper_s * 1e3 * medians["wrapped_calls_per_step"]
+    per_log: dict[str, Any] | None = None
+    if args.logs:
+        logged = [r["with_logs"] for r in rounds]
+        names = sorted(set(phase_names) | {name for r in logged for name in r["phases_ms"]})
+        with_logs = {name: _median([r["phases_ms"].get(name, 0.0) for r in logged]) for name in names}
+        per_log = {
+            "logs": args.logs,
+            "step_ms": (_median([r["step_ms"] for r in logged]) - medians["callback_step_ms"]) / args.logs,
+            "phases_ms": {
+                name: (with_logs[name] - medians["phases_ms"].get(name, 0.0)) / args.logs for name in names
+            },
+        }
     result = {
         "device": torch.cuda.get_device_name(0)
         if args.device == "cuda"
@@ -223,6 +251,7 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         "callback_step_minus_wrappers_minus_bare_ms": medians["callback_step_ms"]
         - wrappers_ms
         - medians["lightning_bare_ms"],
+        "per_log": per_log,
         "rounds": rounds,
         "steps": args.steps,
         "machine": machine_record(),
@@ -245,6 +274,10 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         f"callback step {medians['callback_step_ms']:.4f} ms, bare {medians['lightning_bare_ms']:.4f} ms, "
         f"wrappers {wrappers_ms:.4f} ms ({medians['wrapped_calls_per_step']:.0f} calls)"
     )
+    if per_log is not None:
+        print(f"per logged value ({args.logs} per step): step {per_log['step_ms']:.4f} ms")
+        for name, value in sorted(per_log["phases_ms"].items(), key=lambda kv: -kv[1]):
+            print(f"  {name:26s} {value:.4f}")
     print(f"wrote {path}")
     return 0
 

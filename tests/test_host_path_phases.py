@@ -64,11 +64,30 @@ def test_the_emulated_floor_is_split_into_the_callbacks_phases(tmp_path, monkeyp
     assert result["command"].startswith("python3 benchmarks/host_path_phases.py")
 
 
-@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--steps", "0"]])
-def test_host_path_phases_names_a_bad_count(argv, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rounds", "0"], "--rounds and --steps must be at least 1"),
+        (["--steps", "0"], "--rounds and --steps must be at least 1"),
+        (["--logs", "-1"], "--logs must be 0 or more, got -1"),
+    ],
+)
+def test_host_path_phases_names_a_bad_count(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit):
         load_benchmark("host_path_phases").main(["--out", str(tmp_path), *argv])
-    assert "--rounds and --steps must be at least 1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_logged_values_are_costed_per_value(tmp_path, monkeypatch):
+    script = load_benchmark("host_path_phases")
+    argv = ["--out", str(tmp_path), "--rounds", "1", "--steps", "30", "--logs", "2"]
+    assert script.main(argv, monkeypatch.setattr) == 0
+    result = json.loads((tmp_path / "host_path_phases_cpu.json").read_text())
+    per_log = result["per_log"]
+    assert per_log["logs"] == 2 and "log_reissue" in per_log["phases_ms"]
+    (round_,) = result["rounds"]
+    # the logging fit re-issued its logs at every replay: its re-issue phase is longer than the plain fit's
+    assert round_["with_logs"]["phases_ms"]["log_reissue"] > round_["phases_ms"].get("log_reissue", 0.0)
 
 
 def test_host_path_phases_on_cuda_without_a_device_says_so(tmp_path, capsys):
