@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 import shlex
 import statistics
 import sys
@@ -42,6 +41,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:  # loaded from its file by the tests, not run as a script
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from run_record import machine_record  # noqa: E402 -- after the path
+
 COLUMNS = [
     "module",
     "rounds",
@@ -165,16 +169,10 @@ def _gpu_state(accelerator: str) -> dict[str, Any]:
 
 
 def _machine(accelerator: str) -> dict[str, Any]:
-    import lightning
     import torch
 
     gpu = accelerator == "gpu" and torch.cuda.is_available()
-    return {
-        "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
-    }
+    return {**machine_record(torch.cuda.get_device_name(0) if gpu else None), "accelerator": accelerator}
 
 
 def _fmt(value: Any) -> Any:

@@ -52,6 +52,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:  # loaded from its file by the tests, not run as a script
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from run_record import machine_record  # noqa: E402 -- after the path
+
 COLUMNS = ["module", "captured", "reason", "equal", "plain_ms", "callback_ms"]
 # from each row's details: the second plain fit's step time (after the callback's; none for a fit refused
 # at setup), which beside the first shows how far two plain fits of one process lie apart, and every
@@ -129,28 +134,8 @@ def _fmt3(value: Any) -> str:
 
 
 def _machine(rows: list[dict[str, Any]], accelerator: str) -> dict[str, Any]:
-    import lightning
-    import torch
-
     device = next((r["extra"].get("device") for r in rows if r.get("extra", {}).get("device")), None)
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    changed = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    if commit and changed:
-        commit += " with uncommitted changes"  # the tree that ran is not that commit's
-    return {
-        "device": device or platform.processor() or platform.machine(),
-        "accelerator": accelerator,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "git_commit": commit or None,
-    }
+    return {**machine_record(device), "accelerator": accelerator}
 
 
 def _cells(row: dict[str, Any]) -> dict[str, Any]:

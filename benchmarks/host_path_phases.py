@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -128,10 +126,6 @@ def _windowing(phases: WallPhases, cb: Any, windows: list[dict[str, Any]]) -> An
     return Windows()
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def callback_fit(floor: argparse.Namespace, device: str, skip: int, logs: int = 0) -> dict[str, Any]:
     """One floor fit with the callback, its replayed steps split into phases (ms, medians); the step
     logs its loss `logs` times (``self.log(..., prog_bar=True)``, as ``bench_host_overhead``'s log cost)."""
@@ -161,12 +155,12 @@ def callback_fit(floor: argparse.Namespace, device: str, skip: int, logs: int = 
     if not replayed:
         raise RuntimeError("no replayed step after the skipped ones: give more --steps")
     names = sorted({name for w in replayed for name in w["phases"]})
-    per_phase = {name: _median([w["phases"].get(name, 0.0) * 1e3 for w in replayed]) for name in names}
-    per_phase[REST] = _median([(w["total"] - sum(w["phases"].values())) * 1e3 for w in replayed])
+    per_phase = {name: bho._median([w["phases"].get(name, 0.0) * 1e3 for w in replayed]) for name in names}
+    per_phase[REST] = bho._median([(w["total"] - sum(w["phases"].values())) * 1e3 for w in replayed])
     return {
-        "step_ms": _median([w["total"] * 1e3 for w in replayed]),
+        "step_ms": bho._median([w["total"] * 1e3 for w in replayed]),
         "phases_ms": per_phase,
-        "wrapped_calls_per_step": _median([w["calls"] for w in replayed]),
+        "wrapped_calls_per_step": bho._median([w["calls"] for w in replayed]),
         "replayed_steps": len(replayed),
         "replay_checks": (summary.get("replay_check") or {}).get("checks"),
     }
@@ -223,28 +217,28 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
     wrapper_s = wrapper_cost_s()
     phase_names = sorted({name for r in rounds for name in r["phases_ms"]})
     medians = {
-        "lightning_bare_ms": _median([r["lightning_bare_ms"] for r in rounds]),
-        "callback_step_ms": _median([r["step_ms"] for r in rounds]),
-        "phases_ms": {name: _median([r["phases_ms"].get(name, 0.0) for r in rounds]) for name in phase_names},
-        "wrapped_calls_per_step": _median([r["wrapped_calls_per_step"] for r in rounds]),
+        "lightning_bare_ms": bho._median([r["lightning_bare_ms"] for r in rounds]),
+        "callback_step_ms": bho._median([r["step_ms"] for r in rounds]),
+        "phases_ms": {
+            name: bho._median([r["phases_ms"].get(name, 0.0) for r in rounds]) for name in phase_names
+        },
+        "wrapped_calls_per_step": bho._median([r["wrapped_calls_per_step"] for r in rounds]),
     }
     wrappers_ms = wrapper_s * 1e3 * medians["wrapped_calls_per_step"]
     per_log: dict[str, Any] | None = None
     if args.logs:
         logged = [r["with_logs"] for r in rounds]
         names = sorted(set(phase_names) | {name for r in logged for name in r["phases_ms"]})
-        with_logs = {name: _median([r["phases_ms"].get(name, 0.0) for r in logged]) for name in names}
+        with_logs = {name: bho._median([r["phases_ms"].get(name, 0.0) for r in logged]) for name in names}
         per_log = {
             "logs": args.logs,
-            "step_ms": (_median([r["step_ms"] for r in logged]) - medians["callback_step_ms"]) / args.logs,
+            "step_ms": (bho._median([r["step_ms"] for r in logged]) - medians["callback_step_ms"])
+            / args.logs,
             "phases_ms": {
                 name: (with_logs[name] - medians["phases_ms"].get(name, 0.0)) / args.logs for name in names
             },
         }
     result = {
-        "device": torch.cuda.get_device_name(0)
-        if args.device == "cuda"
-        else (platform.processor() or platform.machine()),
         "medians": medians,
         "wrapper_ms_per_call": wrapper_s * 1e3,
         "wrappers_ms_per_step": wrappers_ms,
@@ -254,7 +248,7 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         "per_log": per_log,
         "rounds": rounds,
         "steps": args.steps,
-        "machine": machine_record(),
+        "machine": machine_record(torch.cuda.get_device_name(0) if args.device == "cuda" else None),
         "command": " ".join(
             shlex.quote(a)
             for a in [
