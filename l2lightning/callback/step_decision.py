@@ -13,7 +13,7 @@ from collections import deque
 from typing import Any
 
 from l2lightning.graph.accumulation import accumulation_of
-from l2lightning.graph.capture import flatten_batch, read_signature
+from l2lightning.graph.capture import read_batch
 from l2lightning.guards import numerics_settings, python_state
 from l2lightning.guards.compiled_calls import partial_arguments
 from l2lightning.guards.module_flags import ModuleFlags
@@ -106,13 +106,10 @@ class StepDecision:
         if self.eager_steps is not None and self.eager_steps(trainer, batch_idx):
             self._count_fallback("`eager_steps` asked for it")
             return "eager"
-        tensors, spec = flatten_batch(batch)
-        self._pending_tensors = tensors  # a replay copies them into the static batch
         # values in parts of the batch the step never reads (file names, ids) may change
-        key = (
-            (self._source.branch_key(module, batch_idx), accumulation),
-            read_signature(batch, tensors, spec, self._batch_reads),
-        )
+        tensors, signature = read_batch(batch, self._batch_reads)
+        self._pending_tensors = tensors  # a replay copies them into the static batch
+        key = ((self._source.branch_key(module, batch_idx), accumulation), signature)
         self._pending_key = key
         graph = self._graph
         if graph is None:
