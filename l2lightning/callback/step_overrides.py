@@ -204,11 +204,12 @@ class StepOverrides:
 
     def _reissue(self, fx: str) -> None:
         """Call the real ``self.log`` for each call recorded in hook `fx` at capture, with this replay's values."""
-        if fx in self._reissued:
+        calls = self._graph.log_calls
+        if not calls or fx in self._reissued:  # most steps log nothing from most hooks
             return
         self._reissued.add(fx)
         results = getattr(self._module._trainer, "_results", None)  # the same for every call of the hook
-        for call in self._graph.log_calls:
+        for call in calls:
             if call.fx != fx:
                 continue
             if isinstance(call, ReissuedSchedulerStep):  # a manual step's LR scheduler, in the step's order
