@@ -938,13 +938,7 @@ class L2GraphCallback(
         if self.compile and not self._compiled_children:
             self._prepare_compiled(pl_module, batch)
 
-    # ------------------------------------------------------------------ the optimizer step
-
-    # ------------------------------------------------------------------ capture
-
-    # ------------------------------------------------------------------ replay
-
-    # ------------------------------------------------------------------ the overridden LightningModule hooks
+    # ------------------------------------------------------------------ device and timing events
 
     @staticmethod
     def _events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -955,14 +949,6 @@ class L2GraphCallback(
 
     def _device_type(self) -> str:
         return self._device().type
-
-    # ------------------------------------------------------------------ logging through replays
-
-    # ------------------------------------------------------------------ prefetch, compile
-
-    # ------------------------------------------------------------------ the whole-step gate
-
-    # ------------------------------------------------------------------ verify
 
     # ------------------------------------------------------------------ checkpoints and metrics
     @override
