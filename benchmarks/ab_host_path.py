@@ -33,9 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -216,6 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {"A": str(Path(args.a).resolve()), "B": str(Path(args.b).resolve())}
+    # The fits' own logger files (the packaged trainers' CSV logs) are no result: kept out of --out,
+    # whose few files a run brings back (hundreds of log files beside them were once too many to)
+    logs = Path(tempfile.mkdtemp(prefix="ab_host_path_logs_"))
+    try:
+        return _run_pairs(args, trees, logs)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def _run_pairs(args: argparse.Namespace, trees: dict[str, str], logs: Path) -> int:
+    """Every family's fits, in alternating pairs, each in a process of its own."""
     fits: list[dict] = []
     for family in [f for f in args.families.split(",") if f]:
         for pair in range(args.pairs):
@@ -236,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--helpers",
                     trees["B"],
                     "--log-dir",
-                    str(args.out / "logs" / f"{family}_{name}_{pair}"),
+                    str(logs / f"{family}_{name}_{pair}"),
                 ] + (["--emulate"] if args.emulate else [])
                 time.sleep(args.pause)
                 env = dict(os.environ)

@@ -91,3 +91,5 @@ def test_one_emulated_pair_runs_each_tree_in_its_own_process(tmp_path):
         assert fit["l2lightning"].startswith(str(ROOT))
     summary = result["summary"]["mlp_stack"]
     assert len(summary["ratio_B_over_A_per_pair"]) == 1 and summary["ratio_B_over_A_median"] > 0
+    # the fits' logger files stay out of --out: its files are the run's results alone
+    assert sorted(p.name for p in out.iterdir()) == ["ab_host_path.json"]
