@@ -9,7 +9,8 @@ batch 1, its loader and Trainer: no logger, no progress bar):
 - **callback**: the floor's module with ``L2GraphCallback(prefetch="off", log_timing=False)``, whose
   replayed steps are split into phases by wall-clock wrappers around the callback's own functions
   (``wall_phases.py``; each phase exclusive of the phases inside it): the step decision, the batch's
-  copy into the graph's inputs, the replay's launch, CUDA events, the graph's ``replay()``, the replay
+  copy into the graph's inputs, the replay's launch, the callback's CUDA events (the benchmark's own
+  step-timer marks are a phase apart, ``step_timer_marks``: the bare fit makes them too), the graph's ``replay()``, the replay
   closure, the installed ``training_step`` and its log re-issue, Lightning's ``ClosureResult`` (its
   loss clone), the rest of the callback's step path, the callback's own Lightning hooks, the progress
   bar's deferred reads; and ``lightning_and_rest``, the step's wall time (one ``on_train_batch_start``
@@ -50,6 +51,8 @@ from run_record import machine_record  # noqa: E402 -- after the path
 from wall_phases import WallPhases, undo_all, wrapper_cost_s  # noqa: E402
 
 REST = "lightning_and_rest"
+# the benchmark's own step timer (a mark at each step's start and end), in the bare fit as well
+STEP_TIMER = "step_timer_marks"
 
 
 def _wrap_callback_path(phases: WallPhases, undo: list, device: str) -> None:
@@ -64,6 +67,7 @@ def _wrap_callback_path(phases: WallPhases, undo: list, device: str) -> None:
     from l2lightning.callback.step_overrides import StepOverrides
     from l2lightning.graph import capture, replay_closure
     from l2lightning.guards import progress_bar_reads
+    from l2lightning.step_timer import StepTimer
 
     targets: list[tuple[object, str, str]] = [
         (StepDecision, "_decide", "decide"),
@@ -79,8 +83,10 @@ def _wrap_callback_path(phases: WallPhases, undo: list, device: str) -> None:
         (torch.cuda.CUDAGraph, "replay", "graph_replay"),
     ]
     if device == "cuda":
-        targets.append((torch.cuda.Event, "record", "cuda_events"))
         targets.append((L2GraphCallback, "_events", "cuda_events"))
+        # the step timer's own event (one per step, the bare fit records it too) apart from the callback's
+        phases.wrap(torch.cuda.Event, "record", "cuda_events", undo, outside=STEP_TIMER)
+    phases.wrap(StepTimer, "_mark", STEP_TIMER, undo)
     # the callback's own Lightning hooks (each one Lightning calls per step)
     hooks = [name for name in vars(L2GraphCallback) if name.startswith("on_") and hasattr(Callback, name)]
     targets += [(L2GraphCallback, name, "callback_hooks") for name in hooks]

@@ -36,15 +36,19 @@ class WallPhases:
     def close_window(self) -> None:
         self.active = False
 
-    def wrap(self, owner: object, name: str, phase: str, undo: list) -> None:
+    def wrap(self, owner: object, name: str, phase: str, undo: list, outside: str | None = None) -> None:
         """Replace `owner.name` by a wrapper timing it as `phase`, recording in `undo` what to put back
         (:func:`undo_all`). The wrapper is a plain function (no context-manager object per call): its
-        own cost is what :func:`wrapper_cost_s` measures."""
+        own cost is what :func:`wrapper_cost_s` measures. `outside`: a call made while that phase is
+        the innermost open one is no phase of its own, its time stays that phase's (a CUDA event the
+        benchmark's own step timer records is the timer's, not the callback's)."""
         original = getattr(owner, name)
         raw = vars(owner).get(name, original) if isinstance(owner, type) else original
-        enter, leave = self._enter, self._leave
+        enter, leave, stack = self._enter, self._leave, self.stack
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if outside is not None and stack and stack[-1][0] == outside:
+                return original(*args, **kwargs)
             entry = enter(phase)
             if entry is None:
                 return original(*args, **kwargs)

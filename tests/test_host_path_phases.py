@@ -47,6 +47,23 @@ def test_phases_are_exclusive_of_the_phases_inside_them_and_are_undone():
     assert wall.wrapper_cost_s(calls=200) >= 0.0
 
 
+def test_a_call_inside_its_outside_phase_stays_that_phases_time():
+    """The CUDA event a step timer records is the timer's time; one recorded elsewhere is a phase."""
+    wall = load_benchmark("wall_phases")
+    phases, undo = wall.WallPhases(), []
+    phases.wrap(_Owner, "inner", "inner", undo, outside="outer")
+    phases.wrap(_Owner, "outer", "outer", undo)
+    phases.open_window()
+    _Owner().outer()  # inner runs inside outer: outer's own time
+    phases.close_window()
+    phases.open_window()
+    _Owner().inner()  # inner on its own: a phase
+    phases.close_window()
+    wall.undo_all(undo)
+    assert set(phases.windows[0]) == {"outer"} and phases.windows[0]["outer"] >= 0.02
+    assert set(phases.windows[1]) == {"inner"} and phases.windows[1]["inner"] >= 0.02
+
+
 def test_the_emulated_floor_is_split_into_the_callbacks_phases(tmp_path, monkeypatch):
     from l2lightning.callback.step_decision import StepDecision
 
@@ -56,7 +73,9 @@ def test_the_emulated_floor_is_split_into_the_callbacks_phases(tmp_path, monkeyp
     assert StepDecision._decide is decide  # every wrapper undone
     result = json.loads((tmp_path / "host_path_phases_cpu.json").read_text())
     phases = result["medians"]["phases_ms"]
-    assert {"decide", "launch_replay", "batch_copy", "replay_closure", script.REST} <= set(phases)
+    assert {"decide", "launch_replay", "batch_copy", "replay_closure", script.STEP_TIMER, script.REST} <= set(
+        phases
+    )
     assert all(v >= 0 for k, v in phases.items() if k != script.REST)
     (round_,) = result["rounds"]
     assert round_["replayed_steps"] > 0 and round_["lightning_bare_ms"] > 0
