@@ -376,6 +376,56 @@ def fit_bare(args: argparse.Namespace) -> float | None:
     return _median(_step_ms(timer, SKIP, args.steps))
 
 
+def _automatic_module(device: Any) -> Any:
+    """A LightningModule on Lightning's automatic-optimization path with the step's own work taken
+    out through documented hooks: ``training_step`` returns a tensor it holds, ``backward`` and
+    ``optimizer_zero_grad`` do nothing, and its optimizer's ``step`` only runs the closure. Lightning's
+    default ``optimizer_step`` stays, so the step goes through what a plain fit's does (the
+    ``LightningOptimizer``, the strategy and precision plugin, the closure and its hooks,
+    ``ClosureResult`` with its loss division and clone), which the bare loop's manual step skips."""
+    import lightning.pytorch as pl
+    import torch
+
+    class ClosureOnly(torch.optim.Optimizer):
+        """An optimizer whose step runs the closure and updates nothing."""
+
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {})
+
+        def step(self, closure: Any = None) -> Any:
+            return closure() if closure is not None else None
+
+    class AutomaticModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(1, 1)
+            self.register_buffer("loss_value", torch.zeros(()))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.loss_value
+
+        def backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            return None
+
+        def configure_optimizers(self) -> Any:
+            return ClosureOnly(self.parameters())
+
+    return AutomaticModule().to(device)
+
+
+def fit_automatic(args: argparse.Namespace) -> float | None:
+    """Plain Lightning's ``Trainer.fit`` step on the automatic-optimization path with no work in the
+    step (:func:`_automatic_module`), on the floor's loader and Trainer: ``lightning_automatic_ms``.
+    Between it and ``lightning_bare_ms`` lies Lightning's own automatic optimization, which the
+    callback keeps (one Lightning iteration per optimizer step, its hooks as in plain Lightning);
+    between ``floor_ms`` and it, the callback's own step path."""
+    timer = _fit_on_floor_loader(args, _automatic_module(_floor_device(args)), [])
+    return _median(_step_ms(timer, SKIP, args.steps))
+
+
 def log_cost(args: argparse.Namespace) -> dict[str, Any]:
     """Per-``self.log`` cost per step, plain Lightning and with the callback: (t(k logs) - t(0)) / k.
 

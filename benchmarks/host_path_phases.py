@@ -1,11 +1,16 @@
 """Where the host time of a replayed ``Trainer.fit`` step goes, by the code that spends it: the split
 of issue 37's ``floor_ms - lightning_bare_ms`` that a profiler cannot give without inflating it.
 
-In one process, ``--rounds`` rounds of two fits on ``bench_host_overhead.py``'s floor (a 1->1 Linear,
+In one process, ``--rounds`` rounds of three fits on ``bench_host_overhead.py``'s floor (a 1->1 Linear,
 batch 1, its loader and Trainer: no logger, no progress bar):
 
 - **bare**: plain Lightning with a step that does nothing (``bench_host_overhead.fit_bare``); its
   per-step wall time (``StepTimer``) is ``lightning_bare_ms``;
+- **automatic**: plain Lightning on the automatic-optimization path with the step's work taken out
+  through documented hooks (``bench_host_overhead.fit_automatic``: ``training_step`` returns a tensor
+  it holds, ``backward`` and ``optimizer_zero_grad`` do nothing, ``optimizer_step`` only runs the
+  closure): ``lightning_automatic_ms``. Between it and bare lies Lightning's automatic optimization,
+  which the callback keeps by contract; between the callback's step and it, the callback's own path;
 - **callback**: the floor's module with ``L2GraphCallback(prefetch="off", log_timing=False)``, whose
   replayed steps are split into phases by wall-clock wrappers around the callback's own functions
   (``wall_phases.py``; each phase exclusive of the phases inside it): the step decision, the batch's
@@ -180,7 +185,10 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds of the bare and the callback fit (default 3)"
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of the bare, the automatic and the callback fit (default 3)",
     )
     parser.add_argument("--steps", type=int, default=300, help="timed steps per fit (default 300)")
     parser.add_argument(
@@ -214,7 +222,12 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         with bho._quiet_progress(True):
             for _ in range(args.rounds):
                 bare = bho.fit_bare(floor)
-                row = {"lightning_bare_ms": bare, **callback_fit(floor, args.device, bho.SKIP)}
+                automatic = bho.fit_automatic(floor)
+                row = {
+                    "lightning_bare_ms": bare,
+                    "lightning_automatic_ms": automatic,
+                    **callback_fit(floor, args.device, bho.SKIP),
+                }
                 if args.logs:
                     row["with_logs"] = callback_fit(floor, args.device, bho.SKIP, args.logs)
                 rounds.append(row)
@@ -224,6 +237,7 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
     phase_names = sorted({name for r in rounds for name in r["phases_ms"]})
     medians = {
         "lightning_bare_ms": bho._median([r["lightning_bare_ms"] for r in rounds]),
+        "lightning_automatic_ms": bho._median([r["lightning_automatic_ms"] for r in rounds]),
         "callback_step_ms": bho._median([r["step_ms"] for r in rounds]),
         "phases_ms": {
             name: bho._median([r["phases_ms"].get(name, 0.0) for r in rounds]) for name in phase_names
@@ -251,6 +265,12 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         "callback_step_minus_wrappers_minus_bare_ms": medians["callback_step_ms"]
         - wrappers_ms
         - medians["lightning_bare_ms"],
+        # the two parts of that difference: Lightning's automatic optimization, which the callback
+        # keeps by contract, and the callback's own step path
+        "lightning_automatic_minus_bare_ms": medians["lightning_automatic_ms"] - medians["lightning_bare_ms"],
+        "callback_step_minus_wrappers_minus_automatic_ms": medians["callback_step_ms"]
+        - wrappers_ms
+        - medians["lightning_automatic_ms"],
         "per_log": per_log,
         "rounds": rounds,
         "steps": args.steps,
@@ -272,7 +292,13 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         print(f"{name:28s} {value:.4f}")
     print(
         f"callback step {medians['callback_step_ms']:.4f} ms, bare {medians['lightning_bare_ms']:.4f} ms, "
+        f"automatic {medians['lightning_automatic_ms']:.4f} ms, "
         f"wrappers {wrappers_ms:.4f} ms ({medians['wrapped_calls_per_step']:.0f} calls)"
+    )
+    print(
+        f"callback - wrappers - bare {result['callback_step_minus_wrappers_minus_bare_ms']:.4f} ms = "
+        f"Lightning's automatic optimization {result['lightning_automatic_minus_bare_ms']:.4f} + "
+        f"the callback's own {result['callback_step_minus_wrappers_minus_automatic_ms']:.4f}"
     )
     if per_log is not None:
         print(f"per logged value ({args.logs} per step): step {per_log['step_ms']:.4f} ms")

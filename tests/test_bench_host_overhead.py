@@ -157,3 +157,40 @@ def test_bare_fit_runs_lightning_loop_without_any_step_work(monkeypatch) -> None
     assert module.automatic_optimization is False
     assert module.trainer.fit_loop.epoch_loop.batch_progress.total.completed == bho.SKIP + args.steps + 1
     assert torch.equal(module.net.weight, weight)  # never stepped
+
+
+def test_automatic_fit_goes_through_lightnings_automatic_path_without_updating(monkeypatch) -> None:
+    """fit_automatic's module is on the automatic path: Lightning's default optimizer_step runs its
+    optimizer's step, the closure and its hooks at every step (on_before_optimizer_step and
+    on_before_zero_grad fire, the loss is cloned into Lightning's result), and no parameter moves."""
+    from lightning.pytorch import Callback
+
+    bho = _load()
+    args = bho.parse_args(["--out", "unused", "--smoke", "--steps", "4"])
+    args.accelerator = "cpu"
+    module = bho._automatic_module("cpu")
+    weight = module.net.weight.detach().clone()
+    calls: dict[str, int] = {"on_before_optimizer_step": 0, "on_before_zero_grad": 0, "steps": 0}
+
+    class Count(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            calls["on_before_optimizer_step"] += 1
+
+        def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+            calls["on_before_zero_grad"] += 1
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            # Lightning's ClosureResult: a clone of the loss, not the module's buffer
+            assert outputs["loss"] is not pl_module.loss_value
+            calls["steps"] += 1
+
+    fit = bho._fit_on_floor_loader
+    monkeypatch.setattr(bho, "_fit_on_floor_loader", lambda a, m, cbs: fit(a, m, [*cbs, Count()]))
+    monkeypatch.setattr(bho, "_automatic_module", lambda device: module)
+    ms = bho.fit_automatic(args)
+    total = bho.SKIP + args.steps + 1
+    assert ms is not None and ms > 0
+    assert module.automatic_optimization is True
+    assert calls == {"on_before_optimizer_step": total, "on_before_zero_grad": total, "steps": total}
+    assert module.trainer.global_step == total  # each step counted as an optimizer step
+    assert torch.equal(module.net.weight, weight)  # never updated

@@ -72,7 +72,13 @@ def test_the_emulated_floor_is_split_into_the_callbacks_phases(tmp_path, monkeyp
     assert script.main(["--out", str(tmp_path), "--rounds", "1", "--steps", "30"], monkeypatch.setattr) == 0
     assert StepDecision._decide is decide  # every wrapper undone
     result = json.loads((tmp_path / "host_path_phases_cpu.json").read_text())
-    phases = result["medians"]["phases_ms"]
+    medians = result["medians"]
+    assert medians["lightning_automatic_ms"] > 0 and medians["lightning_bare_ms"] > 0
+    # the callback's step less the wrappers is Lightning's automatic optimization and the callback's own
+    assert result["lightning_automatic_minus_bare_ms"] + result[
+        "callback_step_minus_wrappers_minus_automatic_ms"
+    ] == pytest.approx(result["callback_step_minus_wrappers_minus_bare_ms"])
+    phases = medians["phases_ms"]
     assert {"decide", "launch_replay", "batch_copy", "replay_closure", script.STEP_TIMER, script.REST} <= set(
         phases
     )
