@@ -114,7 +114,7 @@ def _windowing(phases: WallPhases, cb: Any, windows: list[dict[str, Any]]) -> An
             if self.started is None:
                 return
             phases.close_window()
-            replays = cb._timing.graph_count
+            replays = cb._fit_report.timing.graph_count
             windows.append(
                 {
                     "total": time.perf_counter() - self.started,

@@ -1,12 +1,15 @@
-"""What a fit with the callback reports: verify, the l2/* metrics, the step report.
+"""What a fit with the callback reports: the step times, the l2/* metrics, the step report.
 
-A mixin of :class:`l2lightning.callback.graph_callback.L2GraphCallback`: its methods use the callback's run state
-(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+:class:`FitReport` is a part the callback holds (``L2GraphCallback._fit_report``), not a mixin: the state
+it keeps is declared in its ``__init__`` (the CUDA-event pairs of timed steps, whether the metrics
+went out, the captured step's phase events, kernel counts and report), and what it needs of the fit
+(the Trainer, the module, the metrics, the capture's device and tuning report) comes in as
+arguments. The metrics themselves are the callback's (``L2GraphCallback._timing_metrics``: a view of
+its ``summary()``).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -15,12 +18,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.utilities import rank_zero_info
-
-from l2lightning.graph.capture import TrainingState, loss_of
-from l2lightning.guards.metric_binding import (
-    MetricBinding,
-)
 
 # Timed replays whose events must have completed before the l2/* metrics are first logged.
 TIMED_REPLAYS_BEFORE_LOG = 5
@@ -59,114 +56,54 @@ class _Timing:
 
 
 class FitReport:
-    """What a fit with the callback reports: verify, the l2/* metrics, the step report."""
+    """The step times a fit measured, the l2/* metrics it logs, and the captured step's report."""
 
-    def _verify_eager(
-        self, run: Callable[..., Any], closure: Any, kwargs: dict, binding: MetricBinding | None
-    ) -> Any:
-        """The capture step run eagerly from the same state, recorded, then undone."""
-        from l2lightning.verify import StepRecord, gradients, parameters
+    def __init__(self, report: bool) -> None:
+        """`report`: the callback's ``report`` argument (the captured step's phase report, on a GPU)."""
+        from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
 
-        module = self._module
-        saved = TrainingState.save(
-            module, self._optimizer.optimizer, binding.state_tensors() if binding else ()
-        )
-        saved_metrics = binding.python_state() if binding else {}
-        self._mode = "verify"
-        self._step_output = None
-        try:
-            # On the capture's stream (the caller's _on_step_stream): Lightning's closure keeps this
-            # step's loss, and with it each parameter's AccumulateGrad node, alive into the capture;
-            # a node bound to another stream aborts the capture (seen on the H200 when verify=True
-            # ran as the first capture of a process).
-            run(closure, **kwargs)
-            if self._step_output is None:
-                return None  # training_step returned None: the capture defers, nothing to compare
-            loss = loss_of(self._step_output, "training_step")
-            record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
-            self._step_output = None
-        finally:
-            self._mode = "eager"
-        torch.cuda.synchronize()
-        saved.restore(self._optimizer.optimizer)
-        if binding is not None:
-            binding.rebind()
-            binding.restore_python_state(saved_metrics)
-        module.zero_grad(set_to_none=True)
-        return record
+        self.timing = _Timing()  # CUDA-event pairs of eager and replayed steps
+        self.timing_logged = False  # the l2/* metrics went out once the first replays were timed
+        self.phase_events: Any = PhaseEvents() if report and torch.cuda.is_available() else _NoPhaseEvents()
+        self.kernel_counter = PhaseKernelCounter()
+        self.step_report: Any = None
 
-    def _finish_verify(self, eager_record: Any) -> None:
-        from l2lightning.verify import EquivalenceError, StepRecord, compare_steps, gradients, parameters
+    @staticmethod
+    def logs_to(trainer: Trainer, enabled: bool) -> bool:
+        """Whether this process logs the l2/* metrics: `enabled` (``log_timing`` and a fit under way),
+        rank zero, and a logger to log to."""
+        return bool(enabled and trainer.is_global_zero and trainer.loggers)
 
-        if eager_record is None:
-            return
-        module = self._module
-        loss = loss_of(self._graph.output, "training_step")
-        graph_record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
-        report = compare_steps(graph_record, eager_record, "captured step vs eager step")
-        self.verify_report = report
-        rank_zero_info(f"L2GraphCallback verify: {report}")
-        for logger in module.trainer.loggers:
-            logger.log_metrics({"l2/verify_ok": float(report.ok)}, step=int(self._trainer.global_step))
-        if not report.ok:
-            raise EquivalenceError(report)
-
-    def _logs_timing(self, trainer: Trainer) -> bool:
-        return bool(
-            self.log_timing and self._module is not None and trainer.is_global_zero and trainer.loggers
-        )
-
-    def _log_timing_once_known(self, trainer: Trainer) -> None:
+    def log_once_known(
+        self, trainer: Trainer, enabled: bool, metrics: Callable[[], dict[str, float]]
+    ) -> None:
         """Log the l2/* metrics as soon as a captured run has timed replays, once per fit.
 
         Only when the first ``TIMED_REPLAYS_BEFORE_LOG`` timed replays have completed (``query``, no
         host sync), so the step path never waits for the device; until then each batch end checks
         again. Not the latest replay: a host that runs ahead of the device (no sync per step) would
         find it pending at every batch end (seen on the H200: logged only at the epoch's end).
+        `enabled`: ``log_timing``, a fit under way and a graph captured (the callback's to say).
         """
-        if self._timing_logged or self._graph is None or not self._logs_timing(trainer):
+        if self.timing_logged or not self.logs_to(trainer, enabled):
             return
-        replays = self._timing.graph
+        replays = self.timing.graph
         if len(replays) < TIMED_REPLAYS_BEFORE_LOG or not replays[TIMED_REPLAYS_BEFORE_LOG - 1][1].query():
             return
-        self._timing_logged = True
-        self._emit_timing(trainer)
+        self.timing_logged = True
+        self.emit(trainer, metrics())
 
-    def _log_timing(self, trainer: Trainer) -> None:
-        """Epoch end: wait for the device, then log the l2/* metrics over the steps timed so far."""
-        if not self._logs_timing(trainer):
+    def log_at_epoch_end(
+        self, trainer: Trainer, enabled: bool, metrics: Callable[[], dict[str, float]]
+    ) -> None:
+        """Wait for the device, then log the l2/* metrics over the steps timed so far."""
+        if not self.logs_to(trainer, enabled):
             return
         torch.cuda.synchronize()
-        self._emit_timing(trainer)
+        self.emit(trainer, metrics())
 
-    def _timing_metrics(self) -> dict[str, float]:
-        """The l2/* metrics, all from one ``summary()``: floats, non-finite or unknown ones left out."""
-        summary = self.summary()
-        metrics = {
-            f"l2/{key}": float(summary[key])
-            for key in (
-                "eager_step_ms",
-                "graph_step_ms",
-                "replay_speedup",
-                "graph_pool_mib",
-                "tuning_s",
-                "capture_s",
-                "compile_s",
-                "recapture_s",
-            )
-            if summary[key] is not None and math.isfinite(float(summary[key]))
-        }
-        prefetched = [row for row in self.plans if row.get("forward") or row.get("backward")]
-        metrics["l2/prefetch_layers"] = float(len(prefetched))
-        metrics["l2/prefetch_mib"] = float(sum(float(row.get("mib") or 0.0) for row in prefetched))
-        metrics["l2/fallback_steps"] = float(self.fallback_steps)
-        gate = self._gate_result
-        if gate is not None and gate.gain is not None and math.isfinite(gate.gain.mean):
-            metrics["l2/prefetch_gate_gain"] = float(gate.gain.mean)
-        return metrics
-
-    def _emit_timing(self, trainer: Trainer) -> None:
-        metrics = self._timing_metrics()
+    @staticmethod
+    def emit(trainer: Trainer, metrics: dict[str, float]) -> None:
         # The step Lightning logs this batch's own metrics at (as DeviceStatsMonitor and
         # LearningRateMonitor do): global_step is already one ahead in on_train_batch_end, and
         # loggers such as W&B drop rows whose step goes back.
@@ -177,31 +114,32 @@ class FitReport:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
-    def _build_step_report(self) -> None:
+    def build_step_report(self, module: Any, device: torch.device, tuning_report: Any) -> None:
+        """The captured step's report from its phase events and kernel counts (None without events)."""
         from l2lightning.step_report import build_report, measure_ceilings
 
-        times = self._phase_events.phase_times_us()
+        times = self.phase_events.phase_times_us()
         if times is None:
             return
-        device = self._device()
         copy_bw, empty_us = measure_ceilings(device.index or 0)
         self.step_report = build_report(
-            self._module,
+            module,
             times,
-            self._kernel_counter.counts,
+            self.kernel_counter.counts,
             copy_bw,
             empty_us,
-            self._tuning_report,
-            label=f"{type(self._module).__name__}, captured step",
+            tuning_report,
+            label=f"{type(module).__name__}, captured step",
         )
 
-    def _report_text(self) -> str:
-        lines = ["L2GraphCallback step report", f"  captured at step {self.capture_step}"]
+    def text(self, capture_step: int | None, tuning_report: Any, plans: list[dict[str, Any]]) -> str:
+        """The step report as the callback prints it after a capture with ``report=True``."""
+        lines = ["L2GraphCallback step report", f"  captured at step {capture_step}"]
         if self.step_report is not None:
             lines.append(self.step_report.format())
-        if self._tuning_report is not None and hasattr(self._tuning_report, "table"):
-            lines.append(self._tuning_report.table())
-        for row in self.plans:
+        if tuning_report is not None and hasattr(tuning_report, "table"):
+            lines.append(tuning_report.table())
+        for row in plans:
             lines.append(
                 f"  {row['layer']:<40} {row['mib']:>8.2f} MiB  fwd {row['forward']}  bwd {row['backward']}"
             )

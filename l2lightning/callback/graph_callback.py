@@ -41,6 +41,7 @@ RNG (the CUDA generator included) and process as a plain fit would have them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +54,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason
-from l2lightning.callback.fit_report import FitReport, _NoPhaseEvents, _Timing
+from l2lightning.callback.fit_report import FitReport
 from l2lightning.callback.prefetch_setup import PrefetchSetup
 from l2lightning.callback.step_capture import StepCapture, _Graph
 from l2lightning.callback.step_decision import StepDecision
@@ -130,7 +131,7 @@ def _stale_read(what: str, lines: list[str], changes: str, kept: str, advice: st
 
 
 class L2GraphCallback(
-    StepDispatch, StepDecision, StepCapture, WarmupSteps, StepOverrides, PrefetchSetup, FitReport, Callback
+    StepDispatch, StepDecision, StepCapture, WarmupSteps, StepOverrides, PrefetchSetup, Callback
 ):
     """Capture the whole training step (forward, loss, backward, optimizer step) in one CUDA graph.
 
@@ -420,9 +421,7 @@ class L2GraphCallback(
         self._hook_owners: list[Any] = []
         self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
         self._hooks: Any = None
-        self._timing = _Timing()
         self._pool_mib: float | None = None
-        self._timing_logged = False
         self._tuning_report: Any = None
         self._step_output: Any = None
         self._captured = False
@@ -448,11 +447,8 @@ class L2GraphCallback(
         self._gate_turn: str | None = None
         self._gate_capturing = False
         self._gate_result: StepGateResult | None = None
-        from l2lightning.step_report import PhaseEvents, PhaseKernelCounter
-
-        self._phase_events = PhaseEvents() if self.report and torch.cuda.is_available() else _NoPhaseEvents()
-        self._kernel_counter = PhaseKernelCounter()
-        self.step_report: Any = None
+        # the step times, the l2/* metrics and the captured step's report (a part: its state is its own)
+        self._fit_report = FitReport(self.report)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -470,10 +466,46 @@ class L2GraphCallback(
         # uninterrupted fit did (on_train_start switches the optimizer before the first step)
         self._resumed_capturable_from = state_dict.get("capturable_from_step")
 
+    @property
+    def step_report(self) -> Any:
+        """The captured step's phase report (``report=True`` on a GPU), or None."""
+        return self._fit_report.step_report
+
+    def _logs_timing(self) -> bool:
+        """``log_timing`` asked for the l2/* metrics and a fit is under way."""
+        return bool(self.log_timing and self._module is not None)
+
+    def _timing_metrics(self) -> dict[str, float]:
+        """The l2/* metrics the fit's report logs, all from one ``summary()``: floats, non-finite or unknown
+        ones left out."""
+        summary = self.summary()
+        metrics = {
+            f"l2/{key}": float(summary[key])
+            for key in (
+                "eager_step_ms",
+                "graph_step_ms",
+                "replay_speedup",
+                "graph_pool_mib",
+                "tuning_s",
+                "capture_s",
+                "compile_s",
+                "recapture_s",
+            )
+            if summary[key] is not None and math.isfinite(float(summary[key]))
+        }
+        prefetched = [row for row in self.plans if row.get("forward") or row.get("backward")]
+        metrics["l2/prefetch_layers"] = float(len(prefetched))
+        metrics["l2/prefetch_mib"] = float(sum(float(row.get("mib") or 0.0) for row in prefetched))
+        metrics["l2/fallback_steps"] = float(self.fallback_steps)
+        gate = self._gate_result
+        if gate is not None and gate.gain is not None and math.isfinite(gate.gain.mean):
+            metrics["l2/prefetch_gate_gain"] = float(gate.gain.mean)
+        return metrics
+
     def summary(self) -> dict[str, Any]:
         """What happened in the last fit: captured or not (and why), timings, plans, verify verdict."""
-        eager_ms = self._timing.eager_ms()
-        graph_ms = self._timing.graph_ms()
+        eager_ms = self._fit_report.timing.eager_ms()
+        graph_ms = self._fit_report.timing.graph_ms()
         return {
             "captured": self._captured,
             "reason": self.disabled_reason,
@@ -971,11 +1003,14 @@ class L2GraphCallback(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._mode = "eager"
-        self._log_timing_once_known(trainer)
+        # as soon as a captured graph's first replays are timed; at each epoch's end again
+        self._fit_report.log_once_known(
+            trainer, self._logs_timing() and self._graph is not None, self._timing_metrics
+        )
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._log_timing(trainer)
+        self._fit_report.log_at_epoch_end(trainer, self._logs_timing(), self._timing_metrics)
 
     # ------------------------------------------------------------------ the sampled replay check's events
     def _cuda_state_set(self, name: str) -> None:

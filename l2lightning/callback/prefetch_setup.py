@@ -177,7 +177,7 @@ class PrefetchSetup:
         self._pool_mib = self._pools_alive_mib(kept)  # the dropped graph's pool no longer counts
         if result.kept == "off":
             self._reject_prefetch()
-        self._timing.graph.clear()  # graph_step_ms: the kept graph's replays from here on
+        self._fit_report.timing.graph.clear()  # graph_step_ms: the kept graph's replays from here on
         del gate, dropped
         free_cached_memory()
         rank_zero_info(

@@ -21,7 +21,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from l2lightning.callback.step_gate import StepGateResult
 from l2lightning.callback.step_overrides import copied_element
 from l2lightning.graph.accumulation import AccumulatedGrads
-from l2lightning.graph.capture import StaticBatch, TrainingState, clear_cublas_workspaces, graph_capture
+from l2lightning.graph.capture import (
+    StaticBatch,
+    TrainingState,
+    clear_cublas_workspaces,
+    graph_capture,
+    loss_of,
+)
 from l2lightning.graph.carried_state import Carried, split_carried
 from l2lightning.graph.cuda_memory import free_cached_memory, memory_state
 from l2lightning.graph.operand_scalars import OperandScalars, substituting
@@ -131,6 +137,57 @@ class _Graph:
 
 class StepCapture:
     """The capture step: record the closure and the optimizer update in one graph, or undo everything."""
+
+    # ------------------------------------------------------------------ verify (verify=True)
+    def _verify_eager(
+        self, run: Callable[..., Any], closure: Any, kwargs: dict, binding: MetricBinding | None
+    ) -> Any:
+        """The capture step run eagerly from the same state, recorded, then undone."""
+        from l2lightning.verify import StepRecord, gradients, parameters
+
+        module = self._module
+        saved = TrainingState.save(
+            module, self._optimizer.optimizer, binding.state_tensors() if binding else ()
+        )
+        saved_metrics = binding.python_state() if binding else {}
+        self._mode = "verify"
+        self._step_output = None
+        try:
+            # On the capture's stream (the caller's _on_step_stream): Lightning's closure keeps this
+            # step's loss, and with it each parameter's AccumulateGrad node, alive into the capture;
+            # a node bound to another stream aborts the capture (seen on the H200 when verify=True
+            # ran as the first capture of a process).
+            run(closure, **kwargs)
+            if self._step_output is None:
+                return None  # training_step returned None: the capture defers, nothing to compare
+            loss = loss_of(self._step_output, "training_step")
+            record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
+            self._step_output = None
+        finally:
+            self._mode = "eager"
+        torch.cuda.synchronize()
+        saved.restore(self._optimizer.optimizer)
+        if binding is not None:
+            binding.rebind()
+            binding.restore_python_state(saved_metrics)
+        module.zero_grad(set_to_none=True)
+        return record
+
+    def _finish_verify(self, eager_record: Any) -> None:
+        from l2lightning.verify import EquivalenceError, StepRecord, compare_steps, gradients, parameters
+
+        if eager_record is None:
+            return
+        module = self._module
+        loss = loss_of(self._graph.output, "training_step")
+        graph_record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
+        report = compare_steps(graph_record, eager_record, "captured step vs eager step")
+        self.verify_report = report
+        rank_zero_info(f"L2GraphCallback verify: {report}")
+        for logger in module.trainer.loggers:
+            logger.log_metrics({"l2/verify_ok": float(report.ok)}, step=int(self._trainer.global_step))
+        if not report.ok:
+            raise EquivalenceError(report)
 
     def _operand_scalars(self, gate_capture: bool, batch_idx: int) -> OperandScalars | None:
         """The device scalars this capture hands the step's operand sites (l2lightning.graph.operand_scalars):
@@ -536,8 +593,8 @@ class StepCapture:
         if self.verify == "capture":
             self._finish_verify(eager_record)
         if self.report and not gate_capture:
-            self._build_step_report()
-            rank_zero_info(self._report_text())
+            self._fit_report.build_step_report(self._module, self._device(), self._tuning_report)
+            rank_zero_info(self._fit_report.text(self.capture_step, self._tuning_report, self.plans))
         if self.captures == 1 and self._source.conditions and not self._source.opaque_conditions:
             rank_zero_info(
                 "L2GraphCallback: steps whose branch (on the step counters or the module's attributes) differs "
@@ -626,11 +683,11 @@ class StepCapture:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 with graph_capture(graph.graph, stream=self._step_stream):
-                    self._phase_events.mark("start")
+                    self._fit_report.phase_events.mark("start")
                     run(closure, **kwargs)
                     if graph.binding is not None:
                         graph.binding.bring_home()
-                    self._phase_events.mark("end")
+                    self._fit_report.phase_events.mark("end")
         except Exception as exc:
             if any(STALE_GRAPH_WARNING in str(w.message) for w in caught):
                 exc.add_note(STALE_GRAPH_HINT)

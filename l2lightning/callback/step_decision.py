@@ -370,7 +370,7 @@ class StepDecision:
         if self._device_type() not in self._RENTAL_DEVICES:
             return False
         cost = self._last_capture_cost_s
-        eager_ms, graph_ms = self._timing.eager_ms(), self._timing.graph_ms()
+        eager_ms, graph_ms = self._fit_report.timing.eager_ms(), self._fit_report.timing.graph_ms()
         if cost is None or eager_ms is None or graph_ms is None:
             return False
         saved_per_step = (eager_ms - graph_ms) / 1000.0

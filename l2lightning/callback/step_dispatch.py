@@ -182,7 +182,7 @@ class StepDispatch:
 
     def _replay_step(self, closure: Any) -> Any:
         graph = self._graph
-        timing = self._timing
+        timing = self._fit_report.timing
         events = self._launch_replay(graph, self._gate_turn is not None or timing.times_replay())
         for where, element in graph.appends:  # what the step's Python appended, as in an eager step
             current = where.current()  # not None: _appends_redoable ran this step eagerly otherwise

@@ -69,14 +69,14 @@ class StepOverrides:
                 output = self._originals["training_step"](
                     self._capture_graph.static.batch, *args[1:], **kwargs
                 )
-            self._phase_events.mark("forward")
+            self._fit_report.phase_events.mark("forward")
             self._step_output = output
             return output
         if mode == "verify":
             output = self._originals["training_step"](*args, **kwargs)
             self._step_output = output
             return output
-        with self._kernel_counter.phase("forward"):
+        with self._fit_report.kernel_counter.phase("forward"):
             output = self._originals["training_step"](*args, **kwargs)
         if self._record_output:  # the eager step of a sampled replay check: compared with the replay's
             self._checked_output = output
@@ -116,7 +116,7 @@ class StepOverrides:
         held = (
             self._held_gradients() if self._mode == "trace" and self._tracer is not None and not adds else []
         )
-        with self._kernel_counter.phase("backward"):
+        with self._fit_report.kernel_counter.phase("backward"):
             out = self._originals["backward"](loss, *args, **kwargs)
         if any(p.grad is not grad or grad._version != version for p, grad, version in held):
             self._tracer.trace.add_problem(self._stale_gradients_problem())
@@ -126,7 +126,7 @@ class StepOverrides:
             # the captured backward made fresh gradients: the earlier micro-batches' sum is added, as
             # eager backward adds to it, before on_after_backward, the clipping and the update read it
             self._capture_accumulated.add_into_grads()
-        self._phase_events.mark("backward")
+        self._fit_report.phase_events.mark("backward")
         return out
 
     def _held_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:

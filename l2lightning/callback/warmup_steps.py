@@ -137,12 +137,12 @@ class WarmupSteps:
         self._mode = "eager"
         if self.report:
             # profiled (and so not timed) to count the kernels each phase launches
-            return self._kernel_counter.profile(lambda: run(closure, **kwargs))
+            return self._fit_report.kernel_counter.profile(lambda: run(closure, **kwargs))
         start, end = self._events()
         start.record()
         out = run(closure, **kwargs)
         end.record()
-        self._timing.eager.append((start, end))
+        self._fit_report.timing.eager.append((start, end))
         return out
 
     def _traced_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:

@@ -276,11 +276,11 @@ def _logging_state(replays: int, last_done: bool = True, rank_zero: bool = True)
         {"layer": "net.0.1", "mib": 1.5, "forward": "hint8", "backward": None},
         {"layer": "net.1.1", "mib": 2.0, "forward": None, "backward": None},
     ]
-    cb._timing.eager.extend([(_DoneEvent(), _DoneEvent(9.0)), (_DoneEvent(), _DoneEvent(4.0))])
-    cb._timing.graph.extend((_DoneEvent(), _DoneEvent(2.0)) for _ in range(replays))
-    cb._timing.graph_count = replays
+    cb._fit_report.timing.eager.extend([(_DoneEvent(), _DoneEvent(9.0)), (_DoneEvent(), _DoneEvent(4.0))])
+    cb._fit_report.timing.graph.extend((_DoneEvent(), _DoneEvent(2.0)) for _ in range(replays))
+    cb._fit_report.timing.graph_count = replays
     if replays:
-        cb._timing.graph[-1][1].done = last_done
+        cb._fit_report.timing.graph[-1][1].done = last_done
     logger = _RecordingLogger()
     epoch_loop = SimpleNamespace(_batches_that_stepped=replays + 3)
     trainer = SimpleNamespace(
@@ -301,8 +301,8 @@ def test_l2_metrics_are_logged_once_at_the_first_batch_end_after_timed_replays()
     cb, trainer, logger = _logging_state(replays=n - 1)
     _batch_end(cb, trainer)
     assert logger.rows == []  # not known yet
-    cb._timing.graph.append((_DoneEvent(), _DoneEvent(2.0)))
-    cb._timing.graph_count += 1
+    cb._fit_report.timing.graph.append((_DoneEvent(), _DoneEvent(2.0)))
+    cb._fit_report.timing.graph_count += 1
     trainer.fit_loop.epoch_loop._batches_that_stepped += 1
     trainer.global_step += 1  # in on_train_batch_end, one ahead of the step Lightning logs at
     _batch_end(cb, trainer)
@@ -332,7 +332,7 @@ def test_l2_metrics_wait_for_the_replays_to_finish_without_syncing():
     cb, trainer, logger = _logging_state(replays=fit_report.TIMED_REPLAYS_BEFORE_LOG, last_done=False)
     _batch_end(cb, trainer)
     assert logger.rows == []
-    cb._timing.graph[-1][1].done = True
+    cb._fit_report.timing.graph[-1][1].done = True
     _batch_end(cb, trainer)
     assert len(logger.rows) == 1
 
@@ -342,12 +342,12 @@ def test_l2_metrics_are_logged_once_enough_replays_completed_though_the_host_run
     the metrics go out once the first replays are done, over the done ones."""
     n = fit_report.TIMED_REPLAYS_BEFORE_LOG
     cb, trainer, logger = _logging_state(replays=n + 3)
-    for _, end in list(cb._timing.graph)[n - 1 :]:
+    for _, end in list(cb._fit_report.timing.graph)[n - 1 :]:
         end.done = False  # the device is 4 replays behind
     _batch_end(cb, trainer)
     assert logger.rows == []
-    cb._timing.graph[n - 1][1].done = True
-    cb._timing.graph[n - 1][1].ms = 4.0  # the median over the n done: of [2.0] * (n - 1) + [4.0]
+    cb._fit_report.timing.graph[n - 1][1].done = True
+    cb._fit_report.timing.graph[n - 1][1].ms = 4.0  # the median over the n done: of [2.0] * (n - 1) + [4.0]
     _batch_end(cb, trainer)
     assert len(logger.rows) == 1 and logger.rows[0][1]["l2/graph_step_ms"] == 2.0
 
@@ -368,8 +368,8 @@ def test_l2_metrics_are_not_logged_early_off_rank_zero_without_opt_in_or_graph(c
 def test_l2_metrics_are_logged_again_at_epoch_end(monkeypatch):
     cb, trainer, logger = _logging_state(replays=fit_report.TIMED_REPLAYS_BEFORE_LOG)
     _batch_end(cb, trainer)
-    cb._timing.graph.append((_DoneEvent(), _DoneEvent(1.0)))
-    cb._timing.graph_count += 1
+    cb._fit_report.timing.graph.append((_DoneEvent(), _DoneEvent(1.0)))
+    cb._fit_report.timing.graph_count += 1
     cb.fallback_steps = 1
     trainer.fit_loop.epoch_loop._batches_that_stepped += 1
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -440,3 +440,19 @@ def test_traced_steps_watch_the_submodules_the_user_compiled_and_those_compile_t
         ("net.1", "Sequential"),
         ("head", "Linear"),
     ]
+
+
+def test_the_fit_report_is_a_part_the_callback_holds_with_its_own_state():
+    """FitReport declares its state in its __init__; the callback keeps none of it itself, and each
+    fit gets a fresh one (its timed steps and logged flag are per fit)."""
+    cb = L2GraphCallback()
+    assert isinstance(cb._fit_report, fit_report.FitReport) and not isinstance(cb, fit_report.FitReport)
+    part = fit_report.FitReport(report=False)
+    assert set(vars(part)) == {"timing", "timing_logged", "phase_events", "kernel_counter", "step_report"}
+    for name in ("_timing", "_timing_logged", "_phase_events", "_kernel_counter"):
+        assert not hasattr(cb, name)
+    first = cb._fit_report
+    first.timing_logged = True
+    cb._reset_run_state()
+    assert cb._fit_report is not first and cb._fit_report.timing_logged is False
+    assert cb.step_report is None and cb.summary()["step_report"] is None

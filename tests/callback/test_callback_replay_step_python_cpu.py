@@ -903,7 +903,7 @@ def test_timing_is_a_bounded_window_and_teardown_drops_references(monkeypatch):
     monkeypatch.setattr(fit_report, "TIMING_STRIDE", 1)  # every replay timed: the window fills
     cb = callback()
     model, _, trainer = fit(TinyMLP, [cb], steps=TIMING_WINDOW + 40)
-    assert len(cb._timing.graph) == TIMING_WINDOW
+    assert len(cb._fit_report.timing.graph) == TIMING_WINDOW
     assert cb._module is None and cb._graph is None and cb._optimizer is None and cb._trainer is None
     assert not {"training_step", "log"} & set(vars(model))
     assert "step" not in vars(trainer.optimizers[0])
@@ -917,14 +917,16 @@ def test_replays_are_timed_each_until_the_first_window_then_one_in_the_stride():
     base = fit(baseline_of(TinyMLP), steps=120)
     run = fit(TinyMLP, [cb], steps=120)
     assert_same(base, run)  # untimed replays run the same graph
-    replays = cb._timing.graph_count
+    replays = cb._fit_report.timing.graph_count
     assert replays > TIMED_FIRST_REPLAYS + 4 * TIMING_STRIDE
     timed = TIMED_FIRST_REPLAYS + sum(
         1 for n in range(TIMED_FIRST_REPLAYS, replays) if n % TIMING_STRIDE == 0
     )
     assert timed < replays
-    assert len(cb._timing.graph) == timed
-    assert len(made) == timed + len(cb._timing.eager)  # no pair of events made for an untimed replay
+    assert len(cb._fit_report.timing.graph) == timed
+    assert len(made) == timed + len(
+        cb._fit_report.timing.eager
+    )  # no pair of events made for an untimed replay
     assert cb.summary()["graph_step_ms"] is not None
 
 
