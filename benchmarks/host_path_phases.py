@@ -35,7 +35,11 @@ With ``--logs N`` each round also fits the module whose step logs its loss N tim
 (``self.log(..., prog_bar=True)``), and the result gives each phase's cost per logged value: the log
 re-issue is the callback's; Lightning's batch-end handling of each key falls in the progress bar's reads.
 
-    python3 benchmarks/host_path_phases.py --out OUTDIR [--device cpu|cuda] [--rounds 3] [--steps 300] [--logs 4]
+With ``--split-lightning`` the callback fit's phases also split Lightning's automatic-optimization path
+around the replay (``lightning.*``: the loop's run, the closure's making, the ``optimizer_step`` hook's
+dispatch, ``LightningOptimizer.step``, the strategy's and precision plugin's ``optimizer_step``).
+
+    python3 benchmarks/host_path_phases.py --out OUTDIR [--device cpu|cuda] [--rounds 3] [--steps 300] [--logs 4] [--split-lightning]
         (writes OUTDIR/host_path_phases_<device>.json)
 """
 
@@ -99,6 +103,30 @@ def _wrap_callback_path(phases: WallPhases, undo: list, device: str) -> None:
         phases.wrap(owner, name, phase, undo)
 
 
+def _wrap_lightning_path(phases: WallPhases, undo: list) -> None:
+    """Time the automatic-optimization path Lightning runs around the callback's replay as phases of
+    their own (``lightning.*``): the loop's ``run``, its closure's making, its ``_optimizer_step``
+    (the ``optimizer_step`` hook's dispatch), the module's ``optimizer_step``, ``LightningOptimizer.step``,
+    the strategy's and the precision plugin's ``optimizer_step`` (torch's ``Optimizer.step`` wrapper
+    inside it): where a replay could still skip what does nothing for its step."""
+    from lightning.pytorch.core.module import LightningModule
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
+    from lightning.pytorch.plugins.precision.precision import Precision
+    from lightning.pytorch.strategies.strategy import Strategy
+
+    for owner, name, phase in (
+        (_AutomaticOptimization, "run", "lightning.automatic_run"),
+        (_AutomaticOptimization, "_make_closure", "lightning.make_closure"),
+        (_AutomaticOptimization, "_optimizer_step", "lightning.optimizer_step_dispatch"),
+        (LightningModule, "optimizer_step", "lightning.module_optimizer_step"),
+        (LightningOptimizer, "step", "lightning.lightning_optimizer_step"),
+        (Strategy, "optimizer_step", "lightning.strategy_optimizer_step"),
+        (Precision, "optimizer_step", "lightning.precision_optimizer_step"),
+    ):
+        phases.wrap(owner, name, phase, undo)
+
+
 def _windowing(phases: WallPhases, cb: Any, windows: list[dict[str, Any]]) -> Any:
     """A Lightning callback, first in the list: one window per training batch, from its
     ``on_train_batch_start`` to the next; a window is kept with its step's total time and whether the
@@ -137,7 +165,9 @@ def _windowing(phases: WallPhases, cb: Any, windows: list[dict[str, Any]]) -> An
     return Windows()
 
 
-def callback_fit(floor: argparse.Namespace, device: str, skip: int, logs: int = 0) -> dict[str, Any]:
+def callback_fit(
+    floor: argparse.Namespace, device: str, skip: int, logs: int = 0, split_lightning: bool = False
+) -> dict[str, Any]:
     """One floor fit with the callback, its replayed steps split into phases (ms, medians); the step
     logs its loss `logs` times (``self.log(..., prog_bar=True)``, as ``bench_host_overhead``'s log cost)."""
     import bench_host_overhead as bho
@@ -151,6 +181,8 @@ def callback_fit(floor: argparse.Namespace, device: str, skip: int, logs: int = 
     windows: list[dict[str, Any]] = []
     try:
         _wrap_callback_path(phases, undo, device)
+        if split_lightning:
+            _wrap_lightning_path(phases, undo)
         module = bho._logging_module(
             logs,
             torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
@@ -197,6 +229,11 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
         default=0,
         help="also a callback fit whose step logs N values per step, and each phase's cost per log (default 0: none)",
     )
+    parser.add_argument(
+        "--split-lightning",
+        action="store_true",
+        help="also time Lightning's automatic-optimization path around the replay as phases (lightning.*)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds and --steps must be at least 1, got {args.rounds} and {args.steps}")
@@ -226,7 +263,7 @@ def main(argv: list[str] | None = None, set_attr: Any = setattr) -> int:
                 row = {
                     "lightning_bare_ms": bare,
                     "lightning_automatic_ms": automatic,
-                    **callback_fit(floor, args.device, bho.SKIP),
+                    **callback_fit(floor, args.device, bho.SKIP, split_lightning=args.split_lightning),
                 }
                 if args.logs:
                     row["with_logs"] = callback_fit(floor, args.device, bho.SKIP, args.logs)

@@ -123,3 +123,22 @@ def test_host_path_phases_on_cuda_without_a_device_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load_benchmark("host_path_phases").main(["--out", str(tmp_path), "--device", "cuda"])
     assert "--device cuda: this torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_split_lightning_times_lightnings_automatic_path_apart(tmp_path, monkeypatch):
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    step = LightningOptimizer.step
+    script = load_benchmark("host_path_phases")
+    argv = ["--out", str(tmp_path), "--rounds", "1", "--steps", "30", "--split-lightning"]
+    assert script.main(argv, monkeypatch.setattr) == 0
+    assert LightningOptimizer.step is step  # every wrapper undone
+    phases = json.loads((tmp_path / "host_path_phases_cpu.json").read_text())["medians"]["phases_ms"]
+    lightning = {name for name in phases if name.startswith("lightning.")}
+    assert {
+        "lightning.automatic_run",
+        "lightning.lightning_optimizer_step",
+        "lightning.strategy_optimizer_step",
+        "lightning.precision_optimizer_step",
+    } <= lightning
+    assert "decide" in phases  # the callback's phases as without the flag
