@@ -212,6 +212,9 @@ class StaticBatch:
         self.signature = read_signature(batch, tensors, self.spec, self.reads)
         self.tensors = [t.detach().clone() for t in tensors]
         self.batch = unflatten_batch(self.spec, self.tensors)
+        # one foreach copy for the whole batch only where its tensors share a device (a batch that
+        # keeps, say, an LSTM's lengths on the CPU beside CUDA tensors is copied one tensor at a time)
+        self._one_foreach = len(self.tensors) > 1 and len({t.device for t in self.tensors}) == 1
 
     def mismatch(self, batch: Any) -> str | None:
         """None if `batch` fits the buffers, else why not."""
@@ -239,14 +242,15 @@ class StaticBatch:
     def copy_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy a flattened batch whose signature matches these buffers' (the caller compared them).
 
-        Several tensors are copied by one ``torch._foreach_copy_``: one call from Python, and on a GPU
-        one kernel for the tensors of one dtype, where a ``copy_`` each is a launch each (host time a
-        replayed step spends before its replay). A copy either way: the same bits.
+        Several tensors on one device are copied by one ``torch._foreach_copy_``: one call from Python,
+        and on a GPU one kernel for the tensors of one dtype, where a ``copy_`` each is a launch each
+        (host time a replayed step spends before its replay). A copy either way: the same bits.
         """
-        if len(self.tensors) == 1:
-            self.tensors[0].copy_(tensors[0], non_blocking=True)
-        elif self.tensors:
+        if self._one_foreach:
             torch._foreach_copy_(self.tensors, list(tensors), non_blocking=True)
+            return
+        for dst, src in zip(self.tensors, tensors):
+            dst.copy_(src, non_blocking=True)
 
 
 # ---------------------------------------------------------------------- state snapshots

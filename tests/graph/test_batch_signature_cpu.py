@@ -117,3 +117,16 @@ def test_copy_tensors_of_one_tensor() -> None:
     static = StaticBatch(torch.zeros(3))
     static.copy_tensors([torch.tensor([1.0, 2.0, 3.0])])
     assert static.tensors[0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_batch_on_several_devices_is_copied_one_tensor_at_a_time(monkeypatch):
+    """Only a batch whose tensors share a device takes the one foreach copy."""
+    calls = []
+    foreach = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: calls.append(len(a[0])) or foreach(*a, **k))
+    mixed = StaticBatch((torch.zeros(2), torch.zeros(2, device="meta")))
+    mixed.copy_tensors([torch.ones(2), torch.ones(2, device="meta")])
+    assert calls == [] and mixed.tensors[0].tolist() == [1.0, 1.0]
+    one_device = StaticBatch((torch.zeros(2), torch.zeros(3)))
+    one_device.copy_tensors([torch.ones(2), torch.full((3,), 2.0)])
+    assert calls == [2] and one_device.tensors[1].tolist() == [2.0, 2.0, 2.0]
