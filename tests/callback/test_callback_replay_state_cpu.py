@@ -114,12 +114,38 @@ class TakesMappingBatches(TinyMLP):
         return super().training_step((batch["x"], batch["y"]), batch_idx)
 
 
-def test_a_defaultdict_batch_is_captured_and_replays_bitwise():
-    loader = lambda: _mapping_loader(lambda: collections.defaultdict(list))  # noqa: E731
+@pytest.mark.parametrize(
+    "mapping", [dict, lambda: collections.defaultdict(list)], ids=["dict", "defaultdict"]
+)
+def test_a_mapping_batch_is_captured_and_replays_bitwise(mapping):
+    """A plain dict takes read_batch's shortcut, a defaultdict the general path: both replay bitwise."""
+    loader = lambda: _mapping_loader(mapping)  # noqa: E731
     base = fit(baseline_of(TakesMappingBatches), loader=loader())
     cb = callback()
     run = fit(TakesMappingBatches, [cb], loader=loader())
     assert cb.summary()["captured"] and cb.summary()["fallback_steps"] == 0, cb.summary()
+    assert_same(base, run)
+
+
+def test_a_dict_batch_with_another_key_runs_that_step_eagerly_and_trains_like_plain():
+    """The dict shortcut's signature holds the keys: a batch with a key more (a tensor the step never
+    reads) does not fit the graph's buffers, so that step runs eagerly and the graph serves the rest."""
+    counter = iter(range(10**6))
+
+    def mapping():
+        batch: dict = {}
+        if next(counter) == 12:  # one batch of the fit carries an extra tensor
+            batch["w"] = torch.zeros(8)
+        return batch
+
+    loader = lambda: _mapping_loader(mapping)  # noqa: E731
+    base = fit(baseline_of(TakesMappingBatches), loader=loader())
+    counter = iter(range(10**6))
+    cb = callback()
+    with pytest.warns(UserWarning, match="running this step eagerly"):
+        run = fit(TakesMappingBatches, [cb], loader=loader())
+    summary = cb.summary()
+    assert summary["captured"] and summary["fallback_steps"] == 1, summary
     assert_same(base, run)
 
 
