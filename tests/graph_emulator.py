@@ -233,7 +233,7 @@ def install(monkeypatch_setattr) -> None:
     original_capture_into = cbm.L2GraphCallback._capture_into
 
     def capture_into(self, *a, **k):
-        STATE_OWNERS[:] = [(self._module, self._optimizer.optimizer if self._optimizer else None)]
+        STATE_OWNERS[:] = [(self._fit.module, self._fit.optimizer.optimizer if self._fit.optimizer else None)]
         try:
             return original_capture_into(self, *a, **k)
         finally:

@@ -55,6 +55,7 @@ from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason
 from l2lightning.callback.fit_report import FitReport
+from l2lightning.callback.fit_state import FitState
 from l2lightning.callback.prefetch_setup import PrefetchSetup
 from l2lightning.callback.step_capture import StepCapture, _Graph
 from l2lightning.callback.step_decision import StepDecision
@@ -108,7 +109,7 @@ from l2lightning.guards.metric_binding import (
 from l2lightning.guards.module_flags import ModuleFlags
 from l2lightning.guards.progress_bar_reads import defer_progress_bar_reads
 from l2lightning.guards.replay_check import CHECK_SHARE, ReplayCheckReport
-from l2lightning.guards.step_source import StepSource, analyse, analyse_callbacks
+from l2lightning.guards.step_source import analyse, analyse_callbacks
 from l2lightning.guards.step_trace import (
     StepTracer,
 )
@@ -326,6 +327,8 @@ class L2GraphCallback(
     def _reset_run_state(self) -> None:
         if getattr(self, "_flags", None) is not None:
             self._flags.close()  # its global registration hooks, should a fit have ended without clean-up
+        # the fit and the step every part reads (trainer, module, optimizer, the step's mode and batch)
+        self._fit = FitState()
         self.disabled_reason: str | None = None
         self._replay_closure: ReplayClosure | None = None
         self.verify_report: Any = None
@@ -366,8 +369,6 @@ class L2GraphCallback(
         self._resumed_switched = False  # switched at train start: a resumed fit that was capturable
         self._fallback_causes: set[str] = set()
         self._warned: set[str] = set()
-        self._module: LightningModule | None = None
-        self._trainer: Trainer | None = None
         self._installed: dict[str, Any] = {}  # module attribute -> our override
         # (attribute dict, name, held) of the methods whose source the step was read from (StepSource.code_bindings)
         self._code_bindings: list[tuple[Any, str, Any, str]] = []
@@ -375,9 +376,6 @@ class L2GraphCallback(
         self._callback_overrides: list[tuple[Any, str, Any]] = []
         self._shadowed: dict[str, Any] = {}
         self._undo_progress_bar_reads: Callable[[], None] | None = None
-        self._mode = "eager"
-        # the optimizer whose steps the callback handles; several a manual step steps, as one
-        self._optimizer: CapturableOptimizer | CapturableOptimizers | None = None
         # a capturable optimizer the callback no longer handles, kept switched on until the fit ends
         self._kept_optimizer: CapturableOptimizer | CapturableOptimizers | None = None
         self._owns_optimizer = False
@@ -388,8 +386,6 @@ class L2GraphCallback(
         self._traced_steps = 0
         self._tracer: StepTracer | None = None
         self._capture_logs: list[ReissuedLog | ReissuedSchedulerStep] = []
-        self._pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
-        self._pending_key: tuple = ()
         self._step_closure: Any = None  # the closure optimizer.step got, while its step is decided
         # the accumulated gradients a closing micro-batch's capture adds to (l2lightning.graph.accumulation)
         self._capture_accumulated: Any = None
@@ -414,9 +410,7 @@ class L2GraphCallback(
         # per hook name, what its functions' code may write (l2lightning.guards.hook_writes), read once a fit
         self._hook_writes: dict[str, list[str]] = {}
         self._grad_norm_names = GradNormNames()  # where those hooks find Lightning's grad_norm
-        self._originals: dict[str, Any] = {}
         self._capture_graph: _Graph | None = None
-        self._source = StepSource()
         # objects of the user's whose methods run as hooks inside the step (l2lightning.guards.called_code)
         self._hook_owners: list[Any] = []
         self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
@@ -473,7 +467,7 @@ class L2GraphCallback(
 
     def _logs_timing(self) -> bool:
         """``log_timing`` asked for the l2/* metrics and a fit is under way."""
-        return bool(self.log_timing and self._module is not None)
+        return bool(self.log_timing and self._fit.module is not None)
 
     def _timing_metrics(self) -> dict[str, float]:
         """The l2/* metrics the fit's report logs, all from one ``summary()``: floats, non-finite or unknown
@@ -545,7 +539,7 @@ class L2GraphCallback(
         if self.disabled_reason is None:
             self.disabled_reason = reason
             rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.{self._capturable_stretch()}")
-        self._mode = "eager"
+        self._fit.mode = "eager"
         self._graph = None
         self._gate = None
         self._gate_turn = None
@@ -554,7 +548,7 @@ class L2GraphCallback(
 
     def _capturable_stretch(self) -> str:
         """What of the fit runs in make_capturable's configuration, for a warning that gives up after a capture."""
-        wrapped = self._optimizer
+        wrapped = self._fit.optimizer
         if wrapped is None or not self._owns_optimizer or not wrapped.switched:
             return ""
         if not (self._stepping_captures or self._resumed_switched):
@@ -572,7 +566,7 @@ class L2GraphCallback(
         """Stop handling the optimizer's steps; give it back as the user configured it unless it has
         run in make_capturable's configuration (from the capture step), which it then keeps until the
         fit ends (`fit_ends`), so that the whole fit has one eager reference (CapturableFrom)."""
-        wrapped, self._optimizer = self._optimizer, None
+        wrapped, self._fit.optimizer = self._fit.optimizer, None
         if wrapped is None:
             wrapped, self._kept_optimizer = self._kept_optimizer, None
             if wrapped is not None and fit_ends:
@@ -649,20 +643,20 @@ class L2GraphCallback(
             self._prefetch_failed = True
         user_hooks = tuple(h for h in CLOSURE_HOOKS if is_overridden(h, pl_module))
         # every hook of the module that runs inside the captured step (analyse skips Lightning's own)
-        self._source = analyse(
+        self._fit.source = analyse(
             pl_module,
             ("training_step", *user_hooks, "configure_gradient_clipping", "optimizer_zero_grad", "backward"),
         )
-        analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CLOSURE_HOOKS, self._source)
+        analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CLOSURE_HOOKS, self._fit.source)
         self._batch_reads = batch_reads(pl_module)
         reason = self._source_refusal() or (
-            manual_source_refusal(self._source, pl_module) if self._manual is not None else None
+            manual_source_refusal(self._fit.source, pl_module) if self._manual is not None else None
         )
         if reason:
             self._disable(reason)
             return
-        self._module = pl_module
-        self._trainer = trainer
+        self._fit.module = pl_module
+        self._fit.trainer = trainer
         step = self._training_step if self._manual is None else self._manual.training_step
         overrides: dict[str, Any] = {
             "training_step": presenting_signature_of(pl_module.training_step, step),
@@ -673,9 +667,9 @@ class L2GraphCallback(
         }
         for hook in user_hooks:
             overrides[hook] = self._captured_hook(hook, getattr(pl_module, hook))
-        self._originals = {name: getattr(pl_module, name) for name in overrides}
+        self._fit.originals = {name: getattr(pl_module, name) for name in overrides}
         if self._manual is not None:  # a manual step returning None is a step to capture all the same
-            self._originals["training_step"] = none_as_empty(self._originals["training_step"])
+            self._fit.originals["training_step"] = none_as_empty(self._fit.originals["training_step"])
         # what the module's instance itself holds (`model.training_step = fn`) goes back after the fit
         self._shadowed = {name: vars(pl_module).get(name, ABSENT) for name in overrides}
         for name, fn in overrides.items():
@@ -689,11 +683,11 @@ class L2GraphCallback(
                     self._callback_overrides.append((cb, hook, vars(cb).get(hook, ABSENT)))
                     setattr(cb, hook, self._captured_hook(hook, getattr(cb, hook)))
         # where each method the step's source was read through is bound, the overrides above included
-        self._code_bindings = self._source.code_bindings()
+        self._code_bindings = self._fit.source.code_bindings()
 
     def _cleanup(self, pl_module: LightningModule | None) -> None:
         """Undo everything the callback installed; drop every reference to the module and the graph."""
-        module = self._module or pl_module
+        module = self._fit.module or pl_module
         if module is not None:
             for name, fn in self._installed.items():
                 if vars(module).get(name) is fn:  # not replaced again by someone else during the fit
@@ -736,18 +730,18 @@ class L2GraphCallback(
         self._capture_graph = None
         self._groups = {}
         self._tracer = None
-        self._pending = None
+        self._fit.pending = None
         self._pending_tensors = []
         self._step_output = None
         self._capture_logs = []
         self._static_for_prefetch = None
-        self._originals = {}
-        self._module = None
-        self._trainer = None
+        self._fit.originals = {}
+        self._fit.module = None
+        self._fit.trainer = None
 
     def _source_refusal(self) -> str | None:
         """Why what the step's source does cannot be replayed (and the fit trains eagerly), or None."""
-        source = self._source
+        source = self._fit.source
         if source.global_writes:
             return (
                 f"the step assigns module-level or closure names ({'; '.join(source.global_writes[:3])}); a replayed "
@@ -809,15 +803,15 @@ class L2GraphCallback(
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # teardown does not run after an error (or KeyboardInterrupt): leave nothing installed
         self._cleanup(pl_module)
-        self._mode = "eager"
+        self._fit.mode = "eager"
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.disabled_reason or self._module is None:
+        if self.disabled_reason or self._fit.module is None:
             return
         # Submodules (configure_model builds them after setup) and hooks registered up to now: what
         # their code reads joins the comparisons before each replay, what it assigns is refused
-        self._hook_owners = analyse_called_code(pl_module, self._source)
+        self._hook_owners = analyse_called_code(pl_module, self._fit.source)
         reason = self._source_refusal()
         if reason:
             self._disable(reason)
@@ -860,7 +854,7 @@ class L2GraphCallback(
                 ) from exc
             self._disable(str(exc))
             return
-        self._optimizer = wrapped
+        self._fit.optimizer = wrapped
         self._owns_optimizer = owns
         if self._check_on:
             # the sampled check's kernels compile beside the warm-up steps, not at the first check
@@ -886,8 +880,8 @@ class L2GraphCallback(
                 trainer.precision_plugin,
                 optimizer,
                 self._scaled_step,
-                active=lambda: self._optimizer is not None,
-                undone=lambda: self._mode == "verify",
+                active=lambda: self._fit.optimizer is not None,
+                undone=lambda: self._fit.mode == "verify",
             )
             self._scaled.install()
             wrapped.handler = run_through
@@ -911,11 +905,11 @@ class L2GraphCallback(
             if needs_sync_free_nan_check(metric) and "_cast_and_nan_check_input" not in vars(metric):
                 metric._cast_and_nan_check_input = sync_free_nan_check(metric)
                 self._nan_patched.append(metric)
-        if self._source.opaque_conditions:  # captured only because `eager_steps` was given (see setup)
+        if self._fit.source.opaque_conditions:  # captured only because `eager_steps` was given (see setup)
             self._warn_once(
                 "opaque",
                 "training_step branches on the step counters in a way the callback cannot evaluate, at "
-                f"{'; '.join(self._source.opaque_conditions)}; replays take the branch of the capture step, "
+                f"{'; '.join(self._fit.source.opaque_conditions)}; replays take the branch of the capture step, "
                 "and the steps your `eager_steps` selects run eagerly: it must select every step that takes "
                 "the other branch",
             )
@@ -928,14 +922,16 @@ class L2GraphCallback(
     def _micro_batch_step(self, step: MicroBatchStep) -> Any:
         """An accumulating micro-batch (its closure, which Lightning calls itself): the callback's step
         without an optimizer update, on the graph of its role (l2lightning.graph.accumulation)."""
-        if self._optimizer is None or self._in_step:  # given up on (or inside a step): as Lightning runs it
+        if (
+            self._fit.optimizer is None or self._in_step
+        ):  # given up on (or inside a step): as Lightning runs it
             return step()
         self._enter_role(step)
         return self._step(run_micro_batch, step, {})
 
     def _enter_role(self, closure: Any) -> None:
         """The per-graph state of the graph that serves this step (l2lightning.graph.graph_slots)."""
-        self._slots.enter(self, role_of(self._trainer, closure))
+        self._slots.enter(self, role_of(self._fit.trainer, closure))
 
     def _scaled_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """The step under a GradScaler (:class:`~l2lightning.graph.amp_step.ScaledStep`'s handler): the
@@ -962,11 +958,11 @@ class L2GraphCallback(
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.disabled_reason or self._module is None:
-            self._pending = None
+        if self.disabled_reason or self._fit.module is None:
+            self._fit.pending = None
             self._give_back_step_stream()  # once, after the step that disabled the callback
             return
-        self._pending = (batch, batch_idx)
+        self._fit.pending = (batch, batch_idx)
         if self.compile and not self._compiled_children:
             self._prepare_compiled(pl_module, batch)
 
@@ -977,7 +973,7 @@ class L2GraphCallback(
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def _device(self) -> torch.device:
-        return self._trainer.strategy.root_device
+        return self._fit.trainer.strategy.root_device
 
     def _device_type(self) -> str:
         return self._device().type
@@ -989,7 +985,7 @@ class L2GraphCallback(
     ) -> None:
         if self._manual is not None:  # the step wrappers a manual step's LR schedulers hold for the fit
             self._manual.schedulers.portable_states(checkpoint.get("lr_schedulers", []))
-        wrapped = self._optimizer or self._kept_optimizer
+        wrapped = self._fit.optimizer or self._kept_optimizer
         if wrapped is None or "optimizer_states" not in checkpoint:
             return
         # Save what the optimizer would save without capture (original capturable flag, CPU steps);
@@ -1002,7 +998,7 @@ class L2GraphCallback(
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._mode = "eager"
+        self._fit.mode = "eager"
         # as soon as a captured graph's first replays are timed; at each epoch's end again
         self._fit_report.log_once_known(
             trainer, self._logs_timing() and self._graph is not None, self._timing_metrics

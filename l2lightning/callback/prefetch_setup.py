@@ -67,7 +67,7 @@ class PrefetchSetup:
             self._collected_for_capture = True
         out_of_memory = None
         try:
-            with _leaves_no_trace(pl_module, self._optimizer.optimizer if self._optimizer else None):
+            with _leaves_no_trace(pl_module, self._fit.optimizer.optimizer if self._fit.optimizer else None):
                 self._hooks = self._prefetch_hooks(pl_module)
         except torch.OutOfMemoryError as exc:
             # The tuner's throwaway copies and timing graphs did not fit: capture the step without
@@ -104,7 +104,7 @@ class PrefetchSetup:
 
         static_batch = self._static_for_prefetch.batch
         dry_step = dry_step_of(
-            self._originals["training_step"], self._installed.get("log", self._originals["log"])
+            self._fit.originals["training_step"], self._installed.get("log", self._fit.originals["log"])
         )
 
         plans: Any = None if self.prefetch in ("default", "decoy") else self.prefetch
@@ -160,7 +160,7 @@ class PrefetchSetup:
             if instantiate is None:
                 return None, "the graph cannot be instantiated before its first replay"
             instantiate()
-            return find_switch(graph, prefetch_functions(self._module.device.index or 0))
+            return find_switch(graph, prefetch_functions(self._fit.module.device.index or 0))
         except Exception as exc:  # noqa: BLE001 - any failure leaves the second capture, which always works
             return None, f"{type(exc).__name__}: {first_line(exc)}"
 

@@ -145,12 +145,12 @@ class StepCapture:
         """The capture step run eagerly from the same state, recorded, then undone."""
         from l2lightning.verify import StepRecord, gradients, parameters
 
-        module = self._module
+        module = self._fit.module
         saved = TrainingState.save(
-            module, self._optimizer.optimizer, binding.state_tensors() if binding else ()
+            module, self._fit.optimizer.optimizer, binding.state_tensors() if binding else ()
         )
         saved_metrics = binding.python_state() if binding else {}
-        self._mode = "verify"
+        self._fit.mode = "verify"
         self._step_output = None
         try:
             # On the capture's stream (the caller's _on_step_stream): Lightning's closure keeps this
@@ -164,9 +164,9 @@ class StepCapture:
             record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
             self._step_output = None
         finally:
-            self._mode = "eager"
+            self._fit.mode = "eager"
         torch.cuda.synchronize()
-        saved.restore(self._optimizer.optimizer)
+        saved.restore(self._fit.optimizer.optimizer)
         if binding is not None:
             binding.rebind()
             binding.restore_python_state(saved_metrics)
@@ -178,14 +178,14 @@ class StepCapture:
 
         if eager_record is None:
             return
-        module = self._module
+        module = self._fit.module
         loss = loss_of(self._graph.output, "training_step")
         graph_record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
         report = compare_steps(graph_record, eager_record, "captured step vs eager step")
         self.verify_report = report
         rank_zero_info(f"L2GraphCallback verify: {report}")
         for logger in module.trainer.loggers:
-            logger.log_metrics({"l2/verify_ok": float(report.ok)}, step=int(self._trainer.global_step))
+            logger.log_metrics({"l2/verify_ok": float(report.ok)}, step=int(self._fit.trainer.global_step))
         if not report.ok:
             raise EquivalenceError(report)
 
@@ -194,7 +194,7 @@ class StepCapture:
         the gate's second capture shares its first's, which the replays of both read."""
         if gate_capture and self._gate is not None:
             return self._gate.graphs["prefetch"].operands
-        sites = self._source.operand_sites if self._source is not None else []
+        sites = self._fit.source.operand_sites if self._fit.source is not None else []
         if (
             not self.operand_scalars
             # the sampled check judges the first replays with new values: a use of the number that
@@ -207,7 +207,7 @@ class StepCapture:
             or self._compiled_submodules()
         ):
             return None
-        return OperandScalars(sites, self._device(), self._module, batch_idx)
+        return OperandScalars(sites, self._device(), self._fit.module, batch_idx)
 
     def _serve_operands(self, graph: _Graph, operands: OperandScalars | None) -> None:
         """Leave out of `graph`'s comparisons the values its operand scalars stand for: a number read
@@ -217,12 +217,12 @@ class StepCapture:
             return
         live = operands.live
         graph.operands = operands
-        source = self._source
+        source = self._fit.source
         graph.counters_served = frozenset(
             i for i, c in enumerate(source.counter_values) if c.sites and c.sites <= live
         )
         graph.attributes = [(a, v) for a, v in graph.attributes if not (a.sites and a.sites <= live)]
-        own = vars(self._module)
+        own = vars(self._fit.module)
         served = {
             name
             for name, sites in source.site_reads.items()
@@ -262,10 +262,10 @@ class StepCapture:
         # capture in progress (the prefetch tuner's or the step's, global capture mode) would not survive
         check_kernels.wait_prepared()
         self._collected_for_capture = False  # set by this step's prefetch set-up, if it collects
-        module, wrapped = self._module, self._optimizer
-        key = self._pending_key
+        module, wrapped = self._fit.module, self._fit.optimizer
+        key = self._fit.pending_key
         group = self._groups.get(key)
-        batch, batch_idx = self._pending
+        batch, batch_idx = self._fit.pending
         # The steps before ran the user's configuration, so that a fit refused before its capture is
         # plain Lightning bit for bit; from here on the optimizer is capturable. (Not for an accumulating
         # micro-batch's graph, which makes no optimizer step: its closing micro-batch's capture switches it.)
@@ -274,7 +274,7 @@ class StepCapture:
         if switching:
             wrapped.switch_on()
         if switching and self.capturable_from_step is None:
-            self.capturable_from_step = int(self._trainer.global_step)
+            self.capturable_from_step = int(self._fit.trainer.global_step)
         operands = self._operand_scalars(gate_capture, batch_idx)
         torch.cuda.synchronize()
         if group is not None and group.traces:
@@ -305,7 +305,7 @@ class StepCapture:
             return run(closure, **kwargs)
         # hooks registered since training started (by a callback whose on_train_start ran after this
         # one's): read before this capture bakes in what they read
-        self._hook_owners = analyse_called_code(module, self._source)
+        self._hook_owners = analyse_called_code(module, self._fit.source)
         reason = self._source_refusal()
         if reason:
             self._disable(reason)
@@ -318,7 +318,7 @@ class StepCapture:
         python_start = python_state.snapshot(holders, device_type=device_type)
         # an LR scheduler the step itself steps (refused below, but it stepped in the dry run, the
         # verify step and the capture attempt): its counters go back with the rest of the Python state
-        schedulers = _scheduler_states(self._trainer)
+        schedulers = _scheduler_states(self._fit.trainer)
         # A closing micro-batch adds to the gradients the earlier ones left: copied before anything
         # below drops them; each eager run of the step from here starts from copies of them again
         accumulated = AccumulatedGrads(tuple(module.parameters())) if key[0][1].adds else None
@@ -355,7 +355,7 @@ class StepCapture:
         memo = group.traces[-1].memo if group is not None and group.traces else self._memo
         self._memo = memo
         tracer = StepTracer(device_type, constants, memo, capture_stream=self._step_stream)
-        self._mode = "capture"
+        self._fit.mode = "capture"
         self._capture_graph = graph
         wrapped.sync_tensors()
         wrapped.freeze(True)
@@ -433,12 +433,12 @@ class StepCapture:
                 accumulated.put_back()  # the eager step below adds to them
             python_state.restore(python_before)
             _put_back_schedulers(schedulers)
-            self._mode = "eager"
+            self._fit.mode = "eager"
             if gate_capture:
                 self._graph = self._gate.graphs["prefetch"]  # the gate captures at a later step
             elif switching:  # nothing captured yet: this step, too, runs the user's configuration
                 wrapped.switch_off()
-                if self.capturable_from_step == int(self._trainer.global_step):
+                if self.capturable_from_step == int(self._fit.trainer.global_step):
                     self.capturable_from_step = None
             return run(closure, **kwargs)  # training_step returned None: nothing to capture this step
         except Exception as exc:  # a host sync or an op that cannot be captured
@@ -503,15 +503,17 @@ class StepCapture:
         graph.params = tuple(module.parameters())
         graph.grad_tensors = tuple(p.grad for p in graph.params)
         graph.flags = self._module_flags()
-        graph.scalars = python_state.baked_scalars(module, self._source.reads, ran)
-        graph.tensors = python_state.baked_tensors(module, self._source.reads, ran)
-        graph.callables = python_state.baked_callables(module, self._source.reads, ran, self._installed)
-        graph.counters = self._source.counter_snapshot(module, batch_idx)
+        graph.scalars = python_state.baked_scalars(module, self._fit.source.reads, ran)
+        graph.tensors = python_state.baked_tensors(module, self._fit.source.reads, ran)
+        graph.callables = python_state.baked_callables(module, self._fit.source.reads, ran, self._installed)
+        graph.counters = self._fit.source.counter_snapshot(module, batch_idx)
         carried = {id(t) for c in graph.carried for t in c.outputs}
         graph.attributes = [  # a carried attribute is rebound by design: handed to each replay instead
-            (a, v) for a, v in self._source.attribute_snapshot(module, batch_idx) if not _holds(v, carried)
+            (a, v)
+            for a, v in self._fit.source.attribute_snapshot(module, batch_idx)
+            if not _holds(v, carried)
         ]
-        scalars, tensors = python_state.baked_callback_attributes(self._source.callback_reads)
+        scalars, tensors = python_state.baked_callback_attributes(self._fit.source.callback_reads)
         graph.scalars += scalars
         graph.tensors += tensors
         # the Python numbers and tensors the user's optimizer's step reads from its own attributes
@@ -519,7 +521,7 @@ class StepCapture:
         scalars, tensors = python_state.baked_optimizer_attributes(optimizers)
         graph.scalars += scalars
         graph.tensors += tensors
-        baked = python_state.baked_globals(self._source.global_reads.values())
+        baked = python_state.baked_globals(self._fit.source.global_reads.values())
         graph.scalars += baked.scalars
         graph.tensors += baked.tensors
         # a module-level list the step appends to is the step's Python state, re-appended after each
@@ -530,7 +532,7 @@ class StepCapture:
         graph.partials = python_state.partial_bindings(graph.callables)
         # the Trainer's clipping settings, which Lightning passes to `configure_gradient_clipping` as
         # numbers (a callback that changes `trainer.gradient_clip_val` mid-fit)
-        trainer_attributes = vars(self._trainer)
+        trainer_attributes = vars(self._fit.trainer)
         graph.scalars += [
             (trainer_attributes, name, trainer_attributes.get(name))
             for name in ("gradient_clip_val", "gradient_clip_algorithm")
@@ -566,7 +568,7 @@ class StepCapture:
         if gate_capture:
             self._gate.graphs["off"] = graph
         else:
-            self.capture_step = int(self._trainer.global_step)
+            self.capture_step = int(self._fit.trainer.global_step)
             self._check_schedule.captured()  # the sampled check counts this capture's replays from 1
             self._replays_since_capture = 0  # what the re-capture wait weighs against its cost
             self._start_gate(graph)
@@ -587,19 +589,19 @@ class StepCapture:
         if binding is not None:
             binding.fresh_forward_caches()
         self._live_log_values, frozen_log = self._python_log_sources(graph.log_calls)
-        self._mode = "replay"
+        self._fit.mode = "replay"
         self._reissued = set()
         result = closure() if closure is not None else None
         if self.verify == "capture":
             self._finish_verify(eager_record)
         if self.report and not gate_capture:
-            self._fit_report.build_step_report(self._module, self._device(), self._tuning_report)
+            self._fit_report.build_step_report(self._fit.module, self._device(), self._tuning_report)
             rank_zero_info(self._fit_report.text(self.capture_step, self._tuning_report, self.plans))
-        if self.captures == 1 and self._source.conditions and not self._source.opaque_conditions:
+        if self.captures == 1 and self._fit.source.conditions and not self._fit.source.opaque_conditions:
             rank_zero_info(
                 "L2GraphCallback: steps whose branch (on the step counters or the module's attributes) differs "
                 "from the captured step's "
-                f"({[c.line for c in self._source.conditions]}) run eagerly."
+                f"({[c.line for c in self._fit.source.conditions]}) run eagerly."
             )
         if frozen_log is not None:
             # this step's own log was right (the capture ran its Python); the next ones would not be
@@ -667,12 +669,12 @@ class StepCapture:
         torch.cuda.empty_cache()
 
     def _capture_into(self, graph: _Graph, run: Callable[..., Any], closure: Any, kwargs: dict) -> None:
-        module = self._module
+        module = self._fit.module
         # The capture allocates the gradients in the graph's pool. The eager step's gradients are
         # dropped first, so that the cache release below gives their memory back to the driver
         # before the pool asks for its own (otherwise the peak holds both), and so that the pool's
         # size below is measured from what the capture itself reserves.
-        self._optimizer.optimizer.zero_grad(set_to_none=True)
+        self._fit.optimizer.optimizer.zero_grad(set_to_none=True)
         module.zero_grad(set_to_none=True)
         reserved = 0
         if torch.cuda.is_available():
@@ -711,16 +713,16 @@ class StepCapture:
 
     def _undo_capture(self, saved: TrainingState, binding: MetricBinding | None, metrics: dict) -> None:
         """A capture that did not complete leaves nothing: state, RNG (CUDA generator too), metrics, grads."""
-        module = self._module
+        module = self._fit.module
         saved.restore_rng()  # first: the CUDA generator may be unusable until it gets a fresh state
-        saved.restore(self._optimizer.optimizer if self._optimizer is not None else None)
+        saved.restore(self._fit.optimizer.optimizer if self._fit.optimizer is not None else None)
         if binding is not None:
             binding.rebind()  # attributes back on the home tensors restored above
             binding.restore_python_state(metrics)
         module.zero_grad(set_to_none=True)
         self._capture_logs = []
         self._step_output = None
-        self._mode = "eager"
+        self._fit.mode = "eager"
 
     def _capture_failure_reason(self, exc: BaseException) -> str:
         if isinstance(exc, CaptureRefused):

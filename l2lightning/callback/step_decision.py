@@ -80,7 +80,7 @@ class StepDecision:
 
     def _decide(self) -> str:
         """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture", "replay"."""
-        if self.disabled_reason or self._pending is None or self._optimizer is None:
+        if self.disabled_reason or self._fit.pending is None or self._fit.optimizer is None:
             return "eager"
         if self._disable_next is not None:
             self._disable(self._disable_next)
@@ -94,8 +94,8 @@ class StepDecision:
                 "source was read then, and a replay would run the captured code"
             )
             return "eager"
-        trainer, module = self._trainer, self._module
-        batch, batch_idx = self._pending
+        trainer, module = self._fit.trainer, self._fit.module
+        batch, batch_idx = self._fit.pending
         # Lightning's accumulation state: an accumulating micro-batch, and a closing one that adds to the
         # gradients the earlier ones left, are graphs of their own (l2lightning.graph.accumulation), the factor
         # in their key; _enter_role made this role's graph the current one (l2lightning.graph.graph_slots)
@@ -109,8 +109,8 @@ class StepDecision:
         # values in parts of the batch the step never reads (file names, ids) may change
         tensors, signature = read_batch(batch, self._batch_reads)
         self._pending_tensors = tensors  # a replay copies them into the static batch
-        key = ((self._source.branch_key(module, batch_idx), accumulation), signature)
-        self._pending_key = key
+        key = ((self._fit.source.branch_key(module, batch_idx), accumulation), signature)
+        self._fit.pending_key = key
         graph = self._graph
         if graph is None:
             decision = self._warmup_decision(key)
@@ -163,7 +163,7 @@ class StepDecision:
             return self._recapture(cause)
         flags = self._module_flags()
         # an accumulating micro-batch's graph neither reads nor writes the optimizer's state
-        replaced = self._optimizer.state_replaced() if accumulation.closes else None
+        replaced = self._fit.optimizer.state_replaced() if accumulation.closes else None
         if replaced:
             # the graph updates the old state tensors: this step makes the new state eagerly
             self._recapture_next = f"{replaced} since capture"
@@ -189,7 +189,7 @@ class StepDecision:
                     f"assigned to the instance: {_first_names(changed)}; a replay runs the captured code)"
                 )
             return self._recapture("modules' `train()`/`eval()` mode changed since capture")
-        changes = self._optimizer.baked_changes() if accumulation.closes else None
+        changes = self._fit.optimizer.baked_changes() if accumulation.closes else None
         if changes:
             return self._recapture(f"the optimizer's {', '.join(changes)} (baked into the graph)")
         if graph.hooks is not None and graph.hooks.changed(module):
@@ -242,14 +242,14 @@ class StepDecision:
                 "`t.set_(...)`; the graph reads the old memory)"
             )
         # after the tensors' own check, whose message is the more specific for an attribute's tensor
-        counters = self._source.changed_counter_values(
+        counters = self._fit.source.changed_counter_values(
             graph.counters, module, batch_idx, graph.counters_served
         )
         if counters:
             return self._recapture(
                 f"numbers the step computes from the step counters changed ({'; '.join(counters)})"
             )
-        attributes = self._source.changed_attribute_values(graph.attributes, module, batch_idx)
+        attributes = self._fit.source.changed_attribute_values(graph.attributes, module, batch_idx)
         if attributes:
             return self._recapture(f"values the step reads changed ({'; '.join(attributes)})")
         changed_hosts = [read for read in graph.host_reads if read.changed()]
@@ -388,7 +388,7 @@ class StepDecision:
         # Under manual optimization Lightning's estimate counts batches where global_step counts each
         # optimizer step (two a batch for a GAN): no common unit, so no bound there
         self._last_paying_step = (
-            last_paying_step(self._trainer, cost, saved_per_step) if self._manual is None else math.inf
+            last_paying_step(self._fit.trainer, cost, saved_per_step) if self._manual is None else math.inf
         )
         if "recapture-wait" in self._warned:
             return True
@@ -407,7 +407,7 @@ class StepDecision:
         return (
             self._rented_s > 0.0
             and self._rented_s >= self._rent_target_s
-            and self._trainer.global_step > self._last_paying_step
+            and self._fit.trainer.global_step > self._last_paying_step
         )
 
     def _warn_too_late_to_capture(self) -> None:
@@ -426,8 +426,8 @@ class StepDecision:
         place) would go unseen. Asked before each capture: of the values read through ``self`` and
         module-level chains (``StepSource.attribute_values``), the module-level names the step reads
         (``StepSource.global_reads``), and the arguments the ``functools.partial`` it calls bind."""
-        module, source = self._module, self._source
-        batch_idx = self._pending[1] if self._pending is not None else 0
+        module, source = self._fit.module, self._fit.source
+        batch_idx = self._fit.pending[1] if self._fit.pending is not None else 0
         found = []
         for value in source.attribute_values:
             now = value.value(module, batch_idx)
@@ -468,7 +468,7 @@ class StepDecision:
 
     def _module_flags(self) -> tuple:
         if self._flags is None:
-            self._flags = ModuleFlags(self._module)
+            self._flags = ModuleFlags(self._fit.module)
         return self._flags.read()
 
     def _count_fallback(self, cause: str) -> None:

@@ -54,7 +54,7 @@ class StepDispatch:
             started = time.perf_counter()
             # A plain eager step (a fallback, a re-capture's wait) runs the closure as Lightning's
             # step does, so Lightning's own counting stands; the capture step runs it more than once
-            trainer = self._trainer
+            trainer = self._fit.trainer
             counted = contextlib.nullcontext() if mode == "eager" else one_closure_count(trainer, closure)
             try:
                 with self._on_step_stream(), counted:
@@ -64,7 +64,7 @@ class StepDispatch:
                     self._cost_s["compile_s"] += time.perf_counter() - started
         finally:
             self._in_step = False
-            self._pending = None
+            self._fit.pending = None
             self._pending_tensors = []  # the batch's tensors: not kept past the step
 
     def _eager_modes(self, mode: str, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
@@ -92,7 +92,7 @@ class StepDispatch:
                     self._cost_s["recapture_s"] += elapsed  # its tuning included
                     self._recaptures += 1
                     self._last_recapture_s = elapsed
-        self._mode = "eager"
+        self._fit.mode = "eager"
         return run(closure, **kwargs)
 
     @contextlib.contextmanager
@@ -154,7 +154,7 @@ class StepDispatch:
             graph.binding.bring_home()
         for carried in graph.carried:  # the last step's recurrent state, into the memory the graph reads
             carried.copy_in()
-        self._optimizer.sync_tensors()
+        self._fit.optimizer.sync_tensors()
         events = self._events() if timed else None
         if events is not None:
             events[0].record()
@@ -198,15 +198,15 @@ class StepDispatch:
         timing.graph_count += 1
         if graph.binding is not None:
             graph.binding.after_replay()
-        self._mode = "replay"
+        self._fit.mode = "replay"
         self._reissued = set()
         if closure is None:
             return loss_of(graph.output, "training_step")
         if self._replay_closure is not None:
             if is_stock_closure(closure):
-                return self._replay_closure(self._trainer, closure)
+                return self._replay_closure(self._fit.trainer, closure)
             if isinstance(closure, MicroBatchStep):
-                return self._replay_closure.micro_batch(self._trainer, self._module, closure.closure)
+                return self._replay_closure.micro_batch(self._fit.trainer, self._fit.module, closure.closure)
         return closure()
 
     # ------------------------------------------------------------------ the sampled replay check
@@ -219,7 +219,11 @@ class StepDispatch:
             else []
         )
         written = named_written_state(
-            self._module, self._optimizer.optimizer, metric_states, graph.tensors, graph.external_writes
+            self._fit.module,
+            self._fit.optimizer.optimizer,
+            metric_states,
+            graph.tensors,
+            graph.external_writes,
         )
         devices = [self._device().index or 0] if self._device_type() == "cuda" else []
         return WrittenState(written, devices)
@@ -237,7 +241,7 @@ class StepDispatch:
         except torch.OutOfMemoryError:
             self._check_skipped_for_memory()
             if graph.appends and self._appends_redoable() == "eager":
-                self._mode = "eager"
+                self._fit.mode = "eager"
                 with self._on_step_stream():
                     return run(closure, **kwargs)
             return self._replay_step(closure)
@@ -260,18 +264,18 @@ class StepDispatch:
         clock.lap("replay")
         self._record_output, self._checked_output = True, None
         try:
-            with self._on_step_stream(), one_closure_count(self._trainer, closure):
+            with self._on_step_stream(), one_closure_count(self._fit.trainer, closure):
                 result = run(closure, **kwargs)  # the step as a plain step runs it: its result stands
         finally:
             self._record_output = False
-            self._mode = "eager"
+            self._fit.mode = "eager"
         eager_out = dict(step_tensors(self._checked_output))
         self._checked_output = None
         clock.lap("eager")
         if replayed is None:
             self._check_skipped_for_memory()
             return result
-        names = {id(p): name for name, p in self._module.named_parameters()}
+        names = {id(p): name for name, p in self._fit.module.named_parameters()}
         pairs = [
             (label, replayed_out.get(label), eager_out.get(label)) for label in {**replayed_out, **eager_out}
         ]
@@ -405,7 +409,7 @@ class StepDispatch:
         report.mismatches += 1
         report.first_mismatch = report.first_mismatch or difference
         cause = (
-            f"a sampled replay check ({self._check_why}, step {int(self._trainer.global_step)}) found the replay "
+            f"a sampled replay check ({self._check_why}, step {int(self._fit.trainer.global_step)}) found the replay "
             f"differing from the eager step from the same state: {difference}; something the step reads changed "
             "in a way the checks before each replay do not see"
         )

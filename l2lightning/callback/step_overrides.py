@@ -24,15 +24,15 @@ class StepOverrides:
     """The LightningModule methods the callback replaces for a fit, and self.log through replays."""
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
-        mode = self._mode
+        mode = self._fit.mode
         if mode == "replay":
             self._reissue("training_step")
             output = fresh_extras(self._graph.output)
-            if self._source.output_values and isinstance(output, dict):
+            if self._fit.source.output_values and isinstance(output, dict):
                 # numbers from the step counters returned beside the loss: this step's, not the capture's
                 batch_idx = self._pending_batch_idx()
-                for key, (_, evaluate) in self._source.output_values.items():
-                    output[key] = evaluate(self._module, batch_idx)
+                for key, (_, evaluate) in self._fit.source.output_values.items():
+                    output[key] = evaluate(self._fit.module, batch_idx)
             return output
         if mode == "trace":
             # the gradient tensors an earlier step left: a backward of this step must not add to them
@@ -40,17 +40,17 @@ class StepOverrides:
             # backward after `zero_grad` dropped them (a whole set of gradients more than plain training holds:
             # out of memory on the H100 with 4% to spare, tests/gpu/test_oom_gpu.py)
             self._grads_before_step = {
-                id(p): weakref.ref(p.grad) for p in self._module.parameters() if p.grad is not None
+                id(p): weakref.ref(p.grad) for p in self._fit.module.parameters() if p.grad is not None
             }
-        accumulating = self._trainer is not None and self._trainer.accumulate_grad_batches != 1
+        accumulating = self._fit.trainer is not None and self._fit.trainer.accumulate_grad_batches != 1
         if (
             not self._in_step
-            and self._pending is not None
-            and self._optimizer is not None
+            and self._fit.pending is not None
+            and self._fit.optimizer is not None
             and not accumulating
         ):
             # the closure ran outside optimizer.step: the step cannot be wrapped around it
-            if all(opt is not self._optimizer.optimizer for opt in self._trainer.optimizers):
+            if all(opt is not self._fit.optimizer.optimizer for opt in self._fit.trainer.optimizers):
                 self._disable(
                     "the Trainer's optimizer was replaced during the fit (`trainer.strategy.optimizers`, "
                     "`setup_optimizers`); the callback wraps the one configured at the start"
@@ -66,18 +66,18 @@ class StepOverrides:
             # The prefetch scope is the forward pass: its end joins the side stream and arms the
             # backward join on the outputs this forward produced.
             with self._prefetch_scope():
-                output = self._originals["training_step"](
+                output = self._fit.originals["training_step"](
                     self._capture_graph.static.batch, *args[1:], **kwargs
                 )
             self._fit_report.phase_events.mark("forward")
             self._step_output = output
             return output
         if mode == "verify":
-            output = self._originals["training_step"](*args, **kwargs)
+            output = self._fit.originals["training_step"](*args, **kwargs)
             self._step_output = output
             return output
         with self._fit_report.kernel_counter.phase("forward"):
-            output = self._originals["training_step"](*args, **kwargs)
+            output = self._fit.originals["training_step"](*args, **kwargs)
         if self._record_output:  # the eager step of a sampled replay check: compared with the replay's
             self._checked_output = output
         return output
@@ -86,7 +86,7 @@ class StepOverrides:
         """A hook the graph runs at capture: in replay mode only its log calls are re-issued."""
 
         def hook(*args: Any, **kwargs: Any) -> Any:
-            mode = self._mode
+            mode = self._fit.mode
             if name in self._eager_hooks:
                 # a read-only hook that syncs with the host: kept out of the graph, run after each replay
                 if mode == "capture":
@@ -109,20 +109,22 @@ class StepOverrides:
         return hook
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        if self._mode == "replay":
+        if self._fit.mode == "replay":
             return None
-        adds = bool(self._pending_key) and self._pending_key[0][1].adds
+        adds = bool(self._fit.pending_key) and self._fit.pending_key[0][1].adds
         # (a closing micro-batch adds to Lightning's accumulated gradients by design; its graph does too)
         held = (
-            self._held_gradients() if self._mode == "trace" and self._tracer is not None and not adds else []
+            self._held_gradients()
+            if self._fit.mode == "trace" and self._tracer is not None and not adds
+            else []
         )
         with self._fit_report.kernel_counter.phase("backward"):
-            out = self._originals["backward"](loss, *args, **kwargs)
+            out = self._fit.originals["backward"](loss, *args, **kwargs)
         if any(p.grad is not grad or grad._version != version for p, grad, version in held):
             self._tracer.trace.add_problem(self._stale_gradients_problem())
         if self._hooks is not None and self._hooks.via == "ops":
             self._hooks.join()  # custom-op points leave the backward join to the caller
-        if self._mode == "capture" and self._capture_accumulated is not None:
+        if self._fit.mode == "capture" and self._capture_accumulated is not None:
             # the captured backward made fresh gradients: the earlier micro-batches' sum is added, as
             # eager backward adds to it, before on_after_backward, the clipping and the update read it
             self._capture_accumulated.add_into_grads()
@@ -146,7 +148,7 @@ class StepOverrides:
         before = self._grads_before_step
         held = [
             (p, p.grad)
-            for p in self._module.parameters()
+            for p in self._fit.module.parameters()
             if p.grad is not None and (ref := before.get(id(p))) is not None and ref() is p.grad
         ]
         if not held:
@@ -161,7 +163,7 @@ class StepOverrides:
         """The refusal of a step whose backward added to gradients an earlier step left (_held_gradients)."""
         if self._manual is not None:
             return (
-                f"{type(self._module).__name__} sets `automatic_optimization = False` (manual optimization) and the "
+                f"{type(self._fit.module).__name__} sets `automatic_optimization = False` (manual optimization) and the "
                 "step's backward adds to gradients an earlier step left (the step does not zero them before its first "
                 "`manual_backward`: gradients accumulated across steps), so each step adds "
                 "to them; a captured step starts from fresh gradients and would drop that sum. Zero them before "
@@ -176,31 +178,31 @@ class StepOverrides:
         )
 
     def _optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
-        if self._mode == "replay":
+        if self._fit.mode == "replay":
             return None  # keep the graph's .grad tensors
-        if self._mode == "capture":
+        if self._fit.mode == "capture":
             optimizer.zero_grad(set_to_none=True)  # grads are allocated in the graph's pool
             return None
-        return self._originals["optimizer_zero_grad"](epoch, batch_idx, optimizer)
+        return self._fit.originals["optimizer_zero_grad"](epoch, batch_idx, optimizer)
 
     def _configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        if self._mode == "replay":
+        if self._fit.mode == "replay":
             return None  # the graph clipped the gradients already
-        return self._originals["configure_gradient_clipping"](optimizer, *args, **kwargs)
+        return self._fit.originals["configure_gradient_clipping"](optimizer, *args, **kwargs)
 
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """``self.log`` for the fit: recorded during a capture, kept out of traces, passed through otherwise."""
-        mode = self._mode
+        mode = self._fit.mode
         if mode == "capture":
-            fx = self._module._current_fx_name or "training_step"
+            fx = self._fit.module._current_fx_name or "training_step"
             self._capture_logs.append(ReissuedLog(fx, (name, value, *args), kwargs))
             return None
         if mode == "verify":
             return None  # the verify step logs nothing; the real step does
         if mode == "trace" and self._tracer is not None:
             with self._tracer.paused():
-                return self._originals["log"](name, value, *args, **kwargs)
-        return self._originals["log"](name, value, *args, **kwargs)
+                return self._fit.originals["log"](name, value, *args, **kwargs)
+        return self._fit.originals["log"](name, value, *args, **kwargs)
 
     def _reissue(self, fx: str) -> None:
         """Call the real ``self.log`` for each call recorded in hook `fx` at capture, with this replay's values."""
@@ -208,7 +210,7 @@ class StepOverrides:
         if not calls or fx in self._reissued:  # most steps log nothing from most hooks
             return
         self._reissued.add(fx)
-        results = getattr(self._module._trainer, "_results", None)  # the same for every call of the hook
+        results = getattr(self._fit.module._trainer, "_results", None)  # the same for every call of the hook
         for call in calls:
             if call.fx != fx:
                 continue
@@ -226,18 +228,18 @@ class StepOverrides:
             and not isinstance(value, bool)
             and call.name in self._live_log_values
         ):
-            value = self._source.log_value(call.name, self._module, self._pending_batch_idx())
-        call.issue(self._module, self._originals["log"], value, results)
+            value = self._fit.source.log_value(call.name, self._fit.module, self._pending_batch_idx())
+        call.issue(self._fit.module, self._fit.originals["log"], value, results)
 
     def _pending_batch_idx(self) -> int:
         """This step's ``batch_idx`` (0 outside a step): what re-evaluated logs and outputs read."""
-        return self._pending[1] if self._pending else 0
+        return self._fit.pending[1] if self._fit.pending else 0
 
     def _python_log_sources(self, calls: list[ReissuedLog]) -> tuple[set[str], str | None]:
         """(keys of logged Python numbers to re-evaluate at each replay, why the capture cannot stay: a
         logged Python number that a replay can neither recompute nor take for a constant)."""
         live = set()
-        source = self._source
+        source = self._fit.source
         batch_idx = self._pending_batch_idx()
         for call in calls:
             if not isinstance(call, ReissuedLog):
@@ -247,7 +249,7 @@ class StepOverrides:
                 continue
             if name in source.log_values:
                 try:
-                    if source.log_value(name, self._module, batch_idx) == value:
+                    if source.log_value(name, self._fit.module, batch_idx) == value:
                         live.add(name)
                         continue
                 except Exception:  # falls through to the refusal below

@@ -91,7 +91,7 @@ class WarmupSteps:
     def _warmup_decision(self, key: tuple) -> str:
         group = self._groups.setdefault(key, _Group())
         if key[0][1].closes:  # (an accumulating micro-batch's graph bakes no hyperparameter)
-            self._baked_history.append(self._optimizer.baked_snapshot())
+            self._baked_history.append(self._fit.optimizer.baked_snapshot())
         traced_needed = max(1, self.warmup_steps - 1)
         if len(group.traces) < traced_needed:
             if self._traced_steps >= MAX_TRACED_STEPS:
@@ -126,15 +126,15 @@ class WarmupSteps:
                 if ga[k] != gb.get(k)
             }
         )
-        name = optimizer_names(self._optimizer)  # several: a manual step's (`Adam, SGD`)
+        name = optimizer_names(self._fit.optimizer)  # several: a manual step's (`Adam, SGD`)
         return (
             f"{name}'s {changed} changed at every warm-up step (a per-step schedule such as OneCycleLR); {name} bakes "
             f"them into the graph as numbers, so every step would need a new capture. {baked_schedule_advice(changed)}"
         )
 
     def _timed_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
-        self._groups[self._pending_key].timed += 1
-        self._mode = "eager"
+        self._groups[self._fit.pending_key].timed += 1
+        self._fit.mode = "eager"
         if self.report:
             # profiled (and so not timed) to count the kernels each phase launches
             return self._fit_report.kernel_counter.profile(lambda: run(closure, **kwargs))
@@ -147,12 +147,12 @@ class WarmupSteps:
 
     def _traced_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """An eager warm-up step under the tracer; refusals come before this step's optimizer update."""
-        key = self._pending_key
+        key = self._fit.pending_key
         group = self._groups[key]
         tracer = StepTracer(self._device_type())
         tracer.parameter_storages = self._updated_storages()
-        before = update_counts(self._module)
-        self._mode = "trace"
+        before = update_counts(self._fit.module)
+        self._fit.mode = "trace"
         self._traced_steps += 1
         holders = self._python_holders()
         python_before = python_state.snapshot(holders, device_type=tracer.device_type)
@@ -165,7 +165,7 @@ class WarmupSteps:
         # The step's operand sites get device scalars here too (bitwise the same work: see
         # l2lightning.graph.operand_scalars), so a number that moves at every step (a KL ramp from global_step)
         # leaves the traces alike, where a baked one makes every two warm-up steps differ
-        operands = self._operand_scalars(False, self._pending[1])
+        operands = self._operand_scalars(False, self._fit.pending[1])
 
         def traced() -> Any:
             with substituting(operands):
@@ -180,7 +180,7 @@ class WarmupSteps:
             tracer.trace.problems += python_state.read_appended_elements(appended, tracer.trace.read_ids)
             tracer.trace.problems += self._branches_on_appended(appended)
             self._judge_trace(
-                group, tracer.trace, updated_between(before, update_counts(self._module)), python_changed
+                group, tracer.trace, updated_between(before, update_counts(self._fit.module)), python_changed
             )
             return out
 
@@ -208,16 +208,16 @@ class WarmupSteps:
                 f"the branch at {c.line} tests {where.label}, which the step appends to: a replay's branch is "
                 "chosen before the step runs, an eager step's after the append; keep the count in a tensor, "
                 "or decide in `on_train_batch_start`"
-                for c in self._source.conditions
+                for c in self._fit.source.conditions
                 if c.evaluate is not None and reads.search(c.line.split(" (`", 1)[-1])
             ]
         return problems
 
     def _updated_storages(self) -> frozenset[int]:
         """Storages the optimizer step updates: the module's parameters and the optimizer's state tensors."""
-        tensors = list(self._module.parameters())
-        if self._optimizer is not None:
-            for state in self._optimizer.optimizer.state.values():
+        tensors = list(self._fit.module.parameters())
+        if self._fit.optimizer is not None:
+            for state in self._fit.optimizer.optimizer.state.values():
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         # a sparse tensor has no storage of its own, its values and indices have: SGD's momentum for an
         # nn.Embedding(sparse=True) in a fit resumed from a checkpoint, read here before the first
@@ -229,7 +229,7 @@ class WarmupSteps:
         """Lightning's closure under `tracer` (the captured hooks and ``self.log`` consult it)."""
         self._tracer = tracer
         try:
-            loggers = self._trainer.loggers if self._trainer is not None else ()
+            loggers = self._fit.trainer.loggers if self._fit.trainer is not None else ()
             with (
                 tracer,
                 tracer.memoized(),
@@ -253,12 +253,12 @@ class WarmupSteps:
         ``compile=True``, the children this callback compiled."""
         # no torch.compile yet in this process: no compiled module (and dynamo, slow to import, stays out)
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        if self._module is None or eval_frame is None:
+        if self._fit.module is None or eval_frame is None:
             return []
         ours = {id(child) for child in self._compiled_children}
         return [
             (name, sub)
-            for name, sub in self._module.named_modules()
+            for name, sub in self._fit.module.named_modules()
             if isinstance(sub, eval_frame.OptimizedModule)
             or sub.__dict__.get("_compiled_call_impl") is not None
             or id(sub) in ours
@@ -269,22 +269,22 @@ class WarmupSteps:
         the Trainer's other callbacks (their hooks inside the step are captured with it), the objects
         whose methods run as hooks, and the Python modules whose globals the step's code reads (a
         module-level list it appends to)."""
-        callbacks = [cb for cb in getattr(self._trainer, "callbacks", []) if cb is not self]
-        holders = python_state.owners(self._module, [*callbacks, *self._hook_owners])
+        callbacks = [cb for cb in getattr(self._fit.trainer, "callbacks", []) if cb is not self]
+        holders = python_state.owners(self._fit.module, [*callbacks, *self._hook_owners])
         # under manual optimization the optimizers step inside training_step: their Python is the step's
         holders += self._optimizer_holders()
-        return holders + python_state.global_namespaces(self._source.global_reads.values())
+        return holders + python_state.global_namespaces(self._fit.source.global_reads.values())
 
     def _optimizer_holders(self) -> list[tuple[str, Any]]:
         """The optimizers the step steps whose class is the user's own, by class name: their ``step``'s
         Python runs inside the captured step (python_state.optimizer_owners)."""
-        if self._optimizer is None:
+        if self._fit.optimizer is None:
             return []
-        return python_state.optimizer_owners(m.optimizer for m in members_of(self._optimizer))
+        return python_state.optimizer_owners(m.optimizer for m in members_of(self._fit.optimizer))
 
     def _optimizer_writes(self) -> list[str]:
         """The optimizer hyperparameters the step's own code has written so far (inside the step)."""
-        return self._optimizer.hyperparameter_writes() if self._optimizer is not None else []
+        return self._fit.optimizer.hyperparameter_writes() if self._fit.optimizer is not None else []
 
     def _python_problem(self, changed: list[str], trace: StepTrace | None = None) -> str:
         """Why a step that changes the Python state `changed` cannot be replayed (`trace`: the step's,
@@ -345,7 +345,7 @@ class WarmupSteps:
     ) -> None:
         """Compare a traced step with its group; refuse (before the update) what can never be replayed."""
         sparse = [
-            name for name, p in self._module.named_parameters() if p.grad is not None and p.grad.is_sparse
+            name for name, p in self._fit.module.named_parameters() if p.grad is not None and p.grad.is_sparse
         ]
         if sparse:
             # torch's optimizers take sparse gradients on paths of their own (coalescing reads sizes on
@@ -361,11 +361,11 @@ class WarmupSteps:
         # the numbers the step read this time (a hook moves them after the step: `self.ptr` of a queue)
         values = {
             name: value
-            for _, name, value in python_state.baked_scalars(self._module, self._source.reads, set())
+            for _, name, value in python_state.baked_scalars(self._fit.module, self._fit.source.reads, set())
         }
-        batch_idx = self._pending[1] if self._pending is not None else 0
-        counters = self._source.counter_snapshot(self._module, batch_idx)
-        metrics = dict(named_metrics(self._module))
+        batch_idx = self._fit.pending[1] if self._fit.pending is not None else 0
+        counters = self._fit.source.counter_snapshot(self._fit.module, batch_idx)
+        metrics = dict(named_metrics(self._fit.module))
         for name in updated:
             reason = unreplayable_reason(name, metrics[name])
             if reason:
@@ -426,7 +426,9 @@ class WarmupSteps:
                 difference = None
             if difference:
                 moved = _moved_between(group.last_read, values)
-                computed = _computed_differently(self._source.counter_values, group.last_counters, counters)
+                computed = _computed_differently(
+                    self._fit.source.counter_values, group.last_counters, counters
+                )
                 problem = (
                     f"two warm-up steps ran different work ({difference}); a graph replays one of them. "
                     + (
@@ -445,7 +447,7 @@ class WarmupSteps:
         group.traces.append(trace)
         group.last_read, group.last_counters = values, counters
         group.metrics.update(updated)
-        if problem and not any(c.evaluate is not None and c.on_counters for c in self._source.conditions):
+        if problem and not any(c.evaluate is not None and c.on_counters for c in self._fit.source.conditions):
             # no branch on the step counters: this step's branch is, as far as can be told, every step's
             self._disable(problem)
         elif problem:
@@ -494,9 +496,12 @@ class WarmupSteps:
 
     def _clipping(self) -> str | None:
         """What clips the gradients in the step: the Trainer's setting or the module's own clipping."""
-        if self._trainer.gradient_clip_val:
-            return f"gradient clipping (`gradient_clip_val={self._trainer.gradient_clip_val}`)"
-        if type(self._module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
+        if self._fit.trainer.gradient_clip_val:
+            return f"gradient clipping (`gradient_clip_val={self._fit.trainer.gradient_clip_val}`)"
+        if (
+            type(self._fit.module).configure_gradient_clipping
+            is not LightningModule.configure_gradient_clipping
+        ):
             return "the module's `configure_gradient_clipping`"
         return None
 
@@ -506,9 +511,9 @@ class WarmupSteps:
         found = self._hook_writes.get(hook)
         if found is None:
             found = []
-            original = self._originals.get(hook)
+            original = self._fit.originals.get(hook)
             if original is not None:
-                found += possible_writes(original, self._module)
+                found += possible_writes(original, self._fit.module)
             for cb, name, before in self._callback_overrides:
                 if name == hook:
                     found += possible_writes(getattr(type(cb), hook) if before is ABSENT else before, cb)

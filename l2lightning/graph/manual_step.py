@@ -222,7 +222,7 @@ class ManualStep:
     def optimizer_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """The capturable optimizer's handler: its step as it is (inside the graph at the capture)."""
         cb = self.callback
-        if cb._mode == "capture":
+        if cb._fit.mode == "capture":
             self._counting += 1
         # `run` is the CapturableOptimizer's: which of the step's optimizers this is
         self._stepped.add(id(getattr(getattr(run, "__self__", None), "optimizer", None)))
@@ -238,7 +238,7 @@ class ManualStep:
         """A wrapped LR scheduler's ``step`` (l2lightning.graph.scheduler_steps): run as it is, except in a warm-up
         step that shows a schedule a replay cannot repeat (refused) and at the capture (recorded)."""
         cb = self.callback
-        mode = cb._mode
+        mode = cb._fit.mode
         if not cb._in_step or mode not in ("trace", "capture"):
             return entry.run(*args, **kwargs)  # eager: between steps, fallbacks, the check's eager step
         problem = self._scheduler_problem(entry, args, kwargs)
@@ -247,7 +247,7 @@ class ManualStep:
         if mode == "capture":
             # stepped by the re-issue of the step's logs that follows the capture, then after each replay
             cb._capture_logs.append(
-                ReissuedSchedulerStep(cb._module._current_fx_name or "training_step", entry)
+                ReissuedSchedulerStep(cb._fit.module._current_fx_name or "training_step", entry)
             )
             return None
         tracer = cb._tracer
@@ -259,7 +259,7 @@ class ManualStep:
     def _scheduler_problem(self, entry: ScheduledStep, args: tuple, kwargs: dict) -> str | None:
         """Why a replay could not repeat this call of `entry`'s ``step`` in the step, or None."""
         lead = (
-            f"{type(self.callback._module).__name__}'s training_step (manual optimization) steps its LR "
+            f"{type(self.callback._fit.module).__name__}'s training_step (manual optimization) steps its LR "
             f"scheduler {entry.name}"
         )
         if args or kwargs:
@@ -287,7 +287,7 @@ class ManualStep:
         for entry, was, now in zip(self.schedulers.entries, counts, self.schedulers.counts()):
             if now != was:
                 stepped.setdefault(id(entry.optimizer), []).append(entry.name)
-        tensor_lr = {id(m.optimizer) for m in members_of(self.callback._optimizer) if m.tensor_lr}
+        tensor_lr = {id(m.optimizer) for m in members_of(self.callback._fit.optimizer) if m.tensor_lr}
         changed, keys, schedulers = [], set(), []
         for i, (optimizer, was) in enumerate(zip(optimizers, before)):
             scheduled = stepped.get(id(optimizer), [])
@@ -302,13 +302,13 @@ class ManualStep:
         if not changed:
             return None
         lead = (
-            f"{type(self.callback._module).__name__}'s training_step (manual optimization) changes the optimizer's "
+            f"{type(self.callback._fit.module).__name__}'s training_step (manual optimization) changes the optimizer's "
             f"hyperparameters ({', '.join(changed)})"
         )
         if schedulers:
             return (
                 f"{lead} through its LR scheduler ({', '.join(sorted(set(schedulers)))}, stepped in the step), and "
-                f"{optimizer_names(self.callback._optimizer)} bakes them into the graph as numbers, so every step "
+                f"{optimizer_names(self.callback._fit.optimizer)} bakes them into the graph as numbers, so every step "
                 f"would need a new capture. {baked_schedule_advice(sorted(keys))}"
             )
         return (
@@ -317,17 +317,17 @@ class ManualStep:
         )
 
     def _progress(self) -> Any:
-        return self.callback._trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        return self.callback._fit.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         cb = self.callback
-        if cb.disabled_reason or cb._optimizer is None or cb._pending is None:
+        if cb.disabled_reason or cb._fit.optimizer is None or cb._fit.pending is None:
             out = cb._training_step(*args, **kwargs)  # eager: the override passes it through
             return None if isinstance(out, dict) and not out else out
         progress = self._progress()
         before = copy.deepcopy(progress.state_dict())
-        start_step = int(cb._trainer.global_step)
-        wrapped = cb._optimizer
+        start_step = int(cb._fit.trainer.global_step)
+        wrapped = cb._fit.optimizer
         optimizers = [m.optimizer for m in members_of(wrapped)]
         hyperparameters, switched = [_hyperparameters(o) for o in optimizers], wrapped.switched
         captures = cb.captures
@@ -336,7 +336,7 @@ class ManualStep:
         scheduled = self.schedulers.counts()
         out = cb._step(_run, functools.partial(cb._training_step, *args, **kwargs), {})
         captured = cb.captures != captures
-        if (captured or cb._mode != "replay") and cb._optimizer is not None:
+        if (captured or cb._fit.mode != "replay") and cb._fit.optimizer is not None:
             # the capture step switched the optimizer to make_capturable's configuration: not the step's doing
             ignored = _SWITCHED_KEYS if wrapped.switched != switched else ()
             problem = self._hyperparameter_problem(optimizers, hyperparameters, ignored, scheduled)
@@ -346,7 +346,7 @@ class ManualStep:
             self.graph_steps = self._counting
             # read by the capture after the step's Python had stepped the optimizers: the step it began at
             cb.capture_step = start_step
-        if captured or cb._mode == "replay":
+        if captured or cb._fit.mode == "replay":
             # a replay ran no Python, a capture step ran it more than once (its dry runs, the graph's
             # recording): the counter moves on as one eager step of the graph's optimizer steps moves it
             progress.load_state_dict(copy.deepcopy(before))

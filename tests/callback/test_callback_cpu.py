@@ -267,7 +267,7 @@ class _RecordingLogger:
 def _logging_state(replays: int, last_done: bool = True, rank_zero: bool = True):
     """A callback as it stands after a capture with `replays` timed replays, and a Trainer stand-in."""
     cb = L2GraphCallback()
-    cb._module = TinyMLP()
+    cb._fit.module = TinyMLP()
     cb._graph = object()
     cb._captured = True
     cb.capture_step = 3
@@ -293,7 +293,7 @@ def _logging_state(replays: int, last_done: bool = True, rank_zero: bool = True)
 
 
 def _batch_end(cb, trainer):
-    cb.on_train_batch_end(trainer, cb._module, None, None, 0)
+    cb.on_train_batch_end(trainer, cb._fit.module, None, None, 0)
 
 
 def test_l2_metrics_are_logged_once_at_the_first_batch_end_after_timed_replays():
@@ -373,7 +373,7 @@ def test_l2_metrics_are_logged_again_at_epoch_end(monkeypatch):
     cb.fallback_steps = 1
     trainer.fit_loop.epoch_loop._batches_that_stepped += 1
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    cb.on_train_epoch_end(trainer, cb._module)
+    cb.on_train_epoch_end(trainer, cb._fit.module)
     assert len(logger.rows) == 2
     step, metrics = logger.rows[1]
     assert step == fit_report.TIMED_REPLAYS_BEFORE_LOG + 4
@@ -398,7 +398,7 @@ def test_autotune_argument_is_checked_up_front_and_reaches_the_tuner(monkeypatch
     monkeypatch.setattr("l2lightning.callback.prefetch_setup.prefetch_unavailable_reason", lambda: None)
     cb = L2GraphCallback(autotune={"budget_s": 0.2, "cache": None})
     cb._static_for_prefetch = type("S", (), {"batch": None})()
-    cb._originals = {"training_step": None, "log": None}
+    cb._fit.originals = {"training_step": None, "log": None}
     cb._prefetch_hooks(torch.nn.Linear(1, 1))
     assert seen["autotune"] == {"budget_s": 0.2, "cache": None} and seen["plans"] == "auto"
 
@@ -431,7 +431,7 @@ def test_traced_steps_watch_the_submodules_the_user_compiled_and_those_compile_t
     cb = L2GraphCallback()
     module = TinyMLP(width=8, depth=2)
     assert cb._compiled_submodules() == []  # before the fit: no module
-    cb._module = module
+    cb._fit.module = module
     module.net[0] = torch.compile(module.net[0], backend="eager")
     module.net[1].compile(backend="eager")  # compiled in place
     cb._compiled_children = [module.head]

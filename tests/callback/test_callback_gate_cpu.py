@@ -43,7 +43,7 @@ class StandInHooks:
 
     @contextlib.contextmanager
     def scope(self):
-        if self.callback._mode == "capture":
+        if self.callback._fit.mode == "capture":
             self.scoped_captures += 1
         yield
 
@@ -52,7 +52,7 @@ class StandInHooks:
 
     def remove(self):
         self.removed = True
-        self.removed_at = int(self.callback._trainer.global_step)
+        self.removed_at = int(self.callback._fit.trainer.global_step)
 
 
 # every test here runs on the CPU graph emulator (tests/conftest.py)

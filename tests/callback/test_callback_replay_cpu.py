@@ -543,7 +543,7 @@ def test_metric_values_holding_the_last_steps_autograd_graph_are_detached_before
         seen.append(
             [
                 n
-                for n, m in self._module.named_modules()
+                for n, m in self._fit.module.named_modules()
                 if getattr(m, "_forward_cache", None) is not None
                 and getattr(m._forward_cache, "grad_fn", None) is not None
             ]

@@ -180,7 +180,7 @@ def test_a_list_the_step_appends_to_gets_a_fresh_element_per_replay(monkeypatch,
         pl_module.log = lambda *a, **k: None  # as the real dry run, which must not log
         try:
             with torch.no_grad():
-                self._originals["training_step"](self._static_for_prefetch.batch, 0)
+                self._fit.originals["training_step"](self._static_for_prefetch.batch, 0)
         finally:
             pl_module.log = logging
         return None

@@ -231,7 +231,7 @@ class StreamLedger:
         @contextlib.contextmanager
         def on_step_stream(cb):
             cb._step_stream = "the capture's stream"
-            ledger.on_stream.append(cb._trainer.global_step)
+            ledger.on_stream.append(cb._fit.trainer.global_step)
             yield
 
         monkeypatch.setattr(L2GraphCallback, "_on_step_stream", on_step_stream)

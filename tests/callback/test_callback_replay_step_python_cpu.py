@@ -904,7 +904,9 @@ def test_timing_is_a_bounded_window_and_teardown_drops_references(monkeypatch):
     cb = callback()
     model, _, trainer = fit(TinyMLP, [cb], steps=TIMING_WINDOW + 40)
     assert len(cb._fit_report.timing.graph) == TIMING_WINDOW
-    assert cb._module is None and cb._graph is None and cb._optimizer is None and cb._trainer is None
+    assert (
+        cb._fit.module is None and cb._graph is None and cb._fit.optimizer is None and cb._fit.trainer is None
+    )
     assert not {"training_step", "log"} & set(vars(model))
     assert "step" not in vars(trainer.optimizers[0])
 
@@ -973,12 +975,12 @@ def test_finding_the_prefetch_chain_leaves_no_trace(monkeypatch):
     from l2lightning.callback import graph_callback as callback_module
 
     def dry_run_hooks(self, pl_module):
-        self._originals["log"], saved_log = (lambda *a, **k: None), self._originals["log"]
+        self._fit.originals["log"], saved_log = (lambda *a, **k: None), self._fit.originals["log"]
         try:
-            self._originals["training_step"](self._static_for_prefetch.batch, 0)
+            self._fit.originals["training_step"](self._static_for_prefetch.batch, 0)
             torch.rand(3)  # the tuner draws random inputs
         finally:
-            self._originals["log"] = saved_log
+            self._fit.originals["log"] = saved_log
         return None
 
     monkeypatch.setattr(callback_module.L2GraphCallback, "_prefetch_hooks", dry_run_hooks)

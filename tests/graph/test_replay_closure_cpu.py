@@ -216,7 +216,7 @@ def _converted_at(monkeypatch, callbacks, steps):
     real = ClosureResult.from_training_step_output.__func__
 
     def counted(cls, output, normalize=1):
-        converted.append(callbacks[0]._trainer.global_step)
+        converted.append(callbacks[0]._fit.trainer.global_step)
         return real(cls, output, normalize)
 
     with monkeypatch.context() as m:

@@ -1,0 +1,37 @@
+"""What every part of the callback reads of the fit under way: the Trainer, the module, the step.
+
+The callback's parts (the warm-up, the decision, the capture, the dispatch, the overrides, the
+prefetch set-up, the report) all act on the same fit and the same step. They hold one
+:class:`FitState` rather than reading each other's attributes, so what they share is named here
+and nowhere else; what a part keeps for itself it declares in its own ``__init__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from l2lightning.guards.step_source import StepSource
+
+
+class FitState:
+    """The fit under way and the step in hand, shared by the callback's parts.
+
+    Set at the fit's ``setup`` (Trainer, module, the module's hooks as they were and what their source
+    reads), at the training start (the optimizer) and at each step (the pending batch and its key,
+    the mode the step runs in); a fresh one at every fit, so nothing of an earlier fit is reachable.
+    """
+
+    __slots__ = ("trainer", "module", "optimizer", "source", "originals", "mode", "pending", "pending_key")
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.module: Any = None
+        # the optimizer whose steps the callback handles (a CapturableOptimizer, or several joined, which a
+        # manual step steps as one); None before the training start and once the callback lets it go
+        self.optimizer: Any = None
+        self.source = StepSource()  # what the step's code reads (l2lightning.guards.step_source)
+        self.originals: dict[str, Any] = {}  # the module's methods the callback replaced, as they were
+        # what this step runs as: "eager", "trace", "time", "capture", "verify", "replay", "check"
+        self.mode = "eager"
+        self.pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
+        self.pending_key: tuple = ()  # its batch signature and branch (the warm-up's groups)
