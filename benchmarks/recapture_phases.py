@@ -126,7 +126,7 @@ def _captures_fit(name: str, device: str) -> dict:
     for owner, attr, phase in [
         (step_capture, "analyse_called_code", "analyse_called_code"),
         (cls, "_source_refusal", "source_refusal"),
-        (cls, "_python_holders", "python_holders"),
+        (warmup_steps.WarmupSteps, "python_holders", "python_holders"),
         (step_capture.python_state, "snapshot", "python_snapshots"),
         (step_capture.python_state, "restore", "python_restore"),
         (step_capture, "_scheduler_states", "scheduler_states"),

@@ -21,7 +21,17 @@ class FitState:
     the mode the step runs in); a fresh one at every fit, so nothing of an earlier fit is reachable.
     """
 
-    __slots__ = ("trainer", "module", "optimizer", "source", "originals", "mode", "pending", "pending_key")
+    __slots__ = (
+        "trainer",
+        "module",
+        "optimizer",
+        "source",
+        "originals",
+        "hook_owners",
+        "mode",
+        "pending",
+        "pending_key",
+    )
 
     def __init__(self) -> None:
         self.trainer: Any = None
@@ -31,6 +41,8 @@ class FitState:
         self.optimizer: Any = None
         self.source = StepSource()  # what the step's code reads (l2lightning.guards.step_source)
         self.originals: dict[str, Any] = {}  # the module's methods the callback replaced, as they were
+        # objects of the user's whose methods run as hooks inside the step (l2lightning.guards.called_code)
+        self.hook_owners: list[Any] = []
         # what this step runs as: "eager", "trace", "time", "capture", "verify", "replay", "check"
         self.mode = "eager"
         self.pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)

@@ -62,7 +62,7 @@ from l2lightning.callback.step_decision import StepDecision
 from l2lightning.callback.step_dispatch import StepDispatch
 from l2lightning.callback.step_gate import GATE_PAIRS, StepGateResult
 from l2lightning.callback.step_overrides import StepOverrides, forwarding, presenting_signature_of
-from l2lightning.callback.warmup_steps import WarmupSteps, _Group, momentum_cycled_every_step
+from l2lightning.callback.warmup_steps import WarmupSteps, momentum_cycled_every_step
 from l2lightning.graph.accumulation import MicroBatchClosures, MicroBatchStep, role_of, run_micro_batch
 from l2lightning.graph.amp_step import (
     ScaledStep,
@@ -110,9 +110,6 @@ from l2lightning.guards.module_flags import ModuleFlags
 from l2lightning.guards.progress_bar_reads import defer_progress_bar_reads
 from l2lightning.guards.replay_check import CHECK_SHARE, ReplayCheckReport
 from l2lightning.guards.step_source import analyse, analyse_callbacks
-from l2lightning.guards.step_trace import (
-    StepTracer,
-)
 from l2lightning.prefetch.plan import PrefetchPlan
 
 PREFETCH_MODES = ("off", "default", "auto", "decoy")
@@ -131,9 +128,7 @@ def _stale_read(what: str, lines: list[str], changes: str, kept: str, advice: st
     )
 
 
-class L2GraphCallback(
-    StepDispatch, StepDecision, StepCapture, WarmupSteps, StepOverrides, PrefetchSetup, Callback
-):
+class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, PrefetchSetup, Callback):
     """Capture the whole training step (forward, loss, backward, optimizer step) in one CUDA graph.
 
     Inside the graph a side-stream kernel prefetches into L2 the weights the next layer will read
@@ -351,10 +346,6 @@ class L2GraphCallback(
         self._record_output = False  # the checked step's eager training_step output is kept (_checked_output)
         self._checked_output: Any = None
         self._check_why = ""  # why this step is checked (CheckSchedule.due)
-        # where the step draws from cuDNN's RNN dropout state (a buffer outside torch's generators):
-        # eager work beside the fit's steps that cannot put it back (the prefetch's dry run, the
-        # capture's eager check) is off; the sampled check saves and puts it back
-        self._hidden_random: str | None = None
         self._disable_next: str | None = None  # why the next step trains eagerly for the rest of the fit
         self._verify_capture_off = False
         # a check after an operand value's change found the replay differing: later captures bake them in
@@ -381,10 +372,6 @@ class L2GraphCallback(
         self._owns_optimizer = False
         self._nan_patched: list[Any] = []
         self._flags: ModuleFlags | None = None  # the module's train()/requires_grad flags, read per replay
-        self._groups: dict[tuple, _Group] = {}
-        self._baked_history: list[Any] = []  # the optimizer's baked hyperparameters at each warm-up step
-        self._traced_steps = 0
-        self._tracer: StepTracer | None = None
         self._capture_logs: list[ReissuedLog | ReissuedSchedulerStep] = []
         self._step_closure: Any = None  # the closure optimizer.step got, while its step is decided
         # the accumulated gradients a closing micro-batch's capture adds to (l2lightning.graph.accumulation)
@@ -403,16 +390,11 @@ class L2GraphCallback(
         self._recaptures = 0  # captures after the fit's first (the gate's second capture included)
         self._last_recapture_s: float | None = None  # the wall seconds of the last of them
         self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
-        self._eager_hooks: set[str] = set()
         # a traced step's gradient tensors as it starts (weak references), by parameter: its backward must
         # not add to them
         self._grads_before_step: dict[int, Any] = {}
-        # per hook name, what its functions' code may write (l2lightning.guards.hook_writes), read once a fit
-        self._hook_writes: dict[str, list[str]] = {}
         self._grad_norm_names = GradNormNames()  # where those hooks find Lightning's grad_norm
         self._capture_graph: _Graph | None = None
-        # objects of the user's whose methods run as hooks inside the step (l2lightning.guards.called_code)
-        self._hook_owners: list[Any] = []
         self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
         self._hooks: Any = None
         self._pool_mib: float | None = None
@@ -443,6 +425,20 @@ class L2GraphCallback(
         self._gate_result: StepGateResult | None = None
         # the step times, the l2/* metrics and the captured step's report (a part: its state is its own)
         self._fit_report = FitReport(self.report)
+        # the warm-up steps and what they learn (a part: its state is its own)
+        self._warmup = WarmupSteps(
+            self._fit,
+            self._fit_report,
+            warmup_steps=self.warmup_steps,
+            report=self.report,
+            own_callback=self,
+            disable=self._disable,
+            operand_scalars=self._operand_scalars,
+            events=self._events,
+            device_type=self._device_type,
+            compiled_children=self._compiled_children,
+            callback_overrides=self._callback_overrides,
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -702,10 +698,10 @@ class L2GraphCallback(
             self._undo_cuda_state_watch = None
         for cb, hook, before in self._callback_overrides:
             put_back(cb, hook, before)
-        self._callback_overrides = []
+        self._callback_overrides.clear()  # (the warm-up part holds the same list)
         for child, before in zip(self._compiled_children, self._children_forward):
             put_back(child, "forward", before)  # the class's forward, or a library's per-instance wrapper
-        self._compiled_children = []
+        self._compiled_children.clear()
         self._children_forward = []
         if self._hooks is not None:
             self._hooks.remove()
@@ -728,8 +724,8 @@ class L2GraphCallback(
             self._flags.close()
             self._flags = None
         self._capture_graph = None
-        self._groups = {}
-        self._tracer = None
+        self._warmup.groups = {}
+        self._warmup.tracer = None
         self._fit.pending = None
         self._pending_tensors = []
         self._step_output = None
@@ -811,7 +807,7 @@ class L2GraphCallback(
             return
         # Submodules (configure_model builds them after setup) and hooks registered up to now: what
         # their code reads joins the comparisons before each replay, what it assigns is refused
-        self._hook_owners = analyse_called_code(pl_module, self._fit.source)
+        self._fit.hook_owners = analyse_called_code(pl_module, self._fit.source)
         reason = self._source_refusal()
         if reason:
             self._disable(reason)
@@ -1016,12 +1012,12 @@ class L2GraphCallback(
         if self._in_step:
             return
         self._checks_after(f"a call of `torch.cuda.{name}`")
-        if self._hidden_random is not None and not self._check_on and self._graph is not None:
+        if self._warmup.hidden_random is not None and not self._check_on and self._graph is not None:
             # plain Lightning's next nn.LSTM/GRU call re-seeds cuDNN's dropout state after this; a replay
             # never calls it, and without the sampled check no replay is compared: train eagerly
             self._disable_next = (
                 f"`torch.cuda.{name}` was called between steps, after which cuDNN re-seeds its RNN dropout "
-                f"state at the next eager call ({self._hidden_random}), which a replay never makes; with "
+                f"state at the next eager call ({self._warmup.hidden_random}), which a replay never makes; with "
                 f"verify={self.verify!r} no replay is compared with the eager step (verify='sampled' checks "
                 "the next replay and captures again)"
             )

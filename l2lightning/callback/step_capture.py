@@ -204,7 +204,7 @@ class StepCapture:
             or not sites
             # a TorchFunctionMode around compiled code makes dynamo compile it again, inside the capture
             or self.compile
-            or self._compiled_submodules()
+            or self._warmup.compiled_submodules()
         ):
             return None
         return OperandScalars(sites, self._device(), self._fit.module, batch_idx)
@@ -264,7 +264,7 @@ class StepCapture:
         self._collected_for_capture = False  # set by this step's prefetch set-up, if it collects
         module, wrapped = self._fit.module, self._fit.optimizer
         key = self._fit.pending_key
-        group = self._groups.get(key)
+        group = self._warmup.groups.get(key)
         batch, batch_idx = self._fit.pending
         # The steps before ran the user's configuration, so that a fit refused before its capture is
         # plain Lightning bit for bit; from here on the optimizer is capturable. (Not for an accumulating
@@ -305,12 +305,12 @@ class StepCapture:
             return run(closure, **kwargs)
         # hooks registered since training started (by a callback whose on_train_start ran after this
         # one's): read before this capture bakes in what they read
-        self._hook_owners = analyse_called_code(module, self._fit.source)
+        self._fit.hook_owners = analyse_called_code(module, self._fit.source)
         reason = self._source_refusal()
         if reason:
             self._disable(reason)
             return run(closure, **kwargs)
-        holders = self._python_holders()
+        holders = self._warmup.python_holders()
         device_type = self._device_type()
         # The chain discovery's dry run and the verify step run training_step's Python too: what they
         # do to Python state (an appended output, a drawn random number) is undone like their tensors.
@@ -367,7 +367,7 @@ class StepCapture:
             # failed capture restores.
             python_started = python_state.snapshot(holders, ours, device_type)
             with substituting(operands):
-                out = self._run_traced(tracer, closure)
+                out = self._warmup.run_traced(tracer, closure)
             if self._step_output is None:
                 raise _Defer()
             python_after = python_state.snapshot(holders, ours, device_type)
@@ -378,9 +378,9 @@ class StepCapture:
             carried, python_changed = split_carried(
                 python_started, python_after, tracer.made, python_changed, tracer.read_from_before
             )
-            python_changed += self._optimizer_writes()
-            if python_changed and self._traced_steps >= 1:
-                raise _PythonChangedInCapture(self._python_problem(python_changed, tracer.trace))
+            python_changed += self._warmup.optimizer_writes()
+            if python_changed and self._warmup.traced_steps >= 1:
+                raise _PythonChangedInCapture(self._warmup.python_problem(python_changed, tracer.trace))
             graph.appends = [(a, a.current()[-1]) for a in appended]
             graph.carried = carried
             graph.external_writes = [
@@ -405,7 +405,7 @@ class StepCapture:
             if ran is not None
             else None
         )
-        optimizers = self._optimizer_holders()
+        optimizers = self._warmup.optimizer_holders()
 
         def run_whole(closure: Any, **kwargs: Any) -> Any:
             # the user's optimizer's own Python runs around the closure (`optimizer.step(closure)`)
@@ -413,8 +413,8 @@ class StepCapture:
             out = run(closure, **kwargs)
             after = python_state.snapshot(optimizers, generators=False)
             changed = python_state.changed(optimizer_before, after)
-            if changed and self._traced_steps >= 1:
-                raise _PythonChangedInCapture(self._python_problem(changed, tracer.trace))
+            if changed and self._warmup.traced_steps >= 1:
+                raise _PythonChangedInCapture(self._warmup.python_problem(changed, tracer.trace))
             return out
 
         try:
@@ -576,7 +576,7 @@ class StepCapture:
         # the traces and their host copies are not needed any more: this role's (another accumulation
         # role's warm-up goes on)
         role = key[0][1].role
-        self._groups = {k: g for k, g in self._groups.items() if k[0][1].role != role}
+        self._warmup.groups = {k: g for k, g in self._warmup.groups.items() if k[0][1].role != role}
         # The capture recorded but did not run the step: this replay is the step's real update. Then
         # the closure again, in replay mode, so Lightning keeps fresh outputs and the logs are issued.
         graph.graph.replay()
@@ -615,7 +615,7 @@ class StepCapture:
         back (the capture records it among the tensors the step writes); the prefetch's dry run of the
         forward and ``verify="capture"``'s eager step, both run before the capture has found the
         buffer, are off."""
-        where = self._hidden_random
+        where = self._warmup.hidden_random
         if where is None:
             return
         turned_off = []

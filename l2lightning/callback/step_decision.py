@@ -113,7 +113,7 @@ class StepDecision:
         self._fit.pending_key = key
         graph = self._graph
         if graph is None:
-            decision = self._warmup_decision(key)
+            decision = self._warmup.decision(key)
             if decision == "capture" and self._slots.gate_elsewhere():
                 # captured once the trial has chosen whether the fit's graphs prefetch
                 self._fall_back(

@@ -70,9 +70,9 @@ class StepDispatch:
     def _eager_modes(self, mode: str, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """Every step that runs the step's own code: warm-up (traced or timed), the capture, eager."""
         if mode == "trace":
-            return self._traced_step(run, closure, kwargs)
+            return self._warmup.traced_step(run, closure, kwargs)
         if mode == "time":
-            return self._timed_step(run, closure, kwargs)
+            return self._warmup.timed_step(run, closure, kwargs)
         if mode == "capture":
             started, tuned = time.perf_counter(), self._cost_s["tuning_s"]
             again = self._captures_here > 0  # a capture after this graph's first: what a re-capture costs

@@ -87,12 +87,12 @@ class StepOverrides:
 
         def hook(*args: Any, **kwargs: Any) -> Any:
             mode = self._fit.mode
-            if name in self._eager_hooks:
+            if name in self._warmup.eager_hooks:
                 # a read-only hook that syncs with the host: kept out of the graph, run after each replay
                 if mode == "capture":
                     return None
-                if mode == "trace" and self._tracer is not None:
-                    with self._tracer.watching(name):
+                if mode == "trace" and self._warmup.tracer is not None:
+                    with self._warmup.tracer.watching(name):
                         return original(*args, **kwargs)
                 if mode == "replay":  # Lightning's grad_norm with one read back instead of one per parameter
                     with batched_grad_norm_in(original, self._grad_norm_names):
@@ -101,8 +101,8 @@ class StepOverrides:
             if mode == "replay":
                 self._reissue(name)
                 return None
-            if mode == "trace" and self._tracer is not None:
-                with self._tracer.hook(name):
+            if mode == "trace" and self._warmup.tracer is not None:
+                with self._warmup.tracer.hook(name):
                     return original(*args, **kwargs)
             return original(*args, **kwargs)
 
@@ -115,13 +115,13 @@ class StepOverrides:
         # (a closing micro-batch adds to Lightning's accumulated gradients by design; its graph does too)
         held = (
             self._held_gradients()
-            if self._fit.mode == "trace" and self._tracer is not None and not adds
+            if self._fit.mode == "trace" and self._warmup.tracer is not None and not adds
             else []
         )
         with self._fit_report.kernel_counter.phase("backward"):
             out = self._fit.originals["backward"](loss, *args, **kwargs)
         if any(p.grad is not grad or grad._version != version for p, grad, version in held):
-            self._tracer.trace.add_problem(self._stale_gradients_problem())
+            self._warmup.tracer.trace.add_problem(self._stale_gradients_problem())
         if self._hooks is not None and self._hooks.via == "ops":
             self._hooks.join()  # custom-op points leave the backward join to the caller
         if self._fit.mode == "capture" and self._capture_accumulated is not None:
@@ -153,7 +153,7 @@ class StepOverrides:
         ]
         if not held:
             return []
-        with self._tracer.paused():
+        with self._warmup.tracer.paused():
             # a sparse gradient (nn.Embedding(sparse=True)) holds its values apart
             values = [g.coalesce().values() if g.is_sparse else g for _, g in held]
             nonzero = torch.stack([v.ne(0).any() for v in values]).tolist()
@@ -199,8 +199,8 @@ class StepOverrides:
             return None
         if mode == "verify":
             return None  # the verify step logs nothing; the real step does
-        if mode == "trace" and self._tracer is not None:
-            with self._tracer.paused():
+        if mode == "trace" and self._warmup.tracer is not None:
+            with self._warmup.tracer.paused():
                 return self._fit.originals["log"](name, value, *args, **kwargs)
         return self._fit.originals["log"](name, value, *args, **kwargs)
 

@@ -1,7 +1,10 @@
 """Warm-up steps: traced and compared before anything is captured, or timed.
 
-A mixin of :class:`l2lightning.callback.graph_callback.L2GraphCallback`: its methods use the callback's run state
-(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+A part :class:`l2lightning.callback.graph_callback.L2GraphCallback` holds (``_warmup``), one per fit: it
+keeps what the warm-up learns (the traced steps by group, the hooks that may run after each replay,
+where the step draws hidden random state) in its own ``__init__``, reads the fit through
+:class:`l2lightning.callback.fit_state.FitState` and reaches the rest of the callback only through
+the callables it is given (refuse the fit, serve the step's operand scalars, make CUDA events).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
+from l2lightning.callback.fit_report import FitReport
+from l2lightning.callback.fit_state import FitState
 from l2lightning.callback.step_decision import PER_STEP_NUMBER_ADVICE, _first_names
 from l2lightning.graph.attributes import ABSENT
 from l2lightning.graph.carried_state import split_carried
@@ -76,9 +81,51 @@ class _Group:
 class WarmupSteps:
     """Warm-up steps: traced and compared before anything is captured, or timed."""
 
+    def __init__(
+        self,
+        fit: FitState,
+        fit_report: FitReport,
+        *,
+        warmup_steps: int,
+        report: bool,
+        own_callback: Any,
+        disable: Callable[[str], None],
+        operand_scalars: Callable[[bool, int], Any],
+        events: Callable[[], tuple[Any, Any]],
+        device_type: Callable[[], str],
+        compiled_children: list[torch.nn.Module],
+        callback_overrides: list[tuple[Any, str, Any]],
+    ) -> None:
+        self._fit = fit
+        self._fit_report = fit_report
+        self._warmup_steps = warmup_steps
+        self._report = report  # the step report's kernel counts: timed steps are profiled instead
+        self._own_callback = own_callback  # the callback holding this part: not one of the step's holders
+        self._disable = disable  # refuse the fit: the rest of it trains eagerly, saying why
+        self._operand_scalars = operand_scalars  # the step's operand sites as device scalars (StepCapture)
+        self._events = events
+        self._device_type = device_type
+        # the children compile=True compiled (PrefetchSetup) and the other callbacks' hooks the callback
+        # wrapped, as (callback, hook, what its instance held): the callback's lists, filled at set-up
+        self._compiled_children = compiled_children
+        self._callback_overrides = callback_overrides
+        # traced warm-up steps by batch signature and branch (StepDecision keys them)
+        self.groups: dict[tuple, _Group] = {}
+        self.baked_history: list[Any] = []  # the optimizer's baked hyperparameters at each warm-up step
+        self.traced_steps = 0
+        self.tracer: StepTracer | None = None  # the tracer of the traced step under way
+        # the hooks that sync with the host and run after each replay instead of inside the graph
+        self.eager_hooks: set[str] = set()
+        # per hook name, what its functions' code may write (l2lightning.guards.hook_writes), read once a fit
+        self._hook_writes: dict[str, list[str]] = {}
+        # where the step draws from cuDNN's RNN dropout state (a buffer outside torch's generators):
+        # eager work beside the fit's steps that cannot put it back (the prefetch's dry run, the
+        # capture's eager check) is off; the sampled check saves and puts it back
+        self.hidden_random: str | None = None
+
     def _why_no_two_batches_agree(self) -> str:
         """When only the batches' non-tensor values kept the warm-up steps apart, say so."""
-        keys = list(self._groups)
+        keys = list(self.groups)
         same_shapes_and_branch = len({(k[0], k[1][1]) for k in keys}) == 1
         if len(keys) > 1 and same_shapes_and_branch:
             return (
@@ -88,13 +135,13 @@ class WarmupSteps:
             )
         return ""
 
-    def _warmup_decision(self, key: tuple) -> str:
-        group = self._groups.setdefault(key, _Group())
+    def decision(self, key: tuple) -> str:
+        group = self.groups.setdefault(key, _Group())
         if key[0][1].closes:  # (an accumulating micro-batch's graph bakes no hyperparameter)
-            self._baked_history.append(self._fit.optimizer.baked_snapshot())
-        traced_needed = max(1, self.warmup_steps - 1)
+            self.baked_history.append(self._fit.optimizer.baked_snapshot())
+        traced_needed = max(1, self._warmup_steps - 1)
         if len(group.traces) < traced_needed:
-            if self._traced_steps >= MAX_TRACED_STEPS:
+            if self.traced_steps >= MAX_TRACED_STEPS:
                 self._disable(
                     f"no {traced_needed} warm-up steps in the first {MAX_TRACED_STEPS} shared a batch shape and a "
                     f"branch through training_step{self._why_no_two_batches_agree()}"
@@ -104,7 +151,7 @@ class WarmupSteps:
         if group.problem:
             self._disable(group.problem)
             return "eager"
-        if self.warmup_steps > 1 and group.timed < 1:
+        if self._warmup_steps > 1 and group.timed < 1:
             return "time"
         problem = self._baked_every_step()
         if problem:
@@ -114,7 +161,7 @@ class WarmupSteps:
 
     def _baked_every_step(self) -> str | None:
         """A refusal when a baked hyperparameter changed between every pair of traced steps (a per-step schedule)."""
-        snapshots = self._baked_history[-(self.warmup_steps + 1) :]
+        snapshots = self.baked_history[-(self._warmup_steps + 1) :]
         if len(snapshots) < 3 or any(a == b for a, b in zip(snapshots, snapshots[1:])):
             return None
         changed = sorted(
@@ -132,10 +179,10 @@ class WarmupSteps:
             f"them into the graph as numbers, so every step would need a new capture. {baked_schedule_advice(changed)}"
         )
 
-    def _timed_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
-        self._groups[self._fit.pending_key].timed += 1
+    def timed_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        self.groups[self._fit.pending_key].timed += 1
         self._fit.mode = "eager"
-        if self.report:
+        if self._report:
             # profiled (and so not timed) to count the kernels each phase launches
             return self._fit_report.kernel_counter.profile(lambda: run(closure, **kwargs))
         start, end = self._events()
@@ -145,20 +192,20 @@ class WarmupSteps:
         self._fit_report.timing.eager.append((start, end))
         return out
 
-    def _traced_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+    def traced_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """An eager warm-up step under the tracer; refusals come before this step's optimizer update."""
         key = self._fit.pending_key
-        group = self._groups[key]
+        group = self.groups[key]
         tracer = StepTracer(self._device_type())
         tracer.parameter_storages = self._updated_storages()
         before = update_counts(self._fit.module)
         self._fit.mode = "trace"
-        self._traced_steps += 1
-        holders = self._python_holders()
+        self.traced_steps += 1
+        holders = self.python_holders()
         python_before = python_state.snapshot(holders, device_type=tracer.device_type)
         # the user's optimizer's own Python runs around the closure (`optimizer.step(closure)`): its
         # state is compared over the whole step
-        optimizers = self._optimizer_holders()
+        optimizers = self.optimizer_holders()
         optimizer_before = python_state.snapshot(optimizers, generators=False)
         if tracer.device_type != "cpu":  # training on the host, its tensors are the step's device's
             tracer.host_state = python_state.host_tensors(holders)
@@ -169,13 +216,13 @@ class WarmupSteps:
 
         def traced() -> Any:
             with substituting(operands):
-                out = self._run_traced(tracer, closure)
+                out = self.run_traced(tracer, closure)
             # lists that grow by one element per step can be re-appended after each replay
             python_after = python_state.snapshot(holders, device_type=tracer.device_type)
             appended, python_changed = python_state.split_appends(python_before, python_after)
             # tensors the step rebinds to its own results (a recurrent hidden state): replayed as carried state
             _, python_changed = split_carried(python_before, python_after, tracer.made, python_changed)
-            python_changed += self._optimizer_writes()
+            python_changed += self.optimizer_writes()
             group.appended.append(frozenset(a.label for a in appended))
             tracer.trace.problems += python_state.read_appended_elements(appended, tracer.trace.read_ids)
             tracer.trace.problems += self._branches_on_appended(appended)
@@ -186,9 +233,9 @@ class WarmupSteps:
 
         out = run(traced, **kwargs)
         changed = python_state.changed(optimizer_before, python_state.snapshot(optimizers, generators=False))
-        if changed and self._traced_steps > 1:
+        if changed and self.traced_steps > 1:
             # this step ran eagerly as configured, its update included: plain Lightning's step
-            self._disable(self._python_problem(changed))
+            self._disable(self.python_problem(changed))
         return out
 
     def _branches_on_appended(self, appended: list[python_state.Append]) -> list[str]:
@@ -225,9 +272,9 @@ class WarmupSteps:
         dense = [p for t in tensors for p in ((t._values(), t._indices()) if t.is_sparse else (t,))]
         return frozenset(t.untyped_storage().data_ptr() for t in dense)
 
-    def _run_traced(self, tracer: StepTracer, closure: Any) -> Any:
+    def run_traced(self, tracer: StepTracer, closure: Any) -> Any:
         """Lightning's closure under `tracer` (the captured hooks and ``self.log`` consult it)."""
-        self._tracer = tracer
+        self.tracer = tracer
         try:
             loggers = self._fit.trainer.loggers if self._fit.trainer is not None else ()
             with (
@@ -235,7 +282,7 @@ class WarmupSteps:
                 tracer.memoized(),
                 tracer.watching_seeds(),
                 tracer.watching_output(loggers),
-                tracer.watching_compiled_inputs(self._compiled_submodules()),
+                tracer.watching_compiled_inputs(self.compiled_submodules()),
                 sync_free_bincount(),
             ):
                 return closure() if closure is not None else None
@@ -245,9 +292,9 @@ class WarmupSteps:
                 raise
             raise real from exc
         finally:
-            self._tracer = None
+            self.tracer = None
 
-    def _compiled_submodules(self) -> list[tuple[str, torch.nn.Module]]:
+    def compiled_submodules(self) -> list[tuple[str, torch.nn.Module]]:
         """The submodules whose calls run compiled code, by name: those the user wrapped with
         ``torch.compile(module)`` or compiled in place with ``module.compile()`` and, with
         ``compile=True``, the children this callback compiled."""
@@ -264,32 +311,32 @@ class WarmupSteps:
             or id(sub) in ours
         ]
 
-    def _python_holders(self) -> list[tuple[str, Any]]:
+    def python_holders(self) -> list[tuple[str, Any]]:
         """The objects whose Python state a captured step could change: the module, its submodules,
         the Trainer's other callbacks (their hooks inside the step are captured with it), the objects
         whose methods run as hooks, and the Python modules whose globals the step's code reads (a
         module-level list it appends to)."""
-        callbacks = [cb for cb in getattr(self._fit.trainer, "callbacks", []) if cb is not self]
-        holders = python_state.owners(self._fit.module, [*callbacks, *self._hook_owners])
+        callbacks = [cb for cb in getattr(self._fit.trainer, "callbacks", []) if cb is not self._own_callback]
+        holders = python_state.owners(self._fit.module, [*callbacks, *self._fit.hook_owners])
         # under manual optimization the optimizers step inside training_step: their Python is the step's
-        holders += self._optimizer_holders()
+        holders += self.optimizer_holders()
         return holders + python_state.global_namespaces(self._fit.source.global_reads.values())
 
-    def _optimizer_holders(self) -> list[tuple[str, Any]]:
+    def optimizer_holders(self) -> list[tuple[str, Any]]:
         """The optimizers the step steps whose class is the user's own, by class name: their ``step``'s
         Python runs inside the captured step (python_state.optimizer_owners)."""
         if self._fit.optimizer is None:
             return []
         return python_state.optimizer_owners(m.optimizer for m in members_of(self._fit.optimizer))
 
-    def _optimizer_writes(self) -> list[str]:
+    def optimizer_writes(self) -> list[str]:
         """The optimizer hyperparameters the step's own code has written so far (inside the step)."""
         return self._fit.optimizer.hyperparameter_writes() if self._fit.optimizer is not None else []
 
-    def _python_problem(self, changed: list[str], trace: StepTrace | None = None) -> str:
+    def python_problem(self, changed: list[str], trace: StepTrace | None = None) -> str:
         """Why a step that changes the Python state `changed` cannot be replayed (`trace`: the step's,
         whose draws on the host name their lines)."""
-        owned = tuple(f"`{label}." for label, _ in self._optimizer_holders())
+        owned = tuple(f"`{label}." for label, _ in self.optimizer_holders())
         stepped = [label for label in changed if owned and label.startswith(owned)]
         if stepped:
             others = [label for label in changed if label not in stepped]
@@ -356,8 +403,8 @@ class WarmupSteps:
                 "`nn.EmbeddingBag(sparse=True)`) are not captured; dense gradients (`sparse=False`) are"
             )
             return
-        if trace.hidden_random and self._hidden_random is None:
-            self._hidden_random = describe_frame(trace.hidden_random[0])
+        if trace.hidden_random and self.hidden_random is None:
+            self.hidden_random = describe_frame(trace.hidden_random[0])
         # the numbers the step read this time (a hook moves them after the step: `self.ptr` of a queue)
         values = {
             name: value
@@ -372,9 +419,9 @@ class WarmupSteps:
                 self._disable(metric_update_reason([name], reason))
                 return
         problem = None
-        for hook in sorted(trace.parameter_reading_hooks & self._eager_hooks):
+        for hook in sorted(trace.parameter_reading_hooks & self.eager_hooks):
             # let run after replays at an earlier traced step, it now reads what the step updates
-            self._eager_hooks.discard(hook)
+            self.eager_hooks.discard(hook)
             problem = (
                 f"`{hook}` turns tensors into host values, so it would run after each replay, but it reads "
                 "parameters or the optimizer's state, which after a replay hold the step's update already; log "
@@ -411,14 +458,14 @@ class WarmupSteps:
             )
         elif trace.problems:
             problem = trace.problems[0]
-        elif python_changed and self._traced_steps > 1:
+        elif python_changed and self.traced_steps > 1:
             # the first traced step may build something once (a lazy cache, an `initialized` flag)
-            problem = self._python_problem(python_changed, trace)
-        elif len(group.appended) > 1 and group.appended[-1] != group.appended[-2] and self._traced_steps > 1:
+            problem = self.python_problem(python_changed, trace)
+        elif len(group.appended) > 1 and group.appended[-1] != group.appended[-2] and self.traced_steps > 1:
             # a list appended to at one step and not the next: no one element per replay to redo
-            problem = self._python_problem(sorted(group.appended[-1] ^ group.appended[-2]))
+            problem = self.python_problem(sorted(group.appended[-1] ^ group.appended[-2]))
         elif group.traces:
-            difference = first_difference(group.traces[-1], trace, skip_hooks=self._eager_hooks)
+            difference = first_difference(group.traces[-1], trace, skip_hooks=self.eager_hooks)
             if difference and len(group.traces) == 1 and not group.dropped_first:
                 # the first step often builds something once (a cached positional encoding, a lazy
                 # layer): it is dropped, and the steps after it must agree with each other
@@ -457,9 +504,9 @@ class WarmupSteps:
         """Whether a hook that syncs can run eagerly after each replay instead of inside the graph
         (see :meth:`_after_replay_obstacle`); marks it so, or unmarks it."""
         if self._after_replay_obstacle(hook, trace) is not None:
-            self._eager_hooks.discard(hook)  # an earlier traced step may have let it run after replays
+            self.eager_hooks.discard(hook)  # an earlier traced step may have let it run after replays
             return False
-        self._eager_hooks.add(hook)
+        self.eager_hooks.add(hook)
         return True
 
     def _after_replay_obstacle(self, hook: str | None, trace: StepTrace) -> str | None:

@@ -226,7 +226,7 @@ class ManualStep:
             self._counting += 1
         # `run` is the CapturableOptimizer's: which of the step's optimizers this is
         self._stepped.add(id(getattr(getattr(run, "__self__", None), "optimizer", None)))
-        tracer = cb._tracer
+        tracer = cb._warmup.tracer
         if tracer is None:
             return run(closure, **kwargs)
         # outside what the step tracer sees, as the update after Lightning's closure is under
@@ -250,7 +250,7 @@ class ManualStep:
                 ReissuedSchedulerStep(cb._fit.module._current_fx_name or "training_step", entry)
             )
             return None
-        tracer = cb._tracer
+        tracer = cb._warmup.tracer
         if problem is not None and tracer is not None:
             tracer.trace.add_problem(problem)  # this step stays eager (the warm-up judges its trace)
         with tracer.paused() if tracer is not None else contextlib.nullcontext():

@@ -430,12 +430,12 @@ def test_a_per_step_schedule_of_baked_hyperparameters_gets_advice_for_what_it_ch
 def test_traced_steps_watch_the_submodules_the_user_compiled_and_those_compile_true_compiled():
     cb = L2GraphCallback()
     module = TinyMLP(width=8, depth=2)
-    assert cb._compiled_submodules() == []  # before the fit: no module
+    assert cb._warmup.compiled_submodules() == []  # before the fit: no module
     cb._fit.module = module
     module.net[0] = torch.compile(module.net[0], backend="eager")
     module.net[1].compile(backend="eager")  # compiled in place
-    cb._compiled_children = [module.head]
-    assert [(name, type(sub).__name__) for name, sub in cb._compiled_submodules()] == [
+    cb._compiled_children.append(module.head)  # (the list the warm-up part holds)
+    assert [(name, type(sub).__name__) for name, sub in cb._warmup.compiled_submodules()] == [
         ("net.0", "OptimizedModule"),
         ("net.1", "Sequential"),
         ("head", "Linear"),

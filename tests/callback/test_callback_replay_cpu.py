@@ -707,7 +707,7 @@ def test_onecycle_sgd_momentum_and_clipping_is_refused_by_name_and_equals_plain(
     with pytest.warns(UserWarning, match=r"SGD's \['momentum'\] change at every step: OneCycleLR with"):
         run = fit(OneCycleSGD, [cb], trainer_kwargs={"gradient_clip_val": 1.0})
     assert_same(plain, run)
-    assert cb._traced_steps == 0 and cb.summary()["eager_step_ms"] is None, cb.summary()
+    assert cb._warmup.traced_steps == 0 and cb.summary()["eager_step_ms"] is None, cb.summary()
 
 
 class OneCycleAdamW(TinyMLP):

@@ -19,6 +19,7 @@ import torch
 
 from l2lightning import L2GraphCallback
 from l2lightning.callback import fit_report, prefetch_setup, step_capture
+from l2lightning.callback.warmup_steps import WarmupSteps
 from tests.baselines import (
     baseline_of,
     capturable_from_of_the_last_callback_fit,  # noqa: F401 -- records switch steps
@@ -234,13 +235,14 @@ def test_a_recapture_warms_up_no_step_and_keeps_the_first_captures_prefetch_set_
         return _Hooks()
 
     for mode in ("trace", "time"):
-        original = getattr(L2GraphCallback, f"_{mode}d_step" if mode == "trace" else "_timed_step")
+        name = "traced_step" if mode == "trace" else "timed_step"
+        original = getattr(WarmupSteps, name)
 
         def counted(self, *args, _original=original, _mode=mode, **kwargs):
             calls[_mode] += 1
             return _original(self, *args, **kwargs)
 
-        monkeypatch.setattr(L2GraphCallback, "_traced_step" if mode == "trace" else "_timed_step", counted)
+        monkeypatch.setattr(WarmupSteps, name, counted)
     monkeypatch.setattr(L2GraphCallback, "_prefetch_hooks", prefetch_hooks)
     monkeypatch.setattr(step_capture, "free_cached_memory", lambda: None)
     cb = L2GraphCallback(prefetch="default", log_timing=False, operand_scalars=False)

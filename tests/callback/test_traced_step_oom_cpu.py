@@ -85,7 +85,7 @@ def test_an_out_of_memory_error_lost_in_backward_reaches_the_fit_as_itself():
 def test_an_out_of_memory_error_lost_in_the_captures_backward_is_named_and_the_fit_trains_like_plain(
     monkeypatch,
 ):
-    """In the capture (its step runs under the tracer too, through the same `_run_traced`), running out
+    """In the capture (its step runs under the tracer too, through the same `WarmupSteps.run_traced`), running out
     of memory is caught: the fit trains eagerly, the warning naming the out-of-memory error, not the
     SystemError (which read as a step that cannot be captured)."""
     plain = fit(ScaledGrad, steps=12, fused=True)

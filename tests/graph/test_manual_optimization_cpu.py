@@ -603,7 +603,7 @@ def test_a_draw_on_the_host_is_named_with_its_line_and_the_device_fix():
     assert [(op, line) for op, (_, line) in tracer.trace.host_draws] == [
         ("aten::randn", _line_of("the tutorial's draw"))
     ]
-    message = L2GraphCallback()._python_problem(changed, tracer.trace)
+    message = L2GraphCallback()._warmup.python_problem(changed, tracer.trace)
     assert "draws random numbers on the host, from torch's global CPU generator (`randn` at " in message
     assert "z = torch.randn(4, 3)" in message
     assert "`torch.randn(..., device=self.device)`" in message

@@ -474,7 +474,7 @@ class SeedsAtStep10(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == 10:
-            self.graph_callback._hidden_random = "model.py:7 (`self.rnn(x, h)`)"
+            self.graph_callback._warmup.hidden_random = "model.py:7 (`self.rnn(x, h)`)"
             torch.cuda.manual_seed(1)
 
 
