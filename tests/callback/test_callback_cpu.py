@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from l2lightning import L2GraphCallback, PrefetchPlan
 from l2lightning.callback import fit_report
-from l2lightning.callback.warmup_steps import metric_update_reason
+from l2lightning.callback.warmup_steps import WarmupSteps, metric_update_reason
 from l2lightning.graph.optim import baked_schedule_advice
 from l2lightning.guards.metric_binding import (
     sync_free_nan_check,
@@ -456,3 +456,27 @@ def test_the_fit_report_is_a_part_the_callback_holds_with_its_own_state():
     cb._reset_run_state()
     assert cb._fit_report is not first and cb._fit_report.timing_logged is False
     assert cb.step_report is None and cb.summary()["step_report"] is None
+
+
+def test_the_warmup_is_a_part_that_reads_the_fit_state_and_keeps_what_it_learns():
+    """WarmupSteps declares what the warm-up learns in its __init__, reads the fit through the callback's
+    FitState (the same object, not a copy) and is made afresh for each fit."""
+    cb = L2GraphCallback(warmup_steps=4)
+    assert not isinstance(cb, WarmupSteps) and WarmupSteps not in type(cb).__mro__
+    part = cb._warmup
+    assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._warmup_steps == 4
+    for name in ("_traced_steps", "_groups", "_tracer", "_eager_hooks", "_hidden_random", "_baked_history"):
+        assert not hasattr(cb, name), name
+    # the lists the callback fills at set-up are the ones the part reads
+    assert part._compiled_children is cb._compiled_children
+    assert part._callback_overrides is cb._callback_overrides
+    module = TinyMLP(width=8, depth=2)
+    cb._fit.module = module
+    cb._compiled_children.append(module.head)
+    assert [name for name, _ in part.compiled_submodules()] == ["head"]
+    part.traced_steps, part.hidden_random = 3, "model.py:7"
+    part.eager_hooks.add("on_after_backward")
+    cb._reset_run_state()
+    fresh = cb._warmup
+    assert fresh is not part and fresh._fit is cb._fit and fresh._fit is not part._fit
+    assert (fresh.traced_steps, fresh.hidden_random, fresh.eager_hooks, fresh.groups) == (0, None, set(), {})
