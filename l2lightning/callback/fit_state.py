@@ -43,7 +43,8 @@ class FitState:
         self.originals: dict[str, Any] = {}  # the module's methods the callback replaced, as they were
         # objects of the user's whose methods run as hooks inside the step (l2lightning.guards.called_code)
         self.hook_owners: list[Any] = []
-        # what this step runs as: "eager", "trace", "time", "capture", "verify", "replay", "check"
+        # what the step under way runs as: "eager" (a timed warm-up step and a sampled check's eager step
+        # too), "trace", "capture", "verify" or "replay"; the overridden module methods act on it
         self.mode = "eager"
         self.pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
         self.pending_key: tuple = ()  # its batch signature and branch (the warm-up's groups)
