@@ -473,19 +473,19 @@ def gated_fit(method: str) -> dict[str, Any]:
     """The gate's trial on the default plans (the gate judges only tuned plans otherwise)."""
     import bench_default_cost
 
-    from l2lightning import L2GraphCallback
+    from l2lightning.callback.prefetch_setup import PrefetchSetup
 
-    gated_modes = L2GraphCallback._GATED_MODES
-    switch = L2GraphCallback._prefetch_switch
+    gated_modes = PrefetchSetup._GATED_MODES
+    switch = PrefetchSetup._prefetch_switch
     bench_default_cost.VARIANTS["gated_default_plans"] = {"prefetch": "default"}
-    L2GraphCallback._GATED_MODES = (*gated_modes, "default")
+    PrefetchSetup._GATED_MODES = (*gated_modes, "default")
     if method == "capture":
-        L2GraphCallback._prefetch_switch = lambda self, graph: (None, "disabled by memory_peak.py")
+        PrefetchSetup._prefetch_switch = lambda self, graph: (None, "disabled by memory_peak.py")
     try:
         return fit("gated_default_plans", 1024, 60, 8)
     finally:
-        L2GraphCallback._GATED_MODES = gated_modes
-        L2GraphCallback._prefetch_switch = switch
+        PrefetchSetup._GATED_MODES = gated_modes
+        PrefetchSetup._prefetch_switch = switch
         del bench_default_cost.VARIANTS["gated_default_plans"]
 
 

@@ -99,7 +99,7 @@ def _captures_fit(name: str, device: str) -> dict:
     from lightning.pytorch import seed_everything
 
     from l2lightning import L2GraphCallback
-    from l2lightning.callback import step_capture, step_dispatch, warmup_steps
+    from l2lightning.callback import prefetch_setup, step_capture, step_dispatch, warmup_steps
     from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 
@@ -134,12 +134,12 @@ def _captures_fit(name: str, device: str) -> dict:
         (step_capture, "StaticBatch", "static_batch"),
         (step_capture, "HostConstants", "host_constants"),
         (step_capture, "new_cuda_graph", "new_cuda_graph"),
-        (cls, "_install_prefetch", "install_prefetch"),
+        (prefetch_setup.PrefetchSetup, "install", "install_prefetch"),
         (cls, "_verify_eager", "verify_eager"),
         (cls, "_capture_into", "capture_into"),
         (step_capture, "free_cached_memory", "gc_and_empty_cache"),
         (step_capture, "clear_cublas_workspaces", "clear_cublas_workspaces"),
-        (cls, "_start_gate", "start_gate"),
+        (prefetch_setup.PrefetchSetup, "start_gate", "start_gate"),
         (cls, "_module_flags", "module_flags"),
         (step_capture.StepHooks, "of", "step_hooks"),
         (step_capture.python_state, "baked_scalars", "baked_values"),

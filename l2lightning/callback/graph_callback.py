@@ -60,7 +60,7 @@ from l2lightning.callback.prefetch_setup import PrefetchSetup
 from l2lightning.callback.step_capture import StepCapture, _Graph
 from l2lightning.callback.step_decision import StepDecision
 from l2lightning.callback.step_dispatch import StepDispatch
-from l2lightning.callback.step_gate import GATE_PAIRS, StepGateResult
+from l2lightning.callback.step_gate import GATE_PAIRS
 from l2lightning.callback.step_overrides import StepOverrides, forwarding, presenting_signature_of
 from l2lightning.callback.warmup_steps import WarmupSteps, momentum_cycled_every_step
 from l2lightning.graph.accumulation import MicroBatchClosures, MicroBatchStep, role_of, run_micro_batch
@@ -128,7 +128,7 @@ def _stale_read(what: str, lines: list[str], changes: str, kept: str, advice: st
     )
 
 
-class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, PrefetchSetup, Callback):
+class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Callback):
     """Capture the whole training step (forward, loss, backward, optimizer step) in one CUDA graph.
 
     Inside the graph a side-stream kernel prefetches into L2 the weights the next layer will read
@@ -218,9 +218,6 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
         >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
     """
 
-    # Prefetch settings the whole-step gate judges: the tuner's plans. "default" and explicit plans are
-    # what the user asked for, "decoy" is a control that benchmarks must see as it is.
-    _GATED_MODES: tuple[str, ...] = ("auto",)
     # devices whose step timings (CUDA events) decide when a re-capture pays for itself
     # (StepDecision._capture_not_paid_for); tests on the graph emulator widen it
     _RENTAL_DEVICES: tuple[str, ...] = ("cuda",)
@@ -396,15 +393,11 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
         self._grad_norm_names = GradNormNames()  # where those hooks find Lightning's grad_norm
         self._capture_graph: _Graph | None = None
         self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
-        self._hooks: Any = None
         self._pool_mib: float | None = None
-        self._tuning_report: Any = None
         self._step_output: Any = None
         self._captured = False
+        # the children compile=True compiled (the prefetch part fills it, the warm-up part reads it)
         self._compiled_children: list[torch.nn.Module] = []
-        # per compiled child, the `forward` its instance held before compile=True replaced it, or ABSENT
-        self._children_forward: list[Any] = []
-        self._static_for_prefetch: StaticBatch | None = None
         # The stream every non-replayed step runs on, and the capture too (set at the first step)
         self._step_stream: Any = None
         # What capturing cost: wall seconds of prefetch tuning (chain discovery and the tuner), of
@@ -415,14 +408,6 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
             "compile_s": 0.0,
             "recapture_s": 0.0,
         }
-        self._compile_pending = False  # compile=True: the next step compiles (and is timed as compile_s)
-        # no prefetch for the rest of this fit: tuning ran out of memory, or the whole-step gate said no
-        self._prefetch_failed = False
-        # The whole-step gate's trial (_gate, per graph: both graphs and their replay times), whose turn
-        # this replay is, whether the capture under way is the trial's step without prefetch, and the verdict.
-        self._gate_turn: str | None = None
-        self._gate_capturing = False
-        self._gate_result: StepGateResult | None = None
         # the step times, the l2/* metrics and the captured step's report (a part: its state is its own)
         self._fit_report = FitReport(self.report)
         # the warm-up steps and what they learn (a part: its state is its own)
@@ -439,6 +424,43 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
             compiled_children=self._compiled_children,
             callback_overrides=self._callback_overrides,
         )
+        # the prefetch set-up, compile=True and the whole-step gate (a part: its state is its own)
+        self._prefetch = PrefetchSetup(
+            self._fit,
+            self._fit_report,
+            self._slots,
+            prefetch=self.prefetch,
+            backward_prefetch=self.backward_prefetch,
+            autotune=self.autotune,
+            compile=self.compile,
+            gate_pairs=self.gate_pairs,
+            warn_once=self._warn_once,
+            cost_s=self._cost_s,
+            compiled_children=self._compiled_children,
+            installed_log=self._installed_log,
+            plans=self._get_plans,
+            set_plans=self._set_plans,
+            keep_graph=self._keep_graph,
+        )
+
+    # The callables the prefetch part is given (bound methods, not lambdas: a Trainer that spawns its
+    # processes pickles its callbacks, their parts included)
+    def _installed_log(self) -> Any:
+        """The module's `log` during the fit: the callback's override (as it was, before set-up)."""
+        return self._installed.get("log", self._fit.originals["log"])
+
+    def _get_plans(self) -> list[dict[str, Any]]:
+        return self.plans
+
+    def _set_plans(self, plans: list[dict[str, Any]]) -> None:
+        """The prefetch part's plans, once tuned (or none, once it rejects prefetch): the callback's
+        public `plans`, which its state_dict saves and a later fit keeps until it tunes its own."""
+        self.plans = plans
+
+    def _keep_graph(self, graph: _Graph) -> None:
+        """The whole-step gate's winner is the graph the steps replay; the pools alive are counted anew."""
+        self._graph = graph
+        self._pool_mib = self._pools_alive_mib(graph)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -487,7 +509,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
         metrics["l2/prefetch_layers"] = float(len(prefetched))
         metrics["l2/prefetch_mib"] = float(sum(float(row.get("mib") or 0.0) for row in prefetched))
         metrics["l2/fallback_steps"] = float(self.fallback_steps)
-        gate = self._gate_result
+        gate = self._prefetch.gate_result
         if gate is not None and gate.gain is not None and math.isfinite(gate.gain.mean):
             metrics["l2/prefetch_gate_gain"] = float(gate.gain.mean)
         return metrics
@@ -496,6 +518,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
         """What happened in the last fit: captured or not (and why), timings, plans, verify verdict."""
         eager_ms = self._fit_report.timing.eager_ms()
         graph_ms = self._fit_report.timing.graph_ms()
+        gate, tuning = self._prefetch.gate_result, self._prefetch.tuning_report
         return {
             "captured": self._captured,
             "reason": self.disabled_reason,
@@ -512,14 +535,14 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
             "fallback_steps": self.fallback_steps,
             "fallback_causes": sorted(self._fallback_causes),
             "graph_pool_mib": self._pool_mib,
-            "prefetch_gate": self._gate_result.to_dict() if self._gate_result is not None else None,
+            "prefetch_gate": gate.to_dict() if gate is not None else None,
             # wall seconds to the microsecond (a tuning that gives up at once is not 0)
             **{key: round(value, 6) for key, value in self._cost_s.items()},
             "recaptures": self._recaptures,
             "last_recapture_s": None if self._last_recapture_s is None else round(self._last_recapture_s, 6),
             "recapture_wait_steps": self._waited_steps,
             "operand_scalars": {"sites": list(self._operand_lines), "changes": self._operand_changes},
-            "tuning": self._tuning_report.to_dict() if self._tuning_report is not None else None,
+            "tuning": tuning.to_dict() if tuning is not None else None,
             "step_report": self.step_report.to_dict() if self.step_report is not None else None,
         }
 
@@ -537,8 +560,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
             rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.{self._capturable_stretch()}")
         self._fit.mode = "eager"
         self._graph = None
-        self._gate = None
-        self._gate_turn = None
+        self._prefetch.drop_gate()
         self._slots.clear()  # the graphs of the other accumulation roles
         self._release_optimizer()
 
@@ -636,7 +658,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
         if self._manual is not None:
             # the prefetch's chain discovery runs training_step under no_grad: a manual step's
             # manual_backward and optimizer steps cannot run there (said at the training start)
-            self._prefetch_failed = True
+            self._prefetch.failed = True
         user_hooks = tuple(h for h in CLOSURE_HOOKS if is_overridden(h, pl_module))
         # every hook of the module that runs inside the captured step (analyse skips Lightning's own)
         self._fit.source = analyse(
@@ -699,13 +721,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
         for cb, hook, before in self._callback_overrides:
             put_back(cb, hook, before)
         self._callback_overrides.clear()  # (the warm-up part holds the same list)
-        for child, before in zip(self._compiled_children, self._children_forward):
-            put_back(child, "forward", before)  # the class's forward, or a library's per-instance wrapper
-        self._compiled_children.clear()
-        self._children_forward = []
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
+        self._prefetch.remove()  # the compiled children's forward put back, the prefetch hooks off
         self._release_optimizer(fit_ends=True)
         if self._scaled is not None:
             self._scaled.uninstall()
@@ -717,8 +733,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
             self._micro_batches.uninstall()
             self._micro_batches = None
         self._graph = None
-        self._gate = None
-        self._gate_turn = None
+        self._prefetch.drop_gate()
         self._slots.clear()
         if self._flags is not None:
             self._flags.close()
@@ -730,7 +745,6 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
         self._pending_tensors = []
         self._step_output = None
         self._capture_logs = []
-        self._static_for_prefetch = None
         self._fit.originals = {}
         self._fit.module = None
         self._fit.trainer = None
@@ -960,7 +974,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Pr
             return
         self._fit.pending = (batch, batch_idx)
         if self.compile and not self._compiled_children:
-            self._prepare_compiled(pl_module, batch)
+            self._prefetch.prepare_compiled(pl_module, StaticBatch(batch, self._batch_reads))
 
     # ------------------------------------------------------------------ device and timing events
 

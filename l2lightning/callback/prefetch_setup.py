@@ -1,7 +1,13 @@
 """Prefetch and compile for the captured step: hooks, tuning, the whole-step gate.
 
-A mixin of :class:`l2lightning.callback.graph_callback.L2GraphCallback`: its methods use the callback's run state
-(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+A part :class:`l2lightning.callback.graph_callback.L2GraphCallback` holds (``_prefetch``), one per fit: it
+keeps what the prefetch set-up installs and decides (the prefetch hooks and their tuning report, whether
+prefetch is off for the rest of the fit, compile=True's compiled children, the whole-step gate's trial,
+its turn and its verdict) in its own ``__init__``, reads the fit through
+:class:`l2lightning.callback.fit_state.FitState` and reaches the rest of the callback only through what
+it is given: the callback's settings, its warnings, its cost counters, its list of compiled children,
+the graphs of the other accumulation roles, and the callables that set what the callback owns (its
+public ``plans``, the graph the steps replay).
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from l2lightning._env import prefetch_unavailable_reason
+from l2lightning.callback.fit_report import FitReport
+from l2lightning.callback.fit_state import FitState
 from l2lightning.callback.step_gate import StepGate, StepGateResult
 from l2lightning.callback.step_overrides import shallow_copy
-from l2lightning.graph.attributes import ABSENT
+from l2lightning.graph.attributes import ABSENT, put_back
 from l2lightning.graph.capture import StaticBatch, TrainingState
 from l2lightning.graph.cuda_memory import free_cached_memory, memory_state
+from l2lightning.graph.graph_slots import GraphSlots
 from l2lightning.guards.metric_binding import (
     named_metrics,
 )
@@ -31,30 +40,101 @@ from l2lightning.guards.step_trace import first_line
 
 if TYPE_CHECKING:  # the capture module imports this one's helpers
     from l2lightning.callback.step_capture import _Graph
+    from l2lightning.prefetch.plan import PrefetchPlan
 
 
 class PrefetchSetup:
     """Prefetch and compile for the captured step: hooks, tuning, the whole-step gate."""
 
-    def _prepare_compiled(self, pl_module: LightningModule, batch: Any) -> None:
-        """compile=True: install the prefetch points first, then compile the children.
+    # Prefetch settings the whole-step gate judges: the tuner's plans. "default" and explicit plans are
+    # what the user asked for, "decoy" is a control that benchmarks must see as it is.
+    _GATED_MODES: tuple[str, ...] = ("auto",)
+
+    def __init__(
+        self,
+        fit: FitState,
+        fit_report: FitReport,
+        slots: GraphSlots,
+        *,
+        prefetch: str | PrefetchPlan,
+        backward_prefetch: bool,
+        autotune: Any,
+        compile: bool,
+        gate_pairs: int,
+        warn_once: Callable[[str, str], None],
+        cost_s: dict[str, float],
+        compiled_children: list[torch.nn.Module],
+        installed_log: Callable[[], Any],
+        plans: Callable[[], list[dict[str, Any]]],
+        set_plans: Callable[[list[dict[str, Any]]], None],
+        keep_graph: Callable[[_Graph], None],
+    ) -> None:
+        self._fit = fit
+        self._fit_report = fit_report  # the kept graph's replay times start afresh after the trial
+        self._slots = slots  # the other accumulation roles' graphs: the trial keeps away from them
+        # the callback's settings as the fit started (its prefetch: "auto", "default", "off", "decoy" or a
+        # PrefetchPlan; with compile=True the hooks are custom-op points in the compiled children)
+        self._setting = prefetch
+        self._backward_prefetch = backward_prefetch
+        self._autotune = autotune
+        self._compile = compile
+        self._gate_pairs = gate_pairs
+        self._warn_once = warn_once  # one warning per cause and fit (the callback's)
+        self._cost_s = cost_s  # the callback's wall seconds by cost: tuning counts into "tuning_s"
+        # the children compile=True compiled: the callback's list (the warm-up part reads it too), filled
+        # here and emptied in place at the fit's end
+        self._compiled_children = compiled_children
+        # the module's `log` during the fit (the callback's override), put back after the dry run
+        self._installed_log = installed_log
+        # What this part decides but the callback owns, through the callables it is given rather than by
+        # holding the callback: the plans (read and set: the callback's public `plans`, which its state_dict
+        # saves and a later fit keeps) and the trial's winner as the graph the steps replay (the callback's
+        # `_graph`, its pools alive counted in `_pool_mib`: per accumulation role, and the capture's and the
+        # decision's as much as the gate's)
+        self._plans = plans
+        self._set_plans = set_plans
+        self._keep_graph = keep_graph
+        # the prefetch hooks (l2lightning.prefetch.hooks.PrefetchHooks), once installed
+        self.hooks: Any = None
+        self.tuning_report: Any = None  # what their tuner measured (summary()["tuning"])
+        # no prefetch for the rest of this fit: tuning ran out of memory, the gate said no, the step is a
+        # manual one or draws from cuDNN's RNN dropout state (which the dry run would move on)
+        self.failed = False
+        self.static_batch: StaticBatch | None = None  # the batch the chain discovery's dry run reads
+        # per compiled child, the `forward` its instance held before compile=True replaced it, or ABSENT
+        self._children_forward: list[Any] = []
+        self.compile_pending = False  # compile=True: the next step compiles (and is timed as compile_s)
+        # The whole-step gate's trial (per graph: GraphSlots parks it with its accumulation role's graph;
+        # both graphs and their replay times), whose turn this replay is, whether the capture under way is
+        # the trial's step without prefetch (no scope: the hooks issue nothing), and the verdict (one per fit).
+        self.gate: StepGate | None = None
+        self.gate_turn: str | None = None
+        self.gate_capturing = False
+        self.gate_result: StepGateResult | None = None
+
+    def prepare_compiled(self, pl_module: LightningModule, static: StaticBatch) -> None:
+        """compile=True: install the prefetch points first (the dry run reads `static`), then compile the children.
 
         Dynamo guards on a module's hooks, so hooks added after the first compiled call would force
         a recompile inside the capture, where compiling cannot run. The points are custom ops
         (l2lightning.prefetch.ops) that dynamo traces into the compiled graph; they act only inside
         the capture's scope, checked at run time, so the warm-up steps run the same compiled code.
         """
-        self._static_for_prefetch = StaticBatch(batch, self._batch_reads)
-        self._install_prefetch(pl_module)
+        # (whether it collected does not matter here: the capture step, later, collects on its own)
+        self.install(pl_module, static)
         for child in pl_module.children():
             self._compiled_children.append(child)
             self._children_forward.append(vars(child).get("forward", ABSENT))
             child.forward = _compiled_forward(child)  # type: ignore[method-assign]
-        self._compile_pending = True
+        self.compile_pending = True
 
-    def _install_prefetch(self, pl_module: LightningModule) -> None:
-        if self.prefetch == "off" or self._prefetch_failed:
-            return
+    def install(self, pl_module: LightningModule, static: StaticBatch) -> bool:
+        """Find the layer chain (a dry run of the step on `static`), tune and install the prefetch hooks;
+        whether it collected all generations before tuning (so the capture in the same step need not)."""
+        self.static_batch = static
+        if self._setting == "off" or self.failed:
+            return False
+        collected = False
         # Finding the layer chain runs training_step on the static batch, and the tuner times
         # copies of layers: neither may leave a trace (BatchNorm statistics, metric states, RNG).
         started = time.perf_counter()
@@ -64,16 +144,16 @@ class PrefetchSetup:
             # peak. On the d1024x60 stack the defaults' reserved peak was tuning's 86 MiB on top of
             # 190 MiB of such segments, 80 MiB over `off` (benchmarks/memory_peak.py on the H200).
             free_cached_memory()
-            self._collected_for_capture = True
+            collected = True
         out_of_memory = None
         try:
             with _leaves_no_trace(pl_module, self._fit.optimizer.optimizer if self._fit.optimizer else None):
-                self._hooks = self._prefetch_hooks(pl_module)
+                self.hooks = self._prefetch_hooks(pl_module)
         except torch.OutOfMemoryError as exc:
             # The tuner's throwaway copies and timing graphs did not fit: capture the step without
             # prefetch (the graph alone is most of the gain). Only the message is kept: the
             # traceback's frames hold the tuner's chains until the exception is gone.
-            self._hooks = None
+            self.hooks = None
             out_of_memory = first_line(exc)
         finally:
             self._cost_s["tuning_s"] += time.perf_counter() - started
@@ -84,17 +164,18 @@ class PrefetchSetup:
                 f"prefetch off: out of memory while tuning it ({memory_state()}; {out_of_memory}); "
                 "capturing the step without prefetch.",
             )
-            self._prefetch_failed = True
-        if self._hooks is not None:
-            self._tuning_report = self._hooks.tuning_report
-            self.plans = self._hooks.plan_summary()
+            self.failed = True
+        if self.hooks is not None:
+            self.tuning_report = self.hooks.tuning_report
+            self._set_plans(self.hooks.plan_summary())
         else:
             # No prefetch here (no kernel to launch: no CuPy, no CUDA): a re-capture does not try
             # again, which would save and put back the module's and the optimizer's state for nothing
-            self._prefetch_failed = True
+            self.failed = True
+        return collected
 
     def _prefetch_hooks(self, pl_module: LightningModule) -> Any:
-        if self.prefetch == "off":
+        if self._setting == "off":
             return None
         reason = prefetch_unavailable_reason()
         if reason:
@@ -102,54 +183,53 @@ class PrefetchSetup:
             return None
         from l2lightning.prefetch.hooks import PrefetchHooks
 
-        static_batch = self._static_for_prefetch.batch
-        dry_step = dry_step_of(
-            self._fit.originals["training_step"], self._installed.get("log", self._fit.originals["log"])
-        )
+        static_batch = self.static_batch.batch
+        dry_step = dry_step_of(self._fit.originals["training_step"], self._installed_log())
 
-        plans: Any = None if self.prefetch in ("default", "decoy") else self.prefetch
+        plans: Any = None if self._setting in ("default", "decoy") else self._setting
         return PrefetchHooks(
             pl_module,
             static_batch,
-            backward=self.backward_prefetch,
+            backward=self._backward_prefetch,
             step=dry_step,
             plans=plans,
-            decoy=self.prefetch == "decoy",
+            decoy=self._setting == "decoy",
             scope="manual",
-            via="ops" if self.compile else "hooks",
-            autotune=self.autotune,
+            via="ops" if self._compile else "hooks",
+            autotune=self._autotune,
         )
 
-    def _prefetch_scope(self) -> Any:
-        if self._hooks is None or self._gate_capturing:
+    def scope(self) -> Any:
+        """Around the captured forward: the prefetch hooks' scope (none: they issue nothing)."""
+        if self.hooks is None or self.gate_capturing:
             # no scope: the hooks issue nothing, forward or backward (the gate's capture without prefetch)
             return contextlib.nullcontext()
-        return self._hooks.scope()
+        return self.hooks.scope()
 
-    def _gate_may_start(self) -> bool:
+    def gate_may_start(self) -> bool:
         """Whether a capture now, with the tuned plans, starts the whole-step gate's trial."""
-        hooks = self._hooks
+        hooks = self.hooks
         return not (
-            self.gate_pairs == 0
-            or self.prefetch not in self._GATED_MODES
-            or self._gate_result is not None  # one trial per fit
+            self._gate_pairs == 0
+            or self._setting not in self._GATED_MODES
+            or self.gate_result is not None  # one trial per fit
             or hooks is None
             or not hooks.enabled
             or getattr(hooks, "via", "hooks") != "hooks"  # compile=True: custom-op points, no scope
-            or not any(row.get("forward") or row.get("backward") for row in self.plans)
+            or not any(row.get("forward") or row.get("backward") for row in self._plans())
             # another accumulation role's graph, captured with the plans, would keep them whatever the trial says
             or bool(self._slots.parked_graphs())
         )
 
-    def _start_gate(self, graph: _Graph) -> None:
+    def start_gate(self, graph: _Graph) -> None:
         """After the first capture with tuned plans: the trial, on this graph with its prefetch
         switched off and on, or (where it cannot be switched) on a second capture without it."""
-        if not self._gate_may_start():
+        if not self.gate_may_start():
             return
         switch, why = self._prefetch_switch(graph.graph)
         if switch is None:
             rank_zero_debug(f"L2GraphCallback: whole-step gate by a second capture: {why}")
-        self._gate = StepGate(graph, self.gate_pairs, switch=switch)
+        self.gate = StepGate(graph, self._gate_pairs, switch=switch)
 
     def _prefetch_switch(self, graph: Any) -> tuple[Any, str]:
         """The switch over `graph`'s prefetch kernel nodes (instantiating it), or None and why."""
@@ -164,17 +244,15 @@ class PrefetchSetup:
         except Exception as exc:  # noqa: BLE001 - any failure leaves the second capture, which always works
             return None, f"{type(exc).__name__}: {first_line(exc)}"
 
-    def _finish_gate(self) -> None:
+    def finish_gate(self) -> None:
         """Judge the trial (one wait for its last replay), keep the faster graph, free the other."""
-        gate, self._gate = self._gate, None
+        gate, self.gate = self.gate, None
         result = gate.decide()
         kept, dropped = gate.winner_and_loser(result)
         gate.settle(result.kept)
-        self._gate_result = result
-        self._graph = kept
-        # the dropped graph's gradients must not keep its pool alive
-        kept.bind_grads()
-        self._pool_mib = self._pools_alive_mib(kept)  # the dropped graph's pool no longer counts
+        self.gate_result = result
+        kept.bind_grads()  # the dropped graph's gradients must not keep its pool alive
+        self._keep_graph(kept)  # the one the steps replay; the dropped graph's pool no longer counts
         if result.kept == "off":
             self._reject_prefetch()
         self._fit_report.timing.graph.clear()  # graph_step_ms: the kept graph's replays from here on
@@ -185,24 +263,49 @@ class PrefetchSetup:
             f"{'with its prefetch plans' if result.kept == 'prefetch' else 'without prefetch'}."
         )
 
-    def _abandon_gate(self, reason: str) -> None:
+    def abandon_gate(self, reason: str) -> None:
         """A trial that cannot finish proves nothing: the fit goes on without prefetch."""
         method = None
-        if self._gate is not None:
-            self._gate.settle("off")
-            method = self._gate.method
-        self._gate = None
-        self._gate_turn = None
-        self._gate_result = StepGateResult("off", None, None, None, reason, method)
+        if self.gate is not None:
+            self.gate.settle("off")
+            method = self.gate.method
+        self.gate = None
+        self.gate_turn = None
+        self.gate_result = StepGateResult("off", None, None, None, reason, method)
         self._reject_prefetch()
+
+    def keep_prefetch_graph(self, reason: str) -> _Graph:
+        """The trial's step without prefetch could not be captured (`reason`): the trial ends, and the
+        graph with prefetch, returned, is the one the steps replay."""
+        graph = self.gate.graphs["prefetch"]
+        self.gate = None
+        self.gate_result = StepGateResult("prefetch", None, None, None, reason, "second capture")
+        return graph
+
+    def drop_gate(self) -> None:
+        """The fit trains eagerly from here on, or ends: the trial, unjudged, goes with its graphs."""
+        self.gate = None
+        self.gate_turn = None
 
     def _reject_prefetch(self) -> None:
         """No prefetch for the rest of the fit (a later capture captures the step without it)."""
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
-        self._prefetch_failed = True
-        self.plans = []
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+        self.failed = True
+        self._set_plans([])
+
+    def remove(self) -> None:
+        """At the fit's end: compile=True's children get their `forward` back, the prefetch hooks come
+        off, and nothing of the fit's batch is kept."""
+        for child, before in zip(self._compiled_children, self._children_forward):
+            put_back(child, "forward", before)  # the class's forward, or a library's per-instance wrapper
+        self._compiled_children.clear()  # (the callback's list: the warm-up part holds it too)
+        self._children_forward = []
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+        self.static_batch = None
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from l2lightning.callback.step_gate import StepGateResult
 from l2lightning.callback.step_overrides import copied_element
 from l2lightning.graph.accumulation import AccumulatedGrads
 from l2lightning.graph.capture import (
@@ -192,8 +191,9 @@ class StepCapture:
     def _operand_scalars(self, gate_capture: bool, batch_idx: int) -> OperandScalars | None:
         """The device scalars this capture hands the step's operand sites (l2lightning.graph.operand_scalars):
         the gate's second capture shares its first's, which the replays of both read."""
-        if gate_capture and self._gate is not None:
-            return self._gate.graphs["prefetch"].operands
+        gate = self._prefetch.gate
+        if gate_capture and gate is not None:
+            return gate.graphs["prefetch"].operands
         sites = self._fit.source.operand_sites if self._fit.source is not None else []
         if (
             not self.operand_scalars
@@ -241,9 +241,9 @@ class StepCapture:
         self._operand_lines = sorted(operands.sites[key].site.line for key in live)
 
     def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
-        gate_capture = self._gate_capturing  # set by _decide; the prefetch scope reads it too
-        if self._gate is not None and not gate_capture:
-            self._abandon_gate(
+        gate_capture = self._prefetch.gate_capturing  # set by _decide; the prefetch scope reads it too
+        if self._prefetch.gate is not None and not gate_capture:
+            self._prefetch.abandon_gate(
                 "the step was captured again (see the warning) before the gate's trial finished"
             )
         try:
@@ -251,7 +251,7 @@ class StepCapture:
         finally:
             self._capture_graph = None
             self._capture_accumulated = None
-            self._gate_capturing = False
+            self._prefetch.gate_capturing = False
         return result
 
     def _capture_graph_step(
@@ -323,15 +323,14 @@ class StepCapture:
         # below drops them; each eager run of the step from here starts from copies of them again
         accumulated = AccumulatedGrads(tuple(module.parameters())) if key[0][1].adds else None
         self._capture_accumulated = accumulated
-        if self._hooks is None and not self.compile:
+        if self._prefetch.hooks is None and not self.compile:
             # The last eager step's gradients are spent (its optimizer step read them; this step's
             # closure zeroes them, and the capture below drops them anyway): dropped before the
             # tuner runs, they are not part of its peak (180 MiB of the defaults' extra on the
             # d1536x40 stack; benchmarks/memory_peak.py on the H200).
             wrapped.optimizer.zero_grad(set_to_none=True)
             module.zero_grad(set_to_none=True)
-            self._static_for_prefetch = static
-            self._install_prefetch(module)
+            self._collected_for_capture = self._prefetch.install(module, static)
         verifying = self.verify == "capture" and not self._verify_capture_off
         if verifying and accumulated is not None:
             accumulated.put_back()
@@ -348,7 +347,7 @@ class StepCapture:
         python_before = python_state.snapshot(holders, ours, device_type)
         # A graph the whole-step gate will time with its prefetch on and off keeps its node list, to
         # switch those kernel nodes (l2lightning.graph.prefetch_switch) instead of capturing the step twice
-        keep = not gate_capture and self._gate_may_start()
+        keep = not gate_capture and self._prefetch.gate_may_start()
         graph = _Graph(new_cuda_graph(keep_graph=keep), static, key, binding=binding, constants=constants)
         self._capture_logs = []
         self._step_output = None
@@ -435,7 +434,7 @@ class StepCapture:
             _put_back_schedulers(schedulers)
             self._fit.mode = "eager"
             if gate_capture:
-                self._graph = self._gate.graphs["prefetch"]  # the gate captures at a later step
+                self._graph = self._prefetch.gate.graphs["prefetch"]  # the gate captures at a later step
             elif switching:  # nothing captured yet: this step, too, runs the user's configuration
                 wrapped.switch_off()
                 if self.capturable_from_step == int(self._fit.trainer.global_step):
@@ -472,15 +471,8 @@ class StepCapture:
                 accumulated.put_back()  # the eager step below adds to them
             if gate_capture:
                 # the step with prefetch was captured; only the comparison failed: keep that graph
-                self._graph = self._gate.graphs["prefetch"]
-                self._gate = None
-                self._gate_result = StepGateResult(
-                    "prefetch",
-                    None,
-                    None,
-                    None,
-                    f"the step without prefetch could not be captured: {failed}",
-                    "second capture",
+                self._graph = self._prefetch.keep_prefetch_graph(
+                    f"the step without prefetch could not be captured: {failed}"
                 )
                 free_cached_memory()
             elif out_of_memory:
@@ -566,12 +558,12 @@ class StepCapture:
         self._captured_roles.add(key[0][1].role)
         self._warmed_up_again = False  # a later capture may warm up again once itself
         if gate_capture:
-            self._gate.graphs["off"] = graph
+            self._prefetch.gate.graphs["off"] = graph
         else:
             self.capture_step = int(self._fit.trainer.global_step)
             self._check_schedule.captured()  # the sampled check counts this capture's replays from 1
             self._replays_since_capture = 0  # what the re-capture wait weighs against its cost
-            self._start_gate(graph)
+            self._prefetch.start_gate(graph)
         self._captured = True
         # the traces and their host copies are not needed any more: this role's (another accumulation
         # role's warm-up goes on)
@@ -595,8 +587,9 @@ class StepCapture:
         if self.verify == "capture":
             self._finish_verify(eager_record)
         if self.report and not gate_capture:
-            self._fit_report.build_step_report(self._fit.module, self._device(), self._tuning_report)
-            rank_zero_info(self._fit_report.text(self.capture_step, self._tuning_report, self.plans))
+            tuning = self._prefetch.tuning_report
+            self._fit_report.build_step_report(self._fit.module, self._device(), tuning)
+            rank_zero_info(self._fit_report.text(self.capture_step, tuning, self.plans))
         if self.captures == 1 and self._fit.source.conditions and not self._fit.source.opaque_conditions:
             rank_zero_info(
                 "L2GraphCallback: steps whose branch (on the step counters or the module's attributes) differs "
@@ -619,8 +612,8 @@ class StepCapture:
         if where is None:
             return
         turned_off = []
-        if self.prefetch != "off" and not self._prefetch_failed:
-            self._prefetch_failed = True
+        if self.prefetch != "off" and not self._prefetch.failed:
+            self._prefetch.failed = True
             turned_off.append("the prefetch (whose set-up runs the step's forward once)")
         if self.verify == "capture":
             self._verify_capture_off = True
@@ -706,7 +699,8 @@ class StepCapture:
         whole-step gate's other graph while its trial runs, and under gradient accumulation the other
         roles' (l2lightning.graph.graph_slots); None where none was measured (off CUDA). The graph `graph`
         replaces is gone by then."""
-        gate_graphs = self._gate.graphs.values() if self._gate is not None else ()
+        gate = self._prefetch.gate
+        gate_graphs = gate.graphs.values() if gate is not None else ()
         alive = {id(g): g for g in (graph, *gate_graphs, *self._slots.parked_graphs()) if g is not None}
         sizes = [g.pool_mib for g in alive.values() if g.pool_mib is not None]
         return sum(sizes) if sizes else None

@@ -293,20 +293,21 @@ class StepDecision:
             if why is not None:
                 self._check_why = why
                 return "check"  # a gate trial under way takes its next turn at the next replay
-        gate = self._gate
+        gate = self._prefetch.gate
         if gate is not None:
+            prefetch = self._prefetch
             if gate.needs_off_graph:
-                self._gate_capturing = True
+                prefetch.gate_capturing = True
                 return "capture"
             if gate.complete:
-                self._finish_gate()
+                prefetch.finish_gate()
             else:
-                self._gate_turn = gate.next_variant()
+                prefetch.gate_turn = gate.next_variant()
                 try:
-                    self._graph = gate.graph_for(self._gate_turn)
+                    self._graph = gate.graph_for(prefetch.gate_turn)
                 except RuntimeError as exc:  # the driver refused to switch a prefetch node
                     self._graph = gate.graphs["prefetch"]
-                    self._abandon_gate(f"the prefetch kernel nodes could not be switched ({exc})")
+                    prefetch.abandon_gate(f"the prefetch kernel nodes could not be switched ({exc})")
         return "replay"
 
     def _recapture(self, cause: str) -> str:

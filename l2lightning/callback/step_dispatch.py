@@ -50,7 +50,8 @@ class StepDispatch:
             if mode == "check":
                 return self._checked_step(run, closure, kwargs)
             # torch.compile compiles at the first call of each compiled child: the step after set-up
-            compiling, self._compile_pending = self._compile_pending, False
+            prefetch = self._prefetch
+            compiling, prefetch.compile_pending = prefetch.compile_pending, False
             started = time.perf_counter()
             # A plain eager step (a fallback, a re-capture's wait) runs the closure as Lightning's
             # step does, so Lightning's own counting stands; the capture step runs it more than once
@@ -173,7 +174,7 @@ class StepDispatch:
         if not gone:
             return "replay"
         self._replays_since_capture -= 1  # _decide counted this step as a replay
-        self._gate_turn = None  # the gate's turn goes to the next replay
+        self._prefetch.gate_turn = None  # the gate's turn goes to the next replay
         self._fall_back(
             f"the step appends to {', '.join(gone)}, gone since the last step (an entry cleared from its dict, "
             "an attribute bound to no list or deque), which only its own code makes again"
@@ -183,7 +184,8 @@ class StepDispatch:
     def _replay_step(self, closure: Any) -> Any:
         graph = self._graph
         timing = self._fit_report.timing
-        events = self._launch_replay(graph, self._gate_turn is not None or timing.times_replay())
+        prefetch = self._prefetch  # the whole-step gate's turn, while its trial runs
+        events = self._launch_replay(graph, prefetch.gate_turn is not None or timing.times_replay())
         for where, element in graph.appends:  # what the step's Python appended, as in an eager step
             current = where.current()  # not None: _appends_redoable ran this step eagerly otherwise
             if current is not None:
@@ -192,9 +194,9 @@ class StepDispatch:
             carried.fresh_out()
         if events is not None:
             timing.graph.append(events)
-            if self._gate_turn is not None:
-                self._gate.record(self._gate_turn, *events)
-                self._gate_turn = None
+            if prefetch.gate_turn is not None:
+                prefetch.gate.record(prefetch.gate_turn, *events)
+                prefetch.gate_turn = None
         timing.graph_count += 1
         if graph.binding is not None:
             graph.binding.after_replay()

@@ -65,7 +65,7 @@ class StepOverrides:
             # The graph reads the static buffers; the batch Lightning passed is copied into them.
             # The prefetch scope is the forward pass: its end joins the side stream and arms the
             # backward join on the outputs this forward produced.
-            with self._prefetch_scope():
+            with self._prefetch.scope():
                 output = self._fit.originals["training_step"](
                     self._capture_graph.static.batch, *args[1:], **kwargs
                 )
@@ -122,8 +122,9 @@ class StepOverrides:
             out = self._fit.originals["backward"](loss, *args, **kwargs)
         if any(p.grad is not grad or grad._version != version for p, grad, version in held):
             self._warmup.tracer.trace.add_problem(self._stale_gradients_problem())
-        if self._hooks is not None and self._hooks.via == "ops":
-            self._hooks.join()  # custom-op points leave the backward join to the caller
+        hooks = self._prefetch.hooks
+        if hooks is not None and hooks.via == "ops":
+            hooks.join()  # custom-op points leave the backward join to the caller
         if self._fit.mode == "capture" and self._capture_accumulated is not None:
             # the captured backward made fresh gradients: the earlier micro-batches' sum is added, as
             # eager backward adds to it, before on_after_backward, the clipping and the update read it

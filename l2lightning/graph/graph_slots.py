@@ -36,7 +36,6 @@ def fresh_state(check_share: float) -> dict[str, Any]:
         "_rent_per_step_s": 0.0,
         "_rental_factor": 1,
         "_last_paying_step": None,  # the last optimizer step whose capture the fit's steps left pay for
-        "_gate": None,  # the whole-step gate's trial, on the graph it started with
         "_live_log_values": set(),  # the logged values its replays re-issue read from Python
         "_warmed_up_again": False,
         "_memo": [],  # the step tracer's memo of host constants, for a re-capture
@@ -44,6 +43,9 @@ def fresh_state(check_share: float) -> dict[str, Any]:
 
 
 PER_GRAPH = tuple(fresh_state(0.0))
+# The whole-step gate's trial, on the graph it started with: kept by the callback's prefetch part
+# (``owner._prefetch.gate``, l2lightning.callback.prefetch_setup) and parked with the per-graph state above.
+GATE = "_prefetch.gate"
 
 
 class GraphSlots:
@@ -57,13 +59,18 @@ class GraphSlots:
         self._parked_deferred = 0
 
     def enter(self, owner: Any, role: tuple[bool, bool]) -> None:
-        """Make `role`'s per-graph state the `owner`'s (the callback's) attributes, parking the current one's."""
+        """Make `role`'s per-graph state the `owner`'s (the callback's) attributes and its gate trial the
+        prefetch part's (`GATE`), parking the current one's."""
         if role == self.current:
             return
-        self.parked[self.current] = {name: getattr(owner, name) for name in PER_GRAPH}
+        prefetch = owner._prefetch
+        parked = {name: getattr(owner, name) for name in PER_GRAPH}
+        parked[GATE] = prefetch.gate
+        self.parked[self.current] = parked
         self._parked_deferred += owner._check_schedule.deferred
-        state = self.parked.pop(role, None) or fresh_state(owner.check_share)
+        state = self.parked.pop(role, None) or {**fresh_state(owner.check_share), GATE: None}
         self._parked_deferred -= state["_check_schedule"].deferred
+        prefetch.gate = state.pop(GATE)
         for name, value in state.items():
             setattr(owner, name, value)
         self.current = role
@@ -84,7 +91,7 @@ class GraphSlots:
     def gate_elsewhere(self) -> bool:
         """Whether the whole-step gate's trial is under way on a parked graph: until it ends, no other
         role captures (it would capture with a prefetch the trial may reject)."""
-        return any(state["_gate"] is not None for state in self.parked.values())
+        return any(state[GATE] is not None for state in self.parked.values())
 
     def clear(self) -> None:
         """Drop every parked graph (the fit trains eagerly from here, or ends); their put-off checks stay counted."""

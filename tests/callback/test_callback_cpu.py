@@ -14,6 +14,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from l2lightning import L2GraphCallback, PrefetchPlan
 from l2lightning.callback import fit_report
+from l2lightning.callback.prefetch_setup import PrefetchSetup
+from l2lightning.callback.step_gate import StepGateResult
 from l2lightning.callback.warmup_steps import WarmupSteps, metric_update_reason
 from l2lightning.graph.optim import baked_schedule_advice
 from l2lightning.guards.metric_binding import (
@@ -397,9 +399,9 @@ def test_autotune_argument_is_checked_up_front_and_reaches_the_tuner(monkeypatch
     monkeypatch.setattr(prefetch_hooks, "PrefetchHooks", Hooks)
     monkeypatch.setattr("l2lightning.callback.prefetch_setup.prefetch_unavailable_reason", lambda: None)
     cb = L2GraphCallback(autotune={"budget_s": 0.2, "cache": None})
-    cb._static_for_prefetch = type("S", (), {"batch": None})()
+    cb._prefetch.static_batch = type("S", (), {"batch": None})()
     cb._fit.originals = {"training_step": None, "log": None}
-    cb._prefetch_hooks(torch.nn.Linear(1, 1))
+    cb._prefetch._prefetch_hooks(torch.nn.Linear(1, 1))
     assert seen["autotune"] == {"budget_s": 0.2, "cache": None} and seen["plans"] == "auto"
 
 
@@ -480,3 +482,95 @@ def test_the_warmup_is_a_part_that_reads_the_fit_state_and_keeps_what_it_learns(
     fresh = cb._warmup
     assert fresh is not part and fresh._fit is cb._fit and fresh._fit is not part._fit
     assert (fresh.traced_steps, fresh.hidden_random, fresh.eager_hooks, fresh.groups) == (0, None, set(), {})
+
+
+def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_callbacks_results():
+    """PrefetchSetup declares the prefetch hooks, compile=True's children and the whole-step gate's trial in
+    its __init__, reads the fit through the callback's FitState, is given the callback's settings, lists and
+    callables but never the callback, sets the callback's plans and replayed graph through those callables,
+    and is made afresh for each fit."""
+    cb = L2GraphCallback(prefetch="auto", gate_pairs=4, compile=True, backward_prefetch=False)
+    assert not isinstance(cb, PrefetchSetup) and PrefetchSetup not in type(cb).__mro__
+    part = cb._prefetch
+    assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
+    assert part._cost_s is cb._cost_s and part._compiled_children is cb._compiled_children
+    assert part._compiled_children is cb._warmup._compiled_children  # the one list both parts hold
+    assert part._setting == "auto" and part._gate_pairs == 4  # the callback's settings, as the fit starts
+    assert part._compile and not part._backward_prefetch
+    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
+    old_names = (
+        "_hooks", "_prefetch_failed", "_tuning_report", "_static_for_prefetch", "_gate", "_gate_turn",
+        "_gate_capturing", "_gate_result", "_children_forward", "_compile_pending", "_prefetch_scope",
+        "_install_prefetch", "_prefetch_hooks", "_prepare_compiled", "_gate_may_start", "_start_gate",
+        "_finish_gate", "_abandon_gate", "_reject_prefetch", "_prefetch_switch", "_GATED_MODES",
+    )  # fmt: skip
+    for name in old_names:
+        assert not hasattr(cb, name), name
+    owned = {"hooks", "tuning_report", "failed", "static_batch", "_children_forward", "compile_pending"}
+    assert owned | {"gate", "gate_turn", "gate_capturing", "gate_result"} <= set(vars(part))
+
+    class Hooks:  # what the part uses of PrefetchHooks
+        enabled, via, removed = True, "hooks", False
+
+        def remove(self):
+            self.removed = True
+
+    rows = [{"layer": "net.0", "mib": 1.0, "forward": "hint8", "backward": None}]
+    part.hooks = hooks = Hooks()
+    cb.plans = []
+    assert not part.gate_may_start()  # no plan prefetches: no trial
+    cb.plans = rows  # the callback's public plans (what its state_dict saves), read when asked
+    assert part.gate_may_start()
+
+    # the trial's verdict: the winner becomes the callback's replayed graph, its pool the one counted
+    class Graph:
+        pool_mib, bound = 3.0, False
+
+        def bind_grads(self):
+            self.bound = True
+
+    kept = Graph()
+
+    class Trial:  # what finish_gate uses of StepGate
+        def decide(self):
+            return StepGateResult("prefetch", None, 0.9, 1.0, "faster with prefetch", "switch")
+
+        def winner_and_loser(self, result):
+            return kept, Graph()
+
+        def settle(self, variant):
+            pass
+
+    part.gate, part.gate_turn = Trial(), "off"
+    part.finish_gate()
+    assert cb._graph is kept and kept.bound and cb._pool_mib == 3.0 and part.gate is None
+    assert cb.summary()["prefetch_gate"]["reason"] == "faster with prefetch" and cb.plans == rows
+    # a trial abandoned: prefetch off for the fit, the callback's plans emptied through the part
+    part.gate_result = None
+    part.abandon_gate("the step was captured again")
+    assert hooks.removed and part.hooks is None and part.failed and cb.plans == []
+    assert cb.summary()["prefetch_gate"]["kept"] == "off" and cb.summary()["plans"] == []
+
+    # compile=True's children: compiled by the part into the callback's list, put back at the fit's end
+    module = TinyMLP(width=8, depth=2)
+    cb.prefetch = part._setting = "off"  # no tuning here: the children are only wrapped, not run
+    part.failed = False
+    static = SimpleNamespace(batch=None)
+    part.prepare_compiled(module, static)
+    children = list(module.children())
+    assert cb._compiled_children == children and part.compile_pending and part.static_batch is static
+    assert all("forward" in vars(child) for child in children)
+    cb._cleanup(module)
+    assert cb._compiled_children == [] and part._children_forward == [] and part.static_batch is None
+    assert all("forward" not in vars(child) for child in children)
+    assert cb.summary()["prefetch_gate"]["kept"] == "off"  # the fit's verdict outlives its clean-up
+
+    cb.plans = rows
+    cb._reset_run_state()
+    fresh = cb._prefetch
+    assert fresh is not part and fresh._fit is cb._fit and fresh._fit is not part._fit
+    assert fresh._compiled_children is cb._compiled_children is cb._warmup._compiled_children
+    assert fresh.hooks is None and fresh.gate is None and fresh.gate_result is None
+    assert fresh._setting == "off"  # the callback's setting as this fit starts
+    assert not fresh.failed and not fresh.compile_pending and fresh.static_batch is None
+    assert cb.plans == rows and cb.summary()["prefetch_gate"] is None  # the plans are the callback's, kept

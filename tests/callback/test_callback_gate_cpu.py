@@ -16,6 +16,7 @@ import pytest
 
 from l2lightning import L2GraphCallback
 from l2lightning.callback import step_gate
+from l2lightning.callback.prefetch_setup import PrefetchSetup
 from l2lightning.callback.step_gate import VARIANTS
 from tests.baselines import (
     baseline_of,
@@ -31,8 +32,8 @@ class StandInHooks:
     via = "hooks"
     tuning_report = None
 
-    def __init__(self, callback):
-        self.callback = callback
+    def __init__(self, fit_state):
+        self.fit_state = fit_state  # the callback's FitState, which the prefetch part reads
         self.scoped_captures = 0
         self.removed = False
         self.removed_at: int | None = None  # the global step of remove() (teardown removes them too)
@@ -43,7 +44,7 @@ class StandInHooks:
 
     @contextlib.contextmanager
     def scope(self):
-        if self.callback._fit.mode == "capture":
+        if self.fit_state.mode == "capture":
             self.scoped_captures += 1
         yield
 
@@ -52,7 +53,7 @@ class StandInHooks:
 
     def remove(self):
         self.removed = True
-        self.removed_at = int(self.callback._fit.trainer.global_step)
+        self.removed_at = int(self.fit_state.trainer.global_step)
 
 
 # every test here runs on the CPU graph emulator (tests/conftest.py)
@@ -65,10 +66,10 @@ def gated(monkeypatch, prefetch_ms, off_ms, **kwargs):
     made = []
 
     def hooks(self, module):
-        made.append(StandInHooks(self))
+        made.append(StandInHooks(self._fit))
         return made[-1]
 
-    monkeypatch.setattr(L2GraphCallback, "_prefetch_hooks", hooks)
+    monkeypatch.setattr(PrefetchSetup, "_prefetch_hooks", hooks)
     decide = step_gate.StepGate.decide
     noise = itertools.cycle([0.0, 0.004, -0.003, 0.002])
 
@@ -182,14 +183,14 @@ def switched(monkeypatch, prefetch_ms, off_ms, **kwargs):
     cb, hooks = gated(monkeypatch, prefetch_ms, off_ms, **kwargs)
     switches, states = [], []
     monkeypatch.setattr(
-        L2GraphCallback,
+        PrefetchSetup,
         "_prefetch_switch",
         lambda self, graph: (switches.append(StandInSwitch()) or switches[-1], ""),
     )
     original = L2GraphCallback._replay_step
 
     def replay(self, closure):
-        states.append((self._gate_turn, switches[-1].enabled if switches else None, id(self._graph)))
+        states.append((self._prefetch.gate_turn, switches[-1].enabled if switches else None, id(self._graph)))
         return original(self, closure)
 
     monkeypatch.setattr(L2GraphCallback, "_replay_step", replay)
@@ -235,7 +236,7 @@ def test_a_switch_the_driver_refuses_ends_the_trial_without_prefetch_and_the_fit
 
 def test_without_a_switch_the_trial_captures_the_step_a_second_time(monkeypatch):
     cb, hooks = gated(monkeypatch, prefetch_ms=0.9, off_ms=1.0, gate_pairs=4)
-    monkeypatch.setattr(L2GraphCallback, "_prefetch_switch", lambda self, graph: (None, "no driver"))
+    monkeypatch.setattr(PrefetchSetup, "_prefetch_switch", lambda self, graph: (None, "no driver"))
     fit(TinyMLP, [cb], steps=20)
     s = cb.summary()
     assert s["captures"] == 2 and s["prefetch_gate"]["method"] == "second capture", s

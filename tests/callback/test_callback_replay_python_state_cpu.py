@@ -173,19 +173,19 @@ class KeepsTwoOutputs(KeepsOutputs):
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_a_list_the_step_appends_to_gets_a_fresh_element_per_replay(monkeypatch, verify):
-    from l2lightning.callback import graph_callback as callback_module
+    from l2lightning.callback.prefetch_setup import PrefetchSetup
 
     def dry_run_hooks(self, pl_module):  # what finding the prefetch chain does: one more training_step
         logging = pl_module.log
         pl_module.log = lambda *a, **k: None  # as the real dry run, which must not log
         try:
             with torch.no_grad():
-                self._fit.originals["training_step"](self._static_for_prefetch.batch, 0)
+                self._fit.originals["training_step"](self.static_batch.batch, 0)
         finally:
             pl_module.log = logging
         return None
 
-    monkeypatch.setattr(callback_module.L2GraphCallback, "_prefetch_hooks", dry_run_hooks)
+    monkeypatch.setattr(PrefetchSetup, "_prefetch_hooks", dry_run_hooks)
     base = fit(baseline_of(KeepsOutputs), steps=-1, n=96, trainer_kwargs={"max_epochs": 3})
     cb = L2GraphCallback(prefetch="default", verify=verify, log_timing=False)
     run = fit(KeepsOutputs, [cb], steps=-1, n=96, trainer_kwargs={"max_epochs": 3})

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader
 
 from l2lightning import L2GraphCallback
+from l2lightning.callback.prefetch_setup import PrefetchSetup
 from tests import graph_emulator as emu
 from tests import user_step_config
 from tests.baselines import (
@@ -286,7 +287,7 @@ def test_out_of_memory_while_tuning_captures_without_prefetch(monkeypatch):
         torch.zeros(3)  # the tuner allocates, then the device is full
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
 
-    monkeypatch.setattr(L2GraphCallback, "_prefetch_hooks", tuner_runs_out)
+    monkeypatch.setattr(PrefetchSetup, "_prefetch_hooks", tuner_runs_out)
     base = fit(baseline_of(TinyMLP))
     cb = L2GraphCallback(prefetch="default", log_timing=False)
     with pytest.warns(UserWarning, match=r"prefetch off: out of memory while tuning it .*512.00 MiB"):

@@ -972,18 +972,18 @@ class BatchNormAndMetric(MetricsInStep):
 def test_finding_the_prefetch_chain_leaves_no_trace(monkeypatch):
     """The prefetch set-up runs training_step on the static batch (and the tuner times layer copies):
     BatchNorm statistics, metric states and the RNG must come out as they went in."""
-    from l2lightning.callback import graph_callback as callback_module
+    from l2lightning.callback.prefetch_setup import PrefetchSetup
 
     def dry_run_hooks(self, pl_module):
         self._fit.originals["log"], saved_log = (lambda *a, **k: None), self._fit.originals["log"]
         try:
-            self._fit.originals["training_step"](self._static_for_prefetch.batch, 0)
+            self._fit.originals["training_step"](self.static_batch.batch, 0)
             torch.rand(3)  # the tuner draws random inputs
         finally:
             self._fit.originals["log"] = saved_log
         return None
 
-    monkeypatch.setattr(callback_module.L2GraphCallback, "_prefetch_hooks", dry_run_hooks)
+    monkeypatch.setattr(PrefetchSetup, "_prefetch_hooks", dry_run_hooks)
     base = fit(baseline_of(BatchNormAndMetric), steps=-1, n=96, trainer_kwargs={"max_epochs": 2})
     cb = L2GraphCallback(prefetch="default", log_timing=False)
     run = fit(BatchNormAndMetric, [cb], steps=-1, n=96, trainer_kwargs={"max_epochs": 2})

@@ -243,7 +243,7 @@ def test_a_recapture_warms_up_no_step_and_keeps_the_first_captures_prefetch_set_
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(WarmupSteps, name, counted)
-    monkeypatch.setattr(L2GraphCallback, "_prefetch_hooks", prefetch_hooks)
+    monkeypatch.setattr(prefetch_setup.PrefetchSetup, "_prefetch_hooks", prefetch_hooks)
     monkeypatch.setattr(step_capture, "free_cached_memory", lambda: None)
     cb = L2GraphCallback(prefetch="default", log_timing=False, operand_scalars=False)
     run = fit(EpochWeight, [cb], **EPOCHS)

@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 
 from l2lightning import EquivalenceError, L2GraphCallback
+from l2lightning.callback.prefetch_setup import PrefetchSetup
 from tests.baselines import (  # noqa: F401 -- the fixture records each callback fit's switch step
     DeferredFit,
     baseline_of,
@@ -595,7 +596,7 @@ def test_the_whole_step_gate_times_both_graphs_and_training_stays_bitwise_equal(
     """The gate with real prefetch kernels and CUDA events (on the byte-sized plans, which the tuner
     may or may not keep on this model): one capture whose prefetch nodes are switched off and on,
     a verdict, the baseline's losses."""
-    monkeypatch.setattr(L2GraphCallback, "_GATED_MODES", ("auto", "default"))
+    monkeypatch.setattr(PrefetchSetup, "_GATED_MODES", ("auto", "default"))
     base = fit(CapturableBaseline, [], steps=40)
     cb = L2GraphCallback(prefetch="default", gate_pairs=8)
     run = fit(TinyMLP, [cb], steps=40)

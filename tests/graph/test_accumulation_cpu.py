@@ -8,6 +8,8 @@ logged values, the parameters and the optimizer's state, Lightning's loop progre
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -476,6 +478,7 @@ def test_the_put_off_checks_of_every_roles_graph_are_counted():
 
     for name, value in fresh_state(owner.check_share).items():
         setattr(owner, name, value)
+    owner._prefetch = types.SimpleNamespace(gate=None)  # the prefetch part's gate trial, parked too
     owner._check_schedule.deferred = 2
     slots.enter(owner, (False, False))  # the plain role's schedule parked with its 2
     owner._check_schedule.deferred = 3
@@ -486,6 +489,22 @@ def test_the_put_off_checks_of_every_roles_graph_are_counted():
     assert owner._check_schedule.deferred == 2 and slots.deferred(owner) == 6
     slots.clear()
     assert slots.deferred(owner) == 6  # dropped graphs' put-off checks stay in the fit's count
+
+
+def test_the_gate_trial_the_prefetch_part_keeps_moves_with_its_roles_graph():
+    """The whole-step gate's trial is per graph but the prefetch part's (`_prefetch.gate`): another role's
+    step finds no trial of its own and sees it under way elsewhere; the trial's role gets it back."""
+    from l2lightning import L2GraphCallback
+
+    cb = L2GraphCallback()
+    slots, trial = cb._slots, object()
+    assert slots.current == (False, True) and cb._prefetch.gate is None and not hasattr(cb, "_gate")
+    cb._prefetch.gate, cb._graph = trial, "the closing step's graph"
+    slots.enter(cb, (False, False))  # a window's first micro-batch: its own, fresh state
+    assert cb._prefetch.gate is None and cb._graph is None and slots.gate_elsewhere()
+    slots.enter(cb, (False, True))
+    assert cb._prefetch.gate is trial and cb._graph == "the closing step's graph"
+    assert not slots.gate_elsewhere()
 
 
 def test_graph_pool_mib_adds_the_pools_of_every_roles_graph():
