@@ -85,7 +85,7 @@ def _wrap_callback_path(phases: WallPhases, undo: list, device: str) -> None:
         (StepDispatch, "_replay_step", "replay_step"),
         (StepDispatch, "_step", "dispatch"),
         (replay_closure.ReplayClosure, "__call__", "replay_closure"),
-        (StepOverrides, "_training_step", "training_step_override"),
+        (StepOverrides, "training_step", "training_step_override"),
         (StepOverrides, "_reissue", "log_reissue"),
         (ClosureResult, "__post_init__", "closure_result"),
         (progress_bar_reads._DeferredProgressBarReads, "on_batch_end", "progress_bar_reads"),

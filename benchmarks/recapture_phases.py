@@ -99,7 +99,7 @@ def _captures_fit(name: str, device: str) -> dict:
     from lightning.pytorch import seed_everything
 
     from l2lightning import L2GraphCallback
-    from l2lightning.callback import prefetch_setup, step_capture, step_dispatch, warmup_steps
+    from l2lightning.callback import prefetch_setup, step_capture, step_dispatch, step_overrides, warmup_steps
     from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 
@@ -147,7 +147,7 @@ def _captures_fit(name: str, device: str) -> dict:
         (step_capture.python_state, "baked_callables", "baked_values"),
         (step_capture.python_state, "baked_globals", "baked_values"),
         (step_capture.python_state, "baked_callback_attributes", "baked_values"),
-        (cls, "_python_log_sources", "log_sources"),
+        (step_overrides.StepOverrides, "python_log_sources", "log_sources"),
         (step_capture.torch.cuda, "synchronize", "cuda_synchronize"),
     ]:
         phases.wrap(owner, attr, phase, undo)

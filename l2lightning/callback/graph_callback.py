@@ -95,12 +95,9 @@ from l2lightning.graph.optim import (
 )
 from l2lightning.graph.replay_closure import CLOSURE_HOOKS, ReplayClosure, why_not_fast
 from l2lightning.graph.rng import watch_cuda_state_setters
-from l2lightning.graph.scheduler_steps import ReissuedSchedulerStep
 from l2lightning.guards import check_kernels
 from l2lightning.guards.batch_reads import BatchReads, batch_reads
 from l2lightning.guards.called_code import analyse_called_code
-from l2lightning.guards.grad_norm_reads import GradNormNames
-from l2lightning.guards.log_replay import ReissuedLog
 from l2lightning.guards.metric_binding import (
     named_metrics,
     needs_sync_free_nan_check,
@@ -128,7 +125,7 @@ def _stale_read(what: str, lines: list[str], changes: str, kept: str, advice: st
     )
 
 
-class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Callback):
+class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
     """Capture the whole training step (forward, loss, backward, optimizer step) in one CUDA graph.
 
     Inside the graph a side-stream kernel prefetches into L2 the weights the next layer will read
@@ -340,8 +337,6 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
         self._captured_roles: set[tuple[bool, bool]] = set()  # the accumulation roles with a graph (summary)
         self._fit_started_at: float | None = None  # perf_counter at the training start: the check's budget
         self._check_on = self.verify == "sampled"
-        self._record_output = False  # the checked step's eager training_step output is kept (_checked_output)
-        self._checked_output: Any = None
         self._check_why = ""  # why this step is checked (CheckSchedule.due)
         self._disable_next: str | None = None  # why the next step trains eagerly for the rest of the fit
         self._verify_capture_off = False
@@ -369,13 +364,9 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
         self._owns_optimizer = False
         self._nan_patched: list[Any] = []
         self._flags: ModuleFlags | None = None  # the module's train()/requires_grad flags, read per replay
-        self._capture_logs: list[ReissuedLog | ReissuedSchedulerStep] = []
         self._step_closure: Any = None  # the closure optimizer.step got, while its step is decided
-        # the accumulated gradients a closing micro-batch's capture adds to (l2lightning.graph.accumulation)
-        self._capture_accumulated: Any = None
         self._pending_tensors: list[torch.Tensor] = []  # the pending batch flattened (by _decide)
         self._in_step = False
-        self._reissued: set[str] = set()
         # the wall seconds of the last capture (its tuning and what only a first capture spends apart),
         # and the replay time the eager steps since a change have forgone: a re-capture waits until the
         # second reaches the first
@@ -387,14 +378,8 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
         self._recaptures = 0  # captures after the fit's first (the gate's second capture included)
         self._last_recapture_s: float | None = None  # the wall seconds of the last of them
         self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
-        # a traced step's gradient tensors as it starts (weak references), by parameter: its backward must
-        # not add to them
-        self._grads_before_step: dict[int, Any] = {}
-        self._grad_norm_names = GradNormNames()  # where those hooks find Lightning's grad_norm
-        self._capture_graph: _Graph | None = None
         self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
         self._pool_mib: float | None = None
-        self._step_output: Any = None
         self._captured = False
         # the children compile=True compiled (the prefetch part fills it, the warm-up part reads it)
         self._compiled_children: list[torch.nn.Module] = []
@@ -442,6 +427,17 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
             set_plans=self._set_plans,
             keep_graph=self._keep_graph,
         )
+        # the module's methods the callback replaces for the fit, and self.log through replays (a part: its
+        # state is its own; its bound methods are what set-up installs)
+        self._overrides = StepOverrides(
+            self._fit,
+            self._fit_report,
+            self._warmup,
+            self._prefetch,
+            disable=self._disable,
+            stepping=self._stepping,
+            manual=self._is_manual,
+        )
 
     # The callables the prefetch part is given (bound methods, not lambdas: a Trainer that spawns its
     # processes pickles its callbacks, their parts included)
@@ -461,6 +457,15 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
         """The whole-step gate's winner is the graph the steps replay; the pools alive are counted anew."""
         self._graph = graph
         self._pool_mib = self._pools_alive_mib(graph)
+
+    # The callables the overrides part is given (bound methods, as above): what it asks of the callback's state
+    def _stepping(self) -> bool:
+        """Whether one of the callback's steps is under way (StepDispatch._step)."""
+        return self._in_step
+
+    def _is_manual(self) -> bool:
+        """Whether the fit's step is a manual-optimization one (l2lightning.graph.manual_step), set up at `setup`."""
+        return self._manual is not None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -560,6 +565,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
             rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.{self._capturable_stretch()}")
         self._fit.mode = "eager"
         self._graph = None
+        self._overrides.replayed = None
         self._prefetch.drop_gate()
         self._slots.clear()  # the graphs of the other accumulation roles
         self._release_optimizer()
@@ -675,16 +681,17 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
             return
         self._fit.module = pl_module
         self._fit.trainer = trainer
-        step = self._training_step if self._manual is None else self._manual.training_step
+        part = self._overrides  # the methods installed are the overrides part's, bound to it
+        step = part.training_step if self._manual is None else self._manual.training_step
         overrides: dict[str, Any] = {
             "training_step": presenting_signature_of(pl_module.training_step, step),
-            "optimizer_zero_grad": forwarding(self._optimizer_zero_grad),
-            "backward": forwarding(self._backward),
-            "configure_gradient_clipping": forwarding(self._configure_gradient_clipping),
-            "log": forwarding(self._log),
+            "optimizer_zero_grad": forwarding(part.optimizer_zero_grad),
+            "backward": forwarding(part.backward),
+            "configure_gradient_clipping": forwarding(part.configure_gradient_clipping),
+            "log": forwarding(part.log),
         }
         for hook in user_hooks:
-            overrides[hook] = self._captured_hook(hook, getattr(pl_module, hook))
+            overrides[hook] = part.captured_hook(hook, getattr(pl_module, hook))
         self._fit.originals = {name: getattr(pl_module, name) for name in overrides}
         if self._manual is not None:  # a manual step returning None is a step to capture all the same
             self._fit.originals["training_step"] = none_as_empty(self._fit.originals["training_step"])
@@ -699,7 +706,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
             for hook in CLOSURE_HOOKS:
                 if is_overridden(hook, cb, parent=Callback):
                     self._callback_overrides.append((cb, hook, vars(cb).get(hook, ABSENT)))
-                    setattr(cb, hook, self._captured_hook(hook, getattr(cb, hook)))
+                    setattr(cb, hook, part.captured_hook(hook, getattr(cb, hook)))
         # where each method the step's source was read through is bound, the overrides above included
         self._code_bindings = self._fit.source.code_bindings()
 
@@ -738,13 +745,11 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
         if self._flags is not None:
             self._flags.close()
             self._flags = None
-        self._capture_graph = None
+        self._overrides.release()  # the graphs, the step's output and the logs it recorded
         self._warmup.groups = {}
         self._warmup.tracer = None
         self._fit.pending = None
         self._pending_tensors = []
-        self._step_output = None
-        self._capture_logs = []
         self._fit.originals = {}
         self._fit.module = None
         self._fit.trainer = None
@@ -1009,6 +1014,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, StepOverrides, Ca
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._fit.mode = "eager"
+        self._overrides.replayed = None  # its closure is over: the graph is the callback's alone again
         # as soon as a captured graph's first replays are timed; at each epoch's end again
         self._fit_report.log_once_known(
             trainer, self._logs_timing() and self._graph is not None, self._timing_metrics

@@ -150,18 +150,19 @@ class StepCapture:
         )
         saved_metrics = binding.python_state() if binding else {}
         self._fit.mode = "verify"
-        self._step_output = None
+        overrides = self._overrides  # its training_step keeps the verify step's output
+        overrides.step_output = None
         try:
             # On the capture's stream (the caller's _on_step_stream): Lightning's closure keeps this
             # step's loss, and with it each parameter's AccumulateGrad node, alive into the capture;
             # a node bound to another stream aborts the capture (seen on the H200 when verify=True
             # ran as the first capture of a process).
             run(closure, **kwargs)
-            if self._step_output is None:
+            if overrides.step_output is None:
                 return None  # training_step returned None: the capture defers, nothing to compare
-            loss = loss_of(self._step_output, "training_step")
+            loss = loss_of(overrides.step_output, "training_step")
             record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
-            self._step_output = None
+            overrides.step_output = None
         finally:
             self._fit.mode = "eager"
         torch.cuda.synchronize()
@@ -249,8 +250,8 @@ class StepCapture:
         try:
             result = self._capture_graph_step(run, closure, kwargs, gate_capture)
         finally:
-            self._capture_graph = None
-            self._capture_accumulated = None
+            self._overrides.capture_graph = None
+            self._overrides.capture_accumulated = None
             self._prefetch.gate_capturing = False
         return result
 
@@ -322,7 +323,9 @@ class StepCapture:
         # A closing micro-batch adds to the gradients the earlier ones left: copied before anything
         # below drops them; each eager run of the step from here starts from copies of them again
         accumulated = AccumulatedGrads(tuple(module.parameters())) if key[0][1].adds else None
-        self._capture_accumulated = accumulated
+        # the module's methods (the overrides part): handed what the step answers from at the capture
+        overrides = self._overrides
+        overrides.capture_accumulated = accumulated
         if self._prefetch.hooks is None and not self.compile:
             # The last eager step's gradients are spent (its optimizer step read them; this step's
             # closure zeroes them, and the capture below drops them anyway): dropped before the
@@ -349,13 +352,13 @@ class StepCapture:
         # switch those kernel nodes (l2lightning.graph.prefetch_switch) instead of capturing the step twice
         keep = not gate_capture and self._prefetch.gate_may_start()
         graph = _Graph(new_cuda_graph(keep_graph=keep), static, key, binding=binding, constants=constants)
-        self._capture_logs = []
-        self._step_output = None
+        overrides.capture_logs = []
+        overrides.step_output = None
         memo = group.traces[-1].memo if group is not None and group.traces else self._memo
         self._memo = memo
         tracer = StepTracer(device_type, constants, memo, capture_stream=self._step_stream)
         self._fit.mode = "capture"
-        self._capture_graph = graph
+        overrides.capture_graph = graph
         wrapped.sync_tensors()
         wrapped.freeze(True)
 
@@ -367,7 +370,7 @@ class StepCapture:
             python_started = python_state.snapshot(holders, ours, device_type)
             with substituting(operands):
                 out = self._warmup.run_traced(tracer, closure)
-            if self._step_output is None:
+            if overrides.step_output is None:
                 raise _Defer()
             python_after = python_state.snapshot(holders, ours, device_type)
             # an entry a dict gained is refused here: its replays would append to it at every step
@@ -466,7 +469,7 @@ class StepCapture:
         else:
             failed = None
         if failed is not None:
-            graph = self._capture_graph = None  # the partial graph's pool goes with it
+            graph = overrides.capture_graph = None  # the partial graph's pool goes with it
             if accumulated is not None:
                 accumulated.put_back()  # the eager step below adds to them
             if gate_capture:
@@ -489,9 +492,9 @@ class StepCapture:
             else:
                 self._disable(failed)
             return run(closure, **kwargs)
-        graph.output = self._step_output
+        graph.output = overrides.step_output
         graph.accumulated = accumulated
-        graph.log_calls = self._capture_logs
+        graph.log_calls = overrides.capture_logs
         graph.params = tuple(module.parameters())
         graph.grad_tensors = tuple(p.grad for p in graph.params)
         graph.flags = self._module_flags()
@@ -580,9 +583,10 @@ class StepCapture:
             carried.fresh_out()
         if binding is not None:
             binding.fresh_forward_caches()
-        self._live_log_values, frozen_log = self._python_log_sources(graph.log_calls)
+        overrides.live_log_values, frozen_log = overrides.python_log_sources(graph.log_calls)
         self._fit.mode = "replay"
-        self._reissued = set()
+        overrides.replayed = graph
+        overrides.reissued = set()
         result = closure() if closure is not None else None
         if self.verify == "capture":
             self._finish_verify(eager_record)
@@ -714,8 +718,8 @@ class StepCapture:
             binding.rebind()  # attributes back on the home tensors restored above
             binding.restore_python_state(metrics)
         module.zero_grad(set_to_none=True)
-        self._capture_logs = []
-        self._step_output = None
+        self._overrides.capture_logs = []
+        self._overrides.step_output = None
         self._fit.mode = "eager"
 
     def _capture_failure_reason(self, exc: BaseException) -> str:

@@ -201,7 +201,9 @@ class StepDispatch:
         if graph.binding is not None:
             graph.binding.after_replay()
         self._fit.mode = "replay"
-        self._reissued = set()
+        overrides = self._overrides  # the module's methods answer for this replay: its output, its logs
+        overrides.replayed = graph
+        overrides.reissued = set()
         if closure is None:
             return loss_of(graph.output, "training_step")
         if self._replay_closure is not None:
@@ -264,15 +266,16 @@ class StepDispatch:
             # (gradients zeroed in place between windows are the graph's own gradient tensors)
             graph.accumulated.put_back()
         clock.lap("replay")
-        self._record_output, self._checked_output = True, None
+        overrides = self._overrides  # its training_step keeps the eager step's output
+        overrides.record_output, overrides.checked_output = True, None
         try:
             with self._on_step_stream(), one_closure_count(self._fit.trainer, closure):
                 result = run(closure, **kwargs)  # the step as a plain step runs it: its result stands
         finally:
-            self._record_output = False
+            overrides.record_output = False
             self._fit.mode = "eager"
-        eager_out = dict(step_tensors(self._checked_output))
-        self._checked_output = None
+        eager_out = dict(step_tensors(overrides.checked_output))
+        overrides.checked_output = None
         clock.lap("eager")
         if replayed is None:
             self._check_skipped_for_memory()

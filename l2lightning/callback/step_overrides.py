@@ -1,7 +1,15 @@
 """The LightningModule methods the callback replaces for a fit, and self.log through replays.
 
-A mixin of :class:`l2lightning.callback.graph_callback.L2GraphCallback`: its methods use the callback's run state
-(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+A part :class:`l2lightning.callback.graph_callback.L2GraphCallback` holds (``_overrides``), one per fit:
+its bound methods are what the callback installs on the module for the fit (``training_step``, the
+captured hooks, ``backward``, ``optimizer_zero_grad``, ``configure_gradient_clipping``, ``log``). It
+keeps what they record and answer from (the step's output at the capture, the verify step and a sampled
+check's eager step, the capture's log calls, the hooks a replay has re-issued, the logged numbers a
+replay re-evaluates, the graph being captured and the one whose replay the closure answers for) in its
+own ``__init__``, reads the fit through :class:`l2lightning.callback.fit_state.FitState` and reaches
+the rest of the callback only through what it is given: the report, warm-up and prefetch parts, and
+the callables that refuse the fit and say whether a step of the callback's is under way and whether
+it is a manual-optimization one.
 """
 
 from __future__ import annotations
@@ -11,23 +19,90 @@ import inspect
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from l2lightning.callback.fit_report import FitReport
+from l2lightning.callback.fit_state import FitState
 from l2lightning.graph.scheduler_steps import ReissuedSchedulerStep
-from l2lightning.guards.grad_norm_reads import batched_grad_norm_in
+from l2lightning.guards.grad_norm_reads import GradNormNames, batched_grad_norm_in
 from l2lightning.guards.log_replay import ReissuedLog
+
+if TYPE_CHECKING:  # the capture, warm-up and prefetch modules import this one's helpers
+    from l2lightning.callback.prefetch_setup import PrefetchSetup
+    from l2lightning.callback.step_capture import _Graph
+    from l2lightning.callback.warmup_steps import WarmupSteps
+    from l2lightning.graph.accumulation import AccumulatedGrads
 
 
 class StepOverrides:
     """The LightningModule methods the callback replaces for a fit, and self.log through replays."""
 
-    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+    def __init__(
+        self,
+        fit: FitState,
+        fit_report: FitReport,
+        warmup: WarmupSteps,
+        prefetch: PrefetchSetup,
+        *,
+        disable: Callable[[str], None],
+        stepping: Callable[[], bool],
+        manual: Callable[[], bool],
+    ) -> None:
+        self._fit = fit
+        self._fit_report = fit_report  # the forward's and backward's phase marks and kernel counts
+        # the warm-up part: the hooks that run after each replay, the tracer of the traced step under way
+        self._warmup = warmup
+        # the prefetch part: the scope of the captured forward, the hooks whose backward join it leaves
+        self._prefetch = prefetch
+        self._disable = disable  # refuse the fit: the rest of it trains eagerly, saying why
+        # whether one of the callback's steps is under way (StepDispatch._step; a closure run outside
+        # `optimizer.step` is none), and whether the fit's step is a manual one (l2lightning.graph.manual_step):
+        # the callback's, asked when needed (the manual step is set up after this part is made)
+        self._stepping = stepping
+        self._manual = manual
+        # What the step in hand answers from, handed over by the code that sets its mode: the graph whose
+        # replay the closure answers for (StepDispatch._replay_step and the capture's first replay: read per
+        # replay as the callback's `_graph` was, one attribute away; dropped at the batch's end, so that a
+        # graph the callback drops, a re-capture's old one, is not kept alive here), and at a capture
+        # the graph being captured, whose static batch the step reads, and the gradients the earlier
+        # micro-batches accumulated, which the captured backward adds to (StepCapture)
+        self.replayed: _Graph | None = None
+        self.capture_graph: _Graph | None = None
+        self.capture_accumulated: AccumulatedGrads | None = None
+        # training_step's output at the capture and at the verify step (the capture reads it; None: the step
+        # returned None, and the capture waits for a later step)
+        self.step_output: Any = None
+        # the step's self.log calls and (manual optimization, ManualStep) its LR schedulers' steps that the
+        # capture recorded, in their order: the graph's, re-issued after each replay
+        self.capture_logs: list[ReissuedLog | ReissuedSchedulerStep] = []
+        # at a sampled replay check's eager step (StepDispatch._checked_step sets record_output) its
+        # training_step output, compared with the replay's
+        self.record_output = False
+        self.checked_output: Any = None
+        self.reissued: set[str] = set()  # the hooks whose log calls this replay re-issued (reset per replay)
+        # the logged Python numbers the current graph's replays re-evaluate (python_log_sources, at its
+        # capture): per graph, GraphSlots parks it with its accumulation role's graph
+        self.live_log_values: set[str] = set()
+        # a traced step's gradient tensors as it starts (weak references), by parameter: its backward must
+        # not add to them
+        self._grads_before_step: dict[int, Any] = {}
+        # where the hooks that run after each replay find Lightning's grad_norm
+        self._grad_norm_names = GradNormNames()
+
+    def release(self) -> None:
+        """The fit's end: drop the graphs, the step's output and the recorded logs (the part outlives the fit)."""
+        self.replayed = None
+        self.capture_graph = None
+        self.step_output = None
+        self.capture_logs = []
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
         mode = self._fit.mode
         if mode == "replay":
             self._reissue("training_step")
-            output = fresh_extras(self._graph.output)
+            output = fresh_extras(self.replayed.output)
             if self._fit.source.output_values and isinstance(output, dict):
                 # numbers from the step counters returned beside the loss: this step's, not the capture's
                 batch_idx = self._pending_batch_idx()
@@ -44,7 +119,7 @@ class StepOverrides:
             }
         accumulating = self._fit.trainer is not None and self._fit.trainer.accumulate_grad_batches != 1
         if (
-            not self._in_step
+            not self._stepping()
             and self._fit.pending is not None
             and self._fit.optimizer is not None
             and not accumulating
@@ -67,22 +142,22 @@ class StepOverrides:
             # backward join on the outputs this forward produced.
             with self._prefetch.scope():
                 output = self._fit.originals["training_step"](
-                    self._capture_graph.static.batch, *args[1:], **kwargs
+                    self.capture_graph.static.batch, *args[1:], **kwargs
                 )
             self._fit_report.phase_events.mark("forward")
-            self._step_output = output
+            self.step_output = output
             return output
         if mode == "verify":
             output = self._fit.originals["training_step"](*args, **kwargs)
-            self._step_output = output
+            self.step_output = output
             return output
         with self._fit_report.kernel_counter.phase("forward"):
             output = self._fit.originals["training_step"](*args, **kwargs)
-        if self._record_output:  # the eager step of a sampled replay check: compared with the replay's
-            self._checked_output = output
+        if self.record_output:  # the eager step of a sampled replay check: compared with the replay's
+            self.checked_output = output
         return output
 
-    def _captured_hook(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def captured_hook(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         """A hook the graph runs at capture: in replay mode only its log calls are re-issued."""
 
         def hook(*args: Any, **kwargs: Any) -> Any:
@@ -108,7 +183,7 @@ class StepOverrides:
 
         return hook
 
-    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self._fit.mode == "replay":
             return None
         adds = bool(self._fit.pending_key) and self._fit.pending_key[0][1].adds
@@ -125,10 +200,10 @@ class StepOverrides:
         hooks = self._prefetch.hooks
         if hooks is not None and hooks.via == "ops":
             hooks.join()  # custom-op points leave the backward join to the caller
-        if self._fit.mode == "capture" and self._capture_accumulated is not None:
+        if self._fit.mode == "capture" and self.capture_accumulated is not None:
             # the captured backward made fresh gradients: the earlier micro-batches' sum is added, as
             # eager backward adds to it, before on_after_backward, the clipping and the update read it
-            self._capture_accumulated.add_into_grads()
+            self.capture_accumulated.add_into_grads()
         self._fit_report.phase_events.mark("backward")
         return out
 
@@ -162,7 +237,7 @@ class StepOverrides:
 
     def _stale_gradients_problem(self) -> str:
         """The refusal of a step whose backward added to gradients an earlier step left (_held_gradients)."""
-        if self._manual is not None:
+        if self._manual():
             return (
                 f"{type(self._fit.module).__name__} sets `automatic_optimization = False` (manual optimization) and the "
                 "step's backward adds to gradients an earlier step left (the step does not zero them before its first "
@@ -178,7 +253,7 @@ class StepOverrides:
             "default `optimizer_zero_grad`)"
         )
 
-    def _optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         if self._fit.mode == "replay":
             return None  # keep the graph's .grad tensors
         if self._fit.mode == "capture":
@@ -186,17 +261,17 @@ class StepOverrides:
             return None
         return self._fit.originals["optimizer_zero_grad"](epoch, batch_idx, optimizer)
 
-    def _configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         if self._fit.mode == "replay":
             return None  # the graph clipped the gradients already
         return self._fit.originals["configure_gradient_clipping"](optimizer, *args, **kwargs)
 
-    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """``self.log`` for the fit: recorded during a capture, kept out of traces, passed through otherwise."""
         mode = self._fit.mode
         if mode == "capture":
             fx = self._fit.module._current_fx_name or "training_step"
-            self._capture_logs.append(ReissuedLog(fx, (name, value, *args), kwargs))
+            self.capture_logs.append(ReissuedLog(fx, (name, value, *args), kwargs))
             return None
         if mode == "verify":
             return None  # the verify step logs nothing; the real step does
@@ -207,10 +282,10 @@ class StepOverrides:
 
     def _reissue(self, fx: str) -> None:
         """Call the real ``self.log`` for each call recorded in hook `fx` at capture, with this replay's values."""
-        calls = self._graph.log_calls
-        if not calls or fx in self._reissued:  # most steps log nothing from most hooks
+        calls = self.replayed.log_calls
+        if not calls or fx in self.reissued:  # most steps log nothing from most hooks
             return
-        self._reissued.add(fx)
+        self.reissued.add(fx)
         results = getattr(self._fit.module._trainer, "_results", None)  # the same for every call of the hook
         for call in calls:
             if call.fx != fx:
@@ -227,7 +302,7 @@ class StepOverrides:
         if (
             isinstance(value, (int, float))
             and not isinstance(value, bool)
-            and call.name in self._live_log_values
+            and call.name in self.live_log_values
         ):
             value = self._fit.source.log_value(call.name, self._fit.module, self._pending_batch_idx())
         call.issue(self._fit.module, self._fit.originals["log"], value, results)
@@ -236,7 +311,7 @@ class StepOverrides:
         """This step's ``batch_idx`` (0 outside a step): what re-evaluated logs and outputs read."""
         return self._fit.pending[1] if self._fit.pending else 0
 
-    def _python_log_sources(self, calls: list[ReissuedLog]) -> tuple[set[str], str | None]:
+    def python_log_sources(self, calls: list[ReissuedLog]) -> tuple[set[str], str | None]:
         """(keys of logged Python numbers to re-evaluate at each replay, why the capture cannot stay: a
         logged Python number that a replay can neither recompute nor take for a constant)."""
         live = set()
@@ -303,11 +378,11 @@ def copied_element(element: Any) -> Any:
 
 
 def forwarding(method: Callable[..., Any]) -> Callable[..., Any]:
-    """`method` (the callback's, installed on the module for the fit) as a plain function calling it.
+    """`method` (the overrides part's, installed on the module for the fit) as a plain function calling it.
 
     ``copy.deepcopy`` copies a bound method's object with it, and a function as it is: Lightning's
-    StochasticWeightAveraging deep-copies the module at the fit's start, and through the callback's
-    bound methods in the module's ``__dict__`` the copy reached the callback and the Trainer and
+    StochasticWeightAveraging deep-copies the module at the fit's start, and through the bound methods
+    in the module's ``__dict__`` the copy reached the callback (the part holds its callables) and the Trainer and
     failed (``TypeError: cannot pickle 'module' object``; a plain fit runs). A copy made during the fit
     holds the same function, which serves the module the callback handles: the copies such callbacks
     make are for their weights and ``forward``."""

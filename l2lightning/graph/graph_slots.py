@@ -36,16 +36,18 @@ def fresh_state(check_share: float) -> dict[str, Any]:
         "_rent_per_step_s": 0.0,
         "_rental_factor": 1,
         "_last_paying_step": None,  # the last optimizer step whose capture the fit's steps left pay for
-        "_live_log_values": set(),  # the logged values its replays re-issue read from Python
         "_warmed_up_again": False,
         "_memo": [],  # the step tracer's memo of host constants, for a re-capture
     }
 
 
 PER_GRAPH = tuple(fresh_state(0.0))
-# The whole-step gate's trial, on the graph it started with: kept by the callback's prefetch part
-# (``owner._prefetch.gate``, l2lightning.callback.prefetch_setup) and parked with the per-graph state above.
+# The per-graph state the callback's parts keep, parked with the callback's own above: the whole-step
+# gate's trial, on the graph it started with (``owner._prefetch.gate``, l2lightning.callback.prefetch_setup),
+# and the logged values the graph's replays re-issue read from Python (``owner._overrides.live_log_values``,
+# l2lightning.callback.step_overrides)
 GATE = "_prefetch.gate"
+LIVE_LOGS = "_overrides.live_log_values"
 
 
 class GraphSlots:
@@ -59,18 +61,25 @@ class GraphSlots:
         self._parked_deferred = 0
 
     def enter(self, owner: Any, role: tuple[bool, bool]) -> None:
-        """Make `role`'s per-graph state the `owner`'s (the callback's) attributes and its gate trial the
-        prefetch part's (`GATE`), parking the current one's."""
+        """Make `role`'s per-graph state the `owner`'s (the callback's) attributes, its gate trial the
+        prefetch part's (`GATE`) and its live logged values the overrides part's (`LIVE_LOGS`), parking
+        the current one's."""
         if role == self.current:
             return
-        prefetch = owner._prefetch
+        prefetch, overrides = owner._prefetch, owner._overrides
         parked = {name: getattr(owner, name) for name in PER_GRAPH}
         parked[GATE] = prefetch.gate
+        parked[LIVE_LOGS] = overrides.live_log_values
         self.parked[self.current] = parked
         self._parked_deferred += owner._check_schedule.deferred
-        state = self.parked.pop(role, None) or {**fresh_state(owner.check_share), GATE: None}
+        state = self.parked.pop(role, None) or {
+            **fresh_state(owner.check_share),
+            GATE: None,
+            LIVE_LOGS: set(),
+        }
         self._parked_deferred -= state["_check_schedule"].deferred
         prefetch.gate = state.pop(GATE)
+        overrides.live_log_values = state.pop(LIVE_LOGS)
         for name, value in state.items():
             setattr(owner, name, value)
         self.current = role

@@ -207,8 +207,8 @@ class ManualStep:
     """The module's ``training_step`` for a manual-optimization fit the callback handles.
 
     Args:
-        callback: the :class:`~l2lightning.callback.graph_callback.L2GraphCallback` (its ``_step``, ``_training_step``,
-            mode and counters).
+        callback: the :class:`~l2lightning.callback.graph_callback.L2GraphCallback` (its ``_step``, its overrides
+            part's ``training_step`` and recorded logs, mode and counters).
     """
 
     def __init__(self, callback: Any) -> None:
@@ -246,7 +246,7 @@ class ManualStep:
             raise CaptureRefused(problem)
         if mode == "capture":
             # stepped by the re-issue of the step's logs that follows the capture, then after each replay
-            cb._capture_logs.append(
+            cb._overrides.capture_logs.append(
                 ReissuedSchedulerStep(cb._fit.module._current_fx_name or "training_step", entry)
             )
             return None
@@ -322,7 +322,7 @@ class ManualStep:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         cb = self.callback
         if cb.disabled_reason or cb._fit.optimizer is None or cb._fit.pending is None:
-            out = cb._training_step(*args, **kwargs)  # eager: the override passes it through
+            out = cb._overrides.training_step(*args, **kwargs)  # eager: the override passes it through
             return None if isinstance(out, dict) and not out else out
         progress = self._progress()
         before = copy.deepcopy(progress.state_dict())
@@ -334,7 +334,7 @@ class ManualStep:
         self._counting = 0
         self._stepped = set()
         scheduled = self.schedulers.counts()
-        out = cb._step(_run, functools.partial(cb._training_step, *args, **kwargs), {})
+        out = cb._step(_run, functools.partial(cb._overrides.training_step, *args, **kwargs), {})
         captured = cb.captures != captures
         if (captured or cb._fit.mode != "replay") and cb._fit.optimizer is not None:
             # the capture step switched the optimizer to make_capturable's configuration: not the step's doing

@@ -574,3 +574,93 @@ def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_cal
     assert fresh._setting == "off"  # the callback's setting as this fit starts
     assert not fresh.failed and not fresh.compile_pending and fresh.static_batch is None
     assert cb.plans == rows and cb.summary()["prefetch_gate"] is None  # the plans are the callback's, kept
+
+
+def test_the_overrides_are_a_part_whose_bound_methods_the_module_gets_for_the_fit(
+    monkeypatch, one_torch_thread
+):
+    """StepOverrides declares in its __init__ what the module's replaced methods record and answer from,
+    reads the fit through the callback's FitState, is given the callback's parts and callables (bound
+    methods: a Trainer that spawns its processes pickles the callback) but never the callback, and is made
+    afresh for each fit. The module's methods for the fit are its bound methods; the graph a replay's
+    closure answers from is handed to it at each replay and dropped at the batch's end."""
+    import inspect
+    import pickle
+
+    from l2lightning.callback.step_overrides import StepOverrides
+    from tests import graph_emulator
+    from tests.replay_helpers import callback
+    from tests.replay_helpers import fit as recorded_fit
+
+    cb = callback()
+    assert not isinstance(cb, StepOverrides) and StepOverrides not in type(cb).__mro__
+    part = cb._overrides
+    assert part._fit is cb._fit and part._fit_report is cb._fit_report
+    assert part._warmup is cb._warmup and part._prefetch is cb._prefetch
+    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
+    assert all(given.__self__ is cb for given in (part._disable, part._stepping, part._manual))
+    old_names = (
+        "_step_output", "_grads_before_step", "_checked_output", "_record_output", "_reissued",
+        "_capture_logs", "_grad_norm_names", "_capture_graph", "_capture_accumulated", "_live_log_values",
+        "_training_step", "_captured_hook", "_backward", "_optimizer_zero_grad",
+        "_configure_gradient_clipping", "_log", "_reissue", "_reissue_call", "_held_gradients",
+        "_stale_gradients_problem", "_pending_batch_idx", "_python_log_sources",
+    )  # fmt: skip
+    for name in old_names:
+        assert not hasattr(cb, name), name
+    owned = {
+        "replayed", "capture_graph", "capture_accumulated", "step_output", "capture_logs", "record_output",
+        "checked_output", "reissued", "live_log_values", "_grads_before_step", "_grad_norm_names",
+    }  # fmt: skip
+    assert owned <= set(vars(part))
+    copied = pickle.loads(pickle.dumps(cb))  # the part and its callables travel with the callback
+    assert copied._overrides._disable.__self__ is copied and copied._overrides._fit is copied._fit
+    graph_emulator.install(monkeypatch.setattr)  # from here the fit captures and replays on the CPU
+
+    def bound_to(installed):
+        """The object whose method an installed function runs (forwarding, presenting_signature_of, a hook)."""
+        free = inspect.getclosurevars(installed).nonlocals
+        if "replacement" in free:  # training_step (its __wrapped__ is the user's, for Lightning to inspect)
+            return free["replacement"].__self__
+        return free["method"].__self__ if "method" in free else free["self"]
+
+    steps, after = [], []
+
+    class Before(Callback):
+        """Before the graph callback: at each batch end, the module's methods and what the part answers from."""
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            pass  # a hook inside the step: the part wraps it for the fit
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            now = cb._overrides
+            installed = [vars(pl_module)[name] for name in cb._installed] + [
+                vars(self)["on_before_optimizer_step"]
+            ]
+            replayed = cb._fit.mode == "replay"
+            steps.append((replayed, now.replayed is cb._graph and now.replayed is not None, now.reissued))
+            assert all(bound_to(fn) is now for fn in installed), [bound_to(fn) for fn in installed]
+
+    class After(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            after.append(cb._overrides.replayed)
+
+    model, _, _ = recorded_fit(TinyMLP, [Before(), cb, After()], steps=8)
+    fitted = cb._overrides
+    assert fitted is not part and fitted._fit is cb._fit and cb.summary()["captured"]
+    assert cb._installed == {} and "backward" not in vars(model)  # put back at the fit's end
+    # every replay (the capture step's own at step 3; step 4 is the sampled check's eager step) answered
+    # from the graph it replayed, re-issuing its hooks' logs; none outlives its batch
+    replays = [replayed for replayed, _, _ in steps]
+    assert replays[:5] == [False, False, False, True, False] and replays.count(True) >= 4, steps
+    hooks = {"training_step", "on_before_optimizer_step"}
+    assert all(graph and reissued == hooks for replayed, graph, reissued in steps if replayed), steps
+    assert after == [None] * 8 and fitted.step_output is None and fitted.capture_logs == []
+    assert not fitted.record_output and fitted.checked_output is None  # the check's eager output, compared
+
+    fitted.live_log_values, fitted.record_output = {"train/lr"}, True
+    cb._reset_run_state()
+    fresh = cb._overrides
+    assert fresh is not fitted and fresh._fit is cb._fit and fresh._fit is not fitted._fit
+    assert fresh._warmup is cb._warmup and fresh._prefetch is cb._prefetch
+    assert fresh.live_log_values == set() and not fresh.record_output and fresh.replayed is None

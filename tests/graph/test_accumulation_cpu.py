@@ -479,6 +479,7 @@ def test_the_put_off_checks_of_every_roles_graph_are_counted():
     for name, value in fresh_state(owner.check_share).items():
         setattr(owner, name, value)
     owner._prefetch = types.SimpleNamespace(gate=None)  # the prefetch part's gate trial, parked too
+    owner._overrides = types.SimpleNamespace(live_log_values=set())  # the overrides part's live logs, too
     owner._check_schedule.deferred = 2
     slots.enter(owner, (False, False))  # the plain role's schedule parked with its 2
     owner._check_schedule.deferred = 3
@@ -505,6 +506,26 @@ def test_the_gate_trial_the_prefetch_part_keeps_moves_with_its_roles_graph():
     slots.enter(cb, (False, True))
     assert cb._prefetch.gate is trial and cb._graph == "the closing step's graph"
     assert not slots.gate_elsewhere()
+
+
+def test_the_live_logged_values_the_overrides_part_keeps_move_with_their_roles_graph():
+    """The logged Python numbers a graph's replays re-evaluate are per graph but the overrides part's
+    (`_overrides.live_log_values`): another role's step finds none of its own; the role gets them back."""
+    from l2lightning import L2GraphCallback
+
+    cb = L2GraphCallback()
+    slots, live = cb._slots, {"train/lr"}
+    assert cb._overrides.live_log_values == set() and not hasattr(cb, "_live_log_values")
+    cb._overrides.live_log_values = live
+    slots.enter(cb, (False, False))  # a window's first micro-batch: its own, fresh state
+    assert cb._overrides.live_log_values == set()
+    cb._overrides.live_log_values.add("train/step")
+    slots.enter(cb, (True, False))
+    assert cb._overrides.live_log_values == set()  # a fresh set, not the first micro-batch's
+    slots.enter(cb, (False, True))
+    assert cb._overrides.live_log_values is live
+    slots.enter(cb, (False, False))
+    assert cb._overrides.live_log_values == {"train/step"}
 
 
 def test_graph_pool_mib_adds_the_pools_of_every_roles_graph():
