@@ -330,6 +330,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         for name, value in fresh_state(self.check_share).items():
             setattr(self, name, value)
         self._slots = GraphSlots()
+        self._reset_decision_state()  # what StepDecision keeps (l2lightning.callback.step_decision)
         # Lightning's closures of accumulating micro-batches, handed to _micro_batch_step (on_train_start)
         self._micro_batches: MicroBatchClosures | None = None
         # captures whose graph steps the optimizer (not an accumulating micro-batch's)
@@ -337,20 +338,16 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         self._captured_roles: set[tuple[bool, bool]] = set()  # the accumulation roles with a graph (summary)
         self._fit_started_at: float | None = None  # perf_counter at the training start: the check's budget
         self._check_on = self.verify == "sampled"
-        self._check_why = ""  # why this step is checked (CheckSchedule.due)
         self._disable_next: str | None = None  # why the next step trains eagerly for the rest of the fit
         self._verify_capture_off = False
         # a check after an operand value's change found the replay differing: later captures bake them in
         self._operands_off = False
-        # the operand sites (their lines) the last capture read from device scalars, and the values
-        # written to them since the fit's start (summary()['operand_scalars'])
+        # the operand sites (their lines) the last capture read from device scalars (summary()['operand_scalars'])
         self._operand_lines: list[str] = []
-        self._operand_changes = 0
         self._undo_cuda_state_watch: Callable[[], None] | None = None
         # the global step from which the optimizer ran make_capturable's configuration (first capture)
         self.capturable_from_step: int | None = None
         self._resumed_switched = False  # switched at train start: a resumed fit that was capturable
-        self._fallback_causes: set[str] = set()
         self._warned: set[str] = set()
         self._installed: dict[str, Any] = {}  # module attribute -> our override
         # (attribute dict, name, held) of the methods whose source the step was read from (StepSource.code_bindings)
@@ -365,7 +362,6 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         self._nan_patched: list[Any] = []
         self._flags: ModuleFlags | None = None  # the module's train()/requires_grad flags, read per replay
         self._step_closure: Any = None  # the closure optimizer.step got, while its step is decided
-        self._pending_tensors: list[torch.Tensor] = []  # the pending batch flattened (by _decide)
         self._in_step = False
         # the wall seconds of the last capture (its tuning and what only a first capture spends apart),
         # and the replay time the eager steps since a change have forgone: a re-capture waits until the
@@ -377,7 +373,6 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         self._collected_for_capture = False
         self._recaptures = 0  # captures after the fit's first (the gate's second capture included)
         self._last_recapture_s: float | None = None  # the wall seconds of the last of them
-        self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
         self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
         self._pool_mib: float | None = None
         self._captured = False

@@ -72,11 +72,23 @@ def last_paying_step(trainer: Any, cost_s: float, saved_per_step_s: float) -> fl
 class StepDecision:
     """What each optimizer step does: replay, capture (again), or run eagerly, and why."""
 
-    # The module-level NumPy arrays, deques and sets the step reads (``loss * WEIGHTS[0]``), as
-    # step_values.frozen snapshots taken as the step is captured, compared before each replay like
-    # python_state.baked_globals' containers (which holds lists, tuples and dicts only). Rebound, never
-    # changed in place, by _too_large_to_compare.
-    _module_values: list[tuple[dict, str, Any]] = []
+    def _reset_decision_state(self) -> None:
+        """The state the decision writes and no other part does, fresh at each fit (``_reset_run_state``
+        calls it). What it keeps per graph (the branch run, the re-capture streak and wait) is in
+        ``graph_slots.fresh_state``, parked with the other per-graph state."""
+        # The module-level NumPy arrays, deques and sets the step reads (``loss * WEIGHTS[0]``), as
+        # step_values.frozen snapshots taken as the step is captured, compared before each replay like
+        # python_state.baked_globals' containers (which holds lists, tuples and dicts only). Rebound, never
+        # changed in place, by _too_large_to_compare.
+        self._module_values: list[tuple[dict, str, Any]] = []
+        # the pending batch flattened, which a replay copies into the static batch; dropped at the step's end
+        self._pending_tensors: list[Any] = []
+        self._check_why = ""  # why this step is checked (CheckSchedule.due; the check's verdict reads it)
+        # the values written to the operand scalars since the fit's start (summary()['operand_scalars'])
+        self._operand_changes = 0
+        self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
+        # why steps ran eagerly (summary()['fallback_causes']; their count is the public `fallback_steps`)
+        self._fallback_causes: set[str] = set()
 
     def _decide(self) -> str:
         """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture", "replay"."""

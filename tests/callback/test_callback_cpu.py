@@ -484,6 +484,32 @@ def test_the_warmup_is_a_part_that_reads_the_fit_state_and_keeps_what_it_learns(
     assert (fresh.traced_steps, fresh.hidden_random, fresh.eager_hooks, fresh.groups) == (0, None, set(), {})
 
 
+def test_the_decisions_own_state_is_declared_by_step_decision_and_fresh_per_fit():
+    """StepDecision declares the state it alone writes in one method (_reset_decision_state, which the
+    callback's _reset_run_state calls: the __init__ of the part it is to become); none of it is a class
+    attribute shared by every callback, and each fit starts it afresh."""
+    from l2lightning.callback.step_decision import StepDecision
+
+    names = {"_module_values", "_pending_tensors", "_check_why", "_operand_changes", "_waited_steps"}
+    names |= {"_fallback_causes"}
+    probe = SimpleNamespace()
+    StepDecision._reset_decision_state(probe)
+    assert set(vars(probe)) == names
+    assert not names & set(vars(StepDecision)) and not names & set(vars(L2GraphCallback))
+    cb = L2GraphCallback()
+    assert names <= set(vars(cb))
+    cb._module_values, cb._pending_tensors, cb._check_why = [({}, "W", 1)], [torch.zeros(1)], "why"
+    cb._operand_changes, cb._waited_steps = 3, 2
+    cb._fallback_causes.add("a cause")
+    cb._reset_run_state()
+    assert (cb._module_values, cb._pending_tensors, cb._check_why) == ([], [], "")
+    assert (cb._operand_changes, cb._waited_steps, cb._fallback_causes) == (0, 0, set())
+    assert L2GraphCallback()._module_values is not cb._module_values  # one list per callback
+    summary = cb.summary()
+    assert summary["recapture_wait_steps"] == 0 and summary["fallback_causes"] == []
+    assert summary["operand_scalars"] == {"sites": [], "changes": 0}
+
+
 def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_callbacks_results():
     """PrefetchSetup declares the prefetch hooks, compile=True's children and the whole-step gate's trial in
     its __init__, reads the fit through the callback's FitState, is given the callback's settings, lists and
