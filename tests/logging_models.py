@@ -43,8 +43,10 @@ class LoggedEverywhere(Callback):
         self.graph_of, self.log_calls = graph_of, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.graph_of is not None and self.graph_of._graph is not None:
-            self.log_calls = self.graph_of._graph.log_calls  # the callback drops its graph at teardown
+        if self.graph_of is not None and self.graph_of._slots.state.graph is not None:
+            self.log_calls = (
+                self.graph_of._slots.state.graph.log_calls
+            )  # the callback drops its graph at teardown
         self.seen.append(
             {
                 "pbar": dict(trainer.progress_bar_metrics),

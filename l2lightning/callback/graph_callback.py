@@ -73,7 +73,7 @@ from l2lightning.graph.amp_step import (
 )
 from l2lightning.graph.attributes import ABSENT, put_back
 from l2lightning.graph.capture import StaticBatch
-from l2lightning.graph.graph_slots import GraphSlots, fresh_state
+from l2lightning.graph.graph_slots import GraphSlots
 from l2lightning.graph.joined_optimizers import (
     CapturableOptimizers,
     intercept_all,
@@ -324,12 +324,10 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         self.fallback_steps = 0
         self.captures = 0
         self.replay_check = ReplayCheckReport(mode=str(self.verify) if self.verify else "off")
-        # What the callback keeps per captured graph (its replays, check schedule, re-capture state, ...):
-        # the attributes of the graph serving the current step; with gradient accumulation, one graph per
-        # role of a micro-batch, the others' parked (l2lightning.graph.graph_slots)
-        for name, value in fresh_state(self.check_share).items():
-            setattr(self, name, value)
-        self._slots = GraphSlots()
+        # What the parts keep per captured graph (its replays, check schedule, re-capture state, ...):
+        # `_slots.state`, that of the graph serving the current step; with gradient accumulation, one graph
+        # per role of a micro-batch, the others' parked (l2lightning.graph.graph_slots)
+        self._slots = GraphSlots(self.check_share)
         self._reset_decision_state()  # what StepDecision keeps (l2lightning.callback.step_decision)
         # Lightning's closures of accumulating micro-batches, handed to _micro_batch_step (on_train_start)
         self._micro_batches: MicroBatchClosures | None = None
@@ -429,6 +427,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
             self._fit_report,
             self._warmup,
             self._prefetch,
+            self._slots,
             disable=self._disable,
             stepping=self._stepping,
             manual=self._is_manual,
@@ -450,7 +449,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
 
     def _keep_graph(self, graph: _Graph) -> None:
         """The whole-step gate's winner is the graph the steps replay; the pools alive are counted anew."""
-        self._graph = graph
+        self._slots.state.graph = graph
         self._pool_mib = self._pools_alive_mib(graph)
 
     # The callables the overrides part is given (bound methods, as above): what it asks of the callback's state
@@ -559,7 +558,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
             self.disabled_reason = reason
             rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.{self._capturable_stretch()}")
         self._fit.mode = "eager"
-        self._graph = None
+        self._slots.state.graph = None
         self._overrides.replayed = None
         self._prefetch.drop_gate()
         self._slots.clear()  # the graphs of the other accumulation roles
@@ -734,7 +733,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         if self._micro_batches is not None:
             self._micro_batches.uninstall()
             self._micro_batches = None
-        self._graph = None
+        self._slots.state.graph = None
         self._prefetch.drop_gate()
         self._slots.clear()
         if self._flags is not None:
@@ -941,25 +940,25 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
 
     def _enter_role(self, closure: Any) -> None:
         """The per-graph state of the graph that serves this step (l2lightning.graph.graph_slots)."""
-        self._slots.enter(self, role_of(self._fit.trainer, closure))
+        self._slots.enter(role_of(self._fit.trainer, closure))
 
     def _scaled_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """The step under a GradScaler (:class:`~l2lightning.graph.amp_step.ScaledStep`'s handler): the
         callback's step, with what the graph holds of the scaler kept in view."""
         self._enter_role(closure)
-        scaled = self._scaled
-        if self._graph is not None and self._recapture_next is None:
+        scaled, role = self._scaled, self._slots.state  # this step's graph's
+        if role.graph is not None and role.recapture_next is None:
             changes = scaled.baked_changes()
             if changes:
-                self._recapture_next = (
+                role.recapture_next = (
                     f"the GradScaler's {', '.join(changes)} since capture (baked into the graph)"
                 )
         captures = self.captures
         result = self._step(run, closure, kwargs)
-        if self.captures != captures and self._graph is not None:
+        if self.captures != captures and role.graph is not None:
             # written by scaler.update, outside the closure the step tracer sees: the sampled replay
             # check saves, puts back and compares them with the rest of what the step writes
-            self._graph.external_writes += scaled.written()
+            role.graph.external_writes += scaled.written()
             scaled.mark_captured()
         return result
 
@@ -1012,7 +1011,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         self._overrides.replayed = None  # its closure is over: the graph is the callback's alone again
         # as soon as a captured graph's first replays are timed; at each epoch's end again
         self._fit_report.log_once_known(
-            trainer, self._logs_timing() and self._graph is not None, self._timing_metrics
+            trainer, self._logs_timing() and self._slots.state.graph is not None, self._timing_metrics
         )
 
     @override
@@ -1027,7 +1026,11 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         if self._in_step:
             return
         self._checks_after(f"a call of `torch.cuda.{name}`")
-        if self._warmup.hidden_random is not None and not self._check_on and self._graph is not None:
+        if (
+            self._warmup.hidden_random is not None
+            and not self._check_on
+            and self._slots.state.graph is not None
+        ):
             # plain Lightning's next nn.LSTM/GRU call re-seeds cuDNN's dropout state after this; a replay
             # never calls it, and without the sampled check no replay is compared: train eagerly
             self._disable_next = (
@@ -1053,5 +1056,5 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
 
     def _checks_after(self, event: str) -> None:
         """The next replay of every graph is checked (an event may have changed what the step reads)."""
-        for schedule in self._slots.schedules(self):
+        for schedule in self._slots.schedules():
             schedule.after(event)

@@ -71,7 +71,8 @@ class PrefetchSetup:
     ) -> None:
         self._fit = fit
         self._fit_report = fit_report  # the kept graph's replay times start afresh after the trial
-        self._slots = slots  # the other accumulation roles' graphs: the trial keeps away from them
+        # the per-graph state (the trial's own) and the other accumulation roles' graphs, which the trial keeps away from
+        self._slots = slots
         # the callback's settings as the fit started (its prefetch: "auto", "default", "off", "decoy" or a
         # PrefetchPlan; with compile=True the hooks are custom-op points in the compiled children)
         self._setting = prefetch
@@ -104,10 +105,10 @@ class PrefetchSetup:
         # per compiled child, the `forward` its instance held before compile=True replaced it, or ABSENT
         self._children_forward: list[Any] = []
         self.compile_pending = False  # compile=True: the next step compiles (and is timed as compile_s)
-        # The whole-step gate's trial (per graph: GraphSlots parks it with its accumulation role's graph;
-        # both graphs and their replay times), whose turn this replay is, whether the capture under way is
-        # the trial's step without prefetch (no scope: the hooks issue nothing), and the verdict (one per fit).
-        self.gate: StepGate | None = None
+        # Of the whole-step gate's trial (its graphs and their replay times are per graph, `_slots.state.gate`:
+        # GraphSlots parks it with its accumulation role's graph): whose turn this replay is, whether the
+        # capture under way is the trial's step without prefetch (no scope: the hooks issue nothing), and the
+        # verdict (one per fit).
         self.gate_turn: str | None = None
         self.gate_capturing = False
         self.gate_result: StepGateResult | None = None
@@ -229,7 +230,7 @@ class PrefetchSetup:
         switch, why = self._prefetch_switch(graph.graph)
         if switch is None:
             rank_zero_debug(f"L2GraphCallback: whole-step gate by a second capture: {why}")
-        self.gate = StepGate(graph, self._gate_pairs, switch=switch)
+        self._slots.state.gate = StepGate(graph, self._gate_pairs, switch=switch)
 
     def _prefetch_switch(self, graph: Any) -> tuple[Any, str]:
         """The switch over `graph`'s prefetch kernel nodes (instantiating it), or None and why."""
@@ -246,7 +247,7 @@ class PrefetchSetup:
 
     def finish_gate(self) -> None:
         """Judge the trial (one wait for its last replay), keep the faster graph, free the other."""
-        gate, self.gate = self.gate, None
+        gate, self._slots.state.gate = self._slots.state.gate, None
         result = gate.decide()
         kept, dropped = gate.winner_and_loser(result)
         gate.settle(result.kept)
@@ -266,10 +267,10 @@ class PrefetchSetup:
     def abandon_gate(self, reason: str) -> None:
         """A trial that cannot finish proves nothing: the fit goes on without prefetch."""
         method = None
-        if self.gate is not None:
-            self.gate.settle("off")
-            method = self.gate.method
-        self.gate = None
+        if self._slots.state.gate is not None:
+            self._slots.state.gate.settle("off")
+            method = self._slots.state.gate.method
+        self._slots.state.gate = None
         self.gate_turn = None
         self.gate_result = StepGateResult("off", None, None, None, reason, method)
         self._reject_prefetch()
@@ -277,14 +278,14 @@ class PrefetchSetup:
     def keep_prefetch_graph(self, reason: str) -> _Graph:
         """The trial's step without prefetch could not be captured (`reason`): the trial ends, and the
         graph with prefetch, returned, is the one the steps replay."""
-        graph = self.gate.graphs["prefetch"]
-        self.gate = None
+        graph = self._slots.state.gate.graphs["prefetch"]
+        self._slots.state.gate = None
         self.gate_result = StepGateResult("prefetch", None, None, None, reason, "second capture")
         return graph
 
     def drop_gate(self) -> None:
         """The fit trains eagerly from here on, or ends: the trial, unjudged, goes with its graphs."""
-        self.gate = None
+        self._slots.state.gate = None
         self.gate_turn = None
 
     def _reject_prefetch(self) -> None:

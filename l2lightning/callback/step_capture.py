@@ -179,7 +179,7 @@ class StepCapture:
         if eager_record is None:
             return
         module = self._fit.module
-        loss = loss_of(self._graph.output, "training_step")
+        loss = loss_of(self._slots.state.graph.output, "training_step")
         graph_record = StepRecord(None, loss.detach().clone(), gradients(module), parameters(module))
         report = compare_steps(graph_record, eager_record, "captured step vs eager step")
         self.verify_report = report
@@ -192,7 +192,7 @@ class StepCapture:
     def _operand_scalars(self, gate_capture: bool, batch_idx: int) -> OperandScalars | None:
         """The device scalars this capture hands the step's operand sites (l2lightning.graph.operand_scalars):
         the gate's second capture shares its first's, which the replays of both read."""
-        gate = self._prefetch.gate
+        gate = self._slots.state.gate
         if gate_capture and gate is not None:
             return gate.graphs["prefetch"].operands
         sites = self._fit.source.operand_sites if self._fit.source is not None else []
@@ -243,7 +243,7 @@ class StepCapture:
 
     def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         gate_capture = self._prefetch.gate_capturing  # set by _decide; the prefetch scope reads it too
-        if self._prefetch.gate is not None and not gate_capture:
+        if self._slots.state.gate is not None and not gate_capture:
             self._prefetch.abandon_gate(
                 "the step was captured again (see the warning) before the gate's trial finished"
             )
@@ -259,6 +259,7 @@ class StepCapture:
         self, run: Callable[..., Any], closure: Any, kwargs: dict, gate_capture: bool
     ) -> Any:
         """Capture the step (`gate_capture`: the gate's second capture, without prefetch), then replay it once."""
+        role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
         # the check kernels compiling in the background load their module when done, which a CUDA graph
         # capture in progress (the prefetch tuner's or the step's, global capture mode) would not survive
         check_kernels.wait_prepared()
@@ -284,17 +285,17 @@ class StepCapture:
             except ValueError as exc:
                 self._disable(str(exc))
                 return run(closure, **kwargs)
-        elif self._graph is not None and self._graph.constants is not None:
-            constants = self._graph.constants  # a re-capture: the same host constants, checked again
+        elif role.graph is not None and role.graph.constants is not None:
+            constants = role.graph.constants  # a re-capture: the same host constants, checked again
         else:
             constants = HostConstants([], self._device())
         constants.used = 0
         metrics = dict(named_metrics(module))
         bound = {name: metrics[name] for name in sorted(group.metrics if group else ()) if name in metrics}
-        if self._graph is not None and self._graph.binding is not None:
-            self._graph.binding.bring_home()
-            bound.update(self._graph.binding.metrics)
-        self._graph = None  # a re-capture replaces the graph; a failed one leaves none
+        if role.graph is not None and role.graph.binding is not None:
+            role.graph.binding.bring_home()
+            bound.update(role.graph.binding.metrics)
+        role.graph = None  # a re-capture replaces the graph; a failed one leaves none
         binding = MetricBinding(bound) if bound else None
         try:
             static = StaticBatch(batch, self._batch_reads)
@@ -354,8 +355,8 @@ class StepCapture:
         graph = _Graph(new_cuda_graph(keep_graph=keep), static, key, binding=binding, constants=constants)
         overrides.capture_logs = []
         overrides.step_output = None
-        memo = group.traces[-1].memo if group is not None and group.traces else self._memo
-        self._memo = memo
+        memo = group.traces[-1].memo if group is not None and group.traces else role.memo
+        role.memo = memo
         tracer = StepTracer(device_type, constants, memo, capture_stream=self._step_stream)
         self._fit.mode = "capture"
         overrides.capture_graph = graph
@@ -437,7 +438,7 @@ class StepCapture:
             _put_back_schedulers(schedulers)
             self._fit.mode = "eager"
             if gate_capture:
-                self._graph = self._prefetch.gate.graphs["prefetch"]  # the gate captures at a later step
+                role.graph = role.gate.graphs["prefetch"]  # the gate captures at a later step
             elif switching:  # nothing captured yet: this step, too, runs the user's configuration
                 wrapped.switch_off()
                 if self.capturable_from_step == int(self._fit.trainer.global_step):
@@ -462,9 +463,9 @@ class StepCapture:
             # rather than train the rest of the fit eagerly
             warm_up_again = (
                 isinstance(exc, _PythonChangedInCapture)
-                and self._captures_here > 0
+                and role.captures_here > 0
                 and not gate_capture
-                and not self._warmed_up_again
+                and not role.warmed_up_again
             )
         else:
             failed = None
@@ -474,7 +475,7 @@ class StepCapture:
                 accumulated.put_back()  # the eager step below adds to them
             if gate_capture:
                 # the step with prefetch was captured; only the comparison failed: keep that graph
-                self._graph = self._prefetch.keep_prefetch_graph(
+                role.graph = self._prefetch.keep_prefetch_graph(
                     f"the step without prefetch could not be captured: {failed}"
                 )
                 free_cached_memory()
@@ -483,7 +484,7 @@ class StepCapture:
                 self._disable(f"the step could not be captured: out of memory ({memory_state()}; {failed})")
             elif warm_up_again:
                 # no graph now: the steps from the next one are warm-up steps again, traced, then captured
-                self._warmed_up_again = True
+                role.warmed_up_again = True
                 self._warn_once(
                     "warm-up-again",
                     f"{failed}; this step runs eagerly and the next ones warm up again (a step at new shapes may "
@@ -555,23 +556,23 @@ class StepCapture:
             # what the graph's optimizer step bakes in and updates (an accumulating micro-batch's: nothing)
             wrapped.mark_captured()
             self._stepping_captures += 1
-        self._graph = graph
+        role.graph = graph
         self.captures += 1
-        self._captures_here += 1
+        role.captures_here += 1
         self._captured_roles.add(key[0][1].role)
-        self._warmed_up_again = False  # a later capture may warm up again once itself
+        role.warmed_up_again = False  # a later capture may warm up again once itself
         if gate_capture:
-            self._prefetch.gate.graphs["off"] = graph
+            role.gate.graphs["off"] = graph
         else:
             self.capture_step = int(self._fit.trainer.global_step)
-            self._check_schedule.captured()  # the sampled check counts this capture's replays from 1
-            self._replays_since_capture = 0  # what the re-capture wait weighs against its cost
+            role.check_schedule.captured()  # the sampled check counts this capture's replays from 1
+            role.replays_since_capture = 0  # what the re-capture wait weighs against its cost
             self._prefetch.start_gate(graph)
         self._captured = True
         # the traces and their host copies are not needed any more: this role's (another accumulation
         # role's warm-up goes on)
-        role = key[0][1].role
-        self._warmup.groups = {k: g for k, g in self._warmup.groups.items() if k[0][1].role != role}
+        captured_role = key[0][1].role
+        self._warmup.groups = {k: g for k, g in self._warmup.groups.items() if k[0][1].role != captured_role}
         # The capture recorded but did not run the step: this replay is the step's real update. Then
         # the closure again, in replay mode, so Lightning keeps fresh outputs and the logs are issued.
         graph.graph.replay()
@@ -583,7 +584,7 @@ class StepCapture:
             carried.fresh_out()
         if binding is not None:
             binding.fresh_forward_caches()
-        overrides.live_log_values, frozen_log = overrides.python_log_sources(graph.log_calls)
+        role.live_log_values, frozen_log = overrides.python_log_sources(graph.log_calls)
         self._fit.mode = "replay"
         overrides.replayed = graph
         overrides.reissued = set()
@@ -703,7 +704,7 @@ class StepCapture:
         whole-step gate's other graph while its trial runs, and under gradient accumulation the other
         roles' (l2lightning.graph.graph_slots); None where none was measured (off CUDA). The graph `graph`
         replaces is gone by then."""
-        gate = self._prefetch.gate
+        gate = self._slots.state.gate
         gate_graphs = gate.graphs.values() if gate is not None else ()
         alive = {id(g): g for g in (graph, *gate_graphs, *self._slots.parked_graphs()) if g is not None}
         sizes = [g.pool_mib for g in alive.values() if g.pool_mib is not None]

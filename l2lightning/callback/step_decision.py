@@ -75,7 +75,7 @@ class StepDecision:
     def _reset_decision_state(self) -> None:
         """The state the decision writes and no other part does, fresh at each fit (``_reset_run_state``
         calls it). What it keeps per graph (the branch run, the re-capture streak and wait) is in
-        ``graph_slots.fresh_state``, parked with the other per-graph state."""
+        ``graph_slots.RoleState``, parked with the other per-graph state."""
         # The module-level NumPy arrays, deques and sets the step reads (``loss * WEIGHTS[0]``), as
         # step_values.frozen snapshots taken as the step is captured, compared before each replay like
         # python_state.baked_globals' containers (which holds lists, tuples and dicts only). Rebound, never
@@ -92,6 +92,7 @@ class StepDecision:
 
     def _decide(self) -> str:
         """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture", "replay"."""
+        role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
         if self.disabled_reason or self._fit.pending is None or self._fit.optimizer is None:
             return "eager"
         if self._disable_next is not None:
@@ -123,7 +124,7 @@ class StepDecision:
         self._pending_tensors = tensors  # a replay copies them into the static batch
         key = ((self._fit.source.branch_key(module, batch_idx), accumulation), signature)
         self._fit.pending_key = key
-        graph = self._graph
+        graph = role.graph
         if graph is None:
             decision = self._warmup.decision(key)
             if decision == "capture" and self._slots.gate_elsewhere():
@@ -140,12 +141,12 @@ class StepDecision:
             # A branch that stays switched (clipping on from step 10, an auxiliary loss from epoch 1)
             # gets a graph of its own after a few steps; a periodic one (a target sync every N
             # steps) keeps running eagerly on its steps.
-            run = self._other_branch[1] + 1 if self._other_branch[0] == key[0] else 1
-            self._other_branch = (key[0], run)
+            run = role.other_branch[1] + 1 if role.other_branch[0] == key[0] else 1
+            role.other_branch = (key[0], run)
             if key[0][1] != graph.key[0][1]:
                 # an epoch's shorter last window, or a GradientAccumulationScheduler's new factor
                 if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
-                    self._other_branch = (None, 0)
+                    role.other_branch = (None, 0)
                     return self._recapture(
                         f"gradient accumulation changed and stayed changed ({key[0][1].describe()})"
                     )
@@ -155,11 +156,11 @@ class StepDecision:
                 )
                 return "eager"
             if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
-                self._other_branch = (None, 0)
+                role.other_branch = (None, 0)
                 return self._recapture("the step's branch changed and stayed changed")
             self._fall_back("the step takes another branch on the step counters than the captured one")
             return "eager"
-        self._other_branch = (None, 0)
+        role.other_branch = (None, 0)
         if key[1] != graph.static.signature:
             self._fall_back(f"batch {batch_idx}: {graph.static.mismatch(batch)}")
             return "eager"
@@ -168,23 +169,23 @@ class StepDecision:
             if problem:
                 self._fall_back(f"the carried state {problem}")
                 return "eager"
-        if self._recapture_next:
+        if role.recapture_next:
             # before the rest of the checks: a waiting step (StepDecision._capture_not_paid_for) runs
             # eagerly whatever they find, and the capture that ends the wait reads everything anew
-            cause, self._recapture_next = self._recapture_next, None
+            cause, role.recapture_next = role.recapture_next, None
             return self._recapture(cause)
         flags = self._module_flags()
         # an accumulating micro-batch's graph neither reads nor writes the optimizer's state
         replaced = self._fit.optimizer.state_replaced() if accumulation.closes else None
         if replaced:
             # the graph updates the old state tensors: this step makes the new state eagerly
-            self._recapture_next = f"{replaced} since capture"
+            role.recapture_next = f"{replaced} since capture"
             self._fall_back(f"{replaced} since capture (captured again next step)")
             return "eager"
         if flags != graph.flags:
             if flags[1] != graph.flags[1]:
                 # new trainable parameters need their optimizer state made eagerly, outside a graph
-                self._recapture_next = "parameters' `requires_grad` changed since capture"
+                role.recapture_next = "parameters' `requires_grad` changed since capture"
                 self._fall_back(
                     "parameters' `requires_grad` changed since capture (captured again next step)"
                 )
@@ -291,13 +292,13 @@ class StepDecision:
             if written:
                 self._operand_changes += 1
                 fresh = graph.operands.changes <= OPERAND_CHECKS
-        self._recapture_streak = 0
-        self._replays_since_capture += 1
+        role.recapture_streak = 0
+        role.replays_since_capture += 1
         if self._check_on:
             started = self._fit_started_at
             elapsed = time.perf_counter() - started if started is not None else float("inf")
-            why = self._check_schedule.due(self.replay_check.seconds, elapsed)
-            self.replay_check.deferred = self._slots.deferred(self)
+            why = role.check_schedule.due(self.replay_check.seconds, elapsed)
+            self.replay_check.deferred = self._slots.deferred()
             if fresh:
                 # the eager step from the same state judges the new value (one check for it and any
                 # check the schedule had due: its count of replays moves on as at any replay)
@@ -305,7 +306,7 @@ class StepDecision:
             if why is not None:
                 self._check_why = why
                 return "check"  # a gate trial under way takes its next turn at the next replay
-        gate = self._prefetch.gate
+        gate = role.gate
         if gate is not None:
             prefetch = self._prefetch
             if gate.needs_off_graph:
@@ -316,18 +317,19 @@ class StepDecision:
             else:
                 prefetch.gate_turn = gate.next_variant()
                 try:
-                    self._graph = gate.graph_for(prefetch.gate_turn)
+                    role.graph = gate.graph_for(prefetch.gate_turn)
                 except RuntimeError as exc:  # the driver refused to switch a prefetch node
-                    self._graph = gate.graphs["prefetch"]
+                    role.graph = gate.graphs["prefetch"]
                     prefetch.abandon_gate(f"the prefetch kernel nodes could not be switched ({exc})")
         return "replay"
 
     def _recapture(self, cause: str) -> str:
+        role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
         too_late = self._too_late_to_capture()  # asked first: the wait's bookkeeping below moves on
         if self._capture_not_paid_for(cause):
             # The graph is stale and stays unused (the cause is kept, so it never replays again):
             # these steps run eagerly, as a plain step does, until they have cost what a capture costs.
-            self._recapture_next = cause
+            role.recapture_next = cause
             self._waited_steps += 1
             self._count_fallback(TOO_LATE_CAUSE if too_late else WAIT_CAUSE)
             return "eager"
@@ -335,11 +337,11 @@ class StepDecision:
         if problem:  # a value the step reads grew past what a comparison before each replay holds
             self._disable(problem)
             return "eager"
-        self._recapture_streak += 1
-        if self._recapture_streak >= RECAPTURE_STREAK_LIMIT:
+        role.recapture_streak += 1
+        if role.recapture_streak >= RECAPTURE_STREAK_LIMIT:
             per_step = cause.startswith("numbers the step computes from the step counters")
             self._disable(
-                f"{cause}, on {self._recapture_streak} steps in a row: every step would need a new capture"
+                f"{cause}, on {role.recapture_streak} steps in a row: every step would need a new capture"
                 + (f"; {PER_STEP_NUMBER_ADVICE}" if per_step else "")
             )
             return "eager"
@@ -366,19 +368,20 @@ class StepDecision:
         ``rebound_loss_weight`` idioms, captured again at steps 59 and 55 of 60: 0.86x and 0.94x on an
         H100, ``benchmarks/results/h100/idioms.csv``).
         """
-        if not self.recapture_wait or self._captures_here == 0:
+        role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
+        if not self.recapture_wait or role.captures_here == 0:
             return False
-        if self._rented_s > 0.0:
+        if role.rented_s > 0.0:
             # A step of a wait under way: its saving per step was fixed at the wait's start (the
             # step times it reads do not change while no graph replays), so a waiting step does
             # no more than a plain step's bookkeeping (benchmarks/recapture_phases.py).
-            if self._rented_s >= self._rent_target_s:
+            if role.rented_s >= role.rent_target_s:
                 if self._too_late_to_capture():
                     self._warn_too_late_to_capture()
                     return True  # the rest of the fit runs eagerly: no capture it could pay back
-                self._rented_s = 0.0
+                role.rented_s = 0.0
                 return False
-            self._rented_s += self._rent_per_step_s
+            role.rented_s += role.rent_per_step_s
             return True
         if self._device_type() not in self._RENTAL_DEVICES:
             return False
@@ -391,16 +394,16 @@ class StepDecision:
             return False  # no graph has shown a gain here: capturing at once changes nothing to the cost
         # the start of a wait: did the stale graph pay for its capture? Each one that did not
         # doubles the next wait, so captures that do not pay grow rarer and rarer
-        paid = self._replays_since_capture * saved_per_step >= cost
-        self._rental_factor = 1 if paid else self._rental_factor * 2
-        target = cost * self._rental_factor
+        paid = role.replays_since_capture * saved_per_step >= cost
+        role.rental_factor = 1 if paid else role.rental_factor * 2
+        target = cost * role.rental_factor
         if target <= 0.0:
             return False
-        self._rent_target_s, self._rent_per_step_s = target, saved_per_step
-        self._rented_s = saved_per_step
+        role.rent_target_s, role.rent_per_step_s = target, saved_per_step
+        role.rented_s = saved_per_step
         # Under manual optimization Lightning's estimate counts batches where global_step counts each
         # optimizer step (two a batch for a GAN): no common unit, so no bound there
-        self._last_paying_step = (
+        role.last_paying_step = (
             last_paying_step(self._fit.trainer, cost, saved_per_step) if self._manual is None else math.inf
         )
         if "recapture-wait" in self._warned:
@@ -417,18 +420,20 @@ class StepDecision:
 
     def _too_late_to_capture(self) -> bool:
         """Whether a wait under way is over and the fit's steps left are too few to pay for the capture."""
+        role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
         return (
-            self._rented_s > 0.0
-            and self._rented_s >= self._rent_target_s
-            and self._fit.trainer.global_step > self._last_paying_step
+            role.rented_s > 0.0
+            and role.rented_s >= role.rent_target_s
+            and self._fit.trainer.global_step > role.last_paying_step
         )
 
     def _warn_too_late_to_capture(self) -> None:
+        role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
         self._warn_once(
             "recapture-too-late",
-            f"not capturing the step again: the fit's optimizer steps after step {self._last_paying_step} "
+            f"not capturing the step again: the fit's optimizer steps after step {role.last_paying_step} "
             f"are too few to pay for a capture ({self._last_capture_cost_s:.3f} s at "
-            f"{self._rent_per_step_s * 1000:.2f} ms saved per step, by `trainer.estimated_stepping_batches`); "
+            f"{role.rent_per_step_s * 1000:.2f} ms saved per step, by `trainer.estimated_stepping_batches`); "
             "the rest of the fit runs eagerly, as plain Lightning's does",
         )
 

@@ -41,7 +41,7 @@ class StepDispatch:
             mode = self._decide()
         finally:
             self._step_closure = None
-        if mode == "replay" and self._graph.appends:
+        if mode == "replay" and self._slots.state.graph.appends:
             mode = self._appends_redoable()
         self._in_step = True
         try:
@@ -76,7 +76,9 @@ class StepDispatch:
             return self._warmup.timed_step(run, closure, kwargs)
         if mode == "capture":
             started, tuned = time.perf_counter(), self._cost_s["tuning_s"]
-            again = self._captures_here > 0  # a capture after this graph's first: what a re-capture costs
+            again = (
+                self._slots.state.captures_here > 0
+            )  # a capture after this graph's first: what a re-capture costs
             self._capture_once_s = 0.0
             try:
                 return self._capture_step(run, closure, kwargs)
@@ -170,10 +172,11 @@ class StepDispatch:
         ``self.outputs.clear()`` on a ``defaultdict(list)``). What the step would append to then only
         its own code knows (the dict's factory, a ``setdefault``), so this one step runs it; the next
         replays append to what it made."""
-        gone = [where.label for where, _ in self._graph.appends if where.current() is None]
+        role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
+        gone = [where.label for where, _ in role.graph.appends if where.current() is None]
         if not gone:
             return "replay"
-        self._replays_since_capture -= 1  # _decide counted this step as a replay
+        role.replays_since_capture -= 1  # _decide counted this step as a replay
         self._prefetch.gate_turn = None  # the gate's turn goes to the next replay
         self._fall_back(
             f"the step appends to {', '.join(gone)}, gone since the last step (an entry cleared from its dict, "
@@ -182,7 +185,8 @@ class StepDispatch:
         return "eager"
 
     def _replay_step(self, closure: Any) -> Any:
-        graph = self._graph
+        role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
+        graph = role.graph
         timing = self._fit_report.timing
         prefetch = self._prefetch  # the whole-step gate's turn, while its trial runs
         events = self._launch_replay(graph, prefetch.gate_turn is not None or timing.times_replay())
@@ -195,7 +199,7 @@ class StepDispatch:
         if events is not None:
             timing.graph.append(events)
             if prefetch.gate_turn is not None:
-                prefetch.gate.record(prefetch.gate_turn, *events)
+                role.gate.record(prefetch.gate_turn, *events)
                 prefetch.gate_turn = None
         timing.graph_count += 1
         if graph.binding is not None:
@@ -234,7 +238,7 @@ class StepDispatch:
 
     def _checked_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """A replay compared bit for bit with the eager step from the same state; the eager step stands."""
-        report, graph = self.replay_check, self._graph
+        report, graph = self.replay_check, self._slots.state.graph
         clock = PhaseClock(self._device_type() == "cuda")  # from when the steps queued before it are done
         started = clock.started
         if graph.binding is not None:
@@ -312,7 +316,7 @@ class StepDispatch:
         report.add_phases(clock.laps)
         spent = time.perf_counter() - started
         report.seconds += spent
-        self._check_schedule.last_cost_s = spent
+        self._slots.state.check_schedule.last_cost_s = spent
         return result
 
     def _check_skipped_for_memory(self) -> None:
@@ -430,4 +434,6 @@ class StepDispatch:
             "check-mismatch",
             f"{cause}. The eager step's result was kept; the step is captured again at the next step.",
         )
-        self._recapture_next = "a sampled replay check found the replay differing from the eager step"
+        self._slots.state.recapture_next = (
+            "a sampled replay check found the replay differing from the eager step"
+        )

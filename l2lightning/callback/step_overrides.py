@@ -25,6 +25,7 @@ import torch
 
 from l2lightning.callback.fit_report import FitReport
 from l2lightning.callback.fit_state import FitState
+from l2lightning.graph.graph_slots import GraphSlots
 from l2lightning.graph.scheduler_steps import ReissuedSchedulerStep
 from l2lightning.guards.grad_norm_reads import GradNormNames, batched_grad_norm_in
 from l2lightning.guards.log_replay import ReissuedLog
@@ -45,6 +46,7 @@ class StepOverrides:
         fit_report: FitReport,
         warmup: WarmupSteps,
         prefetch: PrefetchSetup,
+        slots: GraphSlots,
         *,
         disable: Callable[[str], None],
         stepping: Callable[[], bool],
@@ -56,6 +58,9 @@ class StepOverrides:
         self._warmup = warmup
         # the prefetch part: the scope of the captured forward, the hooks whose backward join it leaves
         self._prefetch = prefetch
+        # the per-graph state of the graph serving the step (l2lightning.graph.graph_slots): which logged
+        # values its replays re-evaluate
+        self._slots = slots
         self._disable = disable  # refuse the fit: the rest of it trains eagerly, saying why
         # whether one of the callback's steps is under way (StepDispatch._step; a closure run outside
         # `optimizer.step` is none), and whether the fit's step is a manual one (l2lightning.graph.manual_step):
@@ -82,9 +87,6 @@ class StepOverrides:
         self.record_output = False
         self.checked_output: Any = None
         self.reissued: set[str] = set()  # the hooks whose log calls this replay re-issued (reset per replay)
-        # the logged Python numbers the current graph's replays re-evaluate (python_log_sources, at its
-        # capture): per graph, GraphSlots parks it with its accumulation role's graph
-        self.live_log_values: set[str] = set()
         # a traced step's gradient tensors as it starts (weak references), by parameter: its backward must
         # not add to them
         self._grads_before_step: dict[int, Any] = {}
@@ -302,7 +304,7 @@ class StepOverrides:
         if (
             isinstance(value, (int, float))
             and not isinstance(value, bool)
-            and call.name in self.live_log_values
+            and call.name in self._slots.state.live_log_values
         ):
             value = self._fit.source.log_value(call.name, self._fit.module, self._pending_batch_idx())
         call.issue(self._fit.module, self._fit.originals["log"], value, results)

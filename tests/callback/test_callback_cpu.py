@@ -270,7 +270,7 @@ def _logging_state(replays: int, last_done: bool = True, rank_zero: bool = True)
     """A callback as it stands after a capture with `replays` timed replays, and a Trainer stand-in."""
     cb = L2GraphCallback()
     cb._fit.module = TinyMLP()
-    cb._graph = object()
+    cb._slots.state.graph = object()
     cb._captured = True
     cb.capture_step = 3
     cb._pool_mib = 12.5
@@ -362,7 +362,7 @@ def test_l2_metrics_are_not_logged_early_off_rank_zero_without_opt_in_or_graph(c
     if case == "log_timing off":
         cb.log_timing = False
     if case == "no graph":
-        cb._graph = None
+        cb._slots.state.graph = None
     _batch_end(cb, trainer)
     assert logger.rows == []
 
@@ -533,7 +533,8 @@ def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_cal
     for name in old_names:
         assert not hasattr(cb, name), name
     owned = {"hooks", "tuning_report", "failed", "static_batch", "_children_forward", "compile_pending"}
-    assert owned | {"gate", "gate_turn", "gate_capturing", "gate_result"} <= set(vars(part))
+    assert owned | {"gate_turn", "gate_capturing", "gate_result"} <= set(vars(part))
+    assert "gate" not in vars(part) and cb._slots.state.gate is None  # the trial is per graph: the role's
 
     class Hooks:  # what the part uses of PrefetchHooks
         enabled, via, removed = True, "hooks", False
@@ -567,9 +568,11 @@ def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_cal
         def settle(self, variant):
             pass
 
-    part.gate, part.gate_turn = Trial(), "off"
+    cb._slots.state.gate, part.gate_turn = Trial(), "off"
     part.finish_gate()
-    assert cb._graph is kept and kept.bound and cb._pool_mib == 3.0 and part.gate is None
+    assert (
+        cb._slots.state.graph is kept and kept.bound and cb._pool_mib == 3.0 and cb._slots.state.gate is None
+    )
     assert cb.summary()["prefetch_gate"]["reason"] == "faster with prefetch" and cb.plans == rows
     # a trial abandoned: prefetch off for the fit, the callback's plans emptied through the part
     part.gate_result = None
@@ -596,7 +599,7 @@ def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_cal
     fresh = cb._prefetch
     assert fresh is not part and fresh._fit is cb._fit and fresh._fit is not part._fit
     assert fresh._compiled_children is cb._compiled_children is cb._warmup._compiled_children
-    assert fresh.hooks is None and fresh.gate is None and fresh.gate_result is None
+    assert fresh.hooks is None and cb._slots.state.gate is None and fresh.gate_result is None
     assert fresh._setting == "off"  # the callback's setting as this fit starts
     assert not fresh.failed and not fresh.compile_pending and fresh.static_batch is None
     assert cb.plans == rows and cb.summary()["prefetch_gate"] is None  # the plans are the callback's, kept
@@ -636,9 +639,10 @@ def test_the_overrides_are_a_part_whose_bound_methods_the_module_gets_for_the_fi
         assert not hasattr(cb, name), name
     owned = {
         "replayed", "capture_graph", "capture_accumulated", "step_output", "capture_logs", "record_output",
-        "checked_output", "reissued", "live_log_values", "_grads_before_step", "_grad_norm_names",
+        "checked_output", "reissued", "_grads_before_step", "_grad_norm_names",
     }  # fmt: skip
-    assert owned <= set(vars(part))
+    assert owned <= set(vars(part)) and part._slots is cb._slots
+    assert "live_log_values" not in vars(part)  # per graph: the role's (l2lightning.graph.graph_slots)
     copied = pickle.loads(pickle.dumps(cb))  # the part and its callables travel with the callback
     assert copied._overrides._disable.__self__ is copied and copied._overrides._fit is copied._fit
     graph_emulator.install(monkeypatch.setattr)  # from here the fit captures and replays on the CPU
@@ -664,7 +668,9 @@ def test_the_overrides_are_a_part_whose_bound_methods_the_module_gets_for_the_fi
                 vars(self)["on_before_optimizer_step"]
             ]
             replayed = cb._fit.mode == "replay"
-            steps.append((replayed, now.replayed is cb._graph and now.replayed is not None, now.reissued))
+            steps.append(
+                (replayed, now.replayed is cb._slots.state.graph and now.replayed is not None, now.reissued)
+            )
             assert all(bound_to(fn) is now for fn in installed), [bound_to(fn) for fn in installed]
 
     class After(Callback):
@@ -684,9 +690,10 @@ def test_the_overrides_are_a_part_whose_bound_methods_the_module_gets_for_the_fi
     assert after == [None] * 8 and fitted.step_output is None and fitted.capture_logs == []
     assert not fitted.record_output and fitted.checked_output is None  # the check's eager output, compared
 
-    fitted.live_log_values, fitted.record_output = {"train/lr"}, True
+    cb._slots.state.live_log_values, fitted.record_output = {"train/lr"}, True
     cb._reset_run_state()
     fresh = cb._overrides
     assert fresh is not fitted and fresh._fit is cb._fit and fresh._fit is not fitted._fit
     assert fresh._warmup is cb._warmup and fresh._prefetch is cb._prefetch
-    assert fresh.live_log_values == set() and not fresh.record_output and fresh.replayed is None
+    assert cb._slots.state.live_log_values == set() and not fresh.record_output and fresh.replayed is None
+    assert fresh._slots is cb._slots

@@ -91,7 +91,9 @@ def test_a_faster_prefetched_step_keeps_its_plans_and_trains_like_the_baseline(m
     gate = s["prefetch_gate"]
     assert gate["kept"] == "prefetch" and gate["pairs"] == 8 and gate["gain"] > 0.05, gate
     assert len(hooks) == 1 and hooks[0].scoped_captures == 1  # the gate's capture ran without the scope
-    assert hooks[0].removed_at == 40 and s["plans"] and cb._graph is None  # only teardown removed them
+    assert (
+        hooks[0].removed_at == 40 and s["plans"] and cb._slots.state.graph is None
+    )  # only teardown removed them
     assert_same(base, run)
 
 
@@ -102,7 +104,7 @@ def test_a_slower_prefetched_step_is_dropped_for_the_rest_of_the_fit(monkeypatch
     original = L2GraphCallback._replay_step
 
     def replay(self, closure):
-        seen.append(self._graph)
+        seen.append(self._slots.state.graph)
         return original(self, closure)
 
     monkeypatch.setattr(L2GraphCallback, "_replay_step", replay)
@@ -190,7 +192,13 @@ def switched(monkeypatch, prefetch_ms, off_ms, **kwargs):
     original = L2GraphCallback._replay_step
 
     def replay(self, closure):
-        states.append((self._prefetch.gate_turn, switches[-1].enabled if switches else None, id(self._graph)))
+        states.append(
+            (
+                self._prefetch.gate_turn,
+                switches[-1].enabled if switches else None,
+                id(self._slots.state.graph),
+            )
+        )
         return original(self, closure)
 
     monkeypatch.setattr(L2GraphCallback, "_replay_step", replay)

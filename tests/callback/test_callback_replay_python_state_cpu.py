@@ -585,7 +585,7 @@ def test_a_host_tensor_the_graph_read_changed_in_place_captures_the_step_again()
 
     class NotesAndAnneals(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            graph = cb._graph
+            graph = cb._slots.state.graph
             if graph is not None and not graph.host_reads:
                 graph.host_reads.append(HostRead(temperature, temperature.clone(), ("model.py", 7)))
 

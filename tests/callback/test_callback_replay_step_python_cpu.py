@@ -905,7 +905,10 @@ def test_timing_is_a_bounded_window_and_teardown_drops_references(monkeypatch):
     model, _, trainer = fit(TinyMLP, [cb], steps=TIMING_WINDOW + 40)
     assert len(cb._fit_report.timing.graph) == TIMING_WINDOW
     assert (
-        cb._fit.module is None and cb._graph is None and cb._fit.optimizer is None and cb._fit.trainer is None
+        cb._fit.module is None
+        and cb._slots.state.graph is None
+        and cb._fit.optimizer is None
+        and cb._fit.trainer is None
     )
     assert not {"training_step", "log"} & set(vars(model))
     assert "step" not in vars(trainer.optimizers[0])

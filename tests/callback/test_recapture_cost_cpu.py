@@ -182,7 +182,7 @@ def test_the_wait_after_a_first_capture_with_a_slow_collection_does_not_weigh_it
     run = fit(EpochWeight, [cb], **EPOCHS)
     summary = cb.summary()
     assert summary["recapture_wait_steps"] > 0, summary
-    assert 0 < cb._rent_target_s < 0.5, (cb._rent_target_s, summary)
+    assert 0 < cb._slots.state.rent_target_s < 0.5, (cb._slots.state.rent_target_s, summary)
     assert summary["capture_s"] >= 0.5, summary
     assert_same(base, run)
 

@@ -8,8 +8,6 @@ logged values, the parameters and the optimizer's state, Lightning's loop progre
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -470,62 +468,72 @@ def test_the_accumulation_sweep_judges_an_idiom(tmp_path):
 def test_the_put_off_checks_of_every_roles_graph_are_counted():
     from l2lightning.graph.graph_slots import GraphSlots
 
-    class Owner:
-        check_share = 0.02
-
-    owner, slots = Owner(), GraphSlots()
-    from l2lightning.graph.graph_slots import fresh_state
-
-    for name, value in fresh_state(owner.check_share).items():
-        setattr(owner, name, value)
-    owner._prefetch = types.SimpleNamespace(gate=None)  # the prefetch part's gate trial, parked too
-    owner._overrides = types.SimpleNamespace(live_log_values=set())  # the overrides part's live logs, too
-    owner._check_schedule.deferred = 2
-    slots.enter(owner, (False, False))  # the plain role's schedule parked with its 2
-    owner._check_schedule.deferred = 3
-    slots.enter(owner, (True, False))
-    owner._check_schedule.deferred = 1
-    assert slots.deferred(owner) == 6
-    slots.enter(owner, (False, True))  # back to the first: its own 2 current, the others' 4 parked
-    assert owner._check_schedule.deferred == 2 and slots.deferred(owner) == 6
+    slots = GraphSlots(0.02)
+    slots.state.check_schedule.deferred = 2
+    slots.enter((False, False))  # the plain role's schedule parked with its 2
+    slots.state.check_schedule.deferred = 3
+    slots.enter((True, False))
+    slots.state.check_schedule.deferred = 1
+    assert slots.deferred() == 6 and len(list(slots.schedules())) == 3
+    slots.enter((False, True))  # back to the first: its own 2 current, the others' 4 parked
+    assert slots.state.check_schedule.deferred == 2 and slots.deferred() == 6
     slots.clear()
-    assert slots.deferred(owner) == 6  # dropped graphs' put-off checks stay in the fit's count
+    assert slots.deferred() == 6  # dropped graphs' put-off checks stay in the fit's count
 
 
-def test_the_gate_trial_the_prefetch_part_keeps_moves_with_its_roles_graph():
-    """The whole-step gate's trial is per graph but the prefetch part's (`_prefetch.gate`): another role's
-    step finds no trial of its own and sees it under way elsewhere; the trial's role gets it back."""
+def test_a_roles_state_is_one_object_every_part_reads_through_the_same_slots():
+    """The per-graph state is a RoleState the parts reach through the callback's one GraphSlots: a role's
+    switch is seen by all of them, a new role starts fresh, a typo in a field's name raises."""
+    from l2lightning import L2GraphCallback
+    from l2lightning.graph.graph_slots import RoleState
+
+    cb = L2GraphCallback(check_share=0.05)
+    slots = cb._slots
+    assert cb._prefetch._slots is slots and cb._overrides._slots is slots
+    first = slots.state
+    assert isinstance(first, RoleState) and first.check_schedule.share == 0.05 and first.graph is None
+    slots.enter((False, False))
+    assert slots.state is not first and slots.state.graph is None and slots.state.memo is not first.memo
+    with pytest.raises(AttributeError):
+        slots.state.graphs = "a typo"  # slots: no second, unread copy
+    cb._reset_run_state()
+    assert cb._slots is not slots and cb._prefetch._slots is cb._slots and cb._overrides._slots is cb._slots
+
+
+def test_the_gate_trial_moves_with_its_roles_graph():
+    """The whole-step gate's trial is per graph (`_slots.state.gate`): another role's step finds no trial
+    of its own and sees it under way elsewhere; the trial's role gets it back."""
     from l2lightning import L2GraphCallback
 
     cb = L2GraphCallback()
     slots, trial = cb._slots, object()
-    assert slots.current == (False, True) and cb._prefetch.gate is None and not hasattr(cb, "_gate")
-    cb._prefetch.gate, cb._graph = trial, "the closing step's graph"
-    slots.enter(cb, (False, False))  # a window's first micro-batch: its own, fresh state
-    assert cb._prefetch.gate is None and cb._graph is None and slots.gate_elsewhere()
-    slots.enter(cb, (False, True))
-    assert cb._prefetch.gate is trial and cb._graph == "the closing step's graph"
+    assert slots.current == (False, True) and slots.state.gate is None and not hasattr(cb._prefetch, "gate")
+    slots.state.gate, slots.state.graph = trial, "the closing step's graph"
+    slots.enter((False, False))  # a window's first micro-batch: its own, fresh state
+    assert slots.state.gate is None and slots.state.graph is None and slots.gate_elsewhere()
+    slots.enter((False, True))
+    assert slots.state.gate is trial and slots.state.graph == "the closing step's graph"
     assert not slots.gate_elsewhere()
 
 
-def test_the_live_logged_values_the_overrides_part_keeps_move_with_their_roles_graph():
-    """The logged Python numbers a graph's replays re-evaluate are per graph but the overrides part's
-    (`_overrides.live_log_values`): another role's step finds none of its own; the role gets them back."""
+def test_the_live_logged_values_move_with_their_roles_graph():
+    """The logged Python numbers a graph's replays re-evaluate are per graph (`_slots.state.live_log_values`,
+    which the overrides part reads): another role's step finds none of its own; the role gets them back."""
     from l2lightning import L2GraphCallback
 
     cb = L2GraphCallback()
     slots, live = cb._slots, {"train/lr"}
-    assert cb._overrides.live_log_values == set() and not hasattr(cb, "_live_log_values")
-    cb._overrides.live_log_values = live
-    slots.enter(cb, (False, False))  # a window's first micro-batch: its own, fresh state
-    assert cb._overrides.live_log_values == set()
-    cb._overrides.live_log_values.add("train/step")
-    slots.enter(cb, (True, False))
-    assert cb._overrides.live_log_values == set()  # a fresh set, not the first micro-batch's
-    slots.enter(cb, (False, True))
-    assert cb._overrides.live_log_values is live
-    slots.enter(cb, (False, False))
-    assert cb._overrides.live_log_values == {"train/step"}
+    assert slots.state.live_log_values == set() and not hasattr(cb._overrides, "live_log_values")
+    slots.state.live_log_values = live
+    slots.enter((False, False))  # a window's first micro-batch: its own, fresh state
+    assert slots.state.live_log_values == set()
+    slots.state.live_log_values.add("train/step")
+    slots.enter((True, False))
+    assert slots.state.live_log_values == set()  # a fresh set, not the first micro-batch's
+    slots.enter((False, True))
+    assert slots.state.live_log_values is live
+    slots.enter((False, False))
+    assert slots.state.live_log_values == {"train/step"}
 
 
 def test_graph_pool_mib_adds_the_pools_of_every_roles_graph():
@@ -539,12 +547,14 @@ def test_graph_pool_mib_adds_the_pools_of_every_roles_graph():
     class ReadPools(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 8 and "sum" not in seen:
-                graphs = [cb._graph, *cb._slots.parked_graphs()]
+                graphs = [cb._slots.state.graph, *cb._slots.parked_graphs()]
                 for size, graph in zip((1.0, 2.0, 4.0), graphs):
                     graph.pool_mib = size
                 seen["graphs"] = len(graphs)
-                seen["sum"] = cb._pools_alive_mib(cb._graph)
-                seen["unsized"] = cb._pools_alive_mib(type(cb._graph)(graph=None, static=None, key=()))
+                seen["sum"] = cb._pools_alive_mib(cb._slots.state.graph)
+                seen["unsized"] = cb._pools_alive_mib(
+                    type(cb._slots.state.graph)(graph=None, static=None, key=())
+                )
 
     cb = callback()
     fit(TinyMLP, [cb, ReadPools()], steps=10, trainer_kwargs={"accumulate_grad_batches": 4}, fused=True)

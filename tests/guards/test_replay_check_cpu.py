@@ -426,10 +426,10 @@ def test_a_cuda_state_set_inside_the_step_is_the_steps_own_and_checks_nothing():
     cb = _callback()
     cb._in_step = True
     cb._cuda_state_set("set_rng_state")
-    assert cb._check_schedule.pending is None
+    assert cb._slots.state.check_schedule.pending is None
     cb._in_step = False
     cb._cuda_state_set("set_rng_state")
-    assert cb._check_schedule.pending == "a call of `torch.cuda.set_rng_state`"
+    assert cb._slots.state.check_schedule.pending == "a call of `torch.cuda.set_rng_state`"
 
 
 def test_the_multi_tensor_measurement_agrees_with_double_precision_per_tensor():
