@@ -79,7 +79,7 @@ def _wrap_callback_path(phases: WallPhases, undo: list, device: str) -> None:
     from l2lightning.step_timer import StepTimer
 
     targets: list[tuple[object, str, str]] = [
-        (StepDecision, "_decide", "decide"),
+        (StepDecision, "decide", "decide"),  # the decision part's, before every step
         (capture.StaticBatch, "copy_tensors", "batch_copy"),
         (StepDispatch, "_launch_replay", "launch_replay"),
         (StepDispatch, "_replay_step", "replay_step"),

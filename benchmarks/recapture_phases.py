@@ -14,9 +14,9 @@ Two measurements on the idioms of issue 36 (``tests/idiom_variants.py``: ``globa
   waits for the rest of the fit after the change (its capture cost said to be an hour), timed
   per step from ``on_train_batch_start`` to ``on_train_batch_end``; the median over the steps from
   ``--from-step`` on past the change, and inside the callback's waiting steps the medians of
-  ``_decide`` and of the eager step (``run(closure)``). With ``--baseline`` the fit whose optimizer
-  is capturable from its capture step (``CapturableFrom``: what the waiting steps run) is timed
-  too.
+  ``StepDecision.decide`` (the decision part's) and of the eager step (``run(closure)``). With
+  ``--baseline`` the fit whose optimizer is capturable from its capture step (``CapturableFrom``:
+  what the waiting steps run) is timed too.
 
 On a CPU (``--device cpu``, the default) with the graph emulator of ``tests/graph_emulator.py``
 (capture and replay of the emulator, whose replay runs every op: its times are not a GPU's; the wait
@@ -99,7 +99,14 @@ def _captures_fit(name: str, device: str) -> dict:
     from lightning.pytorch import seed_everything
 
     from l2lightning import L2GraphCallback
-    from l2lightning.callback import prefetch_setup, step_capture, step_dispatch, step_overrides, warmup_steps
+    from l2lightning.callback import (
+        prefetch_setup,
+        step_capture,
+        step_decision,
+        step_dispatch,
+        step_overrides,
+        warmup_steps,
+    )
     from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 
@@ -140,7 +147,7 @@ def _captures_fit(name: str, device: str) -> dict:
         (step_capture, "free_cached_memory", "gc_and_empty_cache"),
         (step_capture, "clear_cublas_workspaces", "clear_cublas_workspaces"),
         (prefetch_setup.PrefetchSetup, "start_gate", "start_gate"),
-        (cls, "_module_flags", "module_flags"),
+        (step_decision.StepDecision, "module_flags", "module_flags"),
         (step_capture.StepHooks, "of", "step_hooks"),
         (step_capture.python_state, "baked_scalars", "baked_values"),
         (step_capture.python_state, "baked_tensors", "baked_values"),
@@ -206,6 +213,7 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
 
     from l2lightning import L2GraphCallback
     from l2lightning.callback import fit_report
+    from l2lightning.callback.step_decision import StepDecision
     from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 
@@ -215,26 +223,30 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
 
     _emulate(setattr_undone, device)
     pieces: dict[str, list[float]] = defaultdict(list)
+    cb = None
+    waiting = [False]  # whether the step under way is a waiting one (its decision: eager after a capture)
+    decide = StepDecision.decide
+
+    def timed_decide(part, closure):
+        """The decision part's `decide` (the waiting callback's, the fit's only one), timed on waiting steps."""
+        started = time.perf_counter()
+        mode = decide(part, closure)
+        if mode == "eager" and cb.captures:
+            pieces["decide_ms"].append(1000 * (time.perf_counter() - started))
+        waiting[0] = mode == "eager" and cb.captures > 0
+        return mode
 
     class Waiting(L2GraphCallback):
         """The callback that waits out the rest of the fit after the change."""
 
         _RENTAL_DEVICES = ("cpu", "cuda")
 
-        def _decide(self):
-            started = time.perf_counter()
-            mode = super()._decide()
-            if mode == "eager" and self.captures:
-                pieces["decide_ms"].append(1000 * (time.perf_counter() - started))
-            self._waiting_step = mode == "eager" and self.captures > 0
-            return mode
-
         def _eager_modes(self, mode, run, closure, kwargs):
             started = time.perf_counter()
             try:
                 return super()._eager_modes(mode, run, closure, kwargs)
             finally:
-                if getattr(self, "_waiting_step", False):
+                if waiting[0]:
                     pieces["eager_step_ms"].append(1000 * (time.perf_counter() - started))
 
         def _step(self, run, closure, kwargs):
@@ -242,7 +254,7 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
             try:
                 return super()._step(run, closure, kwargs)
             finally:
-                if getattr(self, "_waiting_step", False):
+                if waiting[0]:
                     pieces["optimizer_step_ms"].append(1000 * (time.perf_counter() - started))
 
     try:
@@ -251,12 +263,12 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
         module = idiom.make_module()
         times = _step_times(device)
         callbacks: list = [times]
-        cb = None
         if variant == "wait":
             if device == "cpu":  # the H200's step times (the emulator's replays run every op)
                 setattr_undone(fit_report._Timing, "eager_ms", lambda self: 3.0)
                 setattr_undone(fit_report._Timing, "graph_ms", lambda self: 0.14)
             cb = Waiting(log_timing=False)
+            setattr_undone(StepDecision, "decide", timed_decide)
             setattr_undone(
                 Waiting, "_last_capture_cost_s", property(lambda self: 3600.0, lambda self, v: None)
             )

@@ -67,10 +67,10 @@ def test_a_call_inside_its_outside_phase_stays_that_phases_time():
 def test_the_emulated_floor_is_split_into_the_callbacks_phases(tmp_path, monkeypatch):
     from l2lightning.callback.step_decision import StepDecision
 
-    decide = StepDecision._decide
+    decide = StepDecision.decide
     script = load_benchmark("host_path_phases")
     assert script.main(["--out", str(tmp_path), "--rounds", "1", "--steps", "30"], monkeypatch.setattr) == 0
-    assert StepDecision._decide is decide  # every wrapper undone
+    assert StepDecision.decide is decide  # every wrapper undone
     result = json.loads((tmp_path / "host_path_phases_cpu.json").read_text())
     medians = result["medians"]
     assert medians["lightning_automatic_ms"] > 0 and medians["lightning_bare_ms"] > 0

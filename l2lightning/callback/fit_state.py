@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from l2lightning.guards.batch_reads import BatchReads
 from l2lightning.guards.step_source import StepSource
 
 
 class FitState:
     """The fit under way and the step in hand, shared by the callback's parts.
 
-    Set at the fit's ``setup`` (Trainer, module, the module's hooks as they were and what their source
-    reads), at the training start (the optimizer) and at each step (the pending batch and its key,
-    the mode the step runs in); a fresh one at every fit, so nothing of an earlier fit is reachable.
+    Set at the fit's ``setup`` (Trainer, module, the module's hooks as they were, what their source
+    reads and where it was read from, what the step reads of its batch), at the training start (the
+    optimizer, the start's time), when the callback refuses the fit (why) and at each step (the pending
+    batch, its key and tensors, the mode the step runs in); a fresh one at every fit, so nothing of an
+    earlier fit is reachable.
     """
 
     __slots__ = (
@@ -26,11 +29,16 @@ class FitState:
         "module",
         "optimizer",
         "source",
+        "code_bindings",
+        "batch_reads",
         "originals",
         "hook_owners",
+        "started_at",
+        "disabled_reason",
         "mode",
         "pending",
         "pending_key",
+        "pending_tensors",
     )
 
     def __init__(self) -> None:
@@ -40,11 +48,27 @@ class FitState:
         # manual step steps as one); None before the training start and once the callback lets it go
         self.optimizer: Any = None
         self.source = StepSource()  # what the step's code reads (l2lightning.guards.step_source)
+        # (attribute dict, name, held) of the methods whose source the step was read from
+        # (StepSource.code_bindings, at set-up): the decision compares them before each step
+        self.code_bindings: list[tuple[Any, str, Any, str]] = []
+        # what training_step reads of its batch (l2lightning.guards.batch_reads; everything, until set up):
+        # the decision reads the batch's tensors by it at each step, the capture and compile=True build
+        # the static batch by it
+        self.batch_reads = BatchReads()
         self.originals: dict[str, Any] = {}  # the module's methods the callback replaced, as they were
         # objects of the user's whose methods run as hooks inside the step (l2lightning.guards.called_code)
         self.hook_owners: list[Any] = []
+        # perf_counter at the training start (None before): the sampled check's share of the fit's time,
+        # which the decision reads before each replay
+        self.started_at: float | None = None
+        # why the callback refused the fit (the rest of it trains eagerly; the callback's public
+        # `disabled_reason`), or None: the callback's hooks, the decision and the manual step read it
+        self.disabled_reason: str | None = None
         # what the step under way runs as: "eager" (a timed warm-up step and a sampled check's eager step
         # too), "trace", "capture", "verify" or "replay"; the overridden module methods act on it
         self.mode = "eager"
         self.pending: tuple[Any, int] | None = None  # this step's (batch, batch_idx)
         self.pending_key: tuple = ()  # its batch signature and branch (the warm-up's groups)
+        # its batch's tensors, flattened by the decision (read_batch), which a replay copies into the
+        # graph's static batch; dropped at the step's end
+        self.pending_tensors: list[Any] = []

@@ -96,14 +96,13 @@ from l2lightning.graph.optim import (
 from l2lightning.graph.replay_closure import CLOSURE_HOOKS, ReplayClosure, why_not_fast
 from l2lightning.graph.rng import watch_cuda_state_setters
 from l2lightning.guards import check_kernels
-from l2lightning.guards.batch_reads import BatchReads, batch_reads
+from l2lightning.guards.batch_reads import batch_reads
 from l2lightning.guards.called_code import analyse_called_code
 from l2lightning.guards.metric_binding import (
     named_metrics,
     needs_sync_free_nan_check,
     sync_free_nan_check,
 )
-from l2lightning.guards.module_flags import ModuleFlags
 from l2lightning.guards.progress_bar_reads import defer_progress_bar_reads
 from l2lightning.guards.replay_check import CHECK_SHARE, ReplayCheckReport
 from l2lightning.guards.step_source import analyse, analyse_callbacks
@@ -125,7 +124,7 @@ def _stale_read(what: str, lines: list[str], changes: str, kept: str, advice: st
     )
 
 
-class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
+class L2GraphCallback(StepDispatch, StepCapture, Callback):
     """Capture the whole training step (forward, loss, backward, optimizer step) in one CUDA graph.
 
     Inside the graph a side-stream kernel prefetches into L2 the weights the next layer will read
@@ -215,8 +214,8 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
     """
 
-    # devices whose step timings (CUDA events) decide when a re-capture pays for itself
-    # (StepDecision._capture_not_paid_for); tests on the graph emulator widen it
+    # devices whose step timings (CUDA events) decide when a re-capture pays for itself (given to the
+    # decision part: StepDecision._capture_not_paid_for); tests on the graph emulator widen it
     _RENTAL_DEVICES: tuple[str, ...] = ("cuda",)
     # under a GradScaler (16-mixed), the precision plugin's optimizer_step the fit's steps go through
     # (set at the training start, removed at clean-up; a class default, for a clean-up before any set-up)
@@ -314,29 +313,26 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
 
     # ------------------------------------------------------------------ state
     def _reset_run_state(self) -> None:
-        if getattr(self, "_flags", None) is not None:
-            self._flags.close()  # its global registration hooks, should a fit have ended without clean-up
-        # the fit and the step every part reads (trainer, module, optimizer, the step's mode and batch)
+        if getattr(self, "_decision", None) is not None:
+            # the module flags' global registration hooks, should a fit have ended without clean-up
+            self._decision.release()
+        # the fit and the step every part reads (trainer, module, optimizer, whether the fit is refused,
+        # the step's mode and batch)
         self._fit = FitState()
-        self.disabled_reason: str | None = None
         self._replay_closure: ReplayClosure | None = None
         self.verify_report: Any = None
-        self.fallback_steps = 0
         self.captures = 0
         self.replay_check = ReplayCheckReport(mode=str(self.verify) if self.verify else "off")
         # What the parts keep per captured graph (its replays, check schedule, re-capture state, ...):
         # `_slots.state`, that of the graph serving the current step; with gradient accumulation, one graph
         # per role of a micro-batch, the others' parked (l2lightning.graph.graph_slots)
         self._slots = GraphSlots(self.check_share)
-        self._reset_decision_state()  # what StepDecision keeps (l2lightning.callback.step_decision)
         # Lightning's closures of accumulating micro-batches, handed to _micro_batch_step (on_train_start)
         self._micro_batches: MicroBatchClosures | None = None
         # captures whose graph steps the optimizer (not an accumulating micro-batch's)
         self._stepping_captures = 0
         self._captured_roles: set[tuple[bool, bool]] = set()  # the accumulation roles with a graph (summary)
-        self._fit_started_at: float | None = None  # perf_counter at the training start: the check's budget
         self._check_on = self.verify == "sampled"
-        self._disable_next: str | None = None  # why the next step trains eagerly for the rest of the fit
         self._verify_capture_off = False
         # a check after an operand value's change found the replay differing: later captures bake them in
         self._operands_off = False
@@ -348,8 +344,6 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         self._resumed_switched = False  # switched at train start: a resumed fit that was capturable
         self._warned: set[str] = set()
         self._installed: dict[str, Any] = {}  # module attribute -> our override
-        # (attribute dict, name, held) of the methods whose source the step was read from (StepSource.code_bindings)
-        self._code_bindings: list[tuple[Any, str, Any, str]] = []
         # (callback, hook, what the callback's instance held under that name before, or ABSENT)
         self._callback_overrides: list[tuple[Any, str, Any]] = []
         self._shadowed: dict[str, Any] = {}
@@ -358,8 +352,6 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         self._kept_optimizer: CapturableOptimizer | CapturableOptimizers | None = None
         self._owns_optimizer = False
         self._nan_patched: list[Any] = []
-        self._flags: ModuleFlags | None = None  # the module's train()/requires_grad flags, read per replay
-        self._step_closure: Any = None  # the closure optimizer.step got, while its step is decided
         self._in_step = False
         # the wall seconds of the last capture (its tuning and what only a first capture spends apart),
         # and the replay time the eager steps since a change have forgone: a re-capture waits until the
@@ -371,7 +363,6 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         self._collected_for_capture = False
         self._recaptures = 0  # captures after the fit's first (the gate's second capture included)
         self._last_recapture_s: float | None = None  # the wall seconds of the last of them
-        self._batch_reads = BatchReads()  # what training_step reads of its batch: everything, until set up
         self._pool_mib: float | None = None
         self._captured = False
         # the children compile=True compiled (the prefetch part fills it, the warm-up part reads it)
@@ -432,6 +423,28 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
             stepping=self._stepping,
             manual=self._is_manual,
         )
+        # what each step does: replay, capture (again), or run eagerly, and why (a part: its state is its
+        # own; StepDispatch asks it before every step)
+        self._decision = StepDecision(
+            self._fit,
+            self._fit_report,
+            self._warmup,
+            self._prefetch,
+            self._slots,
+            eager_steps=self.eager_steps,
+            recapture_wait=self.recapture_wait,
+            check_on=self._check_on,
+            rental_devices=self._RENTAL_DEVICES,
+            replay_check=self.replay_check,
+            warned=self._warned,
+            disable=self._disable,
+            warn_once=self._warn_once,
+            device_type=self._device_type,
+            manual=self._is_manual,
+            installed=self._installed_methods,
+            last_capture_cost=self._last_capture_cost,
+            operand_lines=self._get_operand_lines,
+        )
 
     # The callables the prefetch part is given (bound methods, not lambdas: a Trainer that spawns its
     # processes pickles its callbacks, their parts included)
@@ -460,6 +473,32 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
     def _is_manual(self) -> bool:
         """Whether the fit's step is a manual-optimization one (l2lightning.graph.manual_step), set up at `setup`."""
         return self._manual is not None
+
+    # The callables the decision part is given (bound methods, as above): what of the callback's it reads
+    # that set-up, the capture and the dispatch rebind during the fit (asked at a capture or a wait's start,
+    # never per replay)
+    def _installed_methods(self) -> dict[str, Any]:
+        """The module's methods set-up installed for the fit (module attribute -> the override)."""
+        return self._installed
+
+    def _last_capture_cost(self) -> float | None:
+        """The wall seconds of the last capture (StepDispatch._eager_modes), what a re-capture waits to pay."""
+        return self._last_capture_cost_s
+
+    def _get_operand_lines(self) -> list[str]:
+        """The operand sites the last capture read from device scalars (StepCapture._serve_operands)."""
+        return self._operand_lines
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why the callback refused the fit (the rest of it trains eagerly), or None (``summary()["reason"]``)."""
+        return self._fit.disabled_reason
+
+    @property
+    def fallback_steps(self) -> int:
+        """The steps the decision ran eagerly: fallbacks, `eager_steps`, a re-capture's wait
+        (``summary()["fallback_steps"]``; the decision part counts them)."""
+        return self._decision.fallback_steps
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -507,7 +546,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         prefetched = [row for row in self.plans if row.get("forward") or row.get("backward")]
         metrics["l2/prefetch_layers"] = float(len(prefetched))
         metrics["l2/prefetch_mib"] = float(sum(float(row.get("mib") or 0.0) for row in prefetched))
-        metrics["l2/fallback_steps"] = float(self.fallback_steps)
+        metrics["l2/fallback_steps"] = float(self._decision.fallback_steps)
         gate = self._prefetch.gate_result
         if gate is not None and gate.gain is not None and math.isfinite(gate.gain.mean):
             metrics["l2/prefetch_gate_gain"] = float(gate.gain.mean)
@@ -518,9 +557,10 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         eager_ms = self._fit_report.timing.eager_ms()
         graph_ms = self._fit_report.timing.graph_ms()
         gate, tuning = self._prefetch.gate_result, self._prefetch.tuning_report
+        decision = self._decision
         return {
             "captured": self._captured,
-            "reason": self.disabled_reason,
+            "reason": self._fit.disabled_reason,
             "capture_step": self.capture_step,
             "capturable_from_step": self.capturable_from_step,
             "captures": self.captures,
@@ -531,16 +571,16 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
             "plans": self.plans,
             "verify": str(self.verify_report) if self.verify_report is not None else None,
             "replay_check": self.replay_check.to_dict(),
-            "fallback_steps": self.fallback_steps,
-            "fallback_causes": sorted(self._fallback_causes),
+            "fallback_steps": decision.fallback_steps,
+            "fallback_causes": sorted(decision.fallback_causes),
             "graph_pool_mib": self._pool_mib,
             "prefetch_gate": gate.to_dict() if gate is not None else None,
             # wall seconds to the microsecond (a tuning that gives up at once is not 0)
             **{key: round(value, 6) for key, value in self._cost_s.items()},
             "recaptures": self._recaptures,
             "last_recapture_s": None if self._last_recapture_s is None else round(self._last_recapture_s, 6),
-            "recapture_wait_steps": self._waited_steps,
-            "operand_scalars": {"sites": list(self._operand_lines), "changes": self._operand_changes},
+            "recapture_wait_steps": decision.waited_steps,
+            "operand_scalars": {"sites": list(self._operand_lines), "changes": decision.operand_changes},
             "tuning": tuning.to_dict() if tuning is not None else None,
             "step_report": self.step_report.to_dict() if self.step_report is not None else None,
         }
@@ -554,8 +594,8 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
     def _disable(self, reason: str) -> None:
         """Train eagerly for the rest of the fit, with one warning: with the optimizer as configured, or,
         after a capture, in make_capturable's configuration to the fit's end (the warning says so)."""
-        if self.disabled_reason is None:
-            self.disabled_reason = reason
+        if self._fit.disabled_reason is None:
+            self._fit.disabled_reason = reason
             rank_zero_warn(f"L2GraphCallback: {reason}; training eagerly.{self._capturable_stretch()}")
         self._fit.mode = "eager"
         self._slots.state.graph = None
@@ -666,7 +706,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
             ("training_step", *user_hooks, "configure_gradient_clipping", "optimizer_zero_grad", "backward"),
         )
         analyse_callbacks([cb for cb in trainer.callbacks if cb is not self], CLOSURE_HOOKS, self._fit.source)
-        self._batch_reads = batch_reads(pl_module)
+        self._fit.batch_reads = batch_reads(pl_module)
         reason = self._source_refusal() or (
             manual_source_refusal(self._fit.source, pl_module) if self._manual is not None else None
         )
@@ -702,7 +742,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
                     self._callback_overrides.append((cb, hook, vars(cb).get(hook, ABSENT)))
                     setattr(cb, hook, part.captured_hook(hook, getattr(cb, hook)))
         # where each method the step's source was read through is bound, the overrides above included
-        self._code_bindings = self._fit.source.code_bindings()
+        self._fit.code_bindings = self._fit.source.code_bindings()
 
     def _cleanup(self, pl_module: LightningModule | None) -> None:
         """Undo everything the callback installed; drop every reference to the module and the graph."""
@@ -736,14 +776,12 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         self._slots.state.graph = None
         self._prefetch.drop_gate()
         self._slots.clear()
-        if self._flags is not None:
-            self._flags.close()
-            self._flags = None
+        self._decision.release()  # the module flags' global registration hooks
         self._overrides.release()  # the graphs, the step's output and the logs it recorded
         self._warmup.groups = {}
         self._warmup.tracer = None
         self._fit.pending = None
-        self._pending_tensors = []
+        self._fit.pending_tensors = []
         self._fit.originals = {}
         self._fit.module = None
         self._fit.trainer = None
@@ -816,7 +854,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.disabled_reason or self._fit.module is None:
+        if self._fit.disabled_reason or self._fit.module is None:
             return
         # Submodules (configure_model builds them after setup) and hooks registered up to now: what
         # their code reads joins the comparisons before each replay, what it assigns is refused
@@ -907,7 +945,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         # a CUDA generator's state set between steps (a seed in a hook) re-seeds cuDNN's RNN dropout at
         # the next eager nn.LSTM call, never at a replay: the next replay is checked
         self._undo_cuda_state_watch = watch_cuda_state_setters(self._cuda_state_set)
-        self._fit_started_at = time.perf_counter()
+        self._fit.started_at = time.perf_counter()
         # replays dispatch only the closure's hooks that something overrides (l2lightning.graph.replay_closure)
         self._replay_closure = ReplayClosure() if why_not_fast(trainer) is None else None
         for _, metric in named_metrics(pl_module):
@@ -967,13 +1005,13 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.disabled_reason or self._fit.module is None:
+        if self._fit.disabled_reason or self._fit.module is None:
             self._fit.pending = None
             self._give_back_step_stream()  # once, after the step that disabled the callback
             return
         self._fit.pending = (batch, batch_idx)
         if self.compile and not self._compiled_children:
-            self._prefetch.prepare_compiled(pl_module, StaticBatch(batch, self._batch_reads))
+            self._prefetch.prepare_compiled(pl_module, StaticBatch(batch, self._fit.batch_reads))
 
     # ------------------------------------------------------------------ device and timing events
 
@@ -1033,7 +1071,7 @@ class L2GraphCallback(StepDispatch, StepDecision, StepCapture, Callback):
         ):
             # plain Lightning's next nn.LSTM/GRU call re-seeds cuDNN's dropout state after this; a replay
             # never calls it, and without the sampled check no replay is compared: train eagerly
-            self._disable_next = (
+            self._decision.disable_at_next_step(
                 f"`torch.cuda.{name}` was called between steps, after which cuDNN re-seeds its RNN dropout "
                 f"state at the next eager call ({self._warmup.hidden_random}), which a replay never makes; with "
                 f"verify={self.verify!r} no replay is compared with the eager step (verify='sampled' checks "

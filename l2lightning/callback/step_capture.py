@@ -242,7 +242,8 @@ class StepCapture:
         self._operand_lines = sorted(operands.sites[key].site.line for key in live)
 
     def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
-        gate_capture = self._prefetch.gate_capturing  # set by _decide; the prefetch scope reads it too
+        # set by StepDecision.decide; the prefetch scope reads it too
+        gate_capture = self._prefetch.gate_capturing
         if self._slots.state.gate is not None and not gate_capture:
             self._prefetch.abandon_gate(
                 "the step was captured again (see the warning) before the gate's trial finished"
@@ -298,7 +299,7 @@ class StepCapture:
         role.graph = None  # a re-capture replaces the graph; a failed one leaves none
         binding = MetricBinding(bound) if bound else None
         try:
-            static = StaticBatch(batch, self._batch_reads)
+            static = StaticBatch(batch, self._fit.batch_reads)
         except Exception as exc:  # a container type that cannot be rebuilt around other tensors
             self._disable(
                 f"the batch ({type(batch).__name__}) cannot be rebuilt around the graph's static "
@@ -498,7 +499,8 @@ class StepCapture:
         graph.log_calls = overrides.capture_logs
         graph.params = tuple(module.parameters())
         graph.grad_tensors = tuple(p.grad for p in graph.params)
-        graph.flags = self._module_flags()
+        decision = self._decision  # the module flags it compares before each replay, read through it
+        graph.flags = decision.module_flags()
         graph.scalars = python_state.baked_scalars(module, self._fit.source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._fit.source.reads, ran)
         graph.callables = python_state.baked_callables(module, self._fit.source.reads, ran, self._installed)
@@ -546,10 +548,10 @@ class StepCapture:
         graph.tensor_addresses = python_state.addresses(graph.tensors)
         graph.hooks = StepHooks.of(module)
         graph.numerics = numerics_settings.read()
-        graph.registered = self._flags.tensors()
+        graph.registered = decision.flags.tensors()
         graph.registered_tensors = tuple(t for _, t in graph.registered)
         graph.data_ptrs = addresses(graph.registered_tensors)
-        graph.generation = self._flags.generation
+        graph.generation = decision.flags.generation
         if binding is not None:
             binding.finish_capture()
         if closes:

@@ -1,7 +1,16 @@
 """What each optimizer step does: replay, capture (again), or run eagerly, and why.
 
-A mixin of :class:`l2lightning.callback.graph_callback.L2GraphCallback`: its methods use the callback's run state
-(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+A part :class:`l2lightning.callback.graph_callback.L2GraphCallback` holds (``_decision``), one per fit:
+:meth:`StepDecision.decide` runs before every step the callback wraps (``StepDispatch._step``). The
+part declares in its own ``__init__`` what it alone writes (the module-level values compared before
+each replay, why a step is checked, the operand scalars' changes, the steps a re-capture waited, the
+fallback steps and their causes, the module flags it reads per replay, a refusal due at the next
+step); what it keeps per graph (the branch run, the re-capture streak and wait) is the graph's, in
+``graph_slots.RoleState``. It reads the fit and the step through
+:class:`l2lightning.callback.fit_state.FitState` and reaches the rest of the callback only through
+what it is given: the report, warm-up and prefetch parts, the graph slots, the callback's settings,
+its replay check report and set of warned keys, and bound methods of the callback (which a Trainer
+that spawns its processes pickles with it).
 """
 
 from __future__ import annotations
@@ -10,7 +19,8 @@ import functools
 import math
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from l2lightning.graph.accumulation import accumulation_of
 from l2lightning.graph.capture import read_batch
@@ -27,6 +37,14 @@ from l2lightning.guards.step_values import (
     addresses,
     frozen_read,
 )
+
+if TYPE_CHECKING:  # the warm-up part imports this module's helpers: a cycle at run time
+    from l2lightning.callback.fit_report import FitReport
+    from l2lightning.callback.fit_state import FitState
+    from l2lightning.callback.prefetch_setup import PrefetchSetup
+    from l2lightning.callback.warmup_steps import WarmupSteps
+    from l2lightning.graph.graph_slots import GraphSlots
+    from l2lightning.guards.replay_check import ReplayCheckReport
 
 # Module-level values python_state.baked_globals leaves out that step_values.frozen snapshots exactly
 _UNCOMPARED_CONTAINERS = (*NUMPY_ARRAYS, deque, set, frozenset)
@@ -72,33 +90,101 @@ def last_paying_step(trainer: Any, cost_s: float, saved_per_step_s: float) -> fl
 class StepDecision:
     """What each optimizer step does: replay, capture (again), or run eagerly, and why."""
 
-    def _reset_decision_state(self) -> None:
-        """The state the decision writes and no other part does, fresh at each fit (``_reset_run_state``
-        calls it). What it keeps per graph (the branch run, the re-capture streak and wait) is in
-        ``graph_slots.RoleState``, parked with the other per-graph state."""
+    def __init__(
+        self,
+        fit: FitState,
+        fit_report: FitReport,
+        warmup: WarmupSteps,
+        prefetch: PrefetchSetup,
+        slots: GraphSlots,
+        *,
+        eager_steps: Callable[[Any, int], bool] | None,
+        recapture_wait: bool,
+        check_on: bool,
+        rental_devices: tuple[str, ...],
+        replay_check: ReplayCheckReport,
+        warned: set[str],
+        disable: Callable[[str], None],
+        warn_once: Callable[[str, str], None],
+        device_type: Callable[[], str],
+        manual: Callable[[], bool],
+        installed: Callable[[], dict[str, Any]],
+        last_capture_cost: Callable[[], float | None],
+        operand_lines: Callable[[], list[str]],
+    ) -> None:
+        self._fit = fit
+        self._fit_report = fit_report  # the measured eager and replayed step times (the re-capture wait)
+        self._warmup = warmup  # what the warm-up decides before the first capture of a graph
+        self._prefetch = prefetch  # the whole-step gate's turn at a replay
+        # the per-graph state of the graph serving the step (l2lightning.graph.graph_slots), read once per
+        # method into a local: its graph, branch run, re-capture streak and wait, check schedule
+        self._slots = slots
+        # The callback's settings as this fit starts (each fit makes a new part): `eager_steps`,
+        # `recapture_wait`, whether the sampled replay check is on (verify="sampled"), and the devices
+        # whose step timings decide when a re-capture pays (its class attribute, which tests widen)
+        self._eager_steps = eager_steps
+        self._recapture_wait = recapture_wait
+        self._check_on = check_on
+        self._rental_devices = rental_devices
+        # the callback's replay check report, made per fit as the parts are (a scheduled check deferred
+        # for the check's share of the fit's time is counted there)
+        self._replay_check = replay_check
+        # The keys the callback's warn_once has warned under (its set, filled in place): a wait's start
+        # after the first asks it before building its warning
+        self._warned = warned
+        # The callback's, as bound methods: refuse the fit (the rest trains eagerly, saying why), warn once
+        # per key, the device's type; and what is the callback's and rebound during the fit, so asked
+        # when needed (never per replay): whether the step is a manual one (set up after this part is
+        # made), the module methods set-up installed, the last capture's cost (StepDispatch measures it),
+        # the operand sites the last capture read from device scalars (StepCapture sets them)
+        self._disable = disable
+        self._warn_once = warn_once
+        self._device_type = device_type
+        self._manual = manual
+        self._installed = installed
+        self._last_capture_cost = last_capture_cost
+        self._operand_lines = operand_lines
         # The module-level NumPy arrays, deques and sets the step reads (``loss * WEIGHTS[0]``), as
         # step_values.frozen snapshots taken as the step is captured, compared before each replay like
         # python_state.baked_globals' containers (which holds lists, tuples and dicts only). Rebound, never
         # changed in place, by _too_large_to_compare.
         self._module_values: list[tuple[dict, str, Any]] = []
-        # the pending batch flattened, which a replay copies into the static batch; dropped at the step's end
-        self._pending_tensors: list[Any] = []
-        self._check_why = ""  # why this step is checked (CheckSchedule.due; the check's verdict reads it)
+        self.check_why = ""  # why this step is checked (CheckSchedule.due; StepDispatch's check reads it)
         # the values written to the operand scalars since the fit's start (summary()['operand_scalars'])
-        self._operand_changes = 0
-        self._waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
-        # why steps ran eagerly (summary()['fallback_causes']; their count is the public `fallback_steps`)
-        self._fallback_causes: set[str] = set()
+        self.operand_changes = 0
+        self.waited_steps = 0  # steps run eagerly while a re-capture waited (within `fallback_steps`)
+        # the steps it ran eagerly (a fallback, `eager_steps`, a re-capture's wait) and why (the callback's
+        # public `fallback_steps` and summary()['fallback_causes'])
+        self.fallback_steps = 0
+        self.fallback_causes: set[str] = set()
+        # the module's train()/requires_grad flags and code, read before every replay (made at the
+        # fit's first read of them; the capture records them through module_flags() and reads the
+        # tensors and registrations they count); released at the fit's end
+        self.flags: ModuleFlags | None = None
+        # why the next step trains eagerly for the rest of the fit (disable_at_next_step), or None
+        self._disable_next: str | None = None
 
-    def _decide(self) -> str:
-        """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture", "replay"."""
+    def release(self) -> None:
+        """The fit's end (or a new fit's start): the module flags' global registration hooks removed."""
+        if self.flags is not None:
+            self.flags.close()
+            self.flags = None
+
+    def disable_at_next_step(self, reason: str) -> None:
+        """Between steps: the next step the callback decides trains eagerly, and the rest of the fit, for `reason`."""
+        self._disable_next = reason
+
+    def decide(self, closure: Any) -> str:
+        """What this step does: "eager", "trace" (warm-up), "time" (untraced timed warm-up), "capture",
+        "check" (a sampled replay check), "replay". `closure`: the one the optimizer's step got (Lightning's
+        accumulation state is read off it)."""
         role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
-        if self.disabled_reason or self._fit.pending is None or self._fit.optimizer is None:
+        if self._fit.disabled_reason or self._fit.pending is None or self._fit.optimizer is None:
             return "eager"
-        if self._disable_next is not None:
+        if self._disable_next is not None:  # disable_at_next_step
             self._disable(self._disable_next)
             return "eager"
-        rebound = rebound_code(self._code_bindings)
+        rebound = rebound_code(self._fit.code_bindings)
         if rebound:
             # the branch tests, values and logs compared before each replay were read from the old code,
             # and a replay would run it: this step and the rest of the fit run the new code eagerly
@@ -112,16 +198,16 @@ class StepDecision:
         # Lightning's accumulation state: an accumulating micro-batch, and a closing one that adds to the
         # gradients the earlier ones left, are graphs of their own (l2lightning.graph.accumulation), the factor
         # in their key; _enter_role made this role's graph the current one (l2lightning.graph.graph_slots)
-        accumulation = accumulation_of(trainer, self._step_closure, module)
+        accumulation = accumulation_of(trainer, closure, module)
         if isinstance(accumulation, str):
-            self._fall_back(accumulation)
+            self.fall_back(accumulation)
             return "eager"
-        if self.eager_steps is not None and self.eager_steps(trainer, batch_idx):
+        if self._eager_steps is not None and self._eager_steps(trainer, batch_idx):
             self._count_fallback("`eager_steps` asked for it")
             return "eager"
         # values in parts of the batch the step never reads (file names, ids) may change
-        tensors, signature = read_batch(batch, self._batch_reads)
-        self._pending_tensors = tensors  # a replay copies them into the static batch
+        tensors, signature = read_batch(batch, self._fit.batch_reads)
+        self._fit.pending_tensors = tensors  # a replay copies them into the static batch
         key = ((self._fit.source.branch_key(module, batch_idx), accumulation), signature)
         self._fit.pending_key = key
         graph = role.graph
@@ -129,7 +215,7 @@ class StepDecision:
             decision = self._warmup.decision(key)
             if decision == "capture" and self._slots.gate_elsewhere():
                 # captured once the trial has chosen whether the fit's graphs prefetch
-                self._fall_back(
+                self.fall_back(
                     f"{accumulation.describe()}: waiting for the whole-step gate's trial on another graph"
                 )
                 return "eager"
@@ -150,7 +236,7 @@ class StepDecision:
                     return self._recapture(
                         f"gradient accumulation changed and stayed changed ({key[0][1].describe()})"
                     )
-                self._fall_back(
+                self.fall_back(
                     f"gradient accumulation ({key[0][1].describe()}) other than the captured graph's "
                     f"({graph.key[0][1].describe()})"
                 )
@@ -158,40 +244,38 @@ class StepDecision:
             if run > BRANCH_SWITCH_STEPS and key[1] == graph.static.signature:
                 role.other_branch = (None, 0)
                 return self._recapture("the step's branch changed and stayed changed")
-            self._fall_back("the step takes another branch on the step counters than the captured one")
+            self.fall_back("the step takes another branch on the step counters than the captured one")
             return "eager"
         role.other_branch = (None, 0)
         if key[1] != graph.static.signature:
-            self._fall_back(f"batch {batch_idx}: {graph.static.mismatch(batch)}")
+            self.fall_back(f"batch {batch_idx}: {graph.static.mismatch(batch)}")
             return "eager"
         for carried in graph.carried:
             problem = carried.mismatch()
             if problem:
-                self._fall_back(f"the carried state {problem}")
+                self.fall_back(f"the carried state {problem}")
                 return "eager"
         if role.recapture_next:
-            # before the rest of the checks: a waiting step (StepDecision._capture_not_paid_for) runs
+            # before the rest of the checks: a waiting step (_capture_not_paid_for) runs
             # eagerly whatever they find, and the capture that ends the wait reads everything anew
             cause, role.recapture_next = role.recapture_next, None
             return self._recapture(cause)
-        flags = self._module_flags()
+        flags = self.module_flags()
         # an accumulating micro-batch's graph neither reads nor writes the optimizer's state
         replaced = self._fit.optimizer.state_replaced() if accumulation.closes else None
         if replaced:
             # the graph updates the old state tensors: this step makes the new state eagerly
             role.recapture_next = f"{replaced} since capture"
-            self._fall_back(f"{replaced} since capture (captured again next step)")
+            self.fall_back(f"{replaced} since capture (captured again next step)")
             return "eager"
         if flags != graph.flags:
             if flags[1] != graph.flags[1]:
                 # new trainable parameters need their optimizer state made eagerly, outside a graph
                 role.recapture_next = "parameters' `requires_grad` changed since capture"
-                self._fall_back(
-                    "parameters' `requires_grad` changed since capture (captured again next step)"
-                )
+                self.fall_back("parameters' `requires_grad` changed since capture (captured again next step)")
                 return "eager"
             if flags[0] == graph.flags[0]:  # as many modules (one `training` each): their code differs
-                changed, replaced = self._flags.changed_code(graph.flags, flags)
+                changed, replaced = self.flags.changed_code(graph.flags, flags)
                 if replaced:  # `self.act = nn.GELU()`, in the module's tree (`self.net[1] = ...` too)
                     return self._recapture(
                         f"the functions or submodules the step calls were replaced since capture "
@@ -238,11 +322,11 @@ class StepDecision:
                     f"the arguments `functools.partial` binds changed since capture ({', '.join(bound)})"
                 )
         rebound = python_state.rebound(graph.tensors, module)
-        if self._flags.generation != graph.generation:
+        if self.flags.generation != graph.generation:
             # something was registered since capture: a parameter or buffer may be a new tensor
-            rebound += self._flags.rebound(graph.registered)
+            rebound += self.flags.rebound(graph.registered)
             if not rebound:
-                graph.generation = self._flags.generation
+                graph.generation = self.flags.generation
         if rebound:
             return self._recapture(
                 f"the module's tensors {_first_names(rebound)} are other objects than at capture (the graph reads "
@@ -287,24 +371,25 @@ class StepDecision:
             if written is None:
                 return self._recapture(
                     "a number the graph reads from a device scalar is no longer a Python int or float "
-                    f"(one of {', '.join(self._operand_lines)})"
+                    f"(one of {', '.join(self._operand_lines())})"
                 )
             if written:
-                self._operand_changes += 1
+                self.operand_changes += 1
                 fresh = graph.operands.changes <= OPERAND_CHECKS
         role.recapture_streak = 0
         role.replays_since_capture += 1
         if self._check_on:
-            started = self._fit_started_at
+            started = self._fit.started_at
             elapsed = time.perf_counter() - started if started is not None else float("inf")
-            why = role.check_schedule.due(self.replay_check.seconds, elapsed)
-            self.replay_check.deferred = self._slots.deferred()
+            report = self._replay_check
+            why = role.check_schedule.due(report.seconds, elapsed)
+            report.deferred = self._slots.deferred()
             if fresh:
                 # the eager step from the same state judges the new value (one check for it and any
                 # check the schedule had due: its count of replays moves on as at any replay)
                 why = OPERAND_CHECK
             if why is not None:
-                self._check_why = why
+                self.check_why = why
                 return "check"  # a gate trial under way takes its next turn at the next replay
         gate = role.gate
         if gate is not None:
@@ -330,7 +415,7 @@ class StepDecision:
             # The graph is stale and stays unused (the cause is kept, so it never replays again):
             # these steps run eagerly, as a plain step does, until they have cost what a capture costs.
             role.recapture_next = cause
-            self._waited_steps += 1
+            self.waited_steps += 1
             self._count_fallback(TOO_LATE_CAUSE if too_late else WAIT_CAUSE)
             return "eager"
         problem = self._too_large_to_compare()
@@ -369,7 +454,7 @@ class StepDecision:
         H100, ``benchmarks/results/h100/idioms.csv``).
         """
         role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
-        if not self.recapture_wait or role.captures_here == 0:
+        if not self._recapture_wait or role.captures_here == 0:
             return False
         if role.rented_s > 0.0:
             # A step of a wait under way: its saving per step was fixed at the wait's start (the
@@ -383,9 +468,9 @@ class StepDecision:
                 return False
             role.rented_s += role.rent_per_step_s
             return True
-        if self._device_type() not in self._RENTAL_DEVICES:
+        if self._device_type() not in self._rental_devices:
             return False
-        cost = self._last_capture_cost_s
+        cost = self._last_capture_cost()
         eager_ms, graph_ms = self._fit_report.timing.eager_ms(), self._fit_report.timing.graph_ms()
         if cost is None or eager_ms is None or graph_ms is None:
             return False
@@ -404,7 +489,7 @@ class StepDecision:
         # Under manual optimization Lightning's estimate counts batches where global_step counts each
         # optimizer step (two a batch for a GAN): no common unit, so no bound there
         role.last_paying_step = (
-            last_paying_step(self._fit.trainer, cost, saved_per_step) if self._manual is None else math.inf
+            last_paying_step(self._fit.trainer, cost, saved_per_step) if not self._manual() else math.inf
         )
         if "recapture-wait" in self._warned:
             return True
@@ -432,7 +517,7 @@ class StepDecision:
         self._warn_once(
             "recapture-too-late",
             f"not capturing the step again: the fit's optimizer steps after step {role.last_paying_step} "
-            f"are too few to pay for a capture ({self._last_capture_cost_s:.3f} s at "
+            f"are too few to pay for a capture ({self._last_capture_cost():.3f} s at "
             f"{role.rent_per_step_s * 1000:.2f} ms saved per step, by `trainer.estimated_stepping_batches`); "
             "the rest of the fit runs eagerly, as plain Lightning's does",
         )
@@ -467,7 +552,7 @@ class StepDecision:
         self._module_values = module_values
         callables += [
             (name, held)
-            for _, name, held in python_state.baked_callables(module, source.reads, None, self._installed)
+            for _, name, held in python_state.baked_callables(module, source.reads, None, self._installed())
             if isinstance(held, functools.partial)
         ]
         for name, held in callables:
@@ -484,16 +569,17 @@ class StepDecision:
             "(`self.register_buffer(...)`, updated in place), which the graph reads from memory"
         )
 
-    def _module_flags(self) -> tuple:
-        if self._flags is None:
-            self._flags = ModuleFlags(self._fit.module)
-        return self._flags.read()
+    def module_flags(self) -> tuple:
+        """The module's flags as they are now (ModuleFlags.read): compared before each replay, recorded at capture."""
+        if self.flags is None:
+            self.flags = ModuleFlags(self._fit.module)
+        return self.flags.read()
 
     def _count_fallback(self, cause: str) -> None:
         self.fallback_steps += 1
-        self._fallback_causes.add(cause)
+        self.fallback_causes.add(cause)
 
-    def _fall_back(self, cause: str) -> None:
+    def fall_back(self, cause: str) -> None:
         """This one step runs eagerly; the graph stays for later steps."""
         kind = cause.split(":", 1)[-1].strip()
         self._count_fallback(kind)

@@ -35,12 +35,9 @@ class StepDispatch:
 
     def _step(self, run: Callable[..., Any], closure: Callable[[], Any] | None, kwargs: dict) -> Any:
         """Called by the capturable optimizer's ``step``: `run(closure)` is its eager step."""
-        # Lightning's accumulation state is read off the closure (l2lightning.graph.accumulation)
-        self._step_closure = closure
-        try:
-            mode = self._decide()
-        finally:
-            self._step_closure = None
+        # what this step does (the decision part; Lightning's accumulation state is read off the closure,
+        # l2lightning.graph.accumulation)
+        mode = self._decision.decide(closure)
         if mode == "replay" and self._slots.state.graph.appends:
             mode = self._appends_redoable()
         self._in_step = True
@@ -66,7 +63,7 @@ class StepDispatch:
         finally:
             self._in_step = False
             self._fit.pending = None
-            self._pending_tensors = []  # the batch's tensors: not kept past the step
+            self._fit.pending_tensors = []  # the batch's tensors: not kept past the step
 
     def _eager_modes(self, mode: str, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """Every step that runs the step's own code: warm-up (traced or timed), the capture, eager."""
@@ -149,7 +146,8 @@ class StepDispatch:
     def _launch_replay(self, graph: Any, timed: bool) -> tuple[Any, Any] | None:
         """This step's batch into the static buffers, the graph's inputs in place, one replay: its events
         (None where not `timed`)."""
-        graph.static.copy_tensors(self._pending_tensors)  # _decide flattened the batch, compared signatures
+        # StepDecision.decide flattened the batch and compared its signature with the graph's
+        graph.static.copy_tensors(self._fit.pending_tensors)
         if graph.accumulated is not None:  # before bind_grads: the sum the earlier micro-batches left
             graph.accumulated.copy_in()
         graph.bind_grads()
@@ -167,18 +165,18 @@ class StepDispatch:
         return events
 
     def _appends_redoable(self) -> str:
-        """What this step does instead of the replay _decide chose: ``"replay"``, or ``"eager"`` where a
-        list or deque the step appends to is gone (an epoch-end hook cleared the dict holding it,
-        ``self.outputs.clear()`` on a ``defaultdict(list)``). What the step would append to then only
-        its own code knows (the dict's factory, a ``setdefault``), so this one step runs it; the next
-        replays append to what it made."""
+        """What this step does instead of the replay StepDecision.decide chose: ``"replay"``, or
+        ``"eager"`` where a list or deque the step appends to is gone (an epoch-end hook cleared the dict
+        holding it, ``self.outputs.clear()`` on a ``defaultdict(list)``). What the step would append to
+        then only its own code knows (the dict's factory, a ``setdefault``), so this one step runs it;
+        the next replays append to what it made."""
         role = self._slots.state  # this step's graph's (l2lightning.graph.graph_slots)
         gone = [where.label for where, _ in role.graph.appends if where.current() is None]
         if not gone:
             return "replay"
-        role.replays_since_capture -= 1  # _decide counted this step as a replay
+        role.replays_since_capture -= 1  # StepDecision.decide counted this step as a replay
         self._prefetch.gate_turn = None  # the gate's turn goes to the next replay
-        self._fall_back(
+        self._decision.fall_back(
             f"the step appends to {', '.join(gone)}, gone since the last step (an entry cleared from its dict, "
             "an attribute bound to no list or deque), which only its own code makes again"
         )
@@ -307,7 +305,8 @@ class StepDispatch:
             return result
         clock.lap("compare")
         report.checks += 1
-        report.reasons[self._check_why] = report.reasons.get(self._check_why, 0) + 1
+        why = self._decision.check_why  # why the decision chose to check this replay
+        report.reasons[why] = report.reasons.get(why, 0) + 1
         if differing is not None:
             self._replay_differed(
                 pairs[differing], graph, written, saved, (targets, replayed), replayed_out, eager_out
@@ -417,12 +416,13 @@ class StepDispatch:
             difference = f"{difference}; a second replay from the same state differs too, and {beyond} lies beyond the two replays' spread"
         report.mismatches += 1
         report.first_mismatch = report.first_mismatch or difference
+        why = self._decision.check_why
         cause = (
-            f"a sampled replay check ({self._check_why}, step {int(self._fit.trainer.global_step)}) found the replay "
+            f"a sampled replay check ({why}, step {int(self._fit.trainer.global_step)}) found the replay "
             f"differing from the eager step from the same state: {difference}; something the step reads changed "
             "in a way the checks before each replay do not see"
         )
-        if self._check_why == OPERAND_CHECK:
+        if why == OPERAND_CHECK:
             # one of the first replays with a new operand value: the number reached the step some other
             # way too. Captured again with such numbers baked in, as without operand scalars
             self._operands_off = True

@@ -321,7 +321,7 @@ class ManualStep:
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         cb = self.callback
-        if cb.disabled_reason or cb._fit.optimizer is None or cb._fit.pending is None:
+        if cb._fit.disabled_reason or cb._fit.optimizer is None or cb._fit.pending is None:
             out = cb._overrides.training_step(*args, **kwargs)  # eager: the override passes it through
             return None if isinstance(out, dict) and not out else out
         progress = self._progress()

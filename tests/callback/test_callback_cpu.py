@@ -372,7 +372,7 @@ def test_l2_metrics_are_logged_again_at_epoch_end(monkeypatch):
     _batch_end(cb, trainer)
     cb._fit_report.timing.graph.append((_DoneEvent(), _DoneEvent(1.0)))
     cb._fit_report.timing.graph_count += 1
-    cb.fallback_steps = 1
+    cb._decision.fallback_steps = 1  # (the decision part counts the steps that ran eagerly)
     trainer.fit_loop.epoch_loop._batches_that_stepped += 1
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     cb.on_train_epoch_end(trainer, cb._fit.module)
@@ -484,30 +484,113 @@ def test_the_warmup_is_a_part_that_reads_the_fit_state_and_keeps_what_it_learns(
     assert (fresh.traced_steps, fresh.hidden_random, fresh.eager_hooks, fresh.groups) == (0, None, set(), {})
 
 
-def test_the_decisions_own_state_is_declared_by_step_decision_and_fresh_per_fit():
-    """StepDecision declares the state it alone writes in one method (_reset_decision_state, which the
-    callback's _reset_run_state calls: the __init__ of the part it is to become); none of it is a class
-    attribute shared by every callback, and each fit starts it afresh."""
+class _WidenedRental(L2GraphCallback):
+    """A subclass's devices for the re-capture wait reach the decision part (module-level: pickled)."""
+
+    _RENTAL_DEVICES = ("cpu", "cuda")
+
+
+def _never_eager(trainer, batch_idx):
+    return False
+
+
+def test_the_decision_is_a_part_that_declares_its_state_and_reads_the_fit_state():
+    """StepDecision declares in its __init__ what it alone writes (none of it a class attribute every
+    callback shares, none of it left on the callback), reads the fit through the callback's FitState, is
+    given the callback's parts, settings, report and callables (bound methods: a Trainer that spawns its
+    processes pickles the callback) but never the callback, reads what the callback rebinds during the
+    fit through those callables, and is made afresh for each fit. The callback's summary() and public
+    `fallback_steps` and `disabled_reason` read the part and the FitState."""
+    import pickle
+
     from l2lightning.callback.step_decision import StepDecision
 
-    names = {"_module_values", "_pending_tensors", "_check_why", "_operand_changes", "_waited_steps"}
-    names |= {"_fallback_causes"}
-    probe = SimpleNamespace()
-    StepDecision._reset_decision_state(probe)
-    assert set(vars(probe)) == names
-    assert not names & set(vars(StepDecision)) and not names & set(vars(L2GraphCallback))
-    cb = L2GraphCallback()
-    assert names <= set(vars(cb))
-    cb._module_values, cb._pending_tensors, cb._check_why = [({}, "W", 1)], [torch.zeros(1)], "why"
-    cb._operand_changes, cb._waited_steps = 3, 2
-    cb._fallback_causes.add("a cause")
+    cb = _WidenedRental(eager_steps=_never_eager, recapture_wait=False, verify="capture")
+    assert not isinstance(cb, StepDecision) and StepDecision not in type(cb).__mro__
+    part = cb._decision
+    assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
+    assert part._warmup is cb._warmup and part._prefetch is cb._prefetch
+    assert part._replay_check is cb.replay_check and part._warned is cb._warned
+    assert part._eager_steps is _never_eager and part._recapture_wait is False and part._check_on is False
+    assert part._rental_devices == ("cpu", "cuda")
+    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
+    given = ("_disable", "_warn_once", "_device_type", "_manual", "_installed", "_last_capture_cost")
+    assert all(getattr(part, name).__self__ is cb for name in (*given, "_operand_lines")), given
+    owned = {
+        "_module_values", "check_why", "operand_changes", "waited_steps", "fallback_steps", "fallback_causes",
+        "flags", "_disable_next",
+    }  # fmt: skip
+    assert owned <= set(vars(part)) and not owned & set(vars(StepDecision))
+    old_names = (
+        "_module_values", "_pending_tensors", "_check_why", "_operand_changes", "_waited_steps",
+        "_fallback_causes", "_flags", "_disable_next", "_step_closure", "_fit_started_at", "_code_bindings",
+        "_batch_reads", "_reset_decision_state", "_decide", "_recapture", "_capture_not_paid_for",
+        "_too_late_to_capture", "_warn_too_late_to_capture", "_too_large_to_compare", "_module_flags",
+        "_count_fallback", "_fall_back",
+    )  # fmt: skip
+    for name in old_names:
+        assert not hasattr(cb, name), name
+    # the fit's and the step's, which other parts read too, are the FitState's; the count is the part's
+    assert {"disabled_reason", "fallback_steps"}.isdisjoint(vars(cb))
+    assert (cb._fit.code_bindings, cb._fit.pending_tensors, cb._fit.started_at) == ([], [], None)
+    # what the callback rebinds during the fit, read through the callables when the part needs it
+    cb._operand_lines, cb._last_capture_cost_s, cb._installed = ["model.py:7"], 0.25, {"log": print}
+    assert part._operand_lines() == ["model.py:7"] and part._last_capture_cost() == 0.25
+    assert part._installed() == {"log": print} and not part._manual()
+    cb._manual = object()
+    assert part._manual()
+    cb._manual = None
+    copied = pickle.loads(pickle.dumps(cb))  # the part and its callables travel with the callback
+    assert copied._decision._disable.__self__ is copied and copied._decision._fit is copied._fit
+
+    # what the summary reports of the decision is the part's
+    part.fallback_steps, part.waited_steps, part.operand_changes = 4, 2, 3
+    part.fallback_causes.add("a cause")
+    summary = cb.summary()
+    assert (summary["fallback_steps"], summary["recapture_wait_steps"], summary["fallback_causes"]) == (
+        4,
+        2,
+        ["a cause"],
+    )
+    assert summary["operand_scalars"] == {"sites": ["model.py:7"], "changes": 3} and cb.fallback_steps == 4
+
+    # a refusal due at the next step (a CUDA generator's state set between steps): the decision refuses
+    # the fit there, through the callback, whose reason the FitState holds
+    part.disable_at_next_step("a reason")
+    cb._fit.pending, cb._fit.optimizer = (torch.zeros(1), 0), SimpleNamespace(handler=None)
+    with pytest.warns(UserWarning, match="L2GraphCallback: a reason; training eagerly"):
+        assert part.decide(None) == "eager"
+    assert cb.disabled_reason == cb._fit.disabled_reason == "a reason" == cb.summary()["reason"]
+    assert cb._fit.optimizer is None and part.decide(None) == "eager"
+
+    # the module flags it reads before each replay: made at the first read, released with the fit
+    cb._fit.module = TinyMLP(width=8, depth=2)
+    flags = part.module_flags()
+    assert part.flags is not None and flags == part.flags.read() and part.flags._handles
+    watched = part.flags
+    part.check_why, part._module_values = "why", [({}, "W", 1)]
     cb._reset_run_state()
-    assert (cb._module_values, cb._pending_tensors, cb._check_why) == ([], [], "")
-    assert (cb._operand_changes, cb._waited_steps, cb._fallback_causes) == (0, 0, set())
-    assert L2GraphCallback()._module_values is not cb._module_values  # one list per callback
+    fresh = cb._decision
+    assert not watched._handles  # its global registration hooks removed as the new fit starts
+    assert fresh is not part and fresh._fit is cb._fit and fresh._fit is not part._fit
+    assert fresh._warmup is cb._warmup and fresh._prefetch is cb._prefetch and fresh._slots is cb._slots
+    assert fresh._replay_check is cb.replay_check and fresh._warned is cb._warned
+    assert (fresh._module_values, fresh.check_why, fresh.flags, fresh._disable_next) == ([], "", None, None)
+    assert (fresh.fallback_steps, fresh.fallback_causes, fresh.waited_steps, fresh.operand_changes) == (
+        0,
+        set(),
+        0,
+        0,
+    )
+    assert L2GraphCallback()._decision._module_values is not fresh._module_values  # one list per part
     summary = cb.summary()
     assert summary["recapture_wait_steps"] == 0 and summary["fallback_causes"] == []
-    assert summary["operand_scalars"] == {"sites": [], "changes": 0}
+    assert summary["fallback_steps"] == cb.fallback_steps == 0 and summary["reason"] is None
+    assert cb.disabled_reason is None
+    cb._fit.module = TinyMLP(width=8, depth=2)
+    fresh.module_flags()
+    cb._cleanup(None)  # the fit's end releases them too
+    assert fresh.flags is None
 
 
 def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_callbacks_results():
