@@ -83,7 +83,7 @@ def _wrap_callback_path(phases: WallPhases, undo: list, device: str) -> None:
         (capture.StaticBatch, "copy_tensors", "batch_copy"),
         (StepDispatch, "_launch_replay", "launch_replay"),
         (StepDispatch, "_replay_step", "replay_step"),
-        (StepDispatch, "_step", "dispatch"),
+        (StepDispatch, "step", "dispatch"),
         (replay_closure.ReplayClosure, "__call__", "replay_closure"),
         (StepOverrides, "training_step", "training_step_override"),
         (StepOverrides, "_reissue", "log_reissue"),

@@ -162,11 +162,12 @@ def _captures_fit(name: str, device: str) -> dict:
     modes: list[str] = []
     eager_modes = step_dispatch.StepDispatch._eager_modes
 
-    def noting(self, mode, *args, **kwargs):
+    def noting(part, mode, *args, **kwargs):
+        """The dispatch part's `_eager_modes` (the fit's only callback's): the mode of each eager step."""
         modes.append(mode)
-        return eager_modes(self, mode, *args, **kwargs)
+        return eager_modes(part, mode, *args, **kwargs)
 
-    setattr_undone(cls, "_eager_modes", noting)
+    setattr_undone(step_dispatch.StepDispatch, "_eager_modes", noting)
     del warmup_steps
     try:
         idiom = IDIOM_VARIANTS[name]
@@ -214,6 +215,7 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
     from l2lightning import L2GraphCallback
     from l2lightning.callback import fit_report
     from l2lightning.callback.step_decision import StepDecision
+    from l2lightning.callback.step_dispatch import StepDispatch
     from tests.idiom_variants import IDIOM_VARIANTS
     from tests.lightning_models import quiet_trainer
 
@@ -236,26 +238,33 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
         waiting[0] = mode == "eager" and cb.captures > 0
         return mode
 
+    eager_modes, step = StepDispatch._eager_modes, StepDispatch.step
+
+    def timed_eager_modes(part, mode, run, closure, kwargs):
+        """The dispatch part's eager step (the waiting callback's), timed on waiting steps."""
+        started = time.perf_counter()
+        try:
+            return eager_modes(part, mode, run, closure, kwargs)
+        finally:
+            if waiting[0]:
+                pieces["eager_step_ms"].append(1000 * (time.perf_counter() - started))
+
+    def timed_step(part, run, closure, kwargs):
+        """The dispatch part's whole step (the waiting callback's), timed on waiting steps."""
+        started = time.perf_counter()
+        try:
+            return step(part, run, closure, kwargs)
+        finally:
+            if waiting[0]:
+                pieces["optimizer_step_ms"].append(1000 * (time.perf_counter() - started))
+
     class Waiting(L2GraphCallback):
-        """The callback that waits out the rest of the fit after the change."""
+        """The callback that waits out the rest of the fit after the change: a capture said to cost an hour."""
 
         _RENTAL_DEVICES = ("cpu", "cuda")
 
-        def _eager_modes(self, mode, run, closure, kwargs):
-            started = time.perf_counter()
-            try:
-                return super()._eager_modes(mode, run, closure, kwargs)
-            finally:
-                if waiting[0]:
-                    pieces["eager_step_ms"].append(1000 * (time.perf_counter() - started))
-
-        def _step(self, run, closure, kwargs):
-            started = time.perf_counter()
-            try:
-                return super()._step(run, closure, kwargs)
-            finally:
-                if waiting[0]:
-                    pieces["optimizer_step_ms"].append(1000 * (time.perf_counter() - started))
+        def _last_capture_cost(self):
+            return 3600.0
 
     try:
         idiom = IDIOM_VARIANTS[name]
@@ -269,9 +278,8 @@ def _wait_fit(name: str, device: str, variant: str) -> dict:
                 setattr_undone(fit_report._Timing, "graph_ms", lambda self: 0.14)
             cb = Waiting(log_timing=False)
             setattr_undone(StepDecision, "decide", timed_decide)
-            setattr_undone(
-                Waiting, "_last_capture_cost_s", property(lambda self: 3600.0, lambda self, v: None)
-            )
+            setattr_undone(StepDispatch, "_eager_modes", timed_eager_modes)
+            setattr_undone(StepDispatch, "step", timed_step)
             callbacks.append(cb)
         elif variant == "baseline":
             from l2lightning import CapturableFrom

@@ -55,6 +55,34 @@ class _Timing:
         return self._median_ms(self.graph)
 
 
+class CaptureCosts:
+    """What capturing cost this fit, in wall seconds: one record, which the dispatch and the capture write
+    (the prefetch part its tuning), the decision's re-capture wait weighs and ``summary()`` reports.
+    Made per fit with the parts and given to each of them; never rebound, so every part sees what the
+    others wrote."""
+
+    __slots__ = ("seconds", "once_s", "last_capture_s", "recaptures", "last_recapture_s")
+
+    def __init__(self) -> None:
+        # of prefetch tuning (chain discovery and the tuner; the prefetch part), of the captures (verify
+        # included, their tuning apart), of torch.compile's first compiled step, of the captures after
+        # the fit's first (their tuning included): summary()'s `tuning_s`, `capture_s`, ...
+        self.seconds: dict[str, float] = {
+            "tuning_s": 0.0,
+            "capture_s": 0.0,
+            "compile_s": 0.0,
+            "recapture_s": 0.0,
+        }
+        # of the capture under way, what a later capture does not repeat (the fit's first full garbage
+        # collection: the capture adds it, the dispatch leaves it out of `last_capture_s`)
+        self.once_s = 0.0
+        # the last capture's cost, less its tuning and `once_s`: what a re-capture waits to pay (the
+        # decision asks it through the callback's `_last_capture_cost`), None before the first
+        self.last_capture_s: float | None = None
+        self.recaptures = 0  # captures after the fit's first (the gate's second capture included)
+        self.last_recapture_s: float | None = None  # the wall seconds of the last of them
+
+
 class FitReport:
     """The step times a fit measured, the l2/* metrics it logs, and the captured step's report."""
 

@@ -19,9 +19,10 @@ class FitState:
 
     Set at the fit's ``setup`` (Trainer, module, the module's hooks as they were, what their source
     reads and where it was read from, what the step reads of its batch), at the training start (the
-    optimizer, the start's time), when the callback refuses the fit (why) and at each step (the pending
-    batch, its key and tensors, the mode the step runs in); a fresh one at every fit, so nothing of an
-    earlier fit is reachable.
+    optimizer, the start's time), when the callback refuses the fit (why), at the first eager step (the
+    stream the steps and captures run on), when a check rules out operand scalars, and at each step
+    (the pending batch, its key and tensors, the mode the step runs in); a fresh one at every fit, so
+    nothing of an earlier fit is reachable.
     """
 
     __slots__ = (
@@ -35,6 +36,8 @@ class FitState:
         "hook_owners",
         "started_at",
         "disabled_reason",
+        "step_stream",
+        "operands_off",
         "mode",
         "pending",
         "pending_key",
@@ -64,6 +67,14 @@ class FitState:
         # why the callback refused the fit (the rest of it trains eagerly; the callback's public
         # `disabled_reason`), or None: the callback's hooks, the decision and the manual step read it
         self.disabled_reason: str | None = None
+        # the CUDA stream every step the callback runs eagerly runs on, and the capture too (made at the
+        # fit's first such step by the dispatch, which runs the steps on it and gives it back once the
+        # fit trains plain; the capture captures on it): None before, off CUDA and once given back
+        self.step_stream: Any = None
+        # a sampled check after an operand value's change found the replay differing: the rest of the
+        # fit's captures bake the Python numbers the step reads in (the dispatch's check finds it, the
+        # capture acts on it; a verdict on the fit, as `disabled_reason` is)
+        self.operands_off = False
         # what the step under way runs as: "eager" (a timed warm-up step and a sampled check's eager step
         # too), "trace", "capture", "verify" or "replay"; the overridden module methods act on it
         self.mode = "eager"

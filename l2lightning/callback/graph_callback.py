@@ -54,7 +54,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from typing_extensions import override
 
 from l2lightning._env import cuda_unavailable_reason
-from l2lightning.callback.fit_report import FitReport
+from l2lightning.callback.fit_report import CaptureCosts, FitReport
 from l2lightning.callback.fit_state import FitState
 from l2lightning.callback.prefetch_setup import PrefetchSetup
 from l2lightning.callback.step_capture import StepCapture, _Graph
@@ -124,7 +124,7 @@ def _stale_read(what: str, lines: list[str], changes: str, kept: str, advice: st
     )
 
 
-class L2GraphCallback(StepDispatch, StepCapture, Callback):
+class L2GraphCallback(StepCapture, Callback):
     """Capture the whole training step (forward, loss, backward, optimizer step) in one CUDA graph.
 
     Inside the graph a side-stream kernel prefetches into L2 the weights the next layer will read
@@ -319,7 +319,6 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
         # the fit and the step every part reads (trainer, module, optimizer, whether the fit is refused,
         # the step's mode and batch)
         self._fit = FitState()
-        self._replay_closure: ReplayClosure | None = None
         self.verify_report: Any = None
         self.captures = 0
         self.replay_check = ReplayCheckReport(mode=str(self.verify) if self.verify else "off")
@@ -334,8 +333,6 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
         self._captured_roles: set[tuple[bool, bool]] = set()  # the accumulation roles with a graph (summary)
         self._check_on = self.verify == "sampled"
         self._verify_capture_off = False
-        # a check after an operand value's change found the replay differing: later captures bake them in
-        self._operands_off = False
         # the operand sites (their lines) the last capture read from device scalars (summary()['operand_scalars'])
         self._operand_lines: list[str] = []
         self._undo_cuda_state_watch: Callable[[], None] | None = None
@@ -352,31 +349,17 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
         self._kept_optimizer: CapturableOptimizer | CapturableOptimizers | None = None
         self._owns_optimizer = False
         self._nan_patched: list[Any] = []
-        self._in_step = False
-        # the wall seconds of the last capture (its tuning and what only a first capture spends apart),
-        # and the replay time the eager steps since a change have forgone: a re-capture waits until the
-        # second reaches the first
-        self._last_capture_cost_s: float | None = None
-        self._capture_once_s = 0.0  # of the capture under way: what a later capture does not repeat
         # the prefetch set-up of the capture step under way collected all generations before tuning
         # (l2lightning.callback.prefetch_setup): the capture in the same step need not walk them again
         self._collected_for_capture = False
-        self._recaptures = 0  # captures after the fit's first (the gate's second capture included)
-        self._last_recapture_s: float | None = None  # the wall seconds of the last of them
         self._pool_mib: float | None = None
         self._captured = False
         # the children compile=True compiled (the prefetch part fills it, the warm-up part reads it)
         self._compiled_children: list[torch.nn.Module] = []
-        # The stream every non-replayed step runs on, and the capture too (set at the first step)
-        self._step_stream: Any = None
-        # What capturing cost: wall seconds of prefetch tuning (chain discovery and the tuner), of
-        # the captures (verify included) and of torch.compile's first compiled step
-        self._cost_s: dict[str, float] = {
-            "tuning_s": 0.0,
-            "capture_s": 0.0,
-            "compile_s": 0.0,
-            "recapture_s": 0.0,
-        }
+        # What capturing cost (wall seconds of tuning, captures, re-captures, compile=True's first step, and
+        # the last capture's, which a re-capture waits to pay): one record, which the dispatch, the capture
+        # and the prefetch part write and summary() reports (filled in place, never rebound)
+        self._costs = CaptureCosts()
         # the step times, the l2/* metrics and the captured step's report (a part: its state is its own)
         self._fit_report = FitReport(self.report)
         # the warm-up steps and what they learn (a part: its state is its own)
@@ -404,7 +387,7 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
             compile=self.compile,
             gate_pairs=self.gate_pairs,
             warn_once=self._warn_once,
-            cost_s=self._cost_s,
+            cost_s=self._costs.seconds,
             compiled_children=self._compiled_children,
             installed_log=self._installed_log,
             plans=self._get_plans,
@@ -445,6 +428,25 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
             last_capture_cost=self._last_capture_cost,
             operand_lines=self._get_operand_lines,
         )
+        # how each step runs: replayed, checked, warmed up, captured or eager (a part: its state is its own;
+        # the optimizer's handler, the GradScaler's step, a micro-batch and a manual step call its `step`)
+        self._dispatch = StepDispatch(
+            self._fit,
+            self._fit_report,
+            self._warmup,
+            self._prefetch,
+            self._overrides,
+            self._decision,
+            self._slots,
+            costs=self._costs,
+            replay_check=self.replay_check,
+            capture_step=self._capture_step,
+            disable=self._disable,
+            warn_once=self._warn_once,
+            events=self._events,
+            device=self._device,
+            device_type=self._device_type,
+        )
 
     # The callables the prefetch part is given (bound methods, not lambdas: a Trainer that spawns its
     # processes pickles its callbacks, their parts included)
@@ -467,8 +469,8 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
 
     # The callables the overrides part is given (bound methods, as above): what it asks of the callback's state
     def _stepping(self) -> bool:
-        """Whether one of the callback's steps is under way (StepDispatch._step)."""
-        return self._in_step
+        """Whether one of the callback's steps is under way (the dispatch part's, StepDispatch.step)."""
+        return self._dispatch.in_step
 
     def _is_manual(self) -> bool:
         """Whether the fit's step is a manual-optimization one (l2lightning.graph.manual_step), set up at `setup`."""
@@ -482,8 +484,10 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
         return self._installed
 
     def _last_capture_cost(self) -> float | None:
-        """The wall seconds of the last capture (StepDispatch._eager_modes), what a re-capture waits to pay."""
-        return self._last_capture_cost_s
+        """The wall seconds of the last capture (StepDispatch._eager_modes), what a re-capture waits to pay.
+        (Asked through this method, not read off the cost record by the decision: tests and benchmarks
+        override it in a subclass to fix what a capture costs.)"""
+        return self._costs.last_capture_s
 
     def _get_operand_lines(self) -> list[str]:
         """The operand sites the last capture read from device scalars (StepCapture._serve_operands)."""
@@ -557,7 +561,7 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
         eager_ms = self._fit_report.timing.eager_ms()
         graph_ms = self._fit_report.timing.graph_ms()
         gate, tuning = self._prefetch.gate_result, self._prefetch.tuning_report
-        decision = self._decision
+        decision, costs = self._decision, self._costs
         return {
             "captured": self._captured,
             "reason": self._fit.disabled_reason,
@@ -576,9 +580,9 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
             "graph_pool_mib": self._pool_mib,
             "prefetch_gate": gate.to_dict() if gate is not None else None,
             # wall seconds to the microsecond (a tuning that gives up at once is not 0)
-            **{key: round(value, 6) for key, value in self._cost_s.items()},
-            "recaptures": self._recaptures,
-            "last_recapture_s": None if self._last_recapture_s is None else round(self._last_recapture_s, 6),
+            **{key: round(value, 6) for key, value in costs.seconds.items()},
+            "recaptures": costs.recaptures,
+            "last_recapture_s": None if costs.last_recapture_s is None else round(costs.last_recapture_s, 6),
             "recapture_wait_steps": decision.waited_steps,
             "operand_scalars": {"sites": list(self._operand_lines), "changes": decision.operand_changes},
             "tuning": tuning.to_dict() if tuning is not None else None,
@@ -947,7 +951,7 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
         self._undo_cuda_state_watch = watch_cuda_state_setters(self._cuda_state_set)
         self._fit.started_at = time.perf_counter()
         # replays dispatch only the closure's hooks that something overrides (l2lightning.graph.replay_closure)
-        self._replay_closure = ReplayClosure() if why_not_fast(trainer) is None else None
+        self._dispatch.replay_closure = ReplayClosure() if why_not_fast(trainer) is None else None
         for _, metric in named_metrics(pl_module):
             if needs_sync_free_nan_check(metric) and "_cast_and_nan_check_input" not in vars(metric):
                 metric._cast_and_nan_check_input = sync_free_nan_check(metric)
@@ -964,17 +968,17 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
     def _optimizer_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """The capturable optimizer's handler: the callback's step, on the graph of its accumulation role."""
         self._enter_role(closure)
-        return self._step(run, closure, kwargs)
+        return self._dispatch.step(run, closure, kwargs)
 
     def _micro_batch_step(self, step: MicroBatchStep) -> Any:
         """An accumulating micro-batch (its closure, which Lightning calls itself): the callback's step
         without an optimizer update, on the graph of its role (l2lightning.graph.accumulation)."""
         if (
-            self._fit.optimizer is None or self._in_step
+            self._fit.optimizer is None or self._dispatch.in_step
         ):  # given up on (or inside a step): as Lightning runs it
             return step()
         self._enter_role(step)
-        return self._step(run_micro_batch, step, {})
+        return self._dispatch.step(run_micro_batch, step, {})
 
     def _enter_role(self, closure: Any) -> None:
         """The per-graph state of the graph that serves this step (l2lightning.graph.graph_slots)."""
@@ -992,7 +996,7 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
                     f"the GradScaler's {', '.join(changes)} since capture (baked into the graph)"
                 )
         captures = self.captures
-        result = self._step(run, closure, kwargs)
+        result = self._dispatch.step(run, closure, kwargs)
         if self.captures != captures and role.graph is not None:
             # written by scaler.update, outside the closure the step tracer sees: the sampled replay
             # check saves, puts back and compares them with the rest of what the step writes
@@ -1007,7 +1011,7 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
     ) -> None:
         if self._fit.disabled_reason or self._fit.module is None:
             self._fit.pending = None
-            self._give_back_step_stream()  # once, after the step that disabled the callback
+            self._dispatch.give_back_step_stream()  # once, after the step that disabled the callback
             return
         self._fit.pending = (batch, batch_idx)
         if self.compile and not self._compiled_children:
@@ -1061,7 +1065,7 @@ class L2GraphCallback(StepDispatch, StepCapture, Callback):
         """`torch.cuda.NAME` set a CUDA generator's state. Between steps (a hook) the next replay is
         checked; inside a step it is the step's own (activation checkpointing's recomputation puts the
         forward's state back at every backward), which the step tracer judges."""
-        if self._in_step:
+        if self._dispatch.in_step:
             return
         self._checks_after(f"a call of `torch.cuda.{name}`")
         if (

@@ -201,7 +201,7 @@ class StepCapture:
             # the sampled check judges the first replays with new values: a use of the number that
             # no analysis saw would otherwise go unseen (the number would not be compared any more)
             or not self._check_on
-            or self._operands_off
+            or self._fit.operands_off
             or not sites
             # a TorchFunctionMode around compiled code makes dynamo compile it again, inside the capture
             or self.compile
@@ -358,7 +358,7 @@ class StepCapture:
         overrides.step_output = None
         memo = group.traces[-1].memo if group is not None and group.traces else role.memo
         role.memo = memo
-        tracer = StepTracer(device_type, constants, memo, capture_stream=self._step_stream)
+        tracer = StepTracer(device_type, constants, memo, capture_stream=self._fit.step_stream)
         self._fit.mode = "capture"
         overrides.capture_graph = graph
         wrapped.sync_tensors()
@@ -652,7 +652,7 @@ class StepCapture:
             # stream, which would break the capture.
             collecting = time.perf_counter()
             free_cached_memory()
-            self._capture_once_s += time.perf_counter() - collecting
+            self._costs.once_s += time.perf_counter() - collecting
             return
         # The young generations only, where the full collection's work is done already. A full one
         # took 0.31-0.33 s of a 0.34-0.37 s re-capture on the H200, whose capture itself took 0.02 s
@@ -684,7 +684,7 @@ class StepCapture:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with graph_capture(graph.graph, stream=self._step_stream):
+                with graph_capture(graph.graph, stream=self._fit.step_stream):
                     self._fit_report.phase_events.mark("start")
                     run(closure, **kwargs)
                     if graph.binding is not None:

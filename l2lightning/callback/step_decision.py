@@ -1,7 +1,7 @@
 """What each optimizer step does: replay, capture (again), or run eagerly, and why.
 
 A part :class:`l2lightning.callback.graph_callback.L2GraphCallback` holds (``_decision``), one per fit:
-:meth:`StepDecision.decide` runs before every step the callback wraps (``StepDispatch._step``). The
+:meth:`StepDecision.decide` runs before every step the callback wraps (``StepDispatch.step``). The
 part declares in its own ``__init__`` what it alone writes (the module-level values compared before
 each replay, why a step is checked, the operand scalars' changes, the steps a re-capture waited, the
 fallback steps and their causes, the module flags it reads per replay, a refusal due at the next

@@ -1,7 +1,17 @@
 """The optimizer step the callback wraps: run it eagerly, capture it or replay it.
 
-A mixin of :class:`l2lightning.callback.graph_callback.L2GraphCallback`: its methods use the callback's run state
-(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+A part :class:`l2lightning.callback.graph_callback.L2GraphCallback` holds (``_dispatch``), one per fit:
+:meth:`StepDispatch.step` is what the capturable optimizer's handler, the GradScaler's step, an
+accumulating micro-batch and a manual step call (through the callback), and it runs every step the
+decision part chose: a replay, a sampled replay check, a warm-up step, the capture or an eager step.
+The part declares in its own ``__init__`` what it alone writes (whether one of its steps is under way,
+the replay closure the training start sets up); it reads the fit and the step through
+:class:`l2lightning.callback.fit_state.FitState` (the stream its eager steps run on and whether the
+captures bake operand numbers in are the fit's, there, as the capture reads them too), the per-graph
+state through the graph slots, and reaches the rest of the callback only through what it is given: the
+report, warm-up, prefetch, overrides and decision parts, the capture, the callback's cost record and
+replay check report, and bound methods of the callback (which a Trainer that spawns its processes
+pickles with it).
 """
 
 from __future__ import annotations
@@ -13,14 +23,20 @@ from typing import Any
 
 import torch
 
-from l2lightning.callback.step_decision import OPERAND_CHECK
-from l2lightning.callback.step_overrides import copied_element
+from l2lightning.callback.fit_report import CaptureCosts, FitReport
+from l2lightning.callback.fit_state import FitState
+from l2lightning.callback.prefetch_setup import PrefetchSetup
+from l2lightning.callback.step_decision import OPERAND_CHECK, StepDecision
+from l2lightning.callback.step_overrides import StepOverrides, copied_element
+from l2lightning.callback.warmup_steps import WarmupSteps
 from l2lightning.graph.accumulation import MicroBatchStep
 from l2lightning.graph.capture import clear_cublas_workspaces, loss_of
 from l2lightning.graph.cuda_memory import free_cached_memory
-from l2lightning.graph.replay_closure import is_stock_closure, one_closure_count
+from l2lightning.graph.graph_slots import GraphSlots
+from l2lightning.graph.replay_closure import ReplayClosure, is_stock_closure, one_closure_count
 from l2lightning.guards.replay_check import (
     PhaseClock,
+    ReplayCheckReport,
     WrittenState,
     beyond_replay_spread,
     describe_difference,
@@ -33,14 +49,65 @@ from l2lightning.guards.replay_check import (
 class StepDispatch:
     """The optimizer step the callback wraps: run it eagerly, capture it or replay it."""
 
-    def _step(self, run: Callable[..., Any], closure: Callable[[], Any] | None, kwargs: dict) -> Any:
+    def __init__(
+        self,
+        fit: FitState,
+        fit_report: FitReport,
+        warmup: WarmupSteps,
+        prefetch: PrefetchSetup,
+        overrides: StepOverrides,
+        decision: StepDecision,
+        slots: GraphSlots,
+        *,
+        costs: CaptureCosts,
+        replay_check: ReplayCheckReport,
+        capture_step: Callable[[Callable[..., Any], Any, dict], Any],
+        disable: Callable[[str], None],
+        warn_once: Callable[[str, str], None],
+        events: Callable[[], tuple[Any, Any]],
+        device: Callable[[], torch.device],
+        device_type: Callable[[], str],
+    ) -> None:
+        self._fit = fit
+        self._fit_report = fit_report  # the replays' timing events and count
+        self._warmup = warmup  # the warm-up's traced and timed steps
+        self._prefetch = prefetch  # compile=True's first compiled step, the whole-step gate's turn
+        # the module's methods (their bound methods are installed): handed the replayed graph, the check's output
+        self._overrides = overrides
+        self._decision = decision  # what each step does, asked first; why a check was chosen
+        # the per-graph state of the graph serving the step (l2lightning.graph.graph_slots), read once per
+        # method into a local: its graph, replay count, check schedule, re-capture cause
+        self._slots = slots
+        # The callback's objects, made per fit with the parts and never rebound: what capturing cost (this
+        # part times the captures and compile=True's first step) and the sampled check's report (counts,
+        # phases, mismatches)
+        self._costs = costs
+        self._replay_check = replay_check
+        # The callback's, as bound methods: capture the step (StepCapture), refuse the fit (the rest trains
+        # eagerly, saying why), warn once per key, a timed step's CUDA events (a class's static method,
+        # which tests and benchmarks replace), the fit's device and its type (read from the Trainer)
+        self._capture_step = capture_step
+        self._disable = disable
+        self._warn_once = warn_once
+        self._events = events
+        self._device = device
+        self._device_type = device_type
+        # whether one of this part's steps is under way: the overrides ask (a closure run outside
+        # `optimizer.step` is none), and so do the callback's micro-batch handler, its CUDA generator
+        # watch and the manual step
+        self.in_step = False
+        # what a replay's closure dispatches of Lightning's (l2lightning.graph.replay_closure), or None where
+        # the closure runs as it is: set up by the callback at the training start, read at every replay
+        self.replay_closure: ReplayClosure | None = None
+
+    def step(self, run: Callable[..., Any], closure: Callable[[], Any] | None, kwargs: dict) -> Any:
         """Called by the capturable optimizer's ``step``: `run(closure)` is its eager step."""
         # what this step does (the decision part; Lightning's accumulation state is read off the closure,
         # l2lightning.graph.accumulation)
         mode = self._decision.decide(closure)
         if mode == "replay" and self._slots.state.graph.appends:
             mode = self._appends_redoable()
-        self._in_step = True
+        self.in_step = True
         try:
             if mode == "replay":
                 return self._replay_step(closure)
@@ -59,9 +126,9 @@ class StepDispatch:
                     return self._eager_modes(mode, run, closure, kwargs)
             finally:
                 if compiling:
-                    self._cost_s["compile_s"] += time.perf_counter() - started
+                    self._costs.seconds["compile_s"] += time.perf_counter() - started
         finally:
-            self._in_step = False
+            self.in_step = False
             self._fit.pending = None
             self._fit.pending_tensors = []  # the batch's tensors: not kept past the step
 
@@ -72,26 +139,27 @@ class StepDispatch:
         if mode == "time":
             return self._warmup.timed_step(run, closure, kwargs)
         if mode == "capture":
-            started, tuned = time.perf_counter(), self._cost_s["tuning_s"]
+            costs = self._costs
+            started, tuned = time.perf_counter(), costs.seconds["tuning_s"]
             again = (
                 self._slots.state.captures_here > 0
             )  # a capture after this graph's first: what a re-capture costs
-            self._capture_once_s = 0.0
+            costs.once_s = 0.0
             try:
                 return self._capture_step(run, closure, kwargs)
             finally:  # the tuning inside it is counted apart
                 elapsed = time.perf_counter() - started
-                cost = elapsed - (self._cost_s["tuning_s"] - tuned)
-                self._cost_s["capture_s"] += cost
+                cost = elapsed - (costs.seconds["tuning_s"] - tuned)
+                costs.seconds["capture_s"] += cost
                 # What the re-capture wait weighs: what a capture after this one will cost, so not
                 # what only the fit's first capture spends (its full garbage collection: 0.32 s of
                 # the 0.35 s a first capture took on the H200 beside its tuning, where a re-capture
                 # takes 0.03 s; benchmarks/results/h200/recapture_phases_before.json)
-                self._last_capture_cost_s = cost - self._capture_once_s
+                costs.last_capture_s = cost - costs.once_s
                 if again:
-                    self._cost_s["recapture_s"] += elapsed  # its tuning included
-                    self._recaptures += 1
-                    self._last_recapture_s = elapsed
+                    costs.seconds["recapture_s"] += elapsed  # its tuning included
+                    costs.recaptures += 1
+                    costs.last_recapture_s = elapsed
         self._fit.mode = "eager"
         return run(closure, **kwargs)
 
@@ -110,23 +178,25 @@ class StepDispatch:
         if self._device_type() != "cuda" or not torch.cuda.is_available():
             yield
             return
-        if self._step_stream is None:
-            self._step_stream = torch.cuda.Stream(self._device())
+        fit = self._fit
+        if fit.step_stream is None:
+            fit.step_stream = torch.cuda.Stream(self._device())
             # PyTorch's allocator caches freed blocks per stream: what the default stream left
             # cached (a sanity-check validation, an earlier fit) cannot serve this stream's
             # allocations. Give those blocks back once, before the first step on this stream. (A
             # precaution: on the H200 a fit with 4% more free memory than plain training needs still
             # ran out of memory in a warm-up step with it; tests/gpu/test_oom_gpu.py.)
             torch.cuda.empty_cache()
+        stream = fit.step_stream
         caller = torch.cuda.current_stream()
-        self._step_stream.wait_stream(caller)
+        stream.wait_stream(caller)
         try:
-            with torch.cuda.stream(self._step_stream):
+            with torch.cuda.stream(stream):
                 yield
         finally:
-            caller.wait_stream(self._step_stream)
+            caller.wait_stream(stream)
 
-    def _give_back_step_stream(self) -> None:
+    def give_back_step_stream(self) -> None:
         """Free what the capture's stream holds once the rest of the fit trains plain on the caller's.
 
         The steps the callback ran on its stream left cuBLAS workspaces keyed to it (one per thread
@@ -137,9 +207,9 @@ class StepDispatch:
         back here, that fit's steps peak at plain's allocated bytes (benchmarks/memory_peak.py,
         scenario ``oom-steps-capture-fails``).
         """
-        if self._step_stream is None:
+        if self._fit.step_stream is None:
             return
-        self._step_stream = None
+        self._fit.step_stream = None
         clear_cublas_workspaces()
         free_cached_memory()
 
@@ -208,11 +278,11 @@ class StepDispatch:
         overrides.reissued = set()
         if closure is None:
             return loss_of(graph.output, "training_step")
-        if self._replay_closure is not None:
+        if self.replay_closure is not None:
             if is_stock_closure(closure):
-                return self._replay_closure(self._fit.trainer, closure)
+                return self.replay_closure(self._fit.trainer, closure)
             if isinstance(closure, MicroBatchStep):
-                return self._replay_closure.micro_batch(self._fit.trainer, self._fit.module, closure.closure)
+                return self.replay_closure.micro_batch(self._fit.trainer, self._fit.module, closure.closure)
         return closure()
 
     # ------------------------------------------------------------------ the sampled replay check
@@ -236,7 +306,7 @@ class StepDispatch:
 
     def _checked_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
         """A replay compared bit for bit with the eager step from the same state; the eager step stands."""
-        report, graph = self.replay_check, self._slots.state.graph
+        report, graph = self._replay_check, self._slots.state.graph
         clock = PhaseClock(self._device_type() == "cuda")  # from when the steps queued before it are done
         started = clock.started
         if graph.binding is not None:
@@ -320,7 +390,7 @@ class StepDispatch:
 
     def _check_skipped_for_memory(self) -> None:
         free_cached_memory()
-        self.replay_check.skipped_memory += 1
+        self._replay_check.skipped_memory += 1
         self._warn_once(
             "check-memory",
             "a sampled replay check was skipped: the copies of what the step writes did not fit in the "
@@ -373,7 +443,7 @@ class StepDispatch:
         `differing`: the first (label, replayed, eager) that differs; `replayed`: (the tensors the graph
         wrote, copies of what it wrote there); `eager_out`: the eager step's loss and returned tensors
         by label."""
-        report = self.replay_check
+        report = self._replay_check
         # Described only for a message that needs it (a mismatch): rounding, the common case, needs
         # none. A gradient is described now, as the second replay below writes over the graph's.
         in_pool = any(differing[1] is g for g in graph.grad_tensors)
@@ -425,7 +495,7 @@ class StepDispatch:
         if why == OPERAND_CHECK:
             # one of the first replays with a new operand value: the number reached the step some other
             # way too. Captured again with such numbers baked in, as without operand scalars
-            self._operands_off = True
+            self._fit.operands_off = True
             cause += "; the step is captured again with the Python numbers it reads baked in"
         if report.mismatches >= 2:
             self._disable(f"{cause}, for the second time")

@@ -62,7 +62,7 @@ class StepOverrides:
         # values its replays re-evaluate
         self._slots = slots
         self._disable = disable  # refuse the fit: the rest of it trains eagerly, saying why
-        # whether one of the callback's steps is under way (StepDispatch._step; a closure run outside
+        # whether one of the callback's steps is under way (StepDispatch.step; a closure run outside
         # `optimizer.step` is none), and whether the fit's step is a manual one (l2lightning.graph.manual_step):
         # the callback's, asked when needed (the manual step is set up after this part is made)
         self._stepping = stepping

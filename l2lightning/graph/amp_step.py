@@ -127,7 +127,7 @@ class ScaledStep:
         optimizer: the torch optimizer the callback handles (fused: :func:`unfused_refusal` is None).
         handler: called as ``handler(step, closure, kwargs)`` for each of that optimizer's steps:
             ``closure`` is Lightning's closure with the plugin's ``_after_closure``, ``step(closure,
-            **kwargs)`` the eager step (the callback's ``StepDispatch._step``).
+            **kwargs)`` the eager step (the callback's ``StepDispatch.step``).
         active: whether the callback still handles the steps; when not, Lightning's method runs as is.
         undone: whether the step about to run is undone afterwards (the eager step of
             ``verify="capture"``, after which the callback puts back the model and the optimizer, not

@@ -5,7 +5,7 @@ loop calls ``training_step`` once, and the step itself calls ``opt.zero_grad()``
 and ``opt.step()`` (``LightningOptimizer.step``: the precision plugin's ``optimizer_step`` with a closure
 that does nothing but Lightning's ``_after_closure``). So the boundary of the captured step is the whole
 ``training_step`` call: :class:`ManualStep` installs its :meth:`ManualStep.training_step` as the module's
-``training_step`` and hands the callback's ``StepDispatch._step`` a ``run`` that calls the closure and a
+``training_step`` and hands the callback's ``StepDispatch.step`` a ``run`` that calls the closure and a
 closure that runs the callback's own ``training_step`` override (capture, replay and log re-issue as for
 automatic optimization). The optimizer steps inside it go through the capturable optimizer's wrapper
 straight to its step (:meth:`ManualStep.optimizer_step`), inside the graph at the capture. A step may
@@ -207,7 +207,7 @@ class ManualStep:
     """The module's ``training_step`` for a manual-optimization fit the callback handles.
 
     Args:
-        callback: the :class:`~l2lightning.callback.graph_callback.L2GraphCallback` (its ``_step``, its overrides
+        callback: the :class:`~l2lightning.callback.graph_callback.L2GraphCallback` (its dispatch part's ``step``, its overrides
             part's ``training_step`` and recorded logs, mode and counters).
     """
 
@@ -239,7 +239,7 @@ class ManualStep:
         step that shows a schedule a replay cannot repeat (refused) and at the capture (recorded)."""
         cb = self.callback
         mode = cb._fit.mode
-        if not cb._in_step or mode not in ("trace", "capture"):
+        if not cb._dispatch.in_step or mode not in ("trace", "capture"):
             return entry.run(*args, **kwargs)  # eager: between steps, fallbacks, the check's eager step
         problem = self._scheduler_problem(entry, args, kwargs)
         if problem is not None and mode == "capture":
@@ -334,7 +334,7 @@ class ManualStep:
         self._counting = 0
         self._stepped = set()
         scheduled = self.schedulers.counts()
-        out = cb._step(_run, functools.partial(cb._overrides.training_step, *args, **kwargs), {})
+        out = cb._dispatch.step(_run, functools.partial(cb._overrides.training_step, *args, **kwargs), {})
         captured = cb.captures != captures
         if (captured or cb._fit.mode != "replay") and cb._fit.optimizer is not None:
             # the capture step switched the optimizer to make_capturable's configuration: not the step's doing

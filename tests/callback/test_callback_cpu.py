@@ -534,7 +534,7 @@ def test_the_decision_is_a_part_that_declares_its_state_and_reads_the_fit_state(
     assert {"disabled_reason", "fallback_steps"}.isdisjoint(vars(cb))
     assert (cb._fit.code_bindings, cb._fit.pending_tensors, cb._fit.started_at) == ([], [], None)
     # what the callback rebinds during the fit, read through the callables when the part needs it
-    cb._operand_lines, cb._last_capture_cost_s, cb._installed = ["model.py:7"], 0.25, {"log": print}
+    cb._operand_lines, cb._costs.last_capture_s, cb._installed = ["model.py:7"], 0.25, {"log": print}
     assert part._operand_lines() == ["model.py:7"] and part._last_capture_cost() == 0.25
     assert part._installed() == {"log": print} and not part._manual()
     cb._manual = object()
@@ -602,7 +602,7 @@ def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_cal
     assert not isinstance(cb, PrefetchSetup) and PrefetchSetup not in type(cb).__mro__
     part = cb._prefetch
     assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
-    assert part._cost_s is cb._cost_s and part._compiled_children is cb._compiled_children
+    assert part._cost_s is cb._costs.seconds and part._compiled_children is cb._compiled_children
     assert part._compiled_children is cb._warmup._compiled_children  # the one list both parts hold
     assert part._setting == "auto" and part._gate_pairs == 4  # the callback's settings, as the fit starts
     assert part._compile and not part._backward_prefetch
@@ -780,3 +780,108 @@ def test_the_overrides_are_a_part_whose_bound_methods_the_module_gets_for_the_fi
     assert fresh._warmup is cb._warmup and fresh._prefetch is cb._prefetch
     assert cb._slots.state.live_log_values == set() and not fresh.record_output and fresh.replayed is None
     assert fresh._slots is cb._slots
+
+
+def test_the_dispatch_is_a_part_that_runs_each_step_and_declares_its_state(monkeypatch, one_torch_thread):
+    """StepDispatch declares in its __init__ what it alone writes (whether one of its steps is under way,
+    the replay closure), reads the fit through the callback's FitState (the stream its eager steps run on
+    and whether captures bake operand numbers in are the fit's, as the capture reads them too), is given
+    the callback's parts, cost record, replay check report and callables (bound methods: a Trainer that
+    spawns its processes pickles the callback) but never the callback, and is made afresh for each fit.
+    The optimizer's handler runs the part's step; summary() reads the cost record it fills."""
+    import pickle
+
+    from l2lightning.callback import step_dispatch
+    from l2lightning.callback.step_dispatch import StepDispatch
+    from tests import graph_emulator
+    from tests.replay_helpers import callback
+    from tests.replay_helpers import fit as recorded_fit
+
+    cb = callback()
+    assert not isinstance(cb, StepDispatch) and StepDispatch not in type(cb).__mro__
+    part = cb._dispatch
+    assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
+    assert part._warmup is cb._warmup and part._prefetch is cb._prefetch
+    assert part._overrides is cb._overrides and part._decision is cb._decision
+    assert part._costs is cb._costs and part._replay_check is cb.replay_check
+    assert cb._prefetch._cost_s is cb._costs.seconds  # the one record's seconds, which tuning adds to
+    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
+    given = ("_disable", "_warn_once", "_device", "_device_type")
+    assert all(getattr(part, name).__self__ is cb for name in given), given
+    assert part._events is cb._events  # the class's static method (tests and benchmarks replace it)
+    old_names = (
+        "_in_step", "_step_stream", "_replay_closure", "_operands_off", "_cost_s", "_capture_once_s",
+        "_last_capture_cost_s", "_recaptures", "_last_recapture_s", "_step", "_eager_modes",
+        "_on_step_stream", "_give_back_step_stream", "_launch_replay", "_appends_redoable", "_replay_step",
+        "_written_state", "_checked_step", "_check_skipped_for_memory", "_replayed_again", "_replay_differed",
+    )  # fmt: skip
+    for name in old_names:
+        assert not hasattr(cb, name), name
+    owned = {"in_step", "replay_closure"}
+    assert owned <= set(vars(part)) and not owned & set(vars(StepDispatch))
+    assert (part.in_step, part.replay_closure, cb._fit.step_stream, cb._fit.operands_off) == (
+        False,
+        None,
+        None,
+        False,
+    )
+    # whether a step is under way: the overrides ask the part, through the callback
+    part.in_step = True
+    assert cb._overrides._stepping()
+    part.in_step = False
+    assert not cb._overrides._stepping()
+    copied = pickle.loads(pickle.dumps(cb))  # the part and its callables travel with the callback
+    assert copied._dispatch._disable.__self__ is copied and copied._dispatch._fit is copied._fit
+    assert copied._dispatch._decision is copied._decision and copied._dispatch._costs is copied._costs
+
+    # what capturing cost: the record summary() reports and the re-capture wait asks through the callback
+    costs = cb._costs
+    costs.seconds["capture_s"], costs.recaptures, costs.last_recapture_s = 0.5, 2, 0.25
+    costs.last_capture_s = 0.125
+    summary = cb.summary()
+    assert (summary["capture_s"], summary["recaptures"], summary["last_recapture_s"]) == (0.5, 2, 0.25)
+    assert cb._last_capture_cost() == 0.125 == cb._decision._last_capture_cost()
+
+    # the fit refused: the next batch's start gives the step stream back once, through the part
+    freed = []
+    for name in ("clear_cublas_workspaces", "free_cached_memory"):
+        monkeypatch.setattr(step_dispatch, name, lambda name=name: freed.append(name))
+    cb._fit.disabled_reason, cb._fit.module, cb._fit.step_stream = "a reason", TinyMLP(), "the stream"
+    cb.on_train_batch_start(None, cb._fit.module, None, 0)
+    cb.on_train_batch_start(None, cb._fit.module, None, 1)
+    assert freed == ["clear_cublas_workspaces", "free_cached_memory"] and cb._fit.step_stream is None
+    monkeypatch.undo()
+
+    # a fit: the optimizer's handler runs the part's step (this fit's part), under which the step runs
+    graph_emulator.install(monkeypatch.setattr)
+    seen, step = [], StepDispatch.step
+
+    def watched(self, run, closure, kwargs):
+        def watched_run(closure, **kwargs):
+            seen.append((self is cb._dispatch, self.in_step))
+            return run(closure, **kwargs)
+
+        return step(self, watched_run, closure, kwargs)
+
+    monkeypatch.setattr(StepDispatch, "step", watched)
+    recorded_fit(TinyMLP, [cb], steps=6)
+    fitted = cb._dispatch
+    assert fitted is not part and fitted._fit is cb._fit and cb.summary()["captured"], cb.summary()
+    assert seen and all(ours and under_way for ours, under_way in seen) and not fitted.in_step, seen
+    assert fitted.replay_closure is not None  # set up at the training start
+    assert fitted._costs is cb._costs and cb._costs.last_capture_s is not None
+    assert cb.summary()["capture_s"] == round(cb._costs.seconds["capture_s"], 6) > 0
+
+    fitted.in_step, cb._fit.operands_off = True, True
+    cb._reset_run_state()
+    fresh = cb._dispatch
+    assert fresh is not fitted and fresh._fit is cb._fit and fresh._fit is not fitted._fit
+    assert fresh._decision is cb._decision and fresh._overrides is cb._overrides and fresh._slots is cb._slots
+    assert fresh._costs is cb._costs and fresh._costs is not fitted._costs
+    assert (fresh.in_step, fresh.replay_closure, cb._fit.operands_off, cb._costs.last_capture_s) == (
+        False,
+        None,
+        False,
+        None,
+    )
+    assert cb.summary()["capture_s"] == 0.0 and cb.summary()["recaptures"] == 0

@@ -17,6 +17,7 @@ import pytest
 from l2lightning import L2GraphCallback
 from l2lightning.callback import step_gate
 from l2lightning.callback.prefetch_setup import PrefetchSetup
+from l2lightning.callback.step_dispatch import StepDispatch
 from l2lightning.callback.step_gate import VARIANTS
 from tests.baselines import (
     baseline_of,
@@ -101,13 +102,13 @@ def test_a_slower_prefetched_step_is_dropped_for_the_rest_of_the_fit(monkeypatch
     base = fit(baseline_of(TinyMLP), steps=40)
     cb, hooks = gated(monkeypatch, prefetch_ms=1.05, off_ms=1.0, gate_pairs=8)
     seen = []
-    original = L2GraphCallback._replay_step
+    original = StepDispatch._replay_step
 
     def replay(self, closure):
         seen.append(self._slots.state.graph)
         return original(self, closure)
 
-    monkeypatch.setattr(L2GraphCallback, "_replay_step", replay)
+    monkeypatch.setattr(StepDispatch, "_replay_step", replay)
     run = fit(TinyMLP, [cb], steps=40)
     s = cb.summary()
     assert s["prefetch_gate"]["kept"] == "off" and "not above" in s["prefetch_gate"]["reason"], s
@@ -189,7 +190,7 @@ def switched(monkeypatch, prefetch_ms, off_ms, **kwargs):
         "_prefetch_switch",
         lambda self, graph: (switches.append(StandInSwitch()) or switches[-1], ""),
     )
-    original = L2GraphCallback._replay_step
+    original = StepDispatch._replay_step
 
     def replay(self, closure):
         states.append(
@@ -201,7 +202,7 @@ def switched(monkeypatch, prefetch_ms, off_ms, **kwargs):
         )
         return original(self, closure)
 
-    monkeypatch.setattr(L2GraphCallback, "_replay_step", replay)
+    monkeypatch.setattr(StepDispatch, "_replay_step", replay)
     return cb, hooks, switches, states
 
 

@@ -230,12 +230,12 @@ class StreamLedger:
         ledger = self
 
         @contextlib.contextmanager
-        def on_step_stream(cb):
-            cb._step_stream = "the capture's stream"
-            ledger.on_stream.append(cb._fit.trainer.global_step)
+        def on_step_stream(part):
+            part._fit.step_stream = "the capture's stream"
+            ledger.on_stream.append(part._fit.trainer.global_step)
             yield
 
-        monkeypatch.setattr(L2GraphCallback, "_on_step_stream", on_step_stream)
+        monkeypatch.setattr(step_dispatch.StepDispatch, "_on_step_stream", on_step_stream)
         self.trainer: Any = None
         for name in ("clear_cublas_workspaces", "free_cached_memory"):
             monkeypatch.setattr(
@@ -267,7 +267,7 @@ def test_after_a_failed_capture_the_captures_stream_gives_back_its_memory_once_b
         ("clear_cublas_workspaces", capture_step + 1),
         ("free_cached_memory", capture_step + 1),
     ], ledger.freed
-    assert cb._step_stream is None
+    assert cb._fit.step_stream is None
 
 
 def test_a_captured_fit_keeps_its_stream_and_frees_nothing_between_steps(monkeypatch):

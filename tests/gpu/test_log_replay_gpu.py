@@ -45,7 +45,7 @@ def test_reissued_logs_equal_the_eager_fit_everywhere_users_read_them(tmp_path, 
     summary = cb.summary()
     assert summary["captured"] and summary["fallback_steps"] == 0, summary
     # the replays dispatched only the overridden closure hooks (l2lightning.graph.replay_closure)
-    assert cb._replay_closure is not None and cb._replay_closure.calls > 0
+    assert cb._dispatch.replay_closure is not None and cb._dispatch.replay_closure.calls > 0
     assert_logged_alike(base_seen, seen)
     assert csv_text == base_csv
     for (name, p), q in zip(base_model.named_parameters(), model.parameters()):

@@ -338,7 +338,7 @@ def test_replayed_micro_batches_call_the_closures_hooks_as_lightning_does():
     base, run, cb = accumulated_pair(LogsInClosureHooks, factor=3, fused=True)
     assert cb.summary()["graphs"] == 3, cb.summary()
     # the replays' closures ran through the callback's dispatch of the hooks that do something
-    assert cb._replay_closure is not None and cb._replay_closure.calls > 40
+    assert cb._dispatch.replay_closure is not None and cb._dispatch.replay_closure.calls > 40
     # every micro-batch's logged values as plain Lightning's: the window's first logs before zero_grad,
     # every micro-batch before and after backward, the closing one before the optimizer step
     assert {"before_zero_grad", "before_backward", "grad_after_backward", "grad_before_step"} <= set(

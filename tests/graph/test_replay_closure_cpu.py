@@ -86,7 +86,7 @@ def test_replays_call_the_closure_hooks_as_lightnings_closure_does(monkeypatch):
     fast, ran, fast_shortcuts = fit_counting(monkeypatch, HookedModule, [cb_fast, LoggingHooks()], 20)
     s = cb_fast.summary()
     assert s["captured"] and s["fallback_steps"] == 0 and len(ran) == 20 - s["capture_step"] - 1, (s, ran)
-    assert cb_fast._replay_closure.calls == len(ran)
+    assert cb_fast._dispatch.replay_closure.calls == len(ran)
     with monkeypatch.context() as m:
         m.setattr("l2lightning.callback.step_dispatch.is_stock_closure", lambda closure: False)
         cb_real = callback(verify=False)
@@ -140,7 +140,7 @@ def test_a_profiler_keeps_lightnings_closure_and_its_records():
     cb = callback()
     profiler = SimpleProfiler()
     run = fit(TinyMLP, [cb], steps=12, trainer_kwargs={"profiler": profiler})
-    assert cb.summary()["captured"] and cb._replay_closure is None
+    assert cb.summary()["captured"] and cb._dispatch.replay_closure is None
     assert any("on_after_backward" in k for k in profiler.recorded_durations)
     assert_same(fit(baseline_of(TinyMLP), steps=12), run)
 
@@ -196,7 +196,7 @@ def test_the_callback_decides_per_fit(monkeypatch):
     monkeypatch.setattr("l2lightning.callback.graph_callback.why_not_fast", lambda trainer: "forced")
     cb = L2GraphCallback(prefetch="off", log_timing=False)
     fit(TinyMLP, [cb], steps=8)
-    assert cb.summary()["captured"] and cb._replay_closure is None
+    assert cb.summary()["captured"] and cb._dispatch.replay_closure is None
 
 
 class KeepsOutputs(Callback):

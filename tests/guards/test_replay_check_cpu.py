@@ -424,10 +424,10 @@ def test_a_cuda_state_set_inside_the_step_is_the_steps_own_and_checks_nothing():
     """Activation checkpointing's recomputation puts the forward's CUDA state back at every eager
     backward: inside the step it must not call for a check (every replay would be checked)."""
     cb = _callback()
-    cb._in_step = True
+    cb._dispatch.in_step = True
     cb._cuda_state_set("set_rng_state")
     assert cb._slots.state.check_schedule.pending is None
-    cb._in_step = False
+    cb._dispatch.in_step = False
     cb._cuda_state_set("set_rng_state")
     assert cb._slots.state.check_schedule.pending == "a call of `torch.cuda.set_rng_state`"
 
