@@ -230,7 +230,7 @@ def install(monkeypatch_setattr) -> None:
     # LSTM's weights; tests/test_graph_emulator.py), which a CUDA graph of cuDNN's RNN does not (the
     # word language model is bitwise its baseline on the H200): the emulator runs torch's own kernels
     monkeypatch_setattr(torch.backends.mkldnn, "enabled", False)
-    original_capture_into = cbm.L2GraphCallback._capture_into
+    original_capture_into = step_capture.StepCapture._capture_into
 
     def capture_into(self, *a, **k):
         STATE_OWNERS[:] = [(self._fit.module, self._fit.optimizer.optimizer if self._fit.optimizer else None)]
@@ -239,7 +239,7 @@ def install(monkeypatch_setattr) -> None:
         finally:
             STATE_OWNERS.clear()
 
-    monkeypatch_setattr(cbm.L2GraphCallback, "_capture_into", capture_into)
+    monkeypatch_setattr(step_capture.StepCapture, "_capture_into", capture_into)
     monkeypatch_setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch_setattr(torch.cuda, "is_current_stream_capturing", lambda: CAPTURING[0])
     monkeypatch_setattr(torch.cuda, "Stream", lambda *a, **k: _FakeStream())

@@ -1,11 +1,12 @@
-"""What a fit with the callback reports: the step times, the l2/* metrics, the step report.
+"""What a fit with the callback reports: the step times, the l2/* metrics, the step report, the costs.
 
-:class:`FitReport` is a part the callback holds (``L2GraphCallback._fit_report``), not a mixin: the state
-it keeps is declared in its ``__init__`` (the CUDA-event pairs of timed steps, whether the metrics
-went out, the captured step's phase events, kernel counts and report), and what it needs of the fit
-(the Trainer, the module, the metrics, the capture's device and tuning report) comes in as
-arguments. The metrics themselves are the callback's (``L2GraphCallback._timing_metrics``: a view of
-its ``summary()``).
+:class:`FitReport` is a part the callback holds (``L2GraphCallback._fit_report``): the state it keeps
+is declared in its ``__init__`` (the CUDA-event pairs of timed steps, whether the metrics went out,
+the captured step's phase events, kernel counts and report), and what it needs of the fit (the
+Trainer, the module, the metrics, the capture's device and tuning report) comes in as arguments. The
+metrics themselves are the callback's (``L2GraphCallback._timing_metrics``: a view of its
+``summary()``). :class:`CaptureCosts` is the record of what capturing cost (``L2GraphCallback._costs``),
+which the dispatch, capture and prefetch parts fill and ``summary()`` reports.
 """
 
 from __future__ import annotations

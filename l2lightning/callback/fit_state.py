@@ -19,7 +19,8 @@ class FitState:
 
     Set at the fit's ``setup`` (Trainer, module, the module's hooks as they were, what their source
     reads and where it was read from, what the step reads of its batch), at the training start (the
-    optimizer, the start's time), when the callback refuses the fit (why), at the first eager step (the
+    optimizer, the start's time, a resumed fit's capturable step), when the callback refuses the fit
+    (why), when the optimizer turns capturable (from which step), at the first eager step (the
     stream the steps and captures run on), when a check rules out operand scalars, and at each step
     (the pending batch, its key and tensors, the mode the step runs in); a fresh one at every fit, so
     nothing of an earlier fit is reachable.
@@ -36,6 +37,7 @@ class FitState:
         "hook_owners",
         "started_at",
         "disabled_reason",
+        "capturable_from_step",
         "step_stream",
         "operands_off",
         "mode",
@@ -67,6 +69,12 @@ class FitState:
         # why the callback refused the fit (the rest of it trains eagerly; the callback's public
         # `disabled_reason`), or None: the callback's hooks, the decision and the manual step read it
         self.disabled_reason: str | None = None
+        # the global step from which the optimizer runs make_capturable's configuration (the callback's public
+        # `capturable_from_step`, which its state_dict saves), or None: the capture sets it at the first
+        # capture that switches the optimizer (and clears it when that capture defers), the callback's
+        # training start where a resumed fit was capturable, and the optimizer's release where no
+        # stepping capture completed
+        self.capturable_from_step: int | None = None
         # the CUDA stream every step the callback runs eagerly runs on, and the capture too (made at the
         # fit's first such step by the dispatch, which runs the steps on it and gives it back once the
         # fit trains plain; the capture captures on it): None before, off CUDA and once given back

@@ -124,7 +124,7 @@ def _stale_read(what: str, lines: list[str], changes: str, kept: str, advice: st
     )
 
 
-class L2GraphCallback(StepCapture, Callback):
+class L2GraphCallback(Callback):
     """Capture the whole training step (forward, loss, backward, optimizer step) in one CUDA graph.
 
     Inside the graph a side-stream kernel prefetches into L2 the weights the next layer will read
@@ -319,8 +319,6 @@ class L2GraphCallback(StepCapture, Callback):
         # the fit and the step every part reads (trainer, module, optimizer, whether the fit is refused,
         # the step's mode and batch)
         self._fit = FitState()
-        self.verify_report: Any = None
-        self.captures = 0
         self.replay_check = ReplayCheckReport(mode=str(self.verify) if self.verify else "off")
         # What the parts keep per captured graph (its replays, check schedule, re-capture state, ...):
         # `_slots.state`, that of the graph serving the current step; with gradient accumulation, one graph
@@ -328,16 +326,8 @@ class L2GraphCallback(StepCapture, Callback):
         self._slots = GraphSlots(self.check_share)
         # Lightning's closures of accumulating micro-batches, handed to _micro_batch_step (on_train_start)
         self._micro_batches: MicroBatchClosures | None = None
-        # captures whose graph steps the optimizer (not an accumulating micro-batch's)
-        self._stepping_captures = 0
-        self._captured_roles: set[tuple[bool, bool]] = set()  # the accumulation roles with a graph (summary)
         self._check_on = self.verify == "sampled"
-        self._verify_capture_off = False
-        # the operand sites (their lines) the last capture read from device scalars (summary()['operand_scalars'])
-        self._operand_lines: list[str] = []
         self._undo_cuda_state_watch: Callable[[], None] | None = None
-        # the global step from which the optimizer ran make_capturable's configuration (first capture)
-        self.capturable_from_step: int | None = None
         self._resumed_switched = False  # switched at train start: a resumed fit that was capturable
         self._warned: set[str] = set()
         self._installed: dict[str, Any] = {}  # module attribute -> our override
@@ -349,11 +339,6 @@ class L2GraphCallback(StepCapture, Callback):
         self._kept_optimizer: CapturableOptimizer | CapturableOptimizers | None = None
         self._owns_optimizer = False
         self._nan_patched: list[Any] = []
-        # the prefetch set-up of the capture step under way collected all generations before tuning
-        # (l2lightning.callback.prefetch_setup): the capture in the same step need not walk them again
-        self._collected_for_capture = False
-        self._pool_mib: float | None = None
-        self._captured = False
         # the children compile=True compiled (the prefetch part fills it, the warm-up part reads it)
         self._compiled_children: list[torch.nn.Module] = []
         # What capturing cost (wall seconds of tuning, captures, re-captures, compile=True's first step, and
@@ -428,6 +413,32 @@ class L2GraphCallback(StepCapture, Callback):
             last_capture_cost=self._last_capture_cost,
             operand_lines=self._get_operand_lines,
         )
+        # the capture step: the graph recorded and replayed once, or everything undone (a part: its state is
+        # its own; the dispatch runs it)
+        self._capture = StepCapture(
+            self._fit,
+            self._fit_report,
+            self._warmup,
+            self._prefetch,
+            self._overrides,
+            self._decision,
+            self._slots,
+            costs=self._costs,
+            prefetch_setting=self.prefetch,
+            compile=self.compile,
+            verify=self.verify,
+            report=self.report,
+            operand_scalars=self.operand_scalars,
+            check_on=self._check_on,
+            disable=self._disable,
+            warn_once=self._warn_once,
+            device=self._device,
+            device_type=self._device_type,
+            source_refusal=self._source_refusal,
+            installed=self._installed_methods,
+            plans=self._get_plans,
+            set_capture_step=self._set_capture_step,
+        )
         # how each step runs: replayed, checked, warmed up, captured or eager (a part: its state is its own;
         # the optimizer's handler, the GradScaler's step, a micro-batch and a manual step call its `step`)
         self._dispatch = StepDispatch(
@@ -437,10 +448,10 @@ class L2GraphCallback(StepCapture, Callback):
             self._prefetch,
             self._overrides,
             self._decision,
+            self._capture,
             self._slots,
             costs=self._costs,
             replay_check=self.replay_check,
-            capture_step=self._capture_step,
             disable=self._disable,
             warn_once=self._warn_once,
             events=self._events,
@@ -463,9 +474,10 @@ class L2GraphCallback(StepCapture, Callback):
         self.plans = plans
 
     def _keep_graph(self, graph: _Graph) -> None:
-        """The whole-step gate's winner is the graph the steps replay; the pools alive are counted anew."""
-        self._slots.state.graph = graph
-        self._pool_mib = self._pools_alive_mib(graph)
+        """The whole-step gate's winner is the graph the steps replay; the pools alive are counted anew
+        (by the capture part, which counts them at each capture: made after the prefetch part, so asked
+        through the callback)."""
+        self._capture.keep_graph(graph)
 
     # The callables the overrides part is given (bound methods, as above): what it asks of the callback's state
     def _stepping(self) -> bool:
@@ -490,8 +502,42 @@ class L2GraphCallback(StepCapture, Callback):
         return self._costs.last_capture_s
 
     def _get_operand_lines(self) -> list[str]:
-        """The operand sites the last capture read from device scalars (StepCapture._serve_operands)."""
-        return self._operand_lines
+        """The operand sites the last capture read from device scalars (StepCapture._serve_operands; the
+        capture part is made after the decision part, so asked through the callback)."""
+        return self._capture.operand_lines
+
+    # The callables the warm-up part is given (bound methods, as above), of the capture part, made after it
+    def _operand_scalars(self, gate_capture: bool, batch_idx: int) -> Any:
+        """The device scalars a capture hands the step's operand sites (StepCapture.operand_scalars): the
+        traced warm-up steps run the step with them too."""
+        return self._capture.operand_scalars(gate_capture, batch_idx)
+
+    # The callables the capture part is given (bound methods, as above): what of the callback's it sets
+    def _set_capture_step(self, step: int) -> None:
+        """The capture part's step of the fit's latest capture (not the gate's second one): the callback's
+        public `capture_step`, which its state_dict saves and a later fit keeps (so the callback's, not
+        the part's, which is made per fit; a checkpoint load and a manual step set it too)."""
+        self.capture_step = step
+
+    @property
+    def captures(self) -> int:
+        """The fit's captures, the whole-step gate's second one included (``summary()["captures"]``; the
+        capture part counts them, nothing else sets them: read-only)."""
+        return self._capture.captures
+
+    @property
+    def verify_report(self) -> Any:
+        """With ``verify="capture"``, the captured step compared bit for bit with its eager step, or None
+        (``summary()["verify"]``; the capture part's, read-only)."""
+        return self._capture.verify_report
+
+    @property
+    def capturable_from_step(self) -> int | None:
+        """The global step from which the optimizer ran make_capturable's configuration (the first capture,
+        or the resumed fit's), or None (``summary()["capturable_from_step"]``, saved by ``state_dict``).
+        The fit's (FitState): the capture sets it, the training start and the optimizer's release set it
+        too; read-only here, as nothing outside them assigns it."""
+        return self._fit.capturable_from_step
 
     @property
     def disabled_reason(self) -> str | None:
@@ -509,7 +555,7 @@ class L2GraphCallback(StepCapture, Callback):
         return {
             "capture_step": self.capture_step,
             "plans": self.plans,
-            "capturable_from_step": self.capturable_from_step,
+            "capturable_from_step": self._fit.capturable_from_step,
         }
 
     @override
@@ -561,30 +607,30 @@ class L2GraphCallback(StepCapture, Callback):
         eager_ms = self._fit_report.timing.eager_ms()
         graph_ms = self._fit_report.timing.graph_ms()
         gate, tuning = self._prefetch.gate_result, self._prefetch.tuning_report
-        decision, costs = self._decision, self._costs
+        decision, capture, costs = self._decision, self._capture, self._costs
         return {
-            "captured": self._captured,
+            "captured": capture.captured,
             "reason": self._fit.disabled_reason,
             "capture_step": self.capture_step,
-            "capturable_from_step": self.capturable_from_step,
-            "captures": self.captures,
-            "graphs": len(self._captured_roles),
+            "capturable_from_step": self._fit.capturable_from_step,
+            "captures": capture.captures,
+            "graphs": len(capture.captured_roles),
             "eager_step_ms": eager_ms,
             "graph_step_ms": graph_ms,
             "replay_speedup": (eager_ms / graph_ms) if eager_ms and graph_ms else None,
             "plans": self.plans,
-            "verify": str(self.verify_report) if self.verify_report is not None else None,
+            "verify": str(capture.verify_report) if capture.verify_report is not None else None,
             "replay_check": self.replay_check.to_dict(),
             "fallback_steps": decision.fallback_steps,
             "fallback_causes": sorted(decision.fallback_causes),
-            "graph_pool_mib": self._pool_mib,
+            "graph_pool_mib": capture.pool_mib,
             "prefetch_gate": gate.to_dict() if gate is not None else None,
             # wall seconds to the microsecond (a tuning that gives up at once is not 0)
             **{key: round(value, 6) for key, value in costs.seconds.items()},
             "recaptures": costs.recaptures,
             "last_recapture_s": None if costs.last_recapture_s is None else round(costs.last_recapture_s, 6),
             "recapture_wait_steps": decision.waited_steps,
-            "operand_scalars": {"sites": list(self._operand_lines), "changes": decision.operand_changes},
+            "operand_scalars": {"sites": list(capture.operand_lines), "changes": decision.operand_changes},
             "tuning": tuning.to_dict() if tuning is not None else None,
             "step_report": self.step_report.to_dict() if self.step_report is not None else None,
         }
@@ -613,11 +659,11 @@ class L2GraphCallback(StepCapture, Callback):
         wrapped = self._fit.optimizer
         if wrapped is None or not self._owns_optimizer or not wrapped.switched:
             return ""
-        if not (self._stepping_captures or self._resumed_switched):
+        if not (self._capture.stepping_captures or self._resumed_switched):
             return ""  # a capture that failed: the optimizer goes back to the user's configuration
         name = optimizer_names(wrapped)
         runs = "run" if isinstance(wrapped, CapturableOptimizers) else "runs"
-        step = self.capturable_from_step
+        step = self._fit.capturable_from_step
         return (
             f" From step {step} on, {name} {runs} in make_capturable's configuration (`capturable=True`, the "
             "one the replays used), whose arithmetic can differ from yours in the last bits (Adam and AdamW "
@@ -636,12 +682,13 @@ class L2GraphCallback(StepCapture, Callback):
             return
         wrapped.handler = None
         if self._owns_optimizer:
-            if wrapped.switched and (self._stepping_captures or self._resumed_switched) and not fit_ends:
+            stepping_captures = self._capture.stepping_captures
+            if wrapped.switched and (stepping_captures or self._resumed_switched) and not fit_ends:
                 self._kept_optimizer = wrapped  # released at the fit's end (_cleanup)
             else:
                 wrapped.release()
-                if not self._stepping_captures:  # switched for a capture that failed: the fit stayed plain
-                    self.capturable_from_step = None
+                if not stepping_captures:  # switched for a capture that failed: the fit stayed plain
+                    self._fit.capturable_from_step = None
         for metric in self._nan_patched:
             if "_cast_and_nan_check_input" in vars(metric):
                 del metric._cast_and_nan_check_input
@@ -942,7 +989,7 @@ class L2GraphCallback(StepCapture, Callback):
         resumed, self._resumed_capturable_from = self._resumed_capturable_from, None
         if resumed is not None and trainer.global_step >= resumed:
             wrapped.switch_on()  # resumed after the capture step: the configuration the fit had there
-            self.capturable_from_step = resumed
+            self._fit.capturable_from_step = resumed
             self._resumed_switched = True
         # prog_bar values: read when the progress bar (or anyone) reads them, not with a host sync per step
         self._undo_progress_bar_reads = defer_progress_bar_reads(trainer)
@@ -995,9 +1042,10 @@ class L2GraphCallback(StepCapture, Callback):
                 role.recapture_next = (
                     f"the GradScaler's {', '.join(changes)} since capture (baked into the graph)"
                 )
-        captures = self.captures
+        capture = self._capture
+        captures = capture.captures
         result = self._dispatch.step(run, closure, kwargs)
-        if self.captures != captures and role.graph is not None:
+        if capture.captures != captures and role.graph is not None:
             # written by scaler.update, outside the closure the step tracer sees: the sampled replay
             # check saves, puts back and compares them with the rest of what the step writes
             role.graph.external_writes += scaled.written()

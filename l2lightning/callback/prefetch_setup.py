@@ -81,7 +81,8 @@ class PrefetchSetup:
         self._compile = compile
         self._gate_pairs = gate_pairs
         self._warn_once = warn_once  # one warning per cause and fit (the callback's)
-        self._cost_s = cost_s  # the callback's wall seconds by cost: tuning counts into "tuning_s"
+        # the seconds by cost of the callback's CaptureCosts record: tuning counts into "tuning_s"
+        self._cost_s = cost_s
         # the children compile=True compiled: the callback's list (the warm-up part reads it too), filled
         # here and emptied in place at the fit's end
         self._compiled_children = compiled_children
@@ -89,9 +90,9 @@ class PrefetchSetup:
         self._installed_log = installed_log
         # What this part decides but the callback owns, through the callables it is given rather than by
         # holding the callback: the plans (read and set: the callback's public `plans`, which its state_dict
-        # saves and a later fit keeps) and the trial's winner as the graph the steps replay (the callback's
-        # `_graph`, its pools alive counted in `_pool_mib`: per accumulation role, and the capture's and the
-        # decision's as much as the gate's)
+        # saves and a later fit keeps) and the trial's winner as the graph the steps replay (the role's
+        # `_slots.state.graph`, the capture's and the decision's as much as the gate's, its pools alive
+        # counted anew by the capture part, made after this one: so through the callback)
         self._plans = plans
         self._set_plans = set_plans
         self._keep_graph = keep_graph

@@ -1,7 +1,19 @@
 """The capture step: record the closure and the optimizer update in one graph, or undo everything.
 
-A mixin of :class:`l2lightning.callback.graph_callback.L2GraphCallback`: its methods use the callback's run state
-(set in ``_reset_run_state``); it is split out so that each concept reads in one module.
+A part :class:`l2lightning.callback.graph_callback.L2GraphCallback` holds (``_capture``), one per fit:
+:meth:`StepCapture.capture` is what the dispatch part runs at a step the decision chose to capture.
+The part declares in its own ``__init__`` what it alone writes (the fit's captures and those whose
+graph steps the optimizer, whether any step was captured and the accumulation roles with a graph, the
+pools alive, the operand sites the last capture read from device scalars, the ``verify="capture"``
+report, whether that check is off for the fit); the callback's public ``captures`` and
+``verify_report`` are read-only views of it. It reads the fit through
+:class:`l2lightning.callback.fit_state.FitState` (the step the optimizer turned capturable from, which
+the callback's training start and release set too, the stream the capture runs on, whether operand
+numbers are baked in), the per-graph state through the graph slots, and reaches the rest of the
+callback only through what it is given: the report, warm-up, prefetch, overrides and decision parts,
+the callback's settings and cost record, and bound methods of the callback (which a Trainer that
+spawns its processes pickles with it), among them the one that sets the callback's ``capture_step``,
+which its state_dict saves beyond the fit.
 """
 
 from __future__ import annotations
@@ -18,7 +30,12 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from l2lightning.callback.step_overrides import copied_element
+from l2lightning.callback.fit_report import CaptureCosts, FitReport
+from l2lightning.callback.fit_state import FitState
+from l2lightning.callback.prefetch_setup import PrefetchSetup
+from l2lightning.callback.step_decision import StepDecision
+from l2lightning.callback.step_overrides import StepOverrides, copied_element
+from l2lightning.callback.warmup_steps import WarmupSteps
 from l2lightning.graph.accumulation import AccumulatedGrads
 from l2lightning.graph.capture import (
     StaticBatch,
@@ -29,6 +46,7 @@ from l2lightning.graph.capture import (
 )
 from l2lightning.graph.carried_state import Carried, split_carried
 from l2lightning.graph.cuda_memory import free_cached_memory, memory_state
+from l2lightning.graph.graph_slots import GraphSlots
 from l2lightning.graph.operand_scalars import OperandScalars, substituting
 from l2lightning.graph.prefetch_switch import new_cuda_graph
 from l2lightning.graph.scheduler_steps import ReissuedSchedulerStep
@@ -137,6 +155,91 @@ class _Graph:
 class StepCapture:
     """The capture step: record the closure and the optimizer update in one graph, or undo everything."""
 
+    def __init__(
+        self,
+        fit: FitState,
+        fit_report: FitReport,
+        warmup: WarmupSteps,
+        prefetch: PrefetchSetup,
+        overrides: StepOverrides,
+        decision: StepDecision,
+        slots: GraphSlots,
+        *,
+        costs: CaptureCosts,
+        prefetch_setting: Any,
+        compile: bool,
+        verify: str | bool,
+        report: bool,
+        operand_scalars: bool,
+        check_on: bool,
+        disable: Callable[[str], None],
+        warn_once: Callable[[str, str], None],
+        device: Callable[[], torch.device],
+        device_type: Callable[[], str],
+        source_refusal: Callable[[], str | None],
+        installed: Callable[[], dict[str, Any]],
+        plans: Callable[[], list[dict[str, Any]]],
+        set_capture_step: Callable[[int], None],
+    ) -> None:
+        self._fit = fit
+        self._fit_report = fit_report  # the capture's phase marks, the step report
+        # the warm-up part: its traced steps (host constants, memo, metrics), the holders of Python state
+        # the capture snapshots, the traced run of the step, hidden random state
+        self._warmup = warmup
+        # the prefetch part: its set-up at the first capture, the scope, the whole-step gate's trial
+        self._prefetch = prefetch
+        # the module's methods: handed the graph being captured, what the step returned and logged
+        self._overrides = overrides
+        self._decision = decision  # the module flags it compares before each replay, recorded at capture
+        # the per-graph state of the graph serving the step (l2lightning.graph.graph_slots), read once per
+        # method into a local: its graph (replaced here), gate trial, memo, capture counts
+        self._slots = slots
+        # what capturing cost (the callback's record, filled in place: the first capture's full collection
+        # is what a later one does not repeat)
+        self._costs = costs
+        # The callback's settings as this fit starts (each fit makes a new part): prefetch (whether the dry
+        # run is on), compile=True, verify ("capture": the eager check at capture), report, operand_scalars,
+        # and whether the sampled replay check is on
+        self._prefetch_setting = prefetch_setting
+        self._compile = compile
+        self._verify = verify
+        self._report = report
+        self._operand_scalars_on = operand_scalars
+        self._check_on = check_on
+        # The callback's, as bound methods: refuse the fit (the rest trains eagerly, saying why), warn once
+        # per key, the fit's device and its type; and what is the callback's and rebound during the fit,
+        # so asked at a capture: why the step's source cannot be replayed (the code analysed anew), the
+        # module methods set-up installed, the public plans (set by the prefetch part), and the setter of
+        # the public `capture_step` (the callback's: its state_dict saves it for a later fit, a checkpoint
+        # load and a manual step set it too)
+        self._disable = disable
+        self._warn_once = warn_once
+        self._device = device
+        self._device_type = device_type
+        self._source_refusal = source_refusal
+        self._installed = installed
+        self._plans = plans
+        self._set_capture_step = set_capture_step
+        # the fit's captures, the gate's second one included (the callback's public `captures`), and those
+        # whose graph steps the optimizer (not an accumulating micro-batch's; the callback's release of the
+        # optimizer reads them)
+        self.captures = 0
+        self.stepping_captures = 0
+        self.captured = False  # a step was captured in this fit (summary()['captured'])
+        self.captured_roles: set[tuple[bool, bool]] = set()  # the accumulation roles with a graph (summary)
+        # what the pools of the graphs alive together reserved at their captures, MiB (None off CUDA)
+        self.pool_mib: float | None = None
+        # the operand sites (their lines) the last capture read from device scalars (summary()['operand_scalars'];
+        # the decision names them through the callback)
+        self.operand_lines: list[str] = []
+        # verify="capture": the captured step compared with its eager step (the callback's public `verify_report`)
+        self.verify_report: Any = None
+        # that check is off for the fit (the step draws cuDNN's hidden RNN dropout state: _no_work_beside_the_steps)
+        self._verify_capture_off = False
+        # the prefetch set-up of the capture step under way collected all generations before tuning
+        # (l2lightning.callback.prefetch_setup): the capture in the same step need not walk them again
+        self._collected_for_capture = False
+
     # ------------------------------------------------------------------ verify (verify=True)
     def _verify_eager(
         self, run: Callable[..., Any], closure: Any, kwargs: dict, binding: MetricBinding | None
@@ -189,7 +292,7 @@ class StepCapture:
         if not report.ok:
             raise EquivalenceError(report)
 
-    def _operand_scalars(self, gate_capture: bool, batch_idx: int) -> OperandScalars | None:
+    def operand_scalars(self, gate_capture: bool, batch_idx: int) -> OperandScalars | None:
         """The device scalars this capture hands the step's operand sites (l2lightning.graph.operand_scalars):
         the gate's second capture shares its first's, which the replays of both read."""
         gate = self._slots.state.gate
@@ -197,14 +300,14 @@ class StepCapture:
             return gate.graphs["prefetch"].operands
         sites = self._fit.source.operand_sites if self._fit.source is not None else []
         if (
-            not self.operand_scalars
+            not self._operand_scalars_on
             # the sampled check judges the first replays with new values: a use of the number that
             # no analysis saw would otherwise go unseen (the number would not be compared any more)
             or not self._check_on
             or self._fit.operands_off
             or not sites
             # a TorchFunctionMode around compiled code makes dynamo compile it again, inside the capture
-            or self.compile
+            or self._compile
             or self._warmup.compiled_submodules()
         ):
             return None
@@ -213,7 +316,7 @@ class StepCapture:
     def _serve_operands(self, graph: _Graph, operands: OperandScalars | None) -> None:
         """Leave out of `graph`'s comparisons the values its operand scalars stand for: a number read
         only inside operand sites whose every op took its device scalar at this capture."""
-        self._operand_lines = []
+        self.operand_lines = []
         if operands is None or not operands.live:
             return
         live = operands.live
@@ -239,9 +342,11 @@ class StepCapture:
             for attributes, name, value in graph.scalars
             if not (attributes is own and name in served) and (id(attributes), name) not in served_globals
         ]
-        self._operand_lines = sorted(operands.sites[key].site.line for key in live)
+        self.operand_lines = sorted(operands.sites[key].site.line for key in live)
 
-    def _capture_step(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+    def capture(self, run: Callable[..., Any], closure: Any, kwargs: dict) -> Any:
+        """Capture this step (the dispatch part's, on the fit's step stream), then replay it once: its
+        update; where it cannot be captured, the step runs eagerly (and the fit, saying why, if it must)."""
         # set by StepDecision.decide; the prefetch scope reads it too
         gate_capture = self._prefetch.gate_capturing
         if self._slots.state.gate is not None and not gate_capture:
@@ -276,9 +381,9 @@ class StepCapture:
         switching = closes and not wrapped.switched
         if switching:
             wrapped.switch_on()
-        if switching and self.capturable_from_step is None:
-            self.capturable_from_step = int(self._fit.trainer.global_step)
-        operands = self._operand_scalars(gate_capture, batch_idx)
+        if switching and self._fit.capturable_from_step is None:
+            self._fit.capturable_from_step = int(self._fit.trainer.global_step)
+        operands = self.operand_scalars(gate_capture, batch_idx)
         torch.cuda.synchronize()
         if group is not None and group.traces:
             try:
@@ -328,7 +433,7 @@ class StepCapture:
         # the module's methods (the overrides part): handed what the step answers from at the capture
         overrides = self._overrides
         overrides.capture_accumulated = accumulated
-        if self._prefetch.hooks is None and not self.compile:
+        if self._prefetch.hooks is None and not self._compile:
             # The last eager step's gradients are spent (its optimizer step read them; this step's
             # closure zeroes them, and the capture below drops them anyway): dropped before the
             # tuner runs, they are not part of its peak (180 MiB of the defaults' extra on the
@@ -336,7 +441,7 @@ class StepCapture:
             wrapped.optimizer.zero_grad(set_to_none=True)
             module.zero_grad(set_to_none=True)
             self._collected_for_capture = self._prefetch.install(module, static)
-        verifying = self.verify == "capture" and not self._verify_capture_off
+        verifying = self._verify == "capture" and not self._verify_capture_off
         if verifying and accumulated is not None:
             accumulated.put_back()
         eager_record = self._verify_eager(run, closure, kwargs, binding) if verifying else None
@@ -403,7 +508,7 @@ class StepCapture:
         torch.distributions.Distribution.set_default_validate_args(False)
         # Which submodules the step calls: their Python numbers (nn.Dropout.p) are baked into the graph.
         # Not with compile=True: a global hook would make dynamo recompile inside the capture.
-        ran: set[int] | None = None if self.compile else set()
+        ran: set[int] | None = None if self._compile else set()
         hook = (
             torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: ran.add(id(m)))
             if ran is not None
@@ -442,8 +547,8 @@ class StepCapture:
                 role.graph = role.gate.graphs["prefetch"]  # the gate captures at a later step
             elif switching:  # nothing captured yet: this step, too, runs the user's configuration
                 wrapped.switch_off()
-                if self.capturable_from_step == int(self._fit.trainer.global_step):
-                    self.capturable_from_step = None
+                if self._fit.capturable_from_step == int(self._fit.trainer.global_step):
+                    self._fit.capturable_from_step = None
             return run(closure, **kwargs)  # training_step returned None: nothing to capture this step
         except Exception as exc:  # a host sync or an op that cannot be captured
             self._undo_capture(saved, binding, saved_metrics)
@@ -503,7 +608,7 @@ class StepCapture:
         graph.flags = decision.module_flags()
         graph.scalars = python_state.baked_scalars(module, self._fit.source.reads, ran)
         graph.tensors = python_state.baked_tensors(module, self._fit.source.reads, ran)
-        graph.callables = python_state.baked_callables(module, self._fit.source.reads, ran, self._installed)
+        graph.callables = python_state.baked_callables(module, self._fit.source.reads, ran, self._installed())
         graph.counters = self._fit.source.counter_snapshot(module, batch_idx)
         carried = {id(t) for c in graph.carried for t in c.outputs}
         graph.attributes = [  # a carried attribute is rebound by design: handed to each replay instead
@@ -557,20 +662,21 @@ class StepCapture:
         if closes:
             # what the graph's optimizer step bakes in and updates (an accumulating micro-batch's: nothing)
             wrapped.mark_captured()
-            self._stepping_captures += 1
+            self.stepping_captures += 1
         role.graph = graph
         self.captures += 1
         role.captures_here += 1
-        self._captured_roles.add(key[0][1].role)
+        self.captured_roles.add(key[0][1].role)
         role.warmed_up_again = False  # a later capture may warm up again once itself
+        capture_step = int(self._fit.trainer.global_step)
         if gate_capture:
             role.gate.graphs["off"] = graph
         else:
-            self.capture_step = int(self._fit.trainer.global_step)
+            self._set_capture_step(capture_step)
             role.check_schedule.captured()  # the sampled check counts this capture's replays from 1
             role.replays_since_capture = 0  # what the re-capture wait weighs against its cost
             self._prefetch.start_gate(graph)
-        self._captured = True
+        self.captured = True
         # the traces and their host copies are not needed any more: this role's (another accumulation
         # role's warm-up goes on)
         captured_role = key[0][1].role
@@ -591,12 +697,12 @@ class StepCapture:
         overrides.replayed = graph
         overrides.reissued = set()
         result = closure() if closure is not None else None
-        if self.verify == "capture":
+        if self._verify == "capture":
             self._finish_verify(eager_record)
-        if self.report and not gate_capture:
+        if self._report and not gate_capture:
             tuning = self._prefetch.tuning_report
             self._fit_report.build_step_report(self._fit.module, self._device(), tuning)
-            rank_zero_info(self._fit_report.text(self.capture_step, tuning, self.plans))
+            rank_zero_info(self._fit_report.text(capture_step, tuning, self._plans()))
         if self.captures == 1 and self._fit.source.conditions and not self._fit.source.opaque_conditions:
             rank_zero_info(
                 "L2GraphCallback: steps whose branch (on the step counters or the module's attributes) differs "
@@ -619,10 +725,10 @@ class StepCapture:
         if where is None:
             return
         turned_off = []
-        if self.prefetch != "off" and not self._prefetch.failed:
+        if self._prefetch_setting != "off" and not self._prefetch.failed:
             self._prefetch.failed = True
             turned_off.append("the prefetch (whose set-up runs the step's forward once)")
-        if self.verify == "capture":
+        if self._verify == "capture":
             self._verify_capture_off = True
             turned_off.append(
                 "the capture's eager check (`verify='sampled'` checks the first replay, with that state saved)"
@@ -699,7 +805,13 @@ class StepCapture:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         if torch.cuda.is_available():
             graph.pool_mib = (torch.cuda.memory_reserved() - reserved) / (1 << 20)
-            self._pool_mib = self._pools_alive_mib(graph)
+            self.pool_mib = self._pools_alive_mib(graph)
+
+    def keep_graph(self, graph: _Graph) -> None:
+        """The whole-step gate's winner is the graph the steps replay from here; the pools alive are
+        counted anew (the prefetch part's verdict, through the callback)."""
+        self._slots.state.graph = graph
+        self.pool_mib = self._pools_alive_mib(graph)
 
     def _pools_alive_mib(self, graph: _Graph) -> float | None:
         """The memory the pools of the graphs alive together reserved at their captures: `graph`'s, the

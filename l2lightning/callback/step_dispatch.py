@@ -9,7 +9,7 @@ the replay closure the training start sets up); it reads the fit and the step th
 :class:`l2lightning.callback.fit_state.FitState` (the stream its eager steps run on and whether the
 captures bake operand numbers in are the fit's, there, as the capture reads them too), the per-graph
 state through the graph slots, and reaches the rest of the callback only through what it is given: the
-report, warm-up, prefetch, overrides and decision parts, the capture, the callback's cost record and
+report, warm-up, prefetch, overrides, decision and capture parts, the callback's cost record and
 replay check report, and bound methods of the callback (which a Trainer that spawns its processes
 pickles with it).
 """
@@ -26,6 +26,7 @@ import torch
 from l2lightning.callback.fit_report import CaptureCosts, FitReport
 from l2lightning.callback.fit_state import FitState
 from l2lightning.callback.prefetch_setup import PrefetchSetup
+from l2lightning.callback.step_capture import StepCapture
 from l2lightning.callback.step_decision import OPERAND_CHECK, StepDecision
 from l2lightning.callback.step_overrides import StepOverrides, copied_element
 from l2lightning.callback.warmup_steps import WarmupSteps
@@ -57,11 +58,11 @@ class StepDispatch:
         prefetch: PrefetchSetup,
         overrides: StepOverrides,
         decision: StepDecision,
+        capture: StepCapture,
         slots: GraphSlots,
         *,
         costs: CaptureCosts,
         replay_check: ReplayCheckReport,
-        capture_step: Callable[[Callable[..., Any], Any, dict], Any],
         disable: Callable[[str], None],
         warn_once: Callable[[str, str], None],
         events: Callable[[], tuple[Any, Any]],
@@ -75,6 +76,7 @@ class StepDispatch:
         # the module's methods (their bound methods are installed): handed the replayed graph, the check's output
         self._overrides = overrides
         self._decision = decision  # what each step does, asked first; why a check was chosen
+        self._capture = capture  # the capture step, run where the decision chose it
         # the per-graph state of the graph serving the step (l2lightning.graph.graph_slots), read once per
         # method into a local: its graph, replay count, check schedule, re-capture cause
         self._slots = slots
@@ -83,10 +85,9 @@ class StepDispatch:
         # phases, mismatches)
         self._costs = costs
         self._replay_check = replay_check
-        # The callback's, as bound methods: capture the step (StepCapture), refuse the fit (the rest trains
-        # eagerly, saying why), warn once per key, a timed step's CUDA events (a class's static method,
-        # which tests and benchmarks replace), the fit's device and its type (read from the Trainer)
-        self._capture_step = capture_step
+        # The callback's, as bound methods: refuse the fit (the rest trains eagerly, saying why), warn once
+        # per key, a timed step's CUDA events (a class's static method, which tests and benchmarks
+        # replace), the fit's device and its type (read from the Trainer)
         self._disable = disable
         self._warn_once = warn_once
         self._events = events
@@ -146,7 +147,7 @@ class StepDispatch:
             )  # a capture after this graph's first: what a re-capture costs
             costs.once_s = 0.0
             try:
-                return self._capture_step(run, closure, kwargs)
+                return self._capture.capture(run, closure, kwargs)
             finally:  # the tuning inside it is counted apart
                 elapsed = time.perf_counter() - started
                 cost = elapsed - (costs.seconds["tuning_s"] - tuned)

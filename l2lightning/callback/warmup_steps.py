@@ -102,7 +102,9 @@ class WarmupSteps:
         self._report = report  # the step report's kernel counts: timed steps are profiled instead
         self._own_callback = own_callback  # the callback holding this part: not one of the step's holders
         self._disable = disable  # refuse the fit: the rest of it trains eagerly, saying why
-        self._operand_scalars = operand_scalars  # the step's operand sites as device scalars (StepCapture)
+        # the step's operand sites as device scalars (StepCapture.operand_scalars: the capture part is made
+        # after this one, so asked through the callback)
+        self._operand_scalars = operand_scalars
         self._events = events
         self._device_type = device_type
         # the children compile=True compiled (PrefetchSetup) and the other callbacks' hooks the callback

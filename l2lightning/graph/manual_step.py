@@ -330,12 +330,12 @@ class ManualStep:
         wrapped = cb._fit.optimizer
         optimizers = [m.optimizer for m in members_of(wrapped)]
         hyperparameters, switched = [_hyperparameters(o) for o in optimizers], wrapped.switched
-        captures = cb.captures
+        captures = cb._capture.captures  # (the capture part's count, not the callback's property: per step)
         self._counting = 0
         self._stepped = set()
         scheduled = self.schedulers.counts()
         out = cb._dispatch.step(_run, functools.partial(cb._overrides.training_step, *args, **kwargs), {})
-        captured = cb.captures != captures
+        captured = cb._capture.captures != captures
         if (captured or cb._fit.mode != "replay") and cb._fit.optimizer is not None:
             # the capture step switched the optimizer to make_capturable's configuration: not the step's doing
             ignored = _SWITCHED_KEYS if wrapped.switched != switched else ()

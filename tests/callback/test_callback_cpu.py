@@ -271,9 +271,9 @@ def _logging_state(replays: int, last_done: bool = True, rank_zero: bool = True)
     cb = L2GraphCallback()
     cb._fit.module = TinyMLP()
     cb._slots.state.graph = object()
-    cb._captured = True
+    cb._capture.captured = True
     cb.capture_step = 3
-    cb._pool_mib = 12.5
+    cb._capture.pool_mib = 12.5
     cb.plans = [
         {"layer": "net.0.1", "mib": 1.5, "forward": "hint8", "backward": None},
         {"layer": "net.1.1", "mib": 2.0, "forward": None, "backward": None},
@@ -534,7 +534,7 @@ def test_the_decision_is_a_part_that_declares_its_state_and_reads_the_fit_state(
     assert {"disabled_reason", "fallback_steps"}.isdisjoint(vars(cb))
     assert (cb._fit.code_bindings, cb._fit.pending_tensors, cb._fit.started_at) == ([], [], None)
     # what the callback rebinds during the fit, read through the callables when the part needs it
-    cb._operand_lines, cb._costs.last_capture_s, cb._installed = ["model.py:7"], 0.25, {"log": print}
+    cb._capture.operand_lines, cb._costs.last_capture_s, cb._installed = ["model.py:7"], 0.25, {"log": print}
     assert part._operand_lines() == ["model.py:7"] and part._last_capture_cost() == 0.25
     assert part._installed() == {"log": print} and not part._manual()
     cb._manual = object()
@@ -654,7 +654,10 @@ def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_cal
     cb._slots.state.gate, part.gate_turn = Trial(), "off"
     part.finish_gate()
     assert (
-        cb._slots.state.graph is kept and kept.bound and cb._pool_mib == 3.0 and cb._slots.state.gate is None
+        cb._slots.state.graph is kept
+        and kept.bound
+        and cb._capture.pool_mib == 3.0
+        and cb._slots.state.gate is None
     )
     assert cb.summary()["prefetch_gate"]["reason"] == "faster with prefetch" and cb.plans == rows
     # a trial abandoned: prefetch off for the fit, the callback's plans emptied through the part
@@ -802,7 +805,9 @@ def test_the_dispatch_is_a_part_that_runs_each_step_and_declares_its_state(monke
     part = cb._dispatch
     assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
     assert part._warmup is cb._warmup and part._prefetch is cb._prefetch
-    assert part._overrides is cb._overrides and part._decision is cb._decision
+    assert (
+        part._overrides is cb._overrides and part._decision is cb._decision and part._capture is cb._capture
+    )
     assert part._costs is cb._costs and part._replay_check is cb.replay_check
     assert cb._prefetch._cost_s is cb._costs.seconds  # the one record's seconds, which tuning adds to
     assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
@@ -877,6 +882,7 @@ def test_the_dispatch_is_a_part_that_runs_each_step_and_declares_its_state(monke
     fresh = cb._dispatch
     assert fresh is not fitted and fresh._fit is cb._fit and fresh._fit is not fitted._fit
     assert fresh._decision is cb._decision and fresh._overrides is cb._overrides and fresh._slots is cb._slots
+    assert fresh._capture is cb._capture and fresh._capture is not fitted._capture
     assert fresh._costs is cb._costs and fresh._costs is not fitted._costs
     assert (fresh.in_step, fresh.replay_closure, cb._fit.operands_off, cb._costs.last_capture_s) == (
         False,
@@ -885,3 +891,105 @@ def test_the_dispatch_is_a_part_that_runs_each_step_and_declares_its_state(monke
         None,
     )
     assert cb.summary()["capture_s"] == 0.0 and cb.summary()["recaptures"] == 0
+
+
+def test_the_capture_is_a_part_that_declares_what_it_records_and_sets_the_callbacks_capture_step(
+    monkeypatch, one_torch_thread
+):
+    """StepCapture declares in its __init__ what it alone writes (the captures, those whose graph steps the
+    optimizer, the roles with a graph, the pools alive, the operand sites, the verify report), reads the
+    fit through the callback's FitState (the step the optimizer is capturable from is the fit's: the
+    callback's training start and release set it too), is given the callback's parts, settings, cost record
+    and callables (bound methods: a Trainer that spawns its processes pickles the callback) but never the
+    callback, sets the callback's persisted `capture_step` through one of them, and is made afresh for each
+    fit. The callback's public `captures`, `verify_report` and `capturable_from_step` are read-only views."""
+    import pickle
+
+    from l2lightning.callback.step_capture import StepCapture, _Graph
+    from tests import graph_emulator
+    from tests.replay_helpers import callback
+    from tests.replay_helpers import fit as recorded_fit
+
+    cb = callback(verify="capture", operand_scalars=False)  # (prefetch="off")
+    assert not isinstance(cb, StepCapture) and StepCapture not in type(cb).__mro__
+    assert type(cb).__mro__[1:] == (Callback, object)  # every part is held, none inherited
+    part = cb._capture
+    assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
+    assert part._warmup is cb._warmup and part._prefetch is cb._prefetch
+    assert part._overrides is cb._overrides and part._decision is cb._decision and part._costs is cb._costs
+    assert cb._dispatch._capture is part  # the dispatch runs it
+    # the callback's settings as the fit starts
+    assert (part._verify, part._prefetch_setting, part._compile, part._report) == (
+        "capture",
+        "off",
+        False,
+        False,
+    )
+    assert not part._operand_scalars_on and part._check_on is False
+    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
+    given = (
+        "_disable", "_warn_once", "_device", "_device_type", "_source_refusal", "_installed", "_plans",
+        "_set_capture_step",
+    )  # fmt: skip
+    assert all(getattr(part, name).__self__ is cb for name in given), given
+    old_names = (
+        "_capture_step", "_capture_graph_step", "_capture_into", "_verify_eager", "_finish_verify",
+        "_serve_operands", "_pools_alive_mib", "_undo_capture", "_capture_failure_reason",
+        "_no_work_beside_the_steps", "_collect_before_capture", "_stepping_captures", "_captured_roles",
+        "_pool_mib", "_operand_lines", "_verify_capture_off", "_collected_for_capture", "_captured",
+    )  # fmt: skip
+    for name in old_names:
+        assert not hasattr(cb, name), name
+    owned = {
+        "captures", "stepping_captures", "captured", "captured_roles", "pool_mib", "operand_lines",
+        "verify_report", "_verify_capture_off", "_collected_for_capture",
+    }  # fmt: skip
+    assert owned <= set(vars(part)) and not owned & set(vars(StepCapture))
+    # the public views: read-only where only the part (or the fit) sets them; capture_step is the callback's
+    assert {"captures", "verify_report", "capturable_from_step"}.isdisjoint(vars(cb))
+    for name in ("captures", "verify_report", "capturable_from_step"):
+        with pytest.raises(AttributeError):
+            setattr(cb, name, 1)
+    part.captures, part.verify_report, cb._fit.capturable_from_step = 2, "a report", 5
+    assert (cb.captures, cb.verify_report, cb.capturable_from_step) == (2, "a report", 5)
+    assert cb.state_dict()["capturable_from_step"] == 5 and cb.summary()["captures"] == 2
+    part.captured, part.pool_mib, part.operand_lines = True, 1.5, ["model.py:7"]
+    part.captured_roles.add((False, True))
+    summary = cb.summary()
+    assert (summary["captured"], summary["graph_pool_mib"], summary["graphs"]) == (True, 1.5, 1)
+    assert summary["verify"] == "a report" and summary["operand_scalars"]["sites"] == ["model.py:7"]
+    assert cb._decision._operand_lines() == ["model.py:7"]  # the decision names them through the callback
+    part._set_capture_step(9)
+    assert cb.capture_step == 9 == cb.state_dict()["capture_step"]
+    # the whole-step gate's winner (the prefetch part's verdict, through the callback): replayed, its pools counted
+    kept = _Graph(graph=None, static=None, key=(), pool_mib=3.0)
+    cb._prefetch._keep_graph(kept)
+    assert cb._slots.state.graph is kept and part.pool_mib == 3.0
+    copied = pickle.loads(pickle.dumps(cb))  # the part and its callables travel with the callback
+    assert copied._capture._set_capture_step.__self__ is copied and copied._capture._fit is copied._fit
+    assert copied._dispatch._capture is copied._capture and copied._capture._costs is copied._costs
+
+    # a fit: the part captures (verify="capture": its eager check's report), the callback's capture_step set
+    graph_emulator.install(monkeypatch.setattr)
+    cb = callback(verify="capture")
+    recorded_fit(TinyMLP, [cb], steps=6)
+    fitted = cb._capture
+    assert fitted._fit is cb._fit and cb.summary()["captured"], cb.summary()
+    assert (cb.captures, fitted.stepping_captures, cb.capture_step) == (1, 1, cb.warmup_steps)
+    assert cb.capturable_from_step == cb.warmup_steps == cb._fit.capturable_from_step
+    assert cb.verify_report is fitted.verify_report and cb.verify_report.ok
+    assert fitted.captured_roles == {(False, True)} and cb.summary()["graphs"] == 1
+
+    cb._reset_run_state()
+    fresh = cb._capture
+    assert fresh is not fitted and fresh._fit is cb._fit and fresh._fit is not fitted._fit
+    assert fresh._warmup is cb._warmup and fresh._decision is cb._decision and fresh._slots is cb._slots
+    assert (fresh.captures, fresh.stepping_captures, fresh.captured, fresh.captured_roles) == (
+        0,
+        0,
+        False,
+        set(),
+    )
+    assert (fresh.pool_mib, fresh.operand_lines, fresh.verify_report) == (None, [], None)
+    assert (cb.captures, cb.verify_report, cb.capturable_from_step) == (0, None, None)
+    assert cb.capture_step == cb.warmup_steps  # the callback's, kept for a later fit (state_dict saves it)

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader
 
-from l2lightning import L2GraphCallback
+from l2lightning.callback.step_capture import StepCapture
 from l2lightning.guards import python_state
 from tests import graph_emulator as emu
 from tests.baselines import (
@@ -537,7 +537,7 @@ def test_metric_values_holding_the_last_steps_autograd_graph_are_detached_before
     )
 
     seen = []
-    original = L2GraphCallback._capture_into
+    original = StepCapture._capture_into
 
     def capture_into(self, *a, **k):
         seen.append(
@@ -550,7 +550,7 @@ def test_metric_values_holding_the_last_steps_autograd_graph_are_detached_before
         )
         return original(self, *a, **k)
 
-    monkeypatch.setattr(L2GraphCallback, "_capture_into", capture_into)
+    monkeypatch.setattr(StepCapture, "_capture_into", capture_into)
     base, run, cb = captured_pair(MetricsInStep, steps=8)
     assert cb.summary()["captured"] and seen == [[]]
     assert_same(base, run)

@@ -551,8 +551,8 @@ def test_graph_pool_mib_adds_the_pools_of_every_roles_graph():
                 for size, graph in zip((1.0, 2.0, 4.0), graphs):
                     graph.pool_mib = size
                 seen["graphs"] = len(graphs)
-                seen["sum"] = cb._pools_alive_mib(cb._slots.state.graph)
-                seen["unsized"] = cb._pools_alive_mib(
+                seen["sum"] = cb._capture._pools_alive_mib(cb._slots.state.graph)
+                seen["unsized"] = cb._capture._pools_alive_mib(
                     type(cb._slots.state.graph)(graph=None, static=None, key=())
                 )
 
