@@ -138,6 +138,10 @@ class L2GraphCallback(Callback):
     when ``trainer.progress_bar_metrics`` is read rather than at every batch end
     (:mod:`l2lightning.guards.progress_bar_reads`): the same numbers, without a host sync per step.
 
+    The arguments below are also attributes, read when a fit starts (``setup``): one set on the
+    callback between fits applies to the next fit; one set during a fit applies from the next fit, as
+    the fit's parts were made with the values it started with.
+
     Args:
         warmup_steps: eager steps before the capture (>= 1). The first ``warmup_steps - 1`` (at
             least one) are traced and compared op by op, the last one is timed.

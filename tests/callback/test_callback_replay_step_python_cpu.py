@@ -133,6 +133,29 @@ def test_eager_steps_predicate_runs_those_steps_eagerly_and_an_opaque_branch_is_
     assert_same(base, run)
 
 
+def test_settings_set_on_the_callback_between_fits_apply_to_the_next_fit():
+    """The callback's arguments are attributes its parts read as a fit starts: `eager_steps` and
+    `recapture_wait` set after construction are the ones the next fit uses, and a change during a fit
+    waits for the next one (its parts were made with the values it started with)."""
+    cb = callback()
+    cb.eager_steps = lambda trainer, batch_idx: trainer.global_step % 10 == 0
+    cb.recapture_wait = False
+
+    class ChangeMidFit(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 12:
+                cb.eager_steps = None  # too late for this fit
+
+    base = fit(baseline_of(TinyMLP))
+    run = fit(TinyMLP, [cb, ChangeMidFit()])
+    assert cb.summary()["captured"] and not cb._decision._recapture_wait
+    assert "`eager_steps` asked for it" in cb.summary()["fallback_causes"]
+    assert cb.fallback_steps == 3, cb.summary()  # steps 0, 10 and 20: the change at step 12 waits
+    assert_same(base, run)
+    fit(TinyMLP, [cb])  # the next fit: eager_steps None from its start
+    assert cb.summary()["captured"] and cb.fallback_steps == 0, cb.summary()
+
+
 def test_an_opaque_step_counter_branch_without_eager_steps_is_refused_by_name_and_trains_like_plain():
     """Without `eager_steps` a replay would take the capture step's branch at every step (the other
     branch's steps silently trained on the wrong one): the capture is refused, naming the line."""
