@@ -444,6 +444,17 @@ def test_traced_steps_watch_the_submodules_the_user_compiled_and_those_compile_t
     ]
 
 
+def assert_held_part(cb, part, cls, given=(), old_names=()):
+    """`part` (a `cls`) is one the callback holds, not a base of it: the callback is never among what the
+    part was given, the callables named in `given` are bound methods of the callback, and none of
+    `old_names` (what the callback had while `cls` was a mixin) is left on the callback."""
+    assert isinstance(part, cls) and not isinstance(cb, cls) and cls not in type(cb).__mro__
+    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
+    assert all(getattr(part, name).__self__ is cb for name in given), given
+    for name in old_names:
+        assert not hasattr(cb, name), name
+
+
 def test_the_fit_report_is_a_part_the_callback_holds_with_its_own_state():
     """FitReport declares its state in its __init__; the callback keeps none of it itself, and each
     fit gets a fresh one (its timed steps and logged flag are per fit)."""
@@ -506,16 +517,13 @@ def test_the_decision_is_a_part_that_declares_its_state_and_reads_the_fit_state(
     from l2lightning.callback.step_decision import StepDecision
 
     cb = _WidenedRental(eager_steps=_never_eager, recapture_wait=False, verify="capture")
-    assert not isinstance(cb, StepDecision) and StepDecision not in type(cb).__mro__
     part = cb._decision
     assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
     assert part._warmup is cb._warmup and part._prefetch is cb._prefetch
     assert part._replay_check is cb.replay_check and part._warned is cb._warned
     assert part._eager_steps is _never_eager and part._recapture_wait is False and part._check_on is False
     assert part._rental_devices == ("cpu", "cuda")
-    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
     given = ("_disable", "_warn_once", "_device_type", "_manual", "_installed", "_last_capture_cost")
-    assert all(getattr(part, name).__self__ is cb for name in (*given, "_operand_lines")), given
     owned = {
         "_module_values", "check_why", "operand_changes", "waited_steps", "fallback_steps", "fallback_causes",
         "flags", "_disable_next",
@@ -528,8 +536,7 @@ def test_the_decision_is_a_part_that_declares_its_state_and_reads_the_fit_state(
         "_too_late_to_capture", "_warn_too_late_to_capture", "_too_large_to_compare", "_module_flags",
         "_count_fallback", "_fall_back",
     )  # fmt: skip
-    for name in old_names:
-        assert not hasattr(cb, name), name
+    assert_held_part(cb, part, StepDecision, given=(*given, "_operand_lines"), old_names=old_names)
     # the fit's and the step's, which other parts read too, are the FitState's; the count is the part's
     assert {"disabled_reason", "fallback_steps"}.isdisjoint(vars(cb))
     assert (cb._fit.code_bindings, cb._fit.pending_tensors, cb._fit.started_at) == ([], [], None)
@@ -599,22 +606,19 @@ def test_the_prefetch_set_up_is_a_part_that_reads_the_fit_state_and_sets_the_cal
     callables but never the callback, sets the callback's plans and replayed graph through those callables,
     and is made afresh for each fit."""
     cb = L2GraphCallback(prefetch="auto", gate_pairs=4, compile=True, backward_prefetch=False)
-    assert not isinstance(cb, PrefetchSetup) and PrefetchSetup not in type(cb).__mro__
     part = cb._prefetch
     assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
     assert part._cost_s is cb._costs.seconds and part._compiled_children is cb._compiled_children
     assert part._compiled_children is cb._warmup._compiled_children  # the one list both parts hold
     assert part._setting == "auto" and part._gate_pairs == 4  # the callback's settings, as the fit starts
     assert part._compile and not part._backward_prefetch
-    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
     old_names = (
         "_hooks", "_prefetch_failed", "_tuning_report", "_static_for_prefetch", "_gate", "_gate_turn",
         "_gate_capturing", "_gate_result", "_children_forward", "_compile_pending", "_prefetch_scope",
         "_install_prefetch", "_prefetch_hooks", "_prepare_compiled", "_gate_may_start", "_start_gate",
         "_finish_gate", "_abandon_gate", "_reject_prefetch", "_prefetch_switch", "_GATED_MODES",
     )  # fmt: skip
-    for name in old_names:
-        assert not hasattr(cb, name), name
+    assert_held_part(cb, part, PrefetchSetup, given=(), old_names=old_names)
     owned = {"hooks", "tuning_report", "failed", "static_batch", "_children_forward", "compile_pending"}
     assert owned | {"gate_turn", "gate_capturing", "gate_result"} <= set(vars(part))
     assert "gate" not in vars(part) and cb._slots.state.gate is None  # the trial is per graph: the role's
@@ -708,12 +712,9 @@ def test_the_overrides_are_a_part_whose_bound_methods_the_module_gets_for_the_fi
     from tests.replay_helpers import fit as recorded_fit
 
     cb = callback()
-    assert not isinstance(cb, StepOverrides) and StepOverrides not in type(cb).__mro__
     part = cb._overrides
     assert part._fit is cb._fit and part._fit_report is cb._fit_report
     assert part._warmup is cb._warmup and part._prefetch is cb._prefetch
-    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
-    assert all(given.__self__ is cb for given in (part._disable, part._stepping, part._manual))
     old_names = (
         "_step_output", "_grads_before_step", "_checked_output", "_record_output", "_reissued",
         "_capture_logs", "_grad_norm_names", "_capture_graph", "_capture_accumulated", "_live_log_values",
@@ -721,8 +722,7 @@ def test_the_overrides_are_a_part_whose_bound_methods_the_module_gets_for_the_fi
         "_configure_gradient_clipping", "_log", "_reissue", "_reissue_call", "_held_gradients",
         "_stale_gradients_problem", "_pending_batch_idx", "_python_log_sources",
     )  # fmt: skip
-    for name in old_names:
-        assert not hasattr(cb, name), name
+    assert_held_part(cb, part, StepOverrides, given=("_disable", "_stepping", "_manual"), old_names=old_names)
     owned = {
         "replayed", "capture_graph", "capture_accumulated", "step_output", "capture_logs", "record_output",
         "checked_output", "reissued", "_grads_before_step", "_grad_norm_names",
@@ -801,7 +801,6 @@ def test_the_dispatch_is_a_part_that_runs_each_step_and_declares_its_state(monke
     from tests.replay_helpers import fit as recorded_fit
 
     cb = callback()
-    assert not isinstance(cb, StepDispatch) and StepDispatch not in type(cb).__mro__
     part = cb._dispatch
     assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
     assert part._warmup is cb._warmup and part._prefetch is cb._prefetch
@@ -810,9 +809,7 @@ def test_the_dispatch_is_a_part_that_runs_each_step_and_declares_its_state(monke
     )
     assert part._costs is cb._costs and part._replay_check is cb.replay_check
     assert cb._prefetch._cost_s is cb._costs.seconds  # the one record's seconds, which tuning adds to
-    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
     given = ("_disable", "_warn_once", "_device", "_device_type")
-    assert all(getattr(part, name).__self__ is cb for name in given), given
     assert part._events is cb._events  # the class's static method (tests and benchmarks replace it)
     old_names = (
         "_in_step", "_step_stream", "_replay_closure", "_operands_off", "_cost_s", "_capture_once_s",
@@ -820,8 +817,7 @@ def test_the_dispatch_is_a_part_that_runs_each_step_and_declares_its_state(monke
         "_on_step_stream", "_give_back_step_stream", "_launch_replay", "_appends_redoable", "_replay_step",
         "_written_state", "_checked_step", "_check_skipped_for_memory", "_replayed_again", "_replay_differed",
     )  # fmt: skip
-    for name in old_names:
-        assert not hasattr(cb, name), name
+    assert_held_part(cb, part, StepDispatch, given=given, old_names=old_names)
     owned = {"in_step", "replay_closure"}
     assert owned <= set(vars(part)) and not owned & set(vars(StepDispatch))
     assert (part.in_step, part.replay_closure, cb._fit.step_stream, cb._fit.operands_off) == (
@@ -911,7 +907,6 @@ def test_the_capture_is_a_part_that_declares_what_it_records_and_sets_the_callba
     from tests.replay_helpers import fit as recorded_fit
 
     cb = callback(verify="capture", operand_scalars=False)  # (prefetch="off")
-    assert not isinstance(cb, StepCapture) and StepCapture not in type(cb).__mro__
     assert type(cb).__mro__[1:] == (Callback, object)  # every part is held, none inherited
     part = cb._capture
     assert part._fit is cb._fit and part._fit_report is cb._fit_report and part._slots is cb._slots
@@ -926,20 +921,17 @@ def test_the_capture_is_a_part_that_declares_what_it_records_and_sets_the_callba
         False,
     )
     assert not part._operand_scalars_on and part._check_on is False
-    assert all(value is not cb for value in vars(part).values())  # the callback's callables, never itself
     given = (
         "_disable", "_warn_once", "_device", "_device_type", "_source_refusal", "_installed", "_plans",
         "_set_capture_step",
     )  # fmt: skip
-    assert all(getattr(part, name).__self__ is cb for name in given), given
     old_names = (
         "_capture_step", "_capture_graph_step", "_capture_into", "_verify_eager", "_finish_verify",
         "_serve_operands", "_pools_alive_mib", "_undo_capture", "_capture_failure_reason",
         "_no_work_beside_the_steps", "_collect_before_capture", "_stepping_captures", "_captured_roles",
         "_pool_mib", "_operand_lines", "_verify_capture_off", "_collected_for_capture", "_captured",
     )  # fmt: skip
-    for name in old_names:
-        assert not hasattr(cb, name), name
+    assert_held_part(cb, part, StepCapture, given=given, old_names=old_names)
     owned = {
         "captures", "stepping_captures", "captured", "captured_roles", "pool_mib", "operand_lines",
         "verify_report", "_verify_capture_off", "_collected_for_capture",
